@@ -1,0 +1,71 @@
+"""megatron_dapo: DAPO reinforcement learning on Megatron-Core.
+
+Install torch first (``pip install torch==2.13.0`` on CPU machines, your cluster's CUDA build on GPU nodes):
+the requirements below only name ranges that an installed torch already satisfies, so pip never replaces it.
+"""
+
+import os
+
+from setuptools import find_packages
+from setuptools import setup
+
+INSTALL_REQUIRES = [
+    "torch>=2.4",
+    "numpy",
+    "pyyaml",
+    "safetensors",
+    "transformers>=5",
+    "triton>=3.2",
+    "megatron-core>=0.13,<0.17",
+    "psutil",  # megatron dist_checkpointing, undeclared by megatron-core
+    "tqdm",
+    "rich",
+    "pyarrow",
+]
+
+EXTRAS = {
+    "test": [
+        "pytest>=8",
+        "hypothesis>=6",
+        "ruff",
+        "reasoning-gym==0.1.25",
+        "math-verify==0.9.0",
+        "gguf",
+        "accelerate",
+        "tensorboard",
+        "matplotlib",
+    ],
+    # SGLang has no CPU wheel; on GPU nodes install the pinned version (see docs/rollout.md).
+    "sglang": ["sglang>=0.5.15,<=0.5.23"],
+    "vllm": ["vllm>=0.10"],
+    "te": ["transformer-engine[pytorch]"],
+    "apex": ["apex"],
+    "modelopt": ["nvidia-modelopt"],
+    "data": ["reasoning-gym==0.1.25"],
+    "smollm2": ["gguf", "accelerate"],
+}
+
+
+def _ext_modules():
+    """CUDA C++ twins of the fused ops, built only when MEGATRON_DAPO_BUILD_CUDA=1 (see csrc/README.md)."""
+    if os.environ.get("MEGATRON_DAPO_BUILD_CUDA", "0") != "1":
+        return [], {}
+    from csrc.build import cuda_extension  # noqa: PLC0415
+
+    return cuda_extension()
+
+
+ext_modules, cmdclass = _ext_modules()
+
+setup(
+    name="megatron_dapo",
+    version="0.1.0",
+    description="DAPO (arXiv 2503.14476) on Megatron-Core with fused kernels and SGLang rollouts",
+    packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli:main"]},
+)
