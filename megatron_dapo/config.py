@@ -1,0 +1,497 @@
+"""Run configuration: one dataclass per component, one flat YAML file per run, `--section.field=value` overrides.
+
+    examples/run.yaml --load_config--> RunConfig(algorithm=..., reward=..., rollout=..., actor=..., data=...,
+                                                 trainer=..., checkpoint=..., logging=...)
+    --actor.lr=2e-6   --apply_overrides-->  same, with types converted and every rule re-checked
+
+Each section checks only its own fields in __post_init__; rules that tie sections together live in
+RunConfig.__post_init__. Every error is one line naming the section and field. Defaults are the paper's
+(DAPO, arXiv 2503.14476, Qwen2.5-32B run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from dataclasses import field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file (if any), section and field."""
+
+
+def _check(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{where}: {msg}")
+
+
+def _one_of(value: str, choices: tuple[str, ...], where: str) -> None:
+    _check(value in choices, where, f"must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """DAPO's loss, advantage, sampling and reward-shaping switches (paper section 3)."""
+
+    policy_loss: str = "dapo"
+    """Registered policy loss (megatron_dapo.algorithms.POLICY_LOSSES): "dapo" or "grpo"."""
+    eps_low: float = 0.2
+    """Lower clip range: the ratio is clipped below at 1 - eps_low."""
+    eps_high: float = 0.28
+    """Upper clip range (Clip-Higher): the ratio is clipped above at 1 + eps_high."""
+    clip_higher: bool = True
+    """Ablation switch: False uses eps_high = eps_low (symmetric PPO clip)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -A*c; None disables it."""
+    loss_agg_mode: str = "token-mean"
+    """"token-mean" (DAPO token-level loss), "seq-mean-token-mean" (GRPO) or "seq-mean-token-sum"."""
+    group_size: int = 16
+    """Responses sampled per prompt (G)."""
+    adv_eps: float = 1e-6
+    """Epsilon in A = (R - mean) / (std + eps)."""
+    dynamic_sampling: bool = True
+    """Keep only groups with 0 < accuracy < 1 and keep sampling until the batch is full."""
+    max_gen_batches: int = 0
+    """Cap on generation batches per step for dynamic sampling (0 = unlimited)."""
+    on_max_gen_batches: str = "error"
+    """What happens at max_gen_batches: "error" (stop with the counts) or "partial" (train on what was kept)."""
+    keep_surplus: bool = False
+    """Keep admitted groups beyond the target for the next step instead of dropping them."""
+    overlong_filtering: bool = False
+    """Mask truncated responses (finish reason "length") out of the loss."""
+    overlong_penalty: bool = True
+    """Soft overlong punishment: linear penalty from 0 at max_response_length - overlong_buffer to -1 at the cap."""
+    overlong_buffer: int = 4096
+    """Length of the penalty ramp (L_cache), in tokens."""
+    overlong_penalty_factor: float = 1.0
+    """Penalty at the cap (the paper's ramp ends at -1)."""
+
+    def __post_init__(self) -> None:
+        from megatron_dapo.algorithms import LOSS_AGG_MODES  # noqa: PLC0415
+        from megatron_dapo.algorithms import POLICY_LOSSES  # noqa: PLC0415
+
+        _one_of(self.policy_loss, tuple(sorted(POLICY_LOSSES)), "algorithm.policy_loss")
+        _check(0.0 < self.eps_low < 1.0, "algorithm.eps_low", f"must be in (0, 1), got {self.eps_low}")
+        _check(
+            self.eps_high >= self.eps_low,
+            "algorithm.eps_high",
+            f"must be >= eps_low {self.eps_low}, got {self.eps_high}",
+        )
+        if self.clip_ratio_c is not None:
+            _check(self.clip_ratio_c > 1.0, "algorithm.clip_ratio_c", f"must be > 1 (or null), got {self.clip_ratio_c}")
+        _one_of(self.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
+        _check(self.group_size >= 2, "algorithm.group_size", f"must be >= 2, got {self.group_size}")
+        _check(self.adv_eps > 0, "algorithm.adv_eps", f"must be > 0, got {self.adv_eps}")
+        _check(self.max_gen_batches >= 0, "algorithm.max_gen_batches", f"must be >= 0, got {self.max_gen_batches}")
+        _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
+        _check(self.overlong_buffer > 0, "algorithm.overlong_buffer", f"must be > 0, got {self.overlong_buffer}")
+        _check(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0")
+
+    @property
+    def effective_eps_high(self) -> float:
+        return self.eps_high if self.clip_higher else self.eps_low
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """The rule-based verifier (megatron_dapo.reward)."""
+
+    answer_format: str = "answer_line"
+    """"answer_line" (DAPO: the last "Answer:" line), "boxed" (last \\boxed{}) or "last_number"."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.answer_format, ("answer_line", "boxed", "last_number"), "reward.answer_format")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """The generation engine and sampling parameters."""
+
+    engine: str = "sglang"
+    """"transformers" (embedded; CPU and small GPU runs), "sglang" or "vllm"."""
+    mode: str = "colocated"
+    """"colocated" (engine in the training processes, memory released during training) or "server" (HTTP)."""
+    server_urls: list[str] = field(default_factory=list)
+    """SGLang server base URLs for mode "server", e.g. ["http://node7:30000"]."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size of each rollout engine (independent of the actor's)."""
+    max_response_length: int = 20480
+    """Generation cap in tokens (L_max); responses cut there finish with reason "length"."""
+    temperature: float = 1.0
+    """Sampling temperature; also applied to the actor's log-probs."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = 0
+    """Top-k sampling (0 disables it)."""
+    mem_fraction: float = 0.7
+    """Share of GPU memory the engine may take (SGLang mem_fraction_static / vLLM gpu_memory_utilization)."""
+    weight_sync_bucket_mb: int = 512
+    """Size bound of one weight-sync bucket, in MiB."""
+    compare_logprobs: bool = True
+    """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.engine, ("transformers", "sglang", "vllm"), "rollout.engine")
+        _one_of(self.mode, ("colocated", "server"), "rollout.mode")
+        if self.mode == "server":
+            _check(bool(self.server_urls), "rollout.server_urls", 'must list at least one URL when mode is "server"')
+        _check(self.tensor_parallel >= 1, "rollout.tensor_parallel", f"must be >= 1, got {self.tensor_parallel}")
+        _check(self.max_response_length >= 1, "rollout.max_response_length", "must be >= 1")
+        _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
+        _check(0.0 < self.mem_fraction < 1.0, "rollout.mem_fraction", f"must be in (0, 1), got {self.mem_fraction}")
+        _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", "must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class ActorConfig:
+    """The Megatron-Core policy: model, parallelism, precision and optimizer."""
+
+    model_path: str = ""
+    """Hugging Face checkpoint directory (config.json + safetensors) to start from."""
+    tensor_parallel: int = 1
+    """Tensor-parallel size of the actor."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size of the actor; data parallel is world_size / (tensor_parallel * pipeline_parallel)."""
+    dtype: str = "bf16"
+    """Parameter and compute dtype: "bf16" on GPU, "fp32" on CPU."""
+    lr: float = 1e-6
+    """Adam learning rate (constant after warm-up)."""
+    lr_warmup_steps: int = 20
+    """Linear warm-up, in optimizer steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables it)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
+    recompute_activations: bool = False
+    """Full activation recompute per layer (saves memory on long responses)."""
+    logprob_impl: str = "fused"
+    """Log-prob/entropy implementation: "fused" (megatron_dapo.ops) or "reference" (plain torch, for debugging)."""
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel >= 1, "actor.tensor_parallel", f"must be >= 1, got {self.tensor_parallel}")
+        _check(self.pipeline_parallel >= 1, "actor.pipeline_parallel", f"must be >= 1, got {self.pipeline_parallel}")
+        _one_of(self.dtype, ("bf16", "fp16", "fp32"), "actor.dtype")
+        _check(self.lr > 0, "actor.lr", f"must be > 0, got {self.lr}")
+        _check(self.lr_warmup_steps >= 0, "actor.lr_warmup_steps", "must be >= 0")
+        _check(self.weight_decay >= 0, "actor.weight_decay", "must be >= 0")
+        _check(0 <= self.adam_beta1 < 1, "actor.adam_beta1", "must be in [0, 1)")
+        _check(0 <= self.adam_beta2 < 1, "actor.adam_beta2", "must be in [0, 1)")
+        _check(self.grad_clip >= 0, "actor.grad_clip", "must be >= 0")
+        _one_of(self.logprob_impl, ("fused", "reference"), "actor.logprob_impl")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Prompt data: DAPO-Math-17k style parquet/jsonl files (see megatron_dapo.data)."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Training files (.parquet or .jsonl)."""
+    eval_files: list[str] = field(default_factory=list)
+    """Held-out evaluation files."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (by seed)."""
+    seed: int = 0
+    """Shuffle seed."""
+    max_prompt_length: int = 2048
+    """Prompts longer than this many tokens are an error naming the file and row."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
+        for key in ("train_files", "eval_files"):
+            value = getattr(self, key)
+            _check(all(isinstance(v, str) and v for v in value), f"data.{key}", "must be a list of paths")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """The loop: batch sizes, steps, evaluation."""
+
+    total_steps: int = 1000
+    """Training steps (one step = one rollout batch and its updates)."""
+    run_dir: str = "runs/dapo"
+    """Directory for metrics, checkpoints and plots."""
+    seed: int = 1
+    """Seed for sampling and initialisation."""
+    prompts_per_step: int = 512
+    """Prompts per training batch (after dynamic sampling), each with group_size responses."""
+    gen_prompts_per_batch: int = 512
+    """Prompts per generation batch; dynamic sampling draws as many such batches as it needs."""
+    mini_batch_prompts: int = 32
+    """Prompts per optimizer step (paper: 512 responses = 32 prompts x 16), so 16 updates per step."""
+    micro_batch_size: int = 4
+    """Responses per micro-batch on one data-parallel rank (forward/backward unit)."""
+    ppo_epochs: int = 1
+    """Passes over each training batch."""
+    eval_every: int = 0
+    """Evaluate on data.eval_files every this many steps (0 = never during training)."""
+    eval_samples: int = 32
+    """Samples per eval prompt (avg@k / pass@k / cons@k with k = eval_samples)."""
+    eval_temperature: float = 1.0
+    """Eval sampling temperature (paper: 1.0)."""
+    eval_top_p: float = 0.7
+    """Eval nucleus threshold (paper: 0.7)."""
+    eval_max_prompts: int = 0
+    """Evaluate at most this many prompts (0 = all)."""
+
+    def __post_init__(self) -> None:
+        for key in ("total_steps", "prompts_per_step", "gen_prompts_per_batch", "mini_batch_prompts"):
+            _check(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+        _check(self.ppo_epochs >= 1, "trainer.ppo_epochs", "must be >= 1")
+        _check(self.eval_every >= 0, "trainer.eval_every", "must be >= 0")
+        _check(self.eval_samples >= 1, "trainer.eval_samples", "must be >= 1")
+        _check(0.0 < self.eval_top_p <= 1.0, "trainer.eval_top_p", "must be in (0, 1]")
+        _check(self.eval_temperature > 0, "trainer.eval_temperature", "must be > 0")
+        _check(
+            self.prompts_per_step % self.mini_batch_prompts == 0,
+            "trainer.mini_batch_prompts",
+            f"{self.mini_batch_prompts} must divide trainer.prompts_per_step {self.prompts_per_step}",
+        )
+        _check(self.run_dir != "", "trainer.run_dir", "must not be empty")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpointing and resume."""
+
+    save_every: int = 10
+    """Save every this many steps (0 = only at the end and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 3
+    """Keep the newest K checkpoints."""
+    resume: str = "auto"
+    """"auto" (newest checkpoint in run_dir if any), "never", or a checkpoint directory."""
+    load_hf_on_start: bool = True
+    """Initialise from actor.model_path when no checkpoint is resumed."""
+
+    def __post_init__(self) -> None:
+        _check(self.save_every >= 0, "checkpoint.save_every", "must be >= 0")
+        _check(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+        _check(self.resume != "", "checkpoint.resume", 'must be "auto", "never" or a path')
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    """Metric sinks."""
+
+    console: str = "rich"
+    """"rich" (progress bar and table), "plain" (one line per step) or "none"."""
+    jsonl: bool = True
+    """Write run_dir/metrics.jsonl (one JSON object per step)."""
+    tensorboard: bool = False
+    """Write TensorBoard event files to run_dir/tb."""
+    plots: bool = True
+    """Draw PNG curves into run_dir/plots at the end of the run."""
+
+    def __post_init__(self) -> None:
+        _one_of(self.console, ("rich", "plain", "none"), "logging.console")
+
+
+SECTIONS: dict[str, type] = {
+    "algorithm": AlgorithmConfig,
+    "reward": RewardConfig,
+    "rollout": RolloutConfig,
+    "actor": ActorConfig,
+    "data": DataConfig,
+    "trainer": TrainerConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    """A whole run: one section per component."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Loss, advantages, dynamic sampling, overlong shaping."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Verifier."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation engine."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Megatron-Core policy."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop and batch sizes."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metric sinks."""
+
+    def __post_init__(self) -> None:
+        a, r, t = self.algorithm, self.rollout, self.trainer
+        if a.overlong_penalty:
+            _check(
+                a.overlong_buffer < r.max_response_length,
+                "algorithm.overlong_buffer",
+                f"must satisfy 0 < overlong_buffer < rollout.max_response_length ({r.max_response_length}), "
+                f"got {a.overlong_buffer}",
+            )
+        _check(
+            (t.mini_batch_prompts * a.group_size) % t.micro_batch_size == 0,
+            "trainer.micro_batch_size",
+            f"{t.micro_batch_size} must divide the responses per mini-batch "
+            f"(mini_batch_prompts {t.mini_batch_prompts} x group_size {a.group_size})",
+        )
+        if not a.dynamic_sampling:
+            _check(
+                t.gen_prompts_per_batch >= t.prompts_per_step,
+                "trainer.gen_prompts_per_batch",
+                "must be >= trainer.prompts_per_step when dynamic sampling is off",
+            )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML / command-line value to the declared field type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        inner = [t for t in args if t is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        _check(isinstance(value, list), where, f"expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise ConfigError(f"{where}: expected a boolean, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        _check(
+            isinstance(value, (str, int, float)) and not isinstance(value, bool),
+            where,
+            f"expected a string, got {value!r}",
+        )
+        return str(value)
+    raise ConfigError(f"{where}: unsupported field type {_type_name(tp)}")
+
+
+def _build_section(name: str, values: dict[str, Any], source: str) -> Any:
+    cls = SECTIONS[name]
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"{source}: unknown key {key!r} in section [{name}]; known keys: {sorted(known)}")
+    kwargs = {key: _coerce(val, hints[key], f"{source}: {name}.{key}") for key, val in values.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    """Build and validate a RunConfig from {section: {field: value}}."""
+    if raw is None:
+        raw = {}
+    _check(isinstance(raw, dict), source, "the top level must be a mapping of sections")
+    for name, values in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section {name!r}; known sections: {list(SECTIONS)}")
+        _check(isinstance(values, dict) or values is None, f"{source}: {name}", "a section must be a mapping")
+    sections = {name: _build_section(name, raw.get(name) or {}, source) for name in SECTIONS}
+    try:
+        return RunConfig(**sections)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """Parse `--section.field=value` arguments into {section: {field: raw value}} (values YAML-parsed)."""
+    out: dict[str, dict[str, Any]] = {}
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"override {arg!r}: expected --section.field=value")
+        key, text = arg[2:].split("=", 1)
+        section, name = key.split(".", 1)
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a flat YAML run file (sections of fields), apply `--section.field=value` overrides, validate.
+
+    Raises ConfigError with a one-line message naming the file, section and key on any problem.
+    """
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError(f"{source}: cannot read config file ({err.strerror})") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            line = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{source}{line}: invalid YAML") from None
+        _check(isinstance(raw, dict), source, "the top level must be a mapping of sections")
+        raw = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in raw.items()}
+    for section, values in parse_overrides(overrides or []).items():
+        if section not in SECTIONS:
+            raise ConfigError(f"override --{section}.*: unknown section {section!r}; known sections: {list(SECTIONS)}")
+        raw.setdefault(section, {}).update(values)
+        source = f"{source} + overrides" if "overrides" not in source else source
+    return config_from_dict(raw, source)
+
+
+def save_config(config: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

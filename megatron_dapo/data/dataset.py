@@ -1,0 +1,149 @@
+"""DAPO-Math-17k style prompt rows -> typed, validated ``Example`` records.
+
+A row (one jsonl line or parquet row) holds:
+  prompt        list of chat messages [{"role": "system"|"user"|"assistant", "content": str}], last one "user"
+  reward_model  {"ground_truth": str (an int is accepted and turned into str), "style": str (optional)}
+  data_source   non-empty str
+  extra_info    optional dict (e.g. {"index": ...}); kept as is
+Other keys (e.g. DAPO's "ability") are ignored. A malformed row raises a one-line ValueError naming the file, the
+row (0-based, plus the 1-based line for jsonl) and the field; rows are never dropped silently.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+
+from megatron_dapo.data.files import iter_rows
+
+__all__ = ["Example", "PromptDataset", "load_examples", "parse_row"]
+
+_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(slots=True)
+class Example:
+    """One training/eval prompt.
+
+    index is the example's 0-based position in its ``PromptDataset`` (files concatenated in order), unique within
+    the dataset; the row's own ``extra_info`` (which may carry a source index) is kept in ``extra_info``.
+    """
+
+    prompt_messages: list[dict[str, str]]
+    ground_truth: str
+    data_source: str
+    index: int
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+def _where(path: str, row_number: int, line_number: int | None) -> str:
+    return f"{path} row {row_number}" + (f" (line {line_number})" if line_number is not None else "")
+
+
+def _check_messages(messages: Any, prompt_key: str) -> str | None:
+    """Return an error text for a bad prompt field, or None when it is valid."""
+    expected = f"field '{prompt_key}' must be a non-empty list of {{role, content}} messages"
+    if not isinstance(messages, list) or not messages:
+        return expected
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not {"role", "content"} <= set(m):
+            return f"{expected} (message {i} is not a {{role, content}} dict)"
+        if m["role"] not in _ROLES:
+            return f"{expected} (message {i} has role {m['role']!r}, expected one of {list(_ROLES)})"
+        if not isinstance(m["content"], str) or not m["content"].strip():
+            return f"{expected} (message {i} has empty or non-string content)"
+    if messages[-1]["role"] != "user":
+        return f"{expected} (the last message must have role 'user')"
+    return None
+
+
+def _ground_truth(reward_model: Any) -> tuple[str | None, str | None]:
+    """(ground_truth, None) or (None, error text) for the reward_model field."""
+    if not isinstance(reward_model, dict):
+        return None, "field 'reward_model' must be a dict with 'ground_truth'"
+    if "ground_truth" not in reward_model:
+        return None, "field 'reward_model.ground_truth' is missing"
+    gt = reward_model["ground_truth"]
+    if isinstance(gt, int) and not isinstance(gt, bool):
+        gt = str(gt)
+    if not isinstance(gt, str) or not gt.strip():
+        return None, "field 'reward_model.ground_truth' must be a non-empty string"
+    style = reward_model.get("style")
+    if style is not None and not isinstance(style, str):
+        return None, "field 'reward_model.style' must be a string"
+    return gt, None
+
+
+def parse_row(
+    row: Any, *, path: str, row_number: int, line_number: int | None = None, index: int, prompt_key: str = "prompt"
+) -> Example:
+    """Validate one raw row and build an ``Example``; ValueError names file, row and field on bad input."""
+    where = _where(path, row_number, line_number)
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: row must be a JSON object, got {type(row).__name__}")
+    if prompt_key not in row:
+        raise ValueError(f"{where}: field '{prompt_key}' is missing")
+    err = _check_messages(row[prompt_key], prompt_key)
+    if err:
+        raise ValueError(f"{where}: {err}")
+    if "reward_model" not in row:
+        raise ValueError(f"{where}: field 'reward_model' is missing")
+    gt, err = _ground_truth(row["reward_model"])
+    if err:
+        raise ValueError(f"{where}: {err}")
+    source = row.get("data_source")
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"{where}: field 'data_source' must be a non-empty string")
+    extra = row.get("extra_info")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"{where}: field 'extra_info' must be a dict when present")
+    messages = [{"role": m["role"], "content": m["content"]} for m in row[prompt_key]]
+    return Example(prompt_messages=messages, ground_truth=gt, data_source=source, index=index, extra_info=extra)
+
+
+def load_examples(files: str | os.PathLike | Sequence[str | os.PathLike], *, prompt_key: str = "prompt") -> list[Example]:
+    """Read and validate every row of one or more jsonl/parquet files, in order.
+
+    Raises FileNotFoundError for a missing file, ValueError for bad JSON, a malformed row or no rows at all.
+    """
+    paths = [os.fspath(files)] if isinstance(files, (str, os.PathLike)) else [os.fspath(p) for p in files]
+    if not paths:
+        raise ValueError("no data files given")
+    examples: list[Example] = []
+    for path in paths:
+        for row_number, line_number, row in iter_rows(path):
+            examples.append(
+                parse_row(
+                    row,
+                    path=path,
+                    row_number=row_number,
+                    line_number=line_number,
+                    index=len(examples),
+                    prompt_key=prompt_key,
+                )
+            )
+    if not examples:
+        raise ValueError(f"no rows found in {paths}")
+    return examples
+
+
+class PromptDataset:
+    """Validated examples from jsonl/parquet files (DataConfig.train_files / eval_files), indexable by position."""
+
+    def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike], *, prompt_key: str = "prompt"):
+        self.files = [os.fspath(files)] if isinstance(files, (str, os.PathLike)) else [os.fspath(p) for p in files]
+        self.examples = load_examples(self.files, prompt_key=prompt_key)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> Example:
+        return self.examples[i]
+
+    def __iter__(self):
+        return iter(self.examples)

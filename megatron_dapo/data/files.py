@@ -1,0 +1,96 @@
+"""Read and write row files (jsonl or parquet) holding DAPO-Math-17k style rows.
+
+Rows are plain dicts. Reading yields ``(row_number, line_number, row)``: row numbers count data rows from 0 in both
+formats; line numbers are 1-based jsonl lines (None for parquet). Writing is deterministic: the same rows give a
+byte-identical file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["FORMATS", "file_format", "iter_rows", "write_rows"]
+
+FORMATS = ("jsonl", "parquet")
+
+
+def file_format(path: str | os.PathLike) -> str:
+    """'jsonl' or 'parquet' from the file extension (.jsonl/.json lines, .parquet); ValueError otherwise."""
+    name = os.fspath(path).lower()
+    if name.endswith((".jsonl", ".json")):
+        return "jsonl"
+    if name.endswith((".parquet", ".pq")):
+        return "parquet"
+    raise ValueError(f"{os.fspath(path)}: unknown data file extension (expected .jsonl, .json or .parquet)")
+
+
+def iter_rows(path: str | os.PathLike) -> Iterator[tuple[int, int | None, Any]]:
+    """Yield ``(row_number, line_number, row)`` for each data row of a jsonl or parquet file.
+
+    Raises FileNotFoundError for a missing file and ValueError naming the file and line for invalid JSON. Blank
+    jsonl lines are skipped. The row is returned as parsed (validation is the caller's job).
+    """
+    path = os.fspath(path)
+    fmt = file_format(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    if fmt == "jsonl":
+        yield from _iter_jsonl(path)
+    else:
+        yield from _iter_parquet(path)
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[int, int | None, Any]]:
+    row_number = 0
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {line_number}: invalid JSON ({e.msg} at column {e.colno})") from None
+            yield row_number, line_number, row
+            row_number += 1
+
+
+def _iter_parquet(path: str) -> Iterator[tuple[int, int | None, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise ValueError(f"{path}: cannot read parquet file ({type(e).__name__}: {e})") from None
+    for row_number, row in enumerate(table.to_pylist()):
+        yield row_number, None, row
+
+
+def write_rows(rows: Sequence[dict[str, Any]], path: str | os.PathLike, fmt: str | None = None) -> str:
+    """Write ``rows`` (dicts with the same nested structure) to ``path`` as jsonl or parquet; returns the path.
+
+    ``fmt`` defaults to the extension's format. Output is byte-identical for identical rows (no timestamps; keys
+    keep insertion order).
+    """
+    path = os.fspath(path)
+    fmt = fmt or file_format(path)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    if fmt == "jsonl":
+        with open(path, "w", encoding="utf-8", newline="\n") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not rows:
+            raise ValueError(f"{path}: refusing to write an empty parquet file (no schema)")
+        pq.write_table(pa.Table.from_pylist(list(rows)), path)
+    return path

@@ -1,0 +1,95 @@
+"""Deterministic, resumable iterator over prompt batches.
+
+Epoch e visits every example once in the order ``numpy.random.default_rng([seed, e]).permutation(N)`` (or 0..N-1
+when shuffle is off). The whole state is (epoch, position): the number of examples of epoch ``epoch`` already
+handed out. Saving ``state_dict()`` and loading it into a fresh iterator over the same data continues with exactly
+the batches the original would have produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from typing import TypeVar
+
+import numpy as np
+
+__all__ = ["PromptIterator"]
+
+T = TypeVar("T")
+
+
+class PromptIterator:
+    """Hands out batches of examples, shuffled per epoch by seed, wrapping across epochs.
+
+    Args:
+        examples: any sequence (e.g. a ``PromptDataset``); only ``len`` and indexing are used.
+        seed: shuffle seed (DataConfig.seed).
+        shuffle: False visits examples in file order every epoch (DataConfig.shuffle).
+    """
+
+    def __init__(self, examples: Sequence[T], *, seed: int = 0, shuffle: bool = True):
+        if len(examples) == 0:
+            raise ValueError("PromptIterator needs at least one example")
+        self.examples = examples
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Example indices of ``epoch`` in visiting order: int64 [N]."""
+        n = len(self.examples)
+        if not self.shuffle:
+            return np.arange(n, dtype=np.int64)
+        return np.random.default_rng([self.seed, epoch]).permutation(n).astype(np.int64)
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            self._order = self.epoch_order(epoch)
+            self._order_epoch = epoch
+        return self._order
+
+    def next_batch(self, n: int) -> list[T]:
+        """The next ``n`` examples; continues into the next epoch(s) when the current one runs out."""
+        if n <= 0:
+            raise ValueError(f"batch size must be positive, got {n}")
+        batch: list[T] = []
+        size = len(self.examples)
+        while len(batch) < n:
+            order = self._order_for(self.epoch)
+            take = min(n - len(batch), size - self.position)
+            batch.extend(self.examples[int(i)] for i in order[self.position : self.position + take])
+            self.position += take
+            if self.position == size:
+                self.epoch += 1
+                self.position = 0
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python state for checkpoints: epoch, position, seed, shuffle, num_examples."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_examples": len(self.examples),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict()``; ValueError if it was saved for other data or another shuffle setting."""
+        missing = {"epoch", "position"} - set(state)
+        if missing:
+            raise ValueError(f"data iterator state is missing keys {sorted(missing)}")
+        for key, mine in (("num_examples", len(self.examples)), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if key in state and state[key] != mine:
+                raise ValueError(f"data iterator state has {key}={state[key]!r} but this iterator has {mine!r}")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position < len(self.examples):
+            raise ValueError(f"data iterator state out of range: epoch={epoch}, position={position}")
+        self.epoch, self.position = epoch, position

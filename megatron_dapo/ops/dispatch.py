@@ -1,0 +1,38 @@
+"""One dispatch rule for every fused op in megatron_dapo.ops.
+
+``use_triton(tensor)`` decides which implementation an op runs:
+
+- CUDA tensors run the compiled Triton kernels.
+- CPU tensors run the chunked pure-torch references in ``ops/reference.py`` ...
+- ... unless ``TRITON_INTERPRET=1`` is set in the environment, in which case CPU tensors run the same Triton kernels
+  through the Triton interpreter (tests). The variable must be set before the kernel modules are imported, because
+  Triton picks the interpreter when ``@triton.jit`` runs; tests/conftest.py does this.
+
+The environment is read once at import time, the same moment Triton reads it, so the two never disagree.
+"""
+
+import os
+
+import torch
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether an op on ``tensor`` should run its Triton kernel.
+
+    Args:
+        tensor: any input tensor of the op; only its device is read.
+
+    Returns:
+        True for CUDA tensors, and for CPU tensors when TRITON_INTERPRET=1 was set at import; False otherwise
+        (the op then runs its chunked torch reference).
+    """
+    if tensor.is_cuda:
+        return True
+    return _INTERPRET and tensor.device.type == "cpu"
+
+
+def interpreting() -> bool:
+    """True when the Triton interpreter is active (TRITON_INTERPRET=1 at import time)."""
+    return _INTERPRET
