@@ -27,16 +27,21 @@ from megatron_dapo.data.templates import TEMPLATES  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", required=True, choices=SUPPORTED_TASKS)
-    p.add_argument("--num-train", type=int, required=True)
-    p.add_argument("--num-test", type=int, required=True)
+    p.add_argument("--num-train", type=int)
+    p.add_argument("--num-test", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--template", default="dapo", choices=sorted(TEMPLATES))
     p.add_argument("--num-shots", type=int, default=None, help="worked examples for few-shot templates")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", help="output directory")
     p.add_argument("--format", default="jsonl", choices=[*FORMATS, "both"])
     p.add_argument("--task-kwargs", default="{}", help="JSON dict of reasoning-gym config fields")
     p.add_argument("--list-task-kwargs", action="store_true", help="print the task's kwargs and defaults, exit")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.list_task_kwargs:
+        missing = [f"--{k.replace('_', '-')}" for k in ("num_train", "num_test", "out") if getattr(args, k) is None]
+        if missing:
+            p.error(f"the following arguments are required: {', '.join(missing)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

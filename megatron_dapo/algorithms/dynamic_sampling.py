@@ -1,4 +1,4 @@
-"""Dynamic Sampling (DAPO section 3.2): train only on prompt groups with 0 < accuracy < 1, refilling the batch.
+r"""Dynamic Sampling (DAPO section 3.2): train only on prompt groups with 0 < accuracy < 1, refilling the batch.
 
     gen batch 1 --groups--> admit (0<acc<1) --kept--> [ accumulator ] --target reached--> train batch
     gen batch 2 --groups--> admit            --kept-->       ^                 \--surplus--> dropped or carried
