@@ -106,7 +106,9 @@ def parse_row(
     return Example(prompt_messages=messages, ground_truth=gt, data_source=source, index=index, extra_info=extra)
 
 
-def load_examples(files: str | os.PathLike | Sequence[str | os.PathLike], *, prompt_key: str = "prompt") -> list[Example]:
+def load_examples(
+    files: str | os.PathLike | Sequence[str | os.PathLike], *, prompt_key: str = "prompt"
+) -> list[Example]:
     """Read and validate every row of one or more jsonl/parquet files, in order.
 
     Raises FileNotFoundError for a missing file, ValueError for bad JSON, a malformed row or no rows at all.

@@ -39,9 +39,8 @@ class TaskItem:
 def _config_class(task: str) -> type:
     if task not in SUPPORTED_TASKS:
         raise ValueError(f"unknown task {task!r}; supported: {list(SUPPORTED_TASKS)}")
-    from reasoning_gym.factory import DATASETS
-
     import reasoning_gym  # noqa: F401  (registers the datasets)
+    from reasoning_gym.factory import DATASETS
 
     return DATASETS[task][1]
 
