@@ -64,9 +64,9 @@ _ANSWER_RE = re.compile(r"answer[ \t*]*:", re.IGNORECASE)
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 # A signed run of digit groups joined by "," or "."; each repetition starts with a non-digit, so matching is
 # deterministic (linear).
-_NUMBER_RE = re.compile(r"[-+]?\d+(?:[.,]\d+)*")
+_NUMBER_RE = re.compile(r"[-+]?\d+(?:[.,]\d+)*", re.ASCII)
 # Valid bodies: plain digits or comma thousands groups, then an optional fraction.
-_BODY_RE = re.compile(r"(\d+|\d{1,3}(?:,\d{3})+)(?:\.(\d+))?")
+_BODY_RE = re.compile(r"(\d+|\d{1,3}(?:,\d{3})+)(?:\.(\d+))?", re.ASCII)
 _PREFIX_RE = re.compile(r"[A-Za-z ]*")
 _SUFFIX_RE = re.compile(r"\.?|\s[A-Za-z .]*")
 # LaTeX commands that only wrap or decorate their argument.
@@ -87,10 +87,16 @@ def _check_format(answer_format: str) -> None:
         raise ValueError(f"reward.answer_format: unknown value {answer_format!r}; expected one of {ANSWER_FORMATS}")
 
 
-def _last_answer_line(tail: str) -> str | None:
+def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    """The last non-overlapping match of ``pattern`` in ``text`` (one linear scan)."""
     last = None
-    for last in _ANSWER_RE.finditer(tail):  # noqa: B007 - we want the last match
-        pass
+    for match in pattern.finditer(text):
+        last = match
+    return last
+
+
+def _last_answer_line(tail: str) -> str | None:
+    last = _last_match(_ANSWER_RE, tail)
     if last is None:
         return None
     line = tail[last.end() :].split("\n", 1)[0].strip()
@@ -98,9 +104,7 @@ def _last_answer_line(tail: str) -> str | None:
 
 
 def _last_boxed(tail: str) -> str | None:
-    last = None
-    for last in _BOXED_RE.finditer(tail):  # noqa: B007 - we want the last match
-        pass
+    last = _last_match(_BOXED_RE, tail)
     if last is None:
         return None
     rest = tail[last.end() :].lstrip()
@@ -108,21 +112,14 @@ def _last_boxed(tail: str) -> str | None:
         # "\boxed 42": the argument is the next whitespace/dollar-delimited token.
         token = re.match(r"[^\s$]*", rest).group(0)
         return token or None
-    depth = 0
-    for i, ch in enumerate(rest):
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return rest[1:i].strip() or None
-    return None  # unbalanced: the box was cut off
+    end = _closing_brace(rest)
+    if end < 0:
+        return None  # unbalanced: the box was cut off
+    return rest[1:end].strip() or None
 
 
 def _last_number(tail: str) -> str | None:
-    last = None
-    for last in _NUMBER_RE.finditer(tail.translate(_MINUS_TABLE)):  # noqa: B007 - we want the last match
-        pass
+    last = _last_match(_NUMBER_RE, tail.translate(_MINUS_TABLE))
     if last is None:
         return None
     text = last.group(0)
@@ -235,7 +232,27 @@ def _math_verify():
 
 
 def _exact_key(text: str) -> str:
-    return _normalise(text).replace(" ", "").rstrip(".").casefold()
+    """Normalised form for exact comparison: like ``_normalise`` but braces kept (they carry structure)."""
+    s = _WRAPPER_RE.sub("", text.translate(_MINUS_TABLE))
+    s = _DEGREE_RE.sub("", s)
+    s = _LATEX_SPACE_RE.sub("", s)
+    s = _SPACE_RE.sub("", _DELIM_RE.sub(" ", s)).rstrip(".").casefold()
+    while s.startswith("{") and s.endswith("}") and _closing_brace(s) == len(s) - 1:
+        s = s[1:-1]
+    return s
+
+
+def _closing_brace(text: str) -> int:
+    """Index of the brace that closes ``text[0] == "{"``, or -1 if unbalanced."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1
 
 
 def _verify_non_integer(answer: str, ground_truth: str) -> bool:
@@ -256,7 +273,7 @@ def _verify_non_integer(answer: str, ground_truth: str) -> bool:
     try:
         gold, pred = parse(ground_truth), parse(answer)
         return bool(gold and pred and mv.verify(gold, pred, timeout_seconds=timeout))
-    except Exception:  # noqa: BLE001 - any parser/grader failure on untrusted text scores as wrong
+    except Exception:  # any parser/grader failure on untrusted text scores as wrong
         return False
 
 

@@ -1,0 +1,185 @@
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import SECTIONS
+from megatron_dapo.config import ConfigError
+from megatron_dapo.config import RunConfig
+from megatron_dapo.config import load_config
+from megatron_dapo.config import parse_overrides
+from megatron_dapo.config import save_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_the_papers():
+    c = RunConfig()
+    assert (c.algorithm.eps_low, c.algorithm.eps_high, c.algorithm.group_size) == (0.2, 0.28, 16)
+    assert c.algorithm.loss_agg_mode == "token-mean" and c.algorithm.dynamic_sampling and c.algorithm.overlong_penalty
+    assert (c.rollout.max_response_length, c.algorithm.overlong_buffer) == (20480, 4096)
+    assert c.trainer.prompts_per_step == 512 and c.actor.lr == 1e-6 and c.reward.answer_format == "answer_line"
+    assert c.trainer.prompts_per_step * c.algorithm.group_size // (c.trainer.mini_batch_prompts * 16) == 16
+    assert not hasattr(c.algorithm, "kl_coef")  # DAPO removes the KL term
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_loads(path):
+    config = load_config(path)
+    assert isinstance(config, RunConfig)
+
+
+def test_every_field_is_documented():
+    tree = ast.parse((ROOT / "megatron_dapo" / "config.py").read_text())
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef) or not node.name.endswith("Config") or node.name == "ConfigError":
+            continue
+        body = node.body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)
+                assert doc, f"{node.name}.{stmt.target.id} has no docstring"
+
+
+def test_yaml_round_trip(tmp_path):
+    config = load_config(None, ["--actor.lr=3e-6", "--trainer.total_steps=7"])
+    save_config(config, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == config
+
+
+def test_overrides_convert_types():
+    c = load_config(
+        None,
+        [
+            "--actor.lr=2e-6",
+            "--trainer.total_steps=12",
+            "--algorithm.dynamic_sampling=false",
+            "--trainer.gen_prompts_per_batch=512",
+            "--algorithm.clip_ratio_c=3",
+            "--data.train_files=a.jsonl,b.parquet",
+            "--rollout.engine=transformers",
+        ],
+    )
+    assert c.actor.lr == 2e-6 and isinstance(c.actor.lr, float)
+    assert c.trainer.total_steps == 12 and c.algorithm.dynamic_sampling is False
+    assert c.algorithm.clip_ratio_c == 3.0 and isinstance(c.algorithm.clip_ratio_c, float)
+    assert c.data.train_files == ["a.jsonl", "b.parquet"]
+    assert load_config(None, ["--algorithm.clip_ratio_c=null"]).algorithm.clip_ratio_c is None
+
+
+def test_override_wins_over_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("algorithm:\n  eps_high: 0.3\ntrainer:\n  total_steps: 5\n")
+    c = load_config(f, ["--trainer.total_steps=9"])
+    assert c.algorithm.eps_high == 0.3 and c.trainer.total_steps == 9
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("--algorithm.eps_low=0", "algorithm.eps_low: must be in (0, 1)"),
+        ("--algorithm.eps_low=1", "algorithm.eps_low: must be in (0, 1)"),
+        ("--algorithm.eps_high=0.1", "algorithm.eps_high: must be >= eps_low"),
+        ("--algorithm.clip_ratio_c=0.5", "algorithm.clip_ratio_c: must be > 1"),
+        ("--algorithm.loss_agg_mode=sum", "algorithm.loss_agg_mode: must be one of"),
+        ("--algorithm.policy_loss=ppo2", "algorithm.policy_loss: must be one of"),
+        ("--algorithm.group_size=1", "algorithm.group_size: must be >= 2"),
+        ("--algorithm.adv_eps=0", "algorithm.adv_eps: must be > 0"),
+        ("--algorithm.max_gen_batches=-1", "algorithm.max_gen_batches: must be >= 0"),
+        ("--algorithm.on_max_gen_batches=retry", "algorithm.on_max_gen_batches: must be one of"),
+        ("--algorithm.overlong_buffer=0", "algorithm.overlong_buffer: must be > 0"),
+        ("--algorithm.overlong_buffer=20480", "algorithm.overlong_buffer: must satisfy 0 < overlong_buffer <"),
+        ("--algorithm.overlong_penalty_factor=-1", "algorithm.overlong_penalty_factor"),
+        ("--reward.answer_format=xml", "reward.answer_format: must be one of"),
+        ("--rollout.engine=trt", "rollout.engine: must be one of"),
+        ("--rollout.mode=server", "rollout.server_urls: must list at least one URL"),
+        ("--rollout.mode=remote", "rollout.mode: must be one of"),
+        ("--rollout.tensor_parallel=0", "rollout.tensor_parallel: must be >= 1"),
+        ("--rollout.max_response_length=0", "rollout.max_response_length: must be >= 1"),
+        ("--rollout.temperature=0", "rollout.temperature: must be > 0"),
+        ("--rollout.top_p=1.5", "rollout.top_p: must be in (0, 1]"),
+        ("--rollout.top_k=-1", "rollout.top_k: must be >= 0"),
+        ("--rollout.mem_fraction=1.0", "rollout.mem_fraction: must be in (0, 1)"),
+        ("--rollout.weight_sync_bucket_mb=0", "rollout.weight_sync_bucket_mb: must be >= 1"),
+        ("--actor.tensor_parallel=0", "actor.tensor_parallel: must be >= 1"),
+        ("--actor.pipeline_parallel=0", "actor.pipeline_parallel: must be >= 1"),
+        ("--actor.dtype=fp8", "actor.dtype: must be one of"),
+        ("--actor.lr=0", "actor.lr: must be > 0"),
+        ("--actor.lr_warmup_steps=-1", "actor.lr_warmup_steps: must be >= 0"),
+        ("--actor.weight_decay=-0.1", "actor.weight_decay: must be >= 0"),
+        ("--actor.adam_beta1=1", "actor.adam_beta1: must be in [0, 1)"),
+        ("--actor.adam_beta2=1", "actor.adam_beta2: must be in [0, 1)"),
+        ("--actor.grad_clip=-1", "actor.grad_clip: must be >= 0"),
+        ("--actor.logprob_impl=cuda", "actor.logprob_impl: must be one of"),
+        ("--data.max_prompt_length=0", "data.max_prompt_length: must be >= 1"),
+        ("--trainer.total_steps=0", "trainer.total_steps: must be >= 1"),
+        ("--trainer.prompts_per_step=0", "trainer.prompts_per_step: must be >= 1"),
+        ("--trainer.gen_prompts_per_batch=0", "trainer.gen_prompts_per_batch: must be >= 1"),
+        ("--trainer.mini_batch_prompts=0", "trainer.mini_batch_prompts: must be >= 1"),
+        ("--trainer.mini_batch_prompts=30", "trainer.mini_batch_prompts: 30 must divide trainer.prompts_per_step"),
+        ("--trainer.micro_batch_size=0", "trainer.micro_batch_size: must be >= 1"),
+        ("--trainer.micro_batch_size=7", "trainer.micro_batch_size: 7 must divide the responses per mini-batch"),
+        ("--trainer.ppo_epochs=0", "trainer.ppo_epochs: must be >= 1"),
+        ("--trainer.eval_every=-1", "trainer.eval_every: must be >= 0"),
+        ("--trainer.eval_samples=0", "trainer.eval_samples: must be >= 1"),
+        ("--trainer.eval_top_p=0", "trainer.eval_top_p: must be in (0, 1]"),
+        ("--trainer.eval_temperature=0", "trainer.eval_temperature: must be > 0"),
+        ("--trainer.run_dir=", "trainer.run_dir: must not be empty"),
+        ("--checkpoint.save_every=-1", "checkpoint.save_every: must be >= 0"),
+        ("--checkpoint.keep_last=0", "checkpoint.keep_last: must be >= 1"),
+        ("--checkpoint.resume=", "checkpoint.resume"),
+        ("--logging.console=html", "logging.console: must be one of"),
+    ],
+)
+def test_validation_rules(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    text = str(err.value)
+    assert message in text and "\n" not in text
+
+
+def test_dynamic_sampling_off_needs_a_full_generation_batch():
+    with pytest.raises(ConfigError, match="trainer.gen_prompts_per_batch"):
+        load_config(None, ["--algorithm.dynamic_sampling=false", "--trainer.gen_prompts_per_batch=8"])
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("algorithm:\n  eps_lo: 0.1\n", "run.yaml: unknown key 'eps_lo' in section [algorithm]"),
+        ("algorithms:\n  eps_low: 0.1\n", "run.yaml: unknown section 'algorithms'"),
+        ("actor:\n  lr: fast\n", "run.yaml: actor.lr: expected a number, got 'fast'"),
+        ("trainer:\n  total_steps: 2.5\n", "run.yaml: trainer.total_steps: expected an integer"),
+        ("algorithm:\n  dynamic_sampling: maybe\n", "run.yaml: algorithm.dynamic_sampling: expected a boolean"),
+        ("data:\n  train_files: 3\n", "run.yaml: data.train_files: expected a list"),
+        ("- a\n- b\n", "run.yaml: the top level must be a mapping"),
+        ("algorithm: [1, 2]\n", "run.yaml: algorithm: a section must be a mapping"),
+        ("algorithm:\n  eps_low: [\n", "run.yaml line"),
+        ("algorithm:\n  eps_low: 0.5\n  eps_high: 0.3\n", "run.yaml: algorithm.eps_high: must be >= eps_low"),
+    ],
+)
+def test_file_errors_name_file_section_and_key(tmp_path, text, message):
+    f = tmp_path / "run.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(f)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_file_and_bad_override_syntax(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.yaml")
+    for bad in ("actor.lr=1", "--actor.lr", "--lr=1"):
+        with pytest.raises(ConfigError, match="expected --section.field=value"):
+            parse_overrides([bad])
+    with pytest.raises(ConfigError, match="unknown section 'optim'"):
+        load_config(None, ["--optim.lr=1"])
+
+
+def test_sections_are_slotted_dataclasses():
+    for cls in SECTIONS.values():
+        assert dataclasses.is_dataclass(cls) and hasattr(cls, "__slots__")
+        with pytest.raises(TypeError):
+            cls(1)  # keyword-only
