@@ -1,0 +1,74 @@
+"""Held-out evaluation with the paper's protocol: k samples per prompt (32), temperature 1.0, top-p 0.7.
+
+avg@k: mean accuracy over all k samples; pass@k: the unbiased estimator 1 - C(n-c, k)/C(n, k) with n = k samples,
+i.e. 1 if any of the k is correct; cons@k: the majority-voted answer (over extracted predictions) is correct.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def majority_vote(preds: Sequence[str | None]) -> str | None:
+    """The most frequent non-empty prediction; ties go to the one seen first. None if there is none."""
+    counts = Counter(p for p in preds if p is not None)
+    if not counts:
+        return None
+    best = max(counts.values())
+    return next(p for p in preds if p is not None and counts[p] == best)
+
+
+def score_groups(scored: Sequence[Sequence[dict[str, Any]]], k: int) -> dict[str, float]:
+    """Aggregate per-prompt lists of verifier results ({"acc", "pred"}) into avg@k, pass@k and cons@k.
+
+    Args:
+        scored: one list of k verifier results per prompt.
+    """
+    if not scored:
+        return {f"eval/avg@{k}": 0.0, f"eval/pass@{k}": 0.0, f"eval/cons@{k}": 0.0, "eval/num_prompts": 0.0}
+    avg, passed, cons = 0.0, 0.0, 0.0
+    for results in scored:
+        if len(results) != k:
+            raise ValueError(f"expected {k} samples per prompt, got {len(results)}")
+        correct = [bool(r["acc"]) for r in results]
+        avg += sum(correct) / k
+        passed += pass_at_k(k, sum(correct), k)
+        vote = majority_vote([r["pred"] for r in results])
+        cons += float(vote is not None and any(r["acc"] and r["pred"] == vote for r in results))
+    n = len(scored)
+    return {f"eval/avg@{k}": avg / n, f"eval/pass@{k}": passed / n, f"eval/cons@{k}": cons / n,
+            "eval/num_prompts": float(n)}
+
+
+def evaluate(engine: Any, prompts: Sequence[list[int]], truths: Sequence[str], verifier: Any, *, k: int,
+             temperature: float, top_p: float, max_new_tokens: int, stop_token_ids: Sequence[int], tokenizer: Any,
+             seed: int = 0) -> dict[str, float]:
+    """Sample k responses per prompt from `engine`, score them with `verifier(text, truth)`, aggregate.
+
+    Args:
+        prompts: token ids per prompt (chat template applied).
+        truths: ground truth per prompt.
+    """
+    from megatron_dapo.rollout.base import SamplingParams  # noqa: PLC0415
+
+    params = SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            stop_token_ids=tuple(stop_token_ids), seed=seed, return_logprobs=False)
+    completions = engine.generate(list(prompts), params)
+    scored = []
+    for i, truth in enumerate(truths):
+        group = completions[i * k : (i + 1) * k]
+        texts = tokenizer.batch_decode([c.response_ids for c in group], skip_special_tokens=True)
+        scored.append([verifier(text, truth) for text in texts])
+    return score_groups(scored, k)

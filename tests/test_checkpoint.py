@@ -1,0 +1,82 @@
+import os
+import signal
+
+import pytest
+import torch
+
+from megatron_dapo.checkpoint import CheckpointManager
+from megatron_dapo.checkpoint import PreemptionFlag
+from megatron_dapo.checkpoint import check_compatible
+from megatron_dapo.checkpoint import latest_checkpoint
+from megatron_dapo.checkpoint import list_checkpoints
+from megatron_dapo.config import RunConfig
+
+
+def _save(mgr, step, cfg, **kw):
+    def save_actor(d):
+        d.mkdir()
+        torch.save({"w": torch.full((2,), float(step))}, d / "w.pt")
+
+    return mgr.save(step, {"step": step, "data": {"epoch": 0, "position": step * 4}}, cfg, save_actor, **kw)
+
+
+def test_save_keep_last_and_load(tmp_path):
+    cfg = RunConfig().to_dict()
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=2)
+    for step in (1, 2, 3):
+        _save(mgr, step, cfg)
+    assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["step_00000002", "step_00000003"]
+    torch.manual_seed(123)
+    _save(mgr, 4, cfg)
+    expected = torch.rand(3)
+    torch.rand(5)
+    loaded = {}
+    state = mgr.load(latest_checkpoint(tmp_path / "ck"), cfg, lambda d: loaded.update(torch.load(d / "w.pt")))
+    assert state["step"] == 4 and state["data"]["position"] == 16 and loaded["w"][0] == 4.0
+    assert torch.equal(torch.rand(3), expected)  # RNG restored to the state at save time
+
+
+def test_crash_during_write_leaves_previous_loadable(tmp_path):
+    cfg = RunConfig().to_dict()
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    _save(mgr, 1, cfg)
+
+    def crash(_partial):
+        raise KeyboardInterrupt("killed while saving")
+
+    with pytest.raises(KeyboardInterrupt):
+        _save(mgr, 2, cfg, crash_hook=crash)
+    assert (tmp_path / "step_00000002.partial").exists()
+    assert latest_checkpoint(tmp_path).name == "step_00000001"
+    assert mgr.load(latest_checkpoint(tmp_path), cfg)["step"] == 1
+    _save(mgr, 2, cfg)  # the next save cleans the partial one up
+    assert not (tmp_path / "step_00000002.partial").exists() and latest_checkpoint(tmp_path).name == "step_00000002"
+
+
+def test_incompatible_config_is_named(tmp_path):
+    saved = RunConfig().to_dict()
+    current = RunConfig().to_dict()
+    current["algorithm"]["group_size"] = 8
+    current["trainer"]["total_steps"] = 5  # allowed
+    with pytest.raises(ValueError, match=r"algorithm.group_size: 16 -> 8"):
+        check_compatible(saved, current, "ck")
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    path = _save(mgr, 1, saved)
+    with pytest.raises(ValueError, match="cannot resume"):
+        mgr.load(path, current)
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        mgr.load(tmp_path / "nope", saved)
+
+
+def test_preemption_flag_catches_signals():
+    old = {s: signal.getsignal(s) for s in PreemptionFlag.SIGNALS}
+    try:
+        flag = PreemptionFlag()
+        flag.install()
+        assert not flag.requested()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.requested() and flag.signum == signal.SIGUSR1
+        assert flag.requested(lambda t: t * 0 + 1)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
