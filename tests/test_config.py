@@ -39,7 +39,7 @@ def test_every_field_is_documented():
         for i, stmt in enumerate(body):
             if isinstance(stmt, ast.AnnAssign):
                 nxt = body[i + 1] if i + 1 < len(body) else None
-                doc = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)
+                doc = isinstance(nxt, ast.Expr) and isinstance(getattr(nxt.value, "value", None), str)
                 assert doc, f"{node.name}.{stmt.target.id} has no docstring"
 
 

@@ -80,10 +80,12 @@ def agg_loss(
         0-dim fp32 tensor.
     """
     mask = mask.to(per_token.dtype)
+    # where() rather than a product: a padded token with an overflowing ratio (inf * 0 = nan) must add exactly 0.
+    masked = torch.where(mask != 0, per_token * mask, torch.zeros_like(per_token))
     if mode == "token-mean":
-        return (per_token * mask).sum() / _safe_denominator(num_tokens, mask)
+        return masked.sum() / _safe_denominator(num_tokens, mask)
     seq_tokens = mask.sum(dim=-1)
-    seq_sum = (per_token * mask).sum(dim=-1)
+    seq_sum = masked.sum(dim=-1)
     if mode == "seq-mean-token-mean":
         seq_val = seq_sum / seq_tokens.clamp_min(1.0)
     elif mode == "seq-mean-token-sum":
@@ -96,19 +98,33 @@ def agg_loss(
 
 
 def clipped_token_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_low: float, eps_high: float, clip_ratio_c: float | None
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float | None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token clipped surrogate. Returns (loss [B,T], ratio [B,T], advantages broadcast to [B,T])."""
+    """Per-token clipped surrogate. Returns (loss [B,T], ratio [B,T], advantages broadcast to [B,T]).
+
+    With `mask`, invalid tokens get ratio 1 (log-ratio 0) so garbage there (padding, overflow) cannot leak NaN into
+    the gradient; their loss is then dropped by the aggregation."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.expand_as(logp).to(torch.float32)
-    ratio = torch.exp(logp.float() - old_logp.float())
+    log_ratio = logp.float() - old_logp.float()
+    if mask is not None:
+        log_ratio = torch.where(mask != 0, log_ratio, torch.zeros_like(log_ratio))
+    ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped)
     if clip_ratio_c is not None:
-        dual = torch.minimum(loss, -advantages * clip_ratio_c)
-        loss = torch.where(advantages < 0, dual, loss)
+        # Dual clip: cap the loss of A < 0 tokens at -A*c. At exactly -A*c the unclipped gradient is kept (a plain
+        # minimum would halve it at the tie); the fused kernel uses the same convention.
+        cap = -advantages * clip_ratio_c
+        loss = torch.where((advantages < 0) & (loss > cap), cap, loss)
     return loss, ratio, advantages
 
 
@@ -139,7 +155,9 @@ def dapo_policy_loss(
     Returns:
         loss: 0-dim fp32. metrics: 0-dim fp32 tensors clipfrac_high, clipfrac_low, approx_kl, ratio_max.
     """
-    token_loss, ratio, adv = clipped_token_loss(logp, old_logp.detach(), advantages, eps_low, eps_high, clip_ratio_c)
+    token_loss, ratio, adv = clipped_token_loss(
+        logp, old_logp.detach(), advantages, eps_low, eps_high, clip_ratio_c, mask
+    )
     loss = agg_loss(token_loss, mask, "token-mean", num_tokens)
     with torch.no_grad():
         metrics = policy_metrics(ratio, adv, logp, old_logp, mask, eps_low, eps_high)
@@ -155,7 +173,8 @@ def policy_metrics(
     count = m.sum().clamp_min(1.0)
     high = ((adv > 0) & (ratio > 1.0 + eps_high) & valid).to(torch.float32).sum() / count
     low = ((adv < 0) & (ratio < 1.0 - eps_low) & valid).to(torch.float32).sum() / count
-    approx_kl = ((old_logp.float() - logp.detach().float()) * m).sum() / count
+    diff = old_logp.float() - logp.detach().float()
+    approx_kl = torch.where(valid, diff * m, torch.zeros_like(diff)).sum() / count
     ratio_max = (
         torch.where(valid, ratio.detach(), torch.zeros_like(ratio)).max() if ratio.numel() else ratio.new_zeros(())
     )
@@ -176,7 +195,9 @@ def grpo_policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO-style baseline for ablations: the same clipped surrogate aggregated per sequence
     ("seq-mean-token-mean"); `num_tokens` is then the global number of sequences. Shapes as `dapo_policy_loss`."""
-    token_loss, ratio, adv = clipped_token_loss(logp, old_logp.detach(), advantages, eps_low, eps_high, clip_ratio_c)
+    token_loss, ratio, adv = clipped_token_loss(
+        logp, old_logp.detach(), advantages, eps_low, eps_high, clip_ratio_c, mask
+    )
     loss = agg_loss(token_loss, mask, "seq-mean-token-mean", num_tokens)
     with torch.no_grad():
         metrics = policy_metrics(ratio, adv, logp, old_logp, mask, eps_low, eps_high)

@@ -5,7 +5,8 @@ Numerics (all fp32, z = logits / temperature, one row per token):
   rescaled by exp(m - m'), and t also gains s * (m - m') because every (z - m) shifts by that amount.
 - lse = m + log s; entropy H = -sum p log p = log s - t / s. Keeping t relative to the max avoids computing H as the
   difference of two large numbers (lse - E_p[z]), which loses ~1e-3 absolute at |z| ~ 1e4 in fp32.
-- Masked columns enter as z = -inf: they add exp(-inf) = 0 to s, and the `where` guards keep 0 * (-inf) out of t.
+- Masked columns enter as z = -inf: they add exp(-inf) = 0 to s, and `e * where(e > 0, z - m, 0)` keeps
+  0 * (-inf) out of t.
   A row that has seen only -inf so far keeps m = -inf; m_safe = 0 then avoids exp(-inf - (-inf)) = nan.
 - Gradient: with p_j = exp(z_j - lse), d logp / dz_j = [j == label] - p_j and d H / dz_j = -p_j (log p_j + H)
   (from H = lse - sum p z and dp_i/dz_j = p_i ([i == j] - p_j)). The logits gradient is that times 1 / temperature.
@@ -25,7 +26,7 @@ def online_softmax_update(z, m, s, t):
     shift = tl.where(s > 0.0, m - m_safe, 0.0)
     zc = z - m_safe[:, None]
     e = tl.exp(zc)
-    d = tl.where(e > 0.0, e * zc, 0.0)
+    d = e * tl.where(e > 0.0, zc, 0.0)  # never forms 0 * (-inf)
     s_new = s * scale + tl.sum(e, axis=1)
     t_new = scale * (t + s * shift) + tl.sum(d, axis=1)
     return m_new, s_new, t_new
@@ -53,6 +54,6 @@ def logprob_entropy_dz(z, cols, labels_local, lse, ent, g_logp, g_ent):
     """d(g_logp * logp + g_ent * H) / dz for a [BLOCK_T, BLOCK_V] tile; row vectors are [BLOCK_T] fp32."""
     logp = z - lse[:, None]
     p = tl.exp(logp)
-    ent_term = tl.where(p > 0.0, p * (logp + ent[:, None]), 0.0)
+    ent_term = p * tl.where(p > 0.0, logp + ent[:, None], 0.0)
     onehot = cols[None, :] == labels_local[:, None]
     return tl.where(onehot, g_logp[:, None], 0.0) - g_logp[:, None] * p - g_ent[:, None] * ent_term

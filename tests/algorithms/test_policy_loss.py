@@ -204,3 +204,14 @@ def test_registry_and_agg_errors():
     grpo = get_policy_loss("grpo")
     loss, _ = grpo(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3))
     assert loss.item() == pytest.approx(0.0)
+
+
+def test_dual_clip_tie_keeps_unclipped_gradient_and_padding_overflow_is_ignored():
+    logp = torch.tensor([[math.log(3.0), 100.0]], requires_grad=True)
+    old = torch.zeros(1, 2)
+    mask = torch.tensor([[1.0, 0.0]])  # the padded token's ratio overflows to inf
+    loss, m = dapo_policy_loss(logp, old, torch.tensor([[-1.0, -1.0]]), mask, clip_ratio_c=3.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(3.0, rel=1e-6) and torch.isfinite(loss)
+    assert logp.grad[0, 0].item() == pytest.approx(3.0, rel=1e-6) and logp.grad[0, 1].item() == 0.0
+    assert all(torch.isfinite(v) for v in m.values())

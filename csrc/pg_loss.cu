@@ -1,0 +1,148 @@
+// CUDA C++ twin of megatron_dapo.ops.clipped_pg_loss (DAPO clipped surrogate, optional dual clip).
+//
+// Forward = two launches inside one C call: blocks reduce fixed chunks of tokens to 7 partial values written to a
+// [num_blocks, 8] workspace, then one block sums the workspace in a fixed order. No float atomics: the totals are
+// bitwise reproducible. Totals (fp32 [7]): sum(l * w), sum(w), valid count, clip-high count, clip-low count,
+// sum(old_logp - logp) over valid tokens, max ratio over valid tokens (0 if none). Python turns them into the loss
+// and metrics exactly as for the Triton kernel.
+// Backward = one elementwise launch recomputing ratio and branch; it reads grad_output and 1 / D from device memory.
+// Conventions (same as the Triton kernel): ties of max(-A r, -A clip(r)) take the unclipped gradient -A r; the dual
+// clip min(l, -A c) for A < 0 passes the gradient at l == -A c; masked tokens (w == 0) contribute exactly 0.
+#include "common.cuh"
+
+namespace mdapo {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kItemsPerThread = 8;
+constexpr int kChunk = kThreads * kItemsPerThread;
+
+struct PGParams {
+  const float* logp;
+  const float* old_logp;
+  const float* adv;
+  const void* mask;
+  int mask_is_u8;
+  int64_t n;
+  int64_t seq_len;
+  int adv_per_token;
+  float lo, hi, clip_c;
+  int dual_clip;
+};
+
+struct TokenTerms {
+  float ratio, loss, dloss, adv, kl, w;
+};
+
+__device__ __forceinline__ TokenTerms token_terms(const PGParams& p, int64_t i) {
+  TokenTerms t;
+  const float logp = p.logp[i], old = p.old_logp[i];
+  t.adv = p.adv[p.adv_per_token ? i : i / p.seq_len];
+  t.w = p.mask_is_u8 ? (float)static_cast<const uint8_t*>(p.mask)[i] : static_cast<const float*>(p.mask)[i];
+  t.ratio = expf(logp - old);
+  t.kl = old - logp;
+  const float unclipped = -t.adv * t.ratio;
+  const float clipped = -t.adv * fminf(fmaxf(t.ratio, p.lo), p.hi);
+  t.loss = fmaxf(unclipped, clipped);
+  t.dloss = unclipped >= clipped ? unclipped : 0.f;  // d(-A r)/dlogp = -A r
+  if (p.dual_clip) {
+    const float cap = -t.adv * p.clip_c;
+    if (t.adv < 0.f && t.loss > cap) {
+      t.loss = cap;
+      t.dloss = 0.f;
+    }
+  }
+  return t;
+}
+
+__global__ void __launch_bounds__(kThreads) pg_loss_partials_kernel(PGParams p, float* __restrict__ partials) {
+  __shared__ float shared[kThreads / kWarp];
+  float acc[6] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float rmax = 0.f;
+  const int64_t base = (int64_t)blockIdx.x * kChunk;
+  for (int k = 0; k < kItemsPerThread; ++k) {
+    const int64_t i = base + (int64_t)k * kThreads + threadIdx.x;
+    if (i >= p.n) break;
+    const TokenTerms t = token_terms(p, i);
+    if (t.w == 0.f) continue;
+    acc[0] += t.loss * t.w;
+    acc[1] += t.w;
+    acc[2] += 1.f;
+    acc[3] += (t.adv > 0.f && t.ratio > p.hi) ? 1.f : 0.f;
+    acc[4] += (t.adv < 0.f && t.ratio < p.lo) ? 1.f : 0.f;
+    acc[5] += t.kl;
+    rmax = fmaxf(rmax, t.ratio);
+  }
+  float* row = partials + (int64_t)blockIdx.x * 8;
+  for (int c = 0; c < 6; ++c) {
+    const float v = block_sum(acc[c], shared);
+    if (threadIdx.x == 0) row[c] = v;
+  }
+  const float m = block_max(rmax, shared);
+  if (threadIdx.x == 0) {
+    row[6] = m;
+    row[7] = 0.f;
+  }
+}
+
+// One block: thread t sums rows t, t + blockDim, ... in order, then a fixed tree. Deterministic.
+__global__ void __launch_bounds__(kThreads) pg_loss_reduce_kernel(const float* __restrict__ partials, int64_t rows,
+                                                                   float* __restrict__ totals) {
+  __shared__ float shared[kThreads / kWarp];
+  for (int c = 0; c < 7; ++c) {
+    float v = 0.f;
+    for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+      const float x = partials[r * 8 + c];
+      v = c == 6 ? fmaxf(v, x) : v + x;
+    }
+    const float total = c == 6 ? block_max(v, shared) : block_sum(v, shared);
+    if (threadIdx.x == 0) totals[c] = total;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) pg_loss_grad_kernel(PGParams p, const float* __restrict__ grad_out,
+                                                                 const float* __restrict__ inv_denom,
+                                                                 float* __restrict__ grad) {
+  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (i >= p.n) return;
+  const TokenTerms t = token_terms(p, i);
+  grad[i] = t.w == 0.f ? 0.f : t.dloss * t.w * (grad_out[0] * inv_denom[0]);
+}
+
+}  // namespace
+}  // namespace mdapo
+
+extern "C" {
+
+// Rows of the [rows, 8] fp32 workspace that mdapo_pg_loss_fwd needs for n tokens.
+int64_t mdapo_pg_loss_workspace_rows(int64_t n) { return n <= 0 ? 1 : (n + mdapo::kChunk - 1) / mdapo::kChunk; }
+
+// logp, old_logp: [n] fp32 (a flattened [B, T]); adv: [B] (adv_per_token = 0, seq_len = T) or [n] fp32;
+// mask: [n] uint8 (mask_is_u8 = 1) or fp32; lo = 1 - eps_low, hi = 1 + eps_high; clip_c used when dual_clip.
+// workspace: [mdapo_pg_loss_workspace_rows(n), 8] fp32 scratch; totals: [7] fp32 out. Returns a cudaError_t.
+int mdapo_pg_loss_fwd(const float* logp, const float* old_logp, const float* adv, const void* mask, int mask_is_u8,
+                      int64_t n, int64_t seq_len, int adv_per_token, float lo, float hi, float clip_c, int dual_clip,
+                      float* workspace, int64_t workspace_rows, float* totals, cudaStream_t stream) {
+  const int64_t rows = mdapo_pg_loss_workspace_rows(n);
+  if (workspace_rows < rows || seq_len <= 0 || rows > 2147483647LL) return (int)cudaErrorInvalidValue;
+  const mdapo::PGParams p{logp, old_logp, adv, mask, mask_is_u8, n, seq_len, adv_per_token, lo, hi, clip_c, dual_clip};
+  mdapo::pg_loss_partials_kernel<<<(unsigned)rows, mdapo::kThreads, 0, stream>>>(p, workspace);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return (int)err;
+  mdapo::pg_loss_reduce_kernel<<<1, mdapo::kThreads, 0, stream>>>(workspace, rows, totals);
+  return (int)cudaGetLastError();
+}
+
+// grad: [n] fp32 out = d loss / d logp scaled by grad_out[0] * inv_denom[0] (both fp32 device scalars).
+int mdapo_pg_loss_bwd(const float* logp, const float* old_logp, const float* adv, const void* mask, int mask_is_u8,
+                      int64_t n, int64_t seq_len, int adv_per_token, float lo, float hi, float clip_c, int dual_clip,
+                      const float* grad_out, const float* inv_denom, float* grad, cudaStream_t stream) {
+  if (n == 0) return 0;
+  const int64_t blocks = (n + mdapo::kThreads - 1) / mdapo::kThreads;
+  if (seq_len <= 0 || blocks > 2147483647LL) return (int)cudaErrorInvalidValue;
+  const mdapo::PGParams p{logp, old_logp, adv, mask, mask_is_u8, n, seq_len, adv_per_token, lo, hi, clip_c, dual_clip};
+  mdapo::pg_loss_grad_kernel<<<(unsigned)blocks, mdapo::kThreads, 0, stream>>>(p, grad_out, inv_denom, grad);
+  return (int)cudaGetLastError();
+}
+
+}  // extern "C"

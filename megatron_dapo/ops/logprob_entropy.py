@@ -1,0 +1,220 @@
+"""Fused per-token log-prob and entropy of logits, vocab-parallel aware (Triton).
+
+logp_t = log softmax(x_t / temperature)[label_t] and H_t = -sum_j p_tj log p_tj, both fp32 and differentiable.
+
+- Forward: one pass per row over the vocabulary (online max / sum-exp / entropy sum, see _softmax_utils.py); it
+  saves three fp32 numbers per token, [3, T] = (lse, entropy, target logit), plus references to logits and labels.
+- Backward: one elementwise pass that recomputes p from the saved lse; grid (token blocks, vocab blocks).
+- Vocab-parallel (tp_group): each rank holds columns [rank * V_local, (rank + 1) * V_local) of the logits, as
+  Megatron's ColumnParallelLinear output layer does. The kernel gets `class_start` and computes shard-local stats;
+  `reference.combine_vocab_shards` merges them with one all_gather in Python, between the forward kernel and the
+  outputs (flash-attn / Liger style). The backward pass needs no communication: each rank returns the gradient of
+  its own shard, given the replicated upstream gradients of logp and entropy.
+- Padding: `vocab_size` (keyword) is the true global vocabulary; global columns >= vocab_size are never read, so
+  Megatron's padded rows of the output layer count as probability 0 and get gradient 0. Logits of -inf are fine too.
+- Dispatch (ops/dispatch.py): CUDA tensors and TRITON_INTERPRET=1 use these kernels; plain CPU tensors use
+  `reference.logprobs_and_entropy_chunked`.
+- Label range is checked on CPU tensors only (a check on CUDA would synchronise); an out-of-range label on CUDA
+  gives logp = -lse instead of an error.
+"""
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from megatron_dapo.ops._softmax_utils import logprob_entropy_dz
+from megatron_dapo.ops._softmax_utils import online_softmax_finalize
+from megatron_dapo.ops._softmax_utils import online_softmax_update
+from megatron_dapo.ops._softmax_utils import target_logit
+from megatron_dapo.ops.dispatch import interpreting
+from megatron_dapo.ops.dispatch import use_triton
+from megatron_dapo.ops.reference import check_inputs
+from megatron_dapo.ops.reference import combine_vocab_shards
+from megatron_dapo.ops.reference import logprobs_and_entropy_chunked
+from megatron_dapo.ops.reference import outputs_from_stats
+from megatron_dapo.ops.reference import vocab_shard
+
+# Tile sizes. GPU: one row per program, 4096-wide vocab tiles (untuned: no GPU here). Interpreter: small tiles so
+# that tests with V of a few hundred still run the multi-tile loop.
+BLOCK_V = 4096
+NUM_WARPS = 8
+BLOCK_V_INTERPRET = 128
+BLOCK_V_BWD = 2048
+
+
+@triton.jit
+def _logprob_entropy_fwd_kernel(
+    logits_ptr,  # [T, V_local], row stride stride_t, column stride 1, any float dtype
+    labels_ptr,  # [T] int64 global ids
+    stats_ptr,  # [3, T] fp32 out: shard lse, shard entropy, target logit (0 if the label is on another shard)
+    T,
+    n_valid,  # leading local columns that are real tokens; the rest is padding and never read
+    stride_t,
+    class_start,  # global id of local column 0
+    inv_temp,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    labels_local = tl.load(labels_ptr + rows, mask=row_ok, other=0) - class_start
+    row_base = logits_ptr + rows.to(tl.int64)[:, None] * stride_t
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_T], tl.float32)
+    t = tl.zeros([BLOCK_T], tl.float32)
+    zt = tl.zeros([BLOCK_T], tl.float32)
+    for v0 in range(0, n_valid, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        mask = row_ok[:, None] & (cols < n_valid)[None, :]
+        # Upcast right after the load: the interpreter computes on raw bf16 bits otherwise.
+        z = tl.load(row_base + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
+        m, s, t = online_softmax_update(z, m, s, t)
+        zt += target_logit(z, cols, labels_local)
+    lse, ent = online_softmax_finalize(m, s, t)
+    tl.store(stats_ptr + rows, lse, mask=row_ok)
+    tl.store(stats_ptr + T + rows, ent, mask=row_ok)
+    tl.store(stats_ptr + 2 * T + rows, zt, mask=row_ok)
+
+
+@triton.jit
+def _logprob_entropy_bwd_kernel(
+    logits_ptr,  # [T, V_local] as in the forward
+    labels_ptr,  # [T] int64
+    stats_ptr,  # [3, T] fp32 global lse, entropy, (unused) target logit
+    grad_out_ptr,  # [2, T] fp32 upstream grads of logp and entropy
+    grad_in_ptr,  # [T, V_local] out, logits dtype, row stride stride_gt
+    T,
+    V_local,
+    n_valid,
+    stride_t,
+    stride_gt,
+    class_start,
+    inv_temp,
+    BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < T
+    labels_local = tl.load(labels_ptr + rows, mask=row_ok, other=0) - class_start
+    lse = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
+    ent = tl.load(stats_ptr + T + rows, mask=row_ok, other=0.0)
+    g_logp = tl.load(grad_out_ptr + rows, mask=row_ok, other=0.0)
+    g_ent = tl.load(grad_out_ptr + T + rows, mask=row_ok, other=0.0)
+    valid = row_ok[:, None] & (cols < n_valid)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    z = tl.load(logits_ptr + rows64 * stride_t + cols[None, :], mask=valid, other=float("-inf")).to(tl.float32)
+    z = z * inv_temp
+    dz = logprob_entropy_dz(z, cols, labels_local, lse, ent, g_logp, g_ent)
+    # Padding columns (n_valid <= col < V_local) get an explicit 0.
+    dx = tl.where(valid, dz * inv_temp, 0.0)
+    out_mask = row_ok[:, None] & (cols < V_local)[None, :]
+    tl.store(grad_in_ptr + rows64 * stride_gt + cols[None, :], dx.to(grad_in_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _block_v(fwd: bool) -> int:
+    if interpreting():
+        return BLOCK_V_INTERPRET
+    return BLOCK_V if fwd else BLOCK_V_BWD
+
+
+def logprob_entropy_forward(
+    logits: torch.Tensor, labels: torch.Tensor, *, inv_temp: float, class_start: int, n_valid: int
+) -> torch.Tensor:
+    """Launch the forward kernel. logits [T, V_local] (stride(1) == 1), labels [T] int64 -> shard stats [3, T] fp32."""
+    num_tokens = logits.shape[0]
+    stats = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device)
+    if num_tokens == 0:
+        return stats
+    _logprob_entropy_fwd_kernel[(num_tokens,)](
+        logits, labels, stats, num_tokens, n_valid, logits.stride(0), class_start, inv_temp,
+        BLOCK_T=1, BLOCK_V=_block_v(True), num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return stats
+
+
+def logprob_entropy_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    stats: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    inv_temp: float,
+    class_start: int,
+    n_valid: int,
+) -> torch.Tensor:
+    """Launch the backward kernel. stats [3, T] global, grad_out [2, T] fp32 -> d logits [T, V_local] (logits dtype)."""
+    num_tokens, v_local = logits.shape
+    grad = torch.empty((num_tokens, v_local), dtype=logits.dtype, device=logits.device)
+    if num_tokens == 0:
+        return grad
+    block_v = _block_v(False)
+    grid = (num_tokens, triton.cdiv(v_local, block_v))
+    _logprob_entropy_bwd_kernel[grid](
+        logits, labels, stats, grad_out, grad, num_tokens, v_local, n_valid, logits.stride(0), grad.stride(0),
+        class_start, inv_temp, BLOCK_T=1, BLOCK_V=block_v, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return grad
+
+
+class LogProbEntropyFunction(torch.autograd.Function):
+    """autograd wrapper; saves logits, labels and the [3, T] fp32 global stats (lse, entropy, target logit)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, tp_group, vocab_size):
+        class_start, n_valid, _ = vocab_shard(logits.shape[1], tp_group, vocab_size)
+        inv_temp = 1.0 / temperature
+        stats = logprob_entropy_forward(logits, labels, inv_temp=inv_temp, class_start=class_start, n_valid=n_valid)
+        stats = combine_vocab_shards(stats, tp_group)
+        ctx.save_for_backward(logits, labels, stats)
+        ctx.args = (inv_temp, class_start, n_valid)
+        return outputs_from_stats(stats)
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, labels, stats = ctx.saved_tensors
+        inv_temp, class_start, n_valid = ctx.args
+        grad_out = torch.stack([g_logp, g_ent]).to(torch.float32)
+        grad = logprob_entropy_backward(
+            logits, labels, stats, grad_out, inv_temp=inv_temp, class_start=class_start, n_valid=n_valid
+        )
+        return grad, None, None, None, None
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of the label and entropy of softmax(logits / temperature), vocab-parallel aware.
+
+    Args:
+        logits: [..., V_local] fp32/fp16/bf16; with tp_group, this rank's vocab shard in Megatron rank order
+            (rank r holds global columns [r * V_local, (r + 1) * V_local)).
+        labels: [...] int64 (or int32) global token ids in [0, vocab_size).
+        temperature: logits are divided by it (> 0).
+        tp_group: vocab-parallel process group, or None for the full vocabulary on this rank.
+        vocab_size: true global vocab size; global columns >= vocab_size (Megatron's vocab padding) are ignored.
+            None: all V_local * tp columns count.
+
+    Returns:
+        (logp, entropy): [...] fp32 each, identical on every rank of tp_group, differentiable in both. The logits
+        gradient on each rank is its own shard's gradient (no further reduction needed).
+    """
+    if not use_triton(logits):
+        return logprobs_and_entropy_chunked(
+            logits, labels, temperature=temperature, tp_group=tp_group, vocab_size=vocab_size
+        )
+    _, _, vocab_size = vocab_shard(logits.shape[-1], tp_group, vocab_size)
+    check_inputs(logits, labels, vocab_size, temperature, "logprobs_and_entropy")
+    lead = labels.shape
+    x = logits.reshape(-1, logits.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    lab = labels.reshape(-1).to(torch.int64).contiguous()
+    logp, ent = LogProbEntropyFunction.apply(x, lab, float(temperature), tp_group, vocab_size)
+    return logp.reshape(lead), ent.reshape(lead)
