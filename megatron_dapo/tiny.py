@@ -1,0 +1,102 @@
+"""A tiny, fully offline model + tokenizer + dataset for CPU smoke runs (examples/tiny_cpu.yaml, CI).
+
+The tokenizer is character-level over digits, a few symbols and ChatML markers (letters map to <unk>), so a random
+model's samples are mostly digits and the "last_number" verifier gives it a few percent accuracy: enough mixed groups
+for dynamic sampling to admit, which is all a smoke run needs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>", "<pad>"]
+CHARS = list("0123456789") + list(" \n+-*=?:.") + list("Aanswer")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_tokenizer(out_dir: str | Path):
+    """Save a character-level PreTrainedTokenizerFast with a ChatML chat template; returns it."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+    from tokenizers import decoders  # noqa: PLC0415
+    from tokenizers.models import BPE  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(set(CHARS), key=CHARS.index))}
+    core = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<pad>", bos_token=None
+    )
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out_dir)
+    return tok
+
+
+def make_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """A random tied-embedding GQA Llama (SmolLM2's architecture, scaled down) with the tiny tokenizer."""
+    from transformers import LlamaConfig  # noqa: PLC0415
+    from transformers import LlamaForCausalLM  # noqa: PLC0415
+
+    out_dir = Path(out_dir)
+    tok = make_tiny_tokenizer(out_dir)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_tiny_run(root: str | Path, *, num_train: int = 64, num_test: int = 16, seed: int = 0) -> dict[str, str]:
+    """Create root/model (tiny model) and root/data/{train,test}.jsonl (one-digit sums); returns their paths."""
+    from megatron_dapo.data import make_dataset  # noqa: PLC0415
+
+    root = Path(root)
+    model_dir = make_tiny_model(root / "model", seed=seed)
+    kwargs = {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ["+"],
+        "allow_negation": False,
+        "allow_parentheses": False,
+    }
+    make_dataset(
+        "basic_arithmetic",
+        num_train=num_train,
+        num_test=num_test,
+        out_dir=root / "data",
+        seed=seed,
+        template="plain",
+        formats=("jsonl",),
+        task_kwargs=kwargs,
+    )
+    paths = {
+        "model": str(model_dir),
+        "train": str(root / "data" / "train.jsonl"),
+        "test": str(root / "data" / "test.jsonl"),
+    }
+    (root / "paths.json").write_text(json.dumps(paths, indent=1))
+    return paths

@@ -1,0 +1,288 @@
+"""The DAPO loop. Every box of docs/architecture.md is a module; this file only wires them.
+
+One step: prompts -> generate G each (engine on every rank, prompts sharded) -> verify + overlong shaping ->
+dynamic sampling (refill) -> advantages -> actor log-probs -> mini-batch updates -> weight sync -> metrics ->
+periodic eval and checkpoint. All ranks run the same code; rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dapo.algorithms import DynamicSampler
+from megatron_dapo.checkpoint import CheckpointManager
+from megatron_dapo.checkpoint import PreemptionFlag
+from megatron_dapo.checkpoint import latest_checkpoint
+from megatron_dapo.config import RunConfig
+from megatron_dapo.evaluate import score_groups
+from megatron_dapo.experience import build_actor_batch
+from megatron_dapo.experience import group_from_state
+from megatron_dapo.experience import group_to_state
+from megatron_dapo.experience import sampled_response_metrics
+from megatron_dapo.experience import score_group
+from megatron_dapo.metrics import MetricsLogger
+from megatron_dapo.metrics import PhaseTimer
+from megatron_dapo.metrics import logprob_mismatch
+from megatron_dapo.metrics import masked_mean
+from megatron_dapo.metrics import plot_run
+from megatron_dapo.rollout.base import SamplingParams
+
+
+class DAPOTrainer:
+    """Owns the actor, the engine, data, sampler, checkpoints and logging for one run (construct on every rank)."""
+
+    def __init__(self, config: RunConfig) -> None:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
+        from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
+        from megatron_dapo.data import PromptDataset  # noqa: PLC0415
+        from megatron_dapo.data import PromptIterator  # noqa: PLC0415
+        from megatron_dapo.reward import Verifier  # noqa: PLC0415
+        from megatron_dapo.rollout import make_engine  # noqa: PLC0415
+        from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
+
+        self.cfg = c = config
+        self.groups = init_distributed(c.actor.tensor_parallel, c.actor.pipeline_parallel, seed=c.trainer.seed)
+        self.rank, self.world = self.groups.rank, self.groups.world_size
+        self.run_dir = Path(c.trainer.run_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(c.actor.model_path)
+        self.stop_ids = [self.tokenizer.eos_token_id]
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.verifier = Verifier.from_config(c.reward)
+        self.train_data = PromptIterator(
+            PromptDataset(c.data.train_files).examples, seed=c.data.seed, shuffle=c.data.shuffle
+        )
+        self.eval_examples = PromptDataset(c.data.eval_files).examples if c.data.eval_files else []
+        self.sampler: DynamicSampler = DynamicSampler(
+            target_prompts=c.trainer.prompts_per_step,
+            enabled=c.algorithm.dynamic_sampling,
+            max_gen_batches=c.algorithm.max_gen_batches,
+            on_max_gen_batches=c.algorithm.on_max_gen_batches,
+            keep_surplus=c.algorithm.keep_surplus,
+        )
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", c.checkpoint.keep_last, self.rank, self._barrier)
+        resume_from = self._resume_path()
+        self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
+        self.engine = make_engine(c.rollout, c.actor.model_path, eos_token_ids=self.stop_ids, pad_token_id=self.pad_id)
+        self.weight_sync = WeightSync(self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20)
+        self.step = 0
+        if resume_from is not None:
+            self._load(resume_from)
+        self.logger = (
+            MetricsLogger(
+                self.run_dir,
+                console=c.logging.console,
+                jsonl=c.logging.jsonl,
+                tensorboard=c.logging.tensorboard,
+                total_steps=c.trainer.total_steps,
+            )
+            if self.rank == 0
+            else None
+        )
+        self.preempt = PreemptionFlag()
+        self.preempt.install()
+
+    # ------------------------------------------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, float]:
+        last: dict[str, float] = {}
+        if self.step == 0 and self.cfg.trainer.eval_every:
+            self._log(0, self.evaluate())
+        while self.step < self.cfg.trainer.total_steps:
+            self.step += 1
+            last = self.train_step()
+            if self.cfg.trainer.eval_every and self.step % self.cfg.trainer.eval_every == 0:
+                last.update(self.evaluate())
+            self._log(self.step, last)
+            preempted = self.preempt.requested(self._all_reduce_max)
+            every = self.cfg.checkpoint.save_every
+            if preempted or (every and self.step % every == 0) or self.step == self.cfg.trainer.total_steps:
+                self.save()
+            if preempted:
+                break
+        self.close()
+        return last
+
+    def train_step(self) -> dict[str, float]:
+        c, timer, start = self.cfg, PhaseTimer(), time.perf_counter()
+        sampled: list = []
+        self.engine.wake()
+        with timer("generate"):
+            kept, metrics = self.sampler.collect(lambda missing: self._generate(sampled))
+        metrics.update(sampled_response_metrics(sampled))
+        self.engine.sleep()
+        if kept:
+            batch = build_actor_batch(kept, c.algorithm, self.pad_id)
+            with timer("logprobs"):
+                batch.old_logp, entropy = self.actor.compute_logprobs(batch)
+            metrics["actor/entropy"] = masked_mean(entropy, batch.response_mask)
+            if batch.engine_logp is not None:
+                metrics.update(logprob_mismatch(batch.old_logp, batch.engine_logp, batch.response_mask))
+            with timer("update"):
+                metrics.update(self.actor.update(batch))
+            metrics["train/responses"] = float(len(batch))
+            metrics["train/valid_tokens"] = float(batch.loss_mask.sum())
+        with timer("weight_sync"):
+            self.engine.wake()
+            sync = self.weight_sync.sync(self.actor.export_hf_weights())
+        metrics.update({f"weight_sync/{k}": v for k, v in sync.items()})
+        timer.seconds["step"] = time.perf_counter() - start
+        generated = sum(int(g.payload["lengths"].sum()) for g in sampled)
+        metrics["perf/tokens_per_s"] = generated / max(timer.seconds["step"], 1e-9)
+        metrics["perf/gen_tokens_per_s"] = generated / max(timer.seconds["generate"], 1e-9)
+        return {**metrics, **timer.metrics()}
+
+    # ------------------------------------------------------------------------------------------------ rollout
+    def _render(self, example: Any) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(example.prompt_messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if len(ids) > self.cfg.data.max_prompt_length:
+            raise ValueError(
+                f"data row {example.index}: prompt has {len(ids)} tokens, more than "
+                f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
+            )
+        return ids
+
+    def _sample(self, examples: list, n: int, temperature: float, top_p: float, seed: int) -> list:
+        """Generate n responses for this rank's share of `examples` (interleaved by rank); returns
+        (example, completions) pairs for the local share."""
+        mine = examples[self.rank :: self.world]
+        params = SamplingParams(
+            n=n,
+            max_new_tokens=self.cfg.rollout.max_response_length,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=self.cfg.rollout.top_k,
+            stop_token_ids=tuple(self.stop_ids),
+            seed=seed + self.rank,
+            return_logprobs=self.cfg.rollout.compare_logprobs,
+        )
+        completions = self.engine.generate([self._render(ex) for ex in mine], params) if mine else []
+        return [(ex, completions[i * n : (i + 1) * n]) for i, ex in enumerate(mine)]
+
+    def _generate(self, sampled: list) -> list:
+        c = self.cfg
+        examples = self.train_data.next_batch(c.trainer.gen_prompts_per_batch)
+        seed = c.trainer.seed * 1_000_003 + self.step * 1009 + len(sampled)
+        local = []
+        for ex, comps in self._sample(examples, c.algorithm.group_size, c.rollout.temperature, c.rollout.top_p, seed):
+            texts = self.tokenizer.batch_decode([x.response_ids for x in comps], skip_special_tokens=True)
+            local.append(
+                group_to_state(
+                    score_group(
+                        comps[0].prompt_ids,
+                        comps,
+                        ex.ground_truth,
+                        texts,
+                        self.verifier,
+                        c.algorithm,
+                        c.rollout.max_response_length,
+                        ex.index,
+                    )
+                )
+            )
+        order = {ex.index: i for i, ex in enumerate(examples)}
+        groups = sorted((group_from_state(s) for s in self._all_gather(local)), key=lambda g: order[g.payload["index"]])
+        sampled.extend(groups)
+        return groups
+
+    def evaluate(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        examples = self.eval_examples[: t.eval_max_prompts or None]
+        if not examples:
+            return {}
+        start = time.perf_counter()
+        self.engine.wake()
+        local = []
+        for ex, comps in self._sample(examples, t.eval_samples, t.eval_temperature, t.eval_top_p, seed=t.seed + 7):
+            texts = self.tokenizer.batch_decode([x.response_ids for x in comps], skip_special_tokens=True)
+            local.append([self.verifier(text, ex.ground_truth) for text in texts])
+        metrics = score_groups(self._all_gather(local), t.eval_samples)
+        metrics["time/eval"] = time.perf_counter() - start
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------ state
+    def _resume_path(self) -> Path | None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return latest_checkpoint(self.run_dir / "checkpoints")
+        return Path(resume)
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "data": self.train_data.state_dict(),
+            "sampler": [group_to_state(g) for g in self.sampler.state_dict()["carry"]],
+        }
+
+    def save(self) -> Path:
+        return self.ckpt.save(
+            self.step, self.trainer_state(), self.cfg.to_dict(), lambda d: self.actor.save_checkpoint(str(d))
+        )
+
+    def _load(self, path: Path) -> None:
+        state = self.ckpt.load(path, self.cfg.to_dict(), lambda d: self.actor.load_checkpoint(str(d)))
+        self.step = int(state["step"])
+        self.train_data.load_state_dict(state["data"])
+        self.sampler.load_state_dict({"carry": [group_from_state(s) for s in state["sampler"]]})
+        self.weight_sync.sync(self.actor.export_hf_weights())
+        if self.rank == 0:
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        self._barrier()
+
+    def export_final_hf(self, out_dir: str | Path) -> None:
+        """Write the actor's weights as a Hugging Face checkpoint (rank 0 writes; every rank must call)."""
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        tensors = {name: t.detach().cpu().contiguous() for name, t in self.actor.export_hf_weights()}
+        if self.rank == 0:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+            self.actor.hf_config.save_pretrained(out)
+            self.tokenizer.save_pretrained(out)
+        self._barrier()
+
+    def close(self) -> None:
+        self.export_final_hf(self.run_dir / "hf_final")
+        if self.logger is not None:
+            self.logger.close()
+            if self.cfg.logging.plots and self.cfg.logging.jsonl:
+                plot_run(self.run_dir)
+
+    # ------------------------------------------------------------------------------------------------ comms
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier(group=self.groups.world_group)
+
+    def _all_gather(self, items: list) -> list:
+        if self.world == 1:
+            return items
+        out: list = [None] * self.world
+        torch.distributed.all_gather_object(out, items, group=self.groups.world_group)
+        return [x for part in out for x in part]
+
+    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.groups.world_group)
+        return t
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric rows logged after the checkpoint we resume from (a crash between log and save)."""
+    import json  # noqa: PLC0415
+
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))

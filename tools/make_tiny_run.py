@@ -1,0 +1,22 @@
+"""Create the tiny random model and one-digit-sum data that examples/tiny_cpu.yaml trains on.
+
+    python tools/make_tiny_run.py --out runs/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_dapo.tiny import make_tiny_run  # noqa: E402
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for key, path in make_tiny_run(args.out, seed=args.seed).items():
+        print(f"{key}: {path}")
