@@ -52,9 +52,12 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and "." not in p.name
-            and (p / COMPLETE).exists()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+    done = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(PREFIX) and "." not in p.name and (p / COMPLETE).exists()
+    ]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -70,8 +73,10 @@ def check_compatible(saved: dict[str, dict[str, Any]], current: dict[str, dict[s
         if saved.get(s, {}).get(f) != current.get(s, {}).get(f)
     ]
     if changed:
-        raise ValueError(f"{where}: cannot resume, the config changed incompatibly ({'; '.join(changed)}); "
-                         f"use a new trainer.run_dir or checkpoint.resume=never")
+        raise ValueError(
+            f"{where}: cannot resume, the config changed incompatibly ({'; '.join(changed)}); "
+            f"use a new trainer.run_dir or checkpoint.resume=never"
+        )
 
 
 def rng_state() -> dict[str, Any]:
@@ -99,8 +104,15 @@ class CheckpointManager:
         self.rank = rank
         self.barrier = barrier
 
-    def save(self, step: int, trainer_state: dict[str, Any], config: dict[str, Any],
-             save_actor: Callable[[Path], None] | None = None, *, crash_hook: Callable[[Path], None] | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        trainer_state: dict[str, Any],
+        config: dict[str, Any],
+        save_actor: Callable[[Path], None] | None = None,
+        *,
+        crash_hook: Callable[[Path], None] | None = None,
+    ) -> Path:
         """Write checkpoint `step` atomically; returns its final path.
 
         `save_actor(dir)` is called on every rank (it may be collective). `crash_hook` exists for tests: it runs
@@ -135,8 +147,9 @@ class CheckpointManager:
         self.barrier()
         return final
 
-    def load(self, path: str | Path, config: dict[str, Any], load_actor: Callable[[Path], None] | None = None
-             ) -> dict[str, Any]:
+    def load(
+        self, path: str | Path, config: dict[str, Any], load_actor: Callable[[Path], None] | None = None
+    ) -> dict[str, Any]:
         """Check config compatibility, restore the actor, this rank's RNG states; return the trainer state."""
         path = Path(path)
         if not (path / COMPLETE).exists():

@@ -48,13 +48,28 @@ def score_groups(scored: Sequence[Sequence[dict[str, Any]]], k: int) -> dict[str
         vote = majority_vote([r["pred"] for r in results])
         cons += float(vote is not None and any(r["acc"] and r["pred"] == vote for r in results))
     n = len(scored)
-    return {f"eval/avg@{k}": avg / n, f"eval/pass@{k}": passed / n, f"eval/cons@{k}": cons / n,
-            "eval/num_prompts": float(n)}
+    return {
+        f"eval/avg@{k}": avg / n,
+        f"eval/pass@{k}": passed / n,
+        f"eval/cons@{k}": cons / n,
+        "eval/num_prompts": float(n),
+    }
 
 
-def evaluate(engine: Any, prompts: Sequence[list[int]], truths: Sequence[str], verifier: Any, *, k: int,
-             temperature: float, top_p: float, max_new_tokens: int, stop_token_ids: Sequence[int], tokenizer: Any,
-             seed: int = 0) -> dict[str, float]:
+def evaluate(
+    engine: Any,
+    prompts: Sequence[list[int]],
+    truths: Sequence[str],
+    verifier: Any,
+    *,
+    k: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+    tokenizer: Any,
+    seed: int = 0,
+) -> dict[str, float]:
     """Sample k responses per prompt from `engine`, score them with `verifier(text, truth)`, aggregate.
 
     Args:
@@ -63,8 +78,15 @@ def evaluate(engine: Any, prompts: Sequence[list[int]], truths: Sequence[str], v
     """
     from megatron_dapo.rollout.base import SamplingParams  # noqa: PLC0415
 
-    params = SamplingParams(n=k, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                            stop_token_ids=tuple(stop_token_ids), seed=seed, return_logprobs=False)
+    params = SamplingParams(
+        n=k,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop_token_ids=tuple(stop_token_ids),
+        seed=seed,
+        return_logprobs=False,
+    )
     completions = engine.generate(list(prompts), params)
     scored = []
     for i, truth in enumerate(truths):

@@ -1,9 +1,9 @@
 """Per-step metrics: what the paper plots, plus cost and drift, written to the console, JSONL and TensorBoard.
 
-    trainer --dict[str, float]--> MetricsLogger.log(step) --> console (rich bar / plain line)
-                                                          --> run_dir/metrics.jsonl (one object per step)
-                                                          --> run_dir/tb (TensorBoard, optional)
-    megatron-dapo plot RUN_DIR --> run_dir/plots/*.png
+trainer --dict[str, float]--> MetricsLogger.log(step) --> console (rich bar / plain line)
+                                                      --> run_dir/metrics.jsonl (one object per step)
+                                                      --> run_dir/tb (TensorBoard, optional)
+megatron-dapo plot RUN_DIR --> run_dir/plots/*.png
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ STEP_METRICS = (
 )
 
 
-def response_metrics(lengths: Tensor, truncated: Tensor, rewards: Tensor, accs: Tensor, penalties: Tensor) -> dict[str, float]:
+def response_metrics(
+    lengths: Tensor, truncated: Tensor, rewards: Tensor, accs: Tensor, penalties: Tensor
+) -> dict[str, float]:
     """Reward and length statistics of every sampled response of a step (all generation batches).
 
     Args:
@@ -106,8 +108,15 @@ class PhaseTimer:
 class MetricsLogger:
     """Writes one record per step. Only the logging rank should create one (rank 0)."""
 
-    def __init__(self, run_dir: str | Path, *, console: str = "rich", jsonl: bool = True, tensorboard: bool = False,
-                 total_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        console: str = "rich",
+        jsonl: bool = True,
+        tensorboard: bool = False,
+        total_steps: int | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
@@ -159,11 +168,18 @@ def _finite_or_none(value: Any) -> Any:
 
 
 def format_step(step: int, m: dict[str, float]) -> str:
-    keys = [("acc", "reward/acc", "{:.3f}"), ("reward", "reward/mean", "{:+.3f}"), ("ent", "actor/entropy", "{:.3f}"),
-            ("len", "response/length_mean", "{:.0f}"), ("trunc", "response/truncation_rate", "{:.2f}"),
-            ("clip_hi", "actor/clipfrac_high", "{:.3f}"), ("kl", "actor/approx_kl", "{:+.4f}"),
-            ("per_useful", "sampling/prompts_per_useful", "{:.2f}"), ("eval", "eval/avg@32", "{:.3f}"),
-            ("s", "time/step", "{:.1f}")]
+    keys = [
+        ("acc", "reward/acc", "{:.3f}"),
+        ("reward", "reward/mean", "{:+.3f}"),
+        ("ent", "actor/entropy", "{:.3f}"),
+        ("len", "response/length_mean", "{:.0f}"),
+        ("trunc", "response/truncation_rate", "{:.2f}"),
+        ("clip_hi", "actor/clipfrac_high", "{:.3f}"),
+        ("kl", "actor/approx_kl", "{:+.4f}"),
+        ("per_useful", "sampling/prompts_per_useful", "{:.2f}"),
+        ("eval", "eval/avg@32", "{:.3f}"),
+        ("s", "time/step", "{:.1f}"),
+    ]
     parts = [f"step {step}"] + [f"{name} {fmt.format(m[key])}" for name, key, fmt in keys if key in m]
     return " | ".join(parts)
 
@@ -188,8 +204,20 @@ PLOTS: Sequence[tuple[str, Sequence[str]]] = (
     ("length", ("response/length_mean", "response/length_max")),
     ("truncation", ("response/truncation_rate",)),
     ("prompts_per_useful", ("sampling/prompts_per_useful",)),
-    ("eval_accuracy", ("eval/avg@32", "eval/pass@32", "eval/cons@32", "eval/avg@4", "eval/pass@4", "eval/cons@4",
-                       "eval/avg@8", "eval/pass@8", "eval/cons@8")),
+    (
+        "eval_accuracy",
+        (
+            "eval/avg@32",
+            "eval/pass@32",
+            "eval/cons@32",
+            "eval/avg@4",
+            "eval/pass@4",
+            "eval/cons@4",
+            "eval/avg@8",
+            "eval/pass@8",
+            "eval/cons@8",
+        ),
+    ),
 )
 
 
