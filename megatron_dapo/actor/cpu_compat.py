@@ -1,0 +1,286 @@
+"""Explicit shims that let megatron-core 0.16 run on CPU over gloo (development machines and CI).
+
+API:
+    apply_cpu_compat() -> None      install every shim once (idempotent; no-op when CUDA is available)
+    cpu_compat_applied() -> bool    whether the shims are installed in this process
+
+Call it explicitly, before building models or process groups, and only when CUDA is absent:
+
+    if not torch.cuda.is_available():
+        apply_cpu_compat()
+
+Nothing is patched at import time. What the shims do (each one exists because megatron-core assumes a GPU):
+
+- `torch.cuda.current_device()` returns `torch.device("cpu")`: megatron passes it as `device=` (~100 places).
+- `torch.cuda.synchronize`/`empty_cache` become no-ops; `current_stream`/`default_stream`/`Stream`/`stream`/`Event`
+  become inert stand-ins (CPU work is synchronous, so waiting on a stream or event is always satisfied).
+- The "cuda" RNG is the CPU default generator: `torch.cuda.get_rng_state/set_rng_state/manual_seed(_all)` and
+  megatron's `_get_cuda_rng_state/_set_cuda_rng_state` read and write it, so `model_parallel_cuda_manual_seed`, the
+  RNG tracker's `fork()` and activation recompute (which restores RNG states) work unchanged.
+- Modules with literal `device="cuda"` tensor factories (pipeline schedules, optimizer, grad-norm clipping, causal
+  masks, ...) see a stand-in `torch` module whose factories map device "cuda" to "cpu"; other attributes pass
+  through, so there is no per-op cost in model code.
+- A few cold functions (construction-time only) run under a TorchFunctionMode that maps `Tensor.cuda()` to the CPU
+  and reports CPU tensors as `torch.cuda.*Tensor` from `Tensor.type()`: the optimizer's dtype checks and the
+  tied-embedding copy to the last pipeline stage.
+
+Known not to work on CPU whatever the shims: gradient_accumulation_fusion, persist_layer_norm, apply_rope_fusion
+(needs TE), sequence_parallel, the dynamic inference engine. bf16 parameters need megatron's Float16Module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_MARKER = "_megatron_dapo_cpu_compat"
+
+# Modules that create tensors with a literal device="cuda"; they get the device-mapping `torch` stand-in.
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.transformer.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+)
+
+# (module, qualified attribute) of cold functions that run under _CudaToCpuMode.
+_MODE_WRAPPED = (
+    ("megatron.core.models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
+)
+
+_FACTORIES = (
+    "arange",
+    "empty",
+    "empty_like",
+    "full",
+    "full_like",
+    "ones",
+    "ones_like",
+    "rand",
+    "randn",
+    "tensor",
+    "zeros",
+    "zeros_like",
+)
+
+
+def cpu_compat_applied() -> bool:
+    """True once apply_cpu_compat() has installed the shims in this process."""
+    return bool(getattr(torch.cuda, _MARKER, False))
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _map_device(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if "device" in kwargs and _is_cuda(kwargs["device"]):
+        kwargs = dict(kwargs)
+        kwargs["device"] = "cpu"
+    return kwargs
+
+
+class _CpuDeviceTorch(types.ModuleType):
+    """`torch` as seen by a megatron module with device="cuda" literals: factories build CPU tensors."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, self._factory(getattr(torch, name)))
+
+    @staticmethod
+    def _factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
+            kwargs = _map_device(kwargs)
+            kwargs.pop("pin_memory", None)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps device "cuda" to the CPU and makes CPU tensors report `torch.cuda.*Tensor` types (cold paths only)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = _map_device(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return func(*args, **kwargs)
+
+
+def _under_mode(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _CudaToCpuMode():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _Stream:
+    """Inert CUDA stream stand-in: CPU work is synchronous, so every wait is already satisfied."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+    def wait_stream(self, stream: Any) -> None:
+        del stream
+
+    def wait_event(self, event: Any) -> None:
+        del event
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event if event is not None else _Event()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _Event:
+    """Inert CUDA event stand-in."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+    def record(self, stream: Any = None) -> None:
+        del stream
+
+    def wait(self, stream: Any = None) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        del other
+        return 0.0
+
+
+_DEFAULT_STREAM = _Stream()
+
+
+def _patch_torch_cuda() -> None:
+    cpu_gen = torch.default_generator
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.current_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.default_stream = lambda device=None: _DEFAULT_STREAM
+    cuda.Stream = _Stream
+    cuda.Event = _Event
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    # The "cuda" RNG is the CPU default generator (the one CPU init/dropout draw from). Never call
+    # torch.manual_seed here: it seeds torch.cuda too, which would recurse into these shims.
+    cuda.get_rng_state = lambda device="cuda": cpu_gen.get_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": cpu_gen.set_state(new_state)
+    cuda.manual_seed = lambda seed: cpu_gen.manual_seed(int(seed)) and None
+    cuda.manual_seed_all = cuda.manual_seed
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+
+class _DropCpuRngWarning(logging.Filter):
+    """The RNG tracker warns when the CPU RNG moves inside fork(); on CPU the tracker *is* the CPU RNG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patch_megatron_rng() -> None:
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    cpu_gen = torch.default_generator
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        del device, clone, graph_safe
+        return cpu_gen.get_state()
+
+    def set_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+        del device, graph_safe
+        cpu_gen.set_state(new_state)
+
+    random._get_cuda_rng_state = get_state
+    random._set_cuda_rng_state = set_state
+    logging.getLogger(random.__name__).addFilter(_DropCpuRngWarning())
+
+
+def _patch_megatron_modules() -> None:
+    stand_in = _CpuDeviceTorch()
+    for name in _CUDA_LITERAL_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # optional deps (e.g. psutil for dist_checkpointing) missing: nothing to patch
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = stand_in
+    for module_name, qualname in _MODE_WRAPPED:
+        owner: Any = importlib.import_module(module_name)
+        *path, attr = qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        raw = owner.__dict__[attr]
+        if isinstance(raw, (staticmethod, classmethod)):
+            setattr(owner, attr, type(raw)(_under_mode(raw.__func__)))
+        else:
+            setattr(owner, attr, _under_mode(raw))
+
+
+def apply_cpu_compat() -> None:
+    """Install the CPU shims for megatron-core (see the module docstring). Idempotent.
+
+    Does nothing when CUDA is available: GPU runs must use the real CUDA paths.
+    """
+    if cpu_compat_applied():
+        return
+    if torch.cuda.is_available():
+        logging.getLogger(__name__).info("CUDA is available: megatron-core CPU shims not applied")
+        return
+    _patch_torch_cuda()
+    _patch_megatron_rng()
+    _patch_megatron_modules()
+    setattr(torch.cuda, _MARKER, True)

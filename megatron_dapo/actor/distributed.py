@@ -1,0 +1,209 @@
+"""Process groups for the actor, from torchrun or srun environments.
+
+API:
+    init_distributed(tensor_parallel, pipeline_parallel, *, backend=None, timeout_s=1800, seed=1234) -> ParallelGroups
+    destroy_distributed() -> None
+    ParallelGroups: tp_group / pp_group / dp_group / mp_group (+ embd_group), rank, world_size, local_rank,
+        tp_rank/tp_size, pp_rank/pp_size, dp_rank/dp_size, pp_ranks, mp_ranks, device,
+        is_first_stage / is_last_stage
+
+World and rank come from (first match wins):
+    torchrun   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+    srun       SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; MASTER_ADDR from the environment, else
+               SLURM_LAUNCH_NODE_IPADDR, else the first host of SLURM_JOB_NODELIST (parsed here, no scontrol);
+               MASTER_PORT from the environment, else derived from SLURM_JOB_ID
+    nothing    a single process (rank 0 of 1) on 127.0.0.1 and a free port
+Backend: NCCL when CUDA is available (device = cuda:LOCAL_RANK), gloo otherwise; on gloo without CUDA the
+megatron-core CPU shims (cpu_compat.apply_cpu_compat) are applied here, explicitly, before any megatron call.
+Rank order inside megatron is "tp-cp-ep-dp-pp": TP ranks are adjacent, PP stages are world / pp apart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's view of the actor's process groups (megatron parallel_state is initialised to match)."""
+
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup
+    """Model-parallel group: the tp_size * pp_size ranks that together hold one model replica."""
+    embd_group: dist.ProcessGroup | None
+    """First and last pipeline stage (tied embedding gradient all-reduce); None when pp_size == 1."""
+    world_group: dist.ProcessGroup
+    """Every rank of the job (rollout gathers, barriers, preemption agreement in the trainer)."""
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    pp_ranks: tuple[int, ...]
+    """Global ranks of this rank's pipeline group, stage 0 first."""
+    mp_ranks: tuple[int, ...]
+    """Global ranks of this rank's model-parallel group, in group-rank order."""
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist: "gpu[003-005,9],cpu1" -> "gpu003"; "a1,a2" -> "a1"."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"SLURM_JOB_NODELIST: cannot parse {nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _launch_env() -> tuple[int, int, int, str, int]:
+    """(rank, world_size, local_rank, master_addr, master_port) from torchrun, srun or a single process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+        addr = env.get("MASTER_ADDR", "127.0.0.1")
+        port = int(env.get("MASTER_PORT", "29500"))
+        return rank, world, local, addr, port
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+        addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
+        if not addr:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            if not nodelist:
+                raise RuntimeError("srun launch: set MASTER_ADDR (no SLURM_LAUNCH_NODE_IPADDR or SLURM_JOB_NODELIST)")
+            addr = first_slurm_host(nodelist)
+        port = int(env.get("MASTER_PORT") or 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        return rank, world, local, addr, port
+    return 0, 1, 0, "127.0.0.1", _free_port()
+
+
+def init_distributed(
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 1800.0,
+    seed: int = 1234,
+) -> ParallelGroups:
+    """Initialise torch.distributed (unless already done), megatron parallel_state and the model-parallel seeds.
+
+    Calling it again in the same processes (torch.distributed already up) rebuilds parallel_state with the new
+    layout: tests use this to check several TP/PP layouts in one launch.
+
+    Args:
+        tensor_parallel: TP size; pipeline_parallel: PP size. world_size must be a multiple of their product;
+            data parallel is world_size / (tensor_parallel * pipeline_parallel).
+        backend: "nccl" or "gloo"; None picks NCCL with CUDA, gloo without.
+        timeout_s: collective timeout.
+        seed: base seed for megatron's RNG tracker (data-parallel seed = seed, TP seed = seed + 2718 + tp_rank).
+    Returns:
+        ParallelGroups for this rank.
+    """
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    if tensor_parallel < 1 or pipeline_parallel < 1:
+        raise ValueError(
+            f"init_distributed: tensor_parallel and pipeline_parallel must be >= 1, "
+            f"got {tensor_parallel} and {pipeline_parallel}"
+        )
+    use_cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if not dist.is_initialized():
+        rank, world, local_rank, addr, port = _launch_env()
+    else:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", rank)))
+    model_parallel = tensor_parallel * pipeline_parallel
+    if world % model_parallel != 0:
+        raise ValueError(
+            f"init_distributed: world_size {world} is not divisible by tensor_parallel {tensor_parallel} "
+            f"x pipeline_parallel {pipeline_parallel} = {model_parallel}"
+        )
+    if backend == "nccl":
+        if not use_cuda:
+            raise RuntimeError("init_distributed: backend 'nccl' needs CUDA; use 'gloo' on CPU")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        if not use_cuda:
+            from megatron_dapo.actor.cpu_compat import apply_cpu_compat  # noqa: PLC0415
+
+            apply_cpu_compat()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+    model_parallel_cuda_manual_seed(seed)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    mp_group = ps.get_model_parallel_group()
+    return ParallelGroups(
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=pp_group,
+        dp_group=ps.get_data_parallel_group(),
+        mp_group=mp_group,
+        embd_group=ps.get_embedding_group() if pipeline_parallel > 1 else None,
+        world_group=dist.group.WORLD,
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=tensor_parallel,
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=pipeline_parallel,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=world // model_parallel,
+        pp_ranks=tuple(dist.get_process_group_ranks(pp_group)),
+        mp_ranks=tuple(dist.get_process_group_ranks(mp_group)),
+        device=device,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron parallel_state and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,390 @@
+"""HF <-> Megatron weights: load an HF safetensors checkpoint into this rank's shards; export full HF tensors.
+
+API:
+    load_hf_into_model(model_chunks, hf_dir, hf_config, groups) -> None
+    export_hf_weights(model_chunks, hf_config, groups, *, bucket_bytes=None, dtype=None)
+        -> Iterator[tuple[str, Tensor]]
+    hf_state_dict_keys(hf_config) -> list[str]     the names export yields, in order (= HF safetensors keys)
+
+Layouts (megatron local spec names; the TE spec's fused layer_norm_weight names are accepted too):
+    model.embed_tokens.weight [V, H]            embedding.word_embeddings.weight  [Vp/tp, H] rows, zero padded
+    layers.i.self_attn.{q,k,v}_proj.{weight,bias}
+                                                decoder.layers.j.self_attention.linear_qkv.{weight,bias}: per KV
+                                                group g: [q heads of g | k_g | v_g] rows, groups split over TP
+    layers.i.self_attn.o_proj.weight            ...linear_proj.weight     columns split over TP
+    layers.i.mlp.{gate,up}_proj.weight          ...mlp.linear_fc1.weight  TP rank r holds [gate_r ; up_r]
+    layers.i.mlp.down_proj.weight               ...mlp.linear_fc2.weight  columns split over TP
+    layers.i.{input,post_attention}_layernorm   ...input_layernorm / pre_mlp_layernorm (replicated)
+    model.norm.weight                           decoder.final_layernorm.weight (last stage)
+    lm_head.weight [V, H] (untied only)         output_layer.weight       [Vp/tp, H] rows (last stage)
+Pipeline stage s holds layers [s*L/pp, (s+1)*L/pp) under local indices j = i - s*L/pp. Tied models
+(tie_word_embeddings) have no lm_head.weight; with pp > 1 the last stage's output_layer.weight is a second copy
+of the embedding and is loaded from model.embed_tokens.weight.
+
+Export: EVERY rank of every model-parallel group yields EVERY tensor, in the same order (hf_state_dict_keys):
+the stage that owns a bucket gathers it over tp_group (all_gather), then broadcasts it over pp_group from
+that stage. Data-parallel replicas do the same independently, so a caller that pushes weights to an engine
+usually consumes the iterator on all ranks (they must all iterate: the gathers are collectives) and sends from
+one rank (e.g. groups.rank == 0). A bucket is one transformer layer (or the embedding, or final norm + lm_head)
+when bucket_bytes is None, else consecutive tensors of one stage up to bucket_bytes; only one bucket of
+gathered tensors is held at a time. Tensors are in HF's dtype (hf_config.dtype / torch_dtype) unless `dtype`
+is given, with the vocab padding stripped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_dapo.actor.model import model_arch
+from megatron_dapo.actor.model import padded_vocab_size
+
+if TYPE_CHECKING:
+    from megatron_dapo.actor.distributed import ParallelGroups
+
+# kind: how a megatron parameter is split over TP and how it maps to its HF tensors.
+#   replicated  same tensor on every TP rank          column  rows split          row  columns split
+#   qkv         q/k/v interleaved per KV group, rows split           fc1  [gate_r ; up_r] per rank
+#   vocab       rows split after zero-padding the vocabulary
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One megatron parameter and the HF tensors it holds."""
+
+    stage: int
+    block: str  # bucket boundary when bucket_bytes is None: "embed", "layer.{i}" or "final"
+    mcore: tuple[str, ...]  # accepted megatron names (local spec first, then TE spec)
+    kind: str
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    layer: int | None = None  # global layer index (checked against TransformerLayer.layer_number)
+
+
+@dataclass(frozen=True)
+class _Dims:
+    vocab: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    layers: int
+    tied: bool
+    qkv_bias: bool
+
+
+def _dims(hf_config: Any) -> _Dims:
+    heads = hf_config.num_attention_heads
+    return _Dims(
+        vocab=hf_config.vocab_size,
+        hidden=hf_config.hidden_size,
+        ffn=hf_config.intermediate_size,
+        heads=heads,
+        groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        layers=hf_config.num_hidden_layers,
+        tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=model_arch(hf_config) == "qwen2",
+    )
+
+
+def _layer_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
+    """Units of global layer i, held by `stage` as its local layer j."""
+    h, q, kv, f = d.hidden, d.heads * d.head_dim, d.groups * d.head_dim, d.ffn
+    qkv_w = tuple(f"self_attn.{p}_proj.weight" for p in "qkv")
+    qkv_b = tuple(f"self_attn.{p}_proj.bias" for p in "qkv")
+    rows = [  # (megatron names: local spec first, TE spec second), kind, HF names, HF shapes
+        (("self_attention.linear_qkv.weight",), "qkv", qkv_w, ((q, h), (kv, h), (kv, h))),
+        (("self_attention.linear_qkv.bias",), "qkv", qkv_b, ((q,), (kv,), (kv,))),
+        (("self_attention.linear_proj.weight",), "row", ("self_attn.o_proj.weight",), ((h, q),)),
+        (("mlp.linear_fc1.weight",), "fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), ((f, h), (f, h))),
+        (("mlp.linear_fc2.weight",), "row", ("mlp.down_proj.weight",), ((h, f),)),
+        (
+            ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+            "replicated",
+            ("input_layernorm.weight",),
+            ((h,),),
+        ),
+        (
+            ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+            "replicated",
+            ("post_attention_layernorm.weight",),
+            ((h,),),
+        ),
+    ]
+    if not d.qkv_bias:
+        rows.pop(1)
+    return [
+        _Unit(
+            stage,
+            f"layer.{i}",
+            tuple(f"decoder.layers.{j}.{m}" for m in mcore),
+            kind,
+            tuple(f"model.layers.{i}.{n}" for n in names),
+            shapes,
+            i,
+        )
+        for mcore, kind, names, shapes in rows
+    ]
+
+
+def _plan(d: _Dims, pp: int) -> list[_Unit]:
+    """Every megatron parameter of the whole model (all stages), in export order. Same on every rank."""
+    per_stage, last, vh = d.layers // pp, pp - 1, (d.vocab, d.hidden)
+    units = [_Unit(0, "embed", ("embedding.word_embeddings.weight",), "vocab", ("model.embed_tokens.weight",), (vh,))]
+    for i in range(d.layers):
+        units += _layer_units(d, i, i // per_stage, i % per_stage)
+    final = ("decoder.final_layernorm.weight",)
+    units.append(_Unit(last, "final", final, "replicated", ("model.norm.weight",), ((d.hidden,),)))
+    if not d.tied:
+        units.append(_Unit(last, "final", ("output_layer.weight",), "vocab", ("lm_head.weight",), (vh,)))
+    return units
+
+
+def hf_state_dict_keys(hf_config: Any) -> list[str]:
+    """HF tensor names that export_hf_weights yields, in order (the checkpoint's keys minus tied duplicates)."""
+    return [name for unit in _plan(_dims(hf_config), 1) for name in unit.hf_names]
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+
+
+def _qkv_to_mcore(q: Tensor, k: Tensor, v: Tensor, d: _Dims) -> Tensor:
+    """HF q [nh*hd, ...], k/v [ng*hd, ...] -> megatron [ng*(nh/ng + 2)*hd, ...] (per KV group: q heads, k, v)."""
+    rest = q.shape[1:]
+    g = d.groups
+    parts = (q.reshape(g, -1, *rest), k.reshape(g, -1, *rest), v.reshape(g, -1, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _qkv_from_mcore(x: Tensor, d: _Dims) -> tuple[Tensor, Tensor, Tensor]:
+    rest = x.shape[1:]
+    per_group = d.heads // d.groups * d.head_dim
+    grouped = x.reshape(d.groups, per_group + 2 * d.head_dim, *rest)
+    q, k, v = grouped.split([per_group, d.head_dim, d.head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _shard(kind: str, hf: list[Tensor], d: _Dims, tp: int, rank: int) -> Tensor:
+    """This TP rank's megatron shard from the full HF tensors of one unit."""
+    if kind == "replicated":
+        return hf[0]
+    if kind == "row":
+        return hf[0].chunk(tp, dim=1)[rank]
+    if kind == "qkv":
+        return _qkv_to_mcore(*hf, d).chunk(tp, dim=0)[rank]
+    if kind == "fc1":
+        return torch.cat([hf[0].chunk(tp, dim=0)[rank], hf[1].chunk(tp, dim=0)[rank]], dim=0)
+    if kind == "vocab":
+        full = hf[0]
+        padded = full.new_zeros((padded_vocab_size(d.vocab, tp), *full.shape[1:]))
+        padded[: full.shape[0]] = full
+        return padded.chunk(tp, dim=0)[rank]
+    raise AssertionError(kind)
+
+
+def _unshard(kind: str, shards: list[Tensor], d: _Dims) -> list[Tensor]:
+    """Full HF tensors of one unit from the megatron shards of every TP rank (in TP rank order)."""
+    if kind == "replicated":
+        return [shards[0]]
+    if kind == "row":
+        return [torch.cat(shards, dim=1)]
+    if kind == "qkv":
+        return list(_qkv_from_mcore(torch.cat(shards, dim=0), d))
+    if kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    if kind == "vocab":
+        return [torch.cat(shards, dim=0)[: d.vocab]]
+    raise AssertionError(kind)
+
+
+# ---------------------------------------------------------------------------------------------- model access
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
+        chunk = chunk.module
+    return chunk
+
+
+def _stage_model(model_chunks: list[torch.nn.Module], d: _Dims, groups: ParallelGroups) -> torch.nn.Module:
+    if len(model_chunks) != 1:
+        raise ValueError(
+            f"hf_weights: expected one model chunk per rank (no virtual pipeline), got {len(model_chunks)}"
+        )
+    model = _unwrap(model_chunks[0])
+    per_stage = d.layers // groups.pp_size
+    want = list(range(groups.pp_rank * per_stage + 1, (groups.pp_rank + 1) * per_stage + 1))
+    got = [layer.layer_number for layer in model.decoder.layers]
+    if got != want:
+        raise ValueError(f"hf_weights: stage {groups.pp_rank} holds layers {got}, expected an even split {want}")
+    return model
+
+
+def _find_param(params: dict[str, Tensor], unit: _Unit) -> Tensor:
+    for name in unit.mcore:
+        if name in params:
+            return params[name]
+    raise KeyError(f"hf_weights: megatron parameter {unit.mcore[0]} not found on stage {unit.stage}")
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+class _SafetensorsDir:
+    """Tensors of an HF checkpoint directory (model.safetensors or a sharded index), read on demand."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        from safetensors import safe_open  # noqa: PLC0415
+
+        self._open = safe_open
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        single = self.dir / "model.safetensors"
+        if index.exists():
+            self.where = {k: self.dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+            self.source = index
+        elif single.exists():
+            with safe_open(str(single), "pt") as f:
+                self.where = {k: single for k in f.keys()}  # noqa: SIM118
+            self.source = single
+        else:
+            raise FileNotFoundError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        self._files: dict[Path, Any] = {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        if name not in self.where:
+            raise KeyError(f"{self.source}: missing tensor {name!r}")
+        path = self.where[name]
+        if path not in self._files:
+            self._files[path] = self._open(str(path), "pt")
+        tensor = self._files[path].get_tensor(name)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        return tensor
+
+
+def load_hf_into_model(
+    model_chunks: list[torch.nn.Module], hf_dir: str | Path, hf_config: Any, groups: ParallelGroups
+) -> None:
+    """Copy an HF checkpoint into this rank's megatron parameters (its TP shard of its PP stage).
+
+    Every parameter of the stage must be covered (KeyError otherwise); tensors are cast to the parameter
+    dtype. Call before the optimizer is built (a distributed optimizer copies fp32 main params at construction).
+    """
+    d = _dims(hf_config)
+    model = _stage_model(model_chunks, d, groups)
+    params = dict(model.named_parameters())
+    ckpt = _SafetensorsDir(hf_dir)
+    units = [u for u in _plan(d, groups.pp_size) if u.stage == groups.pp_rank]
+    if d.tied and groups.pp_size > 1 and groups.is_last_stage:
+        embed = ("model.embed_tokens.weight",)
+        units.append(_Unit(groups.pp_rank, "final", ("output_layer.weight",), "vocab", embed, ((d.vocab, d.hidden),)))
+    done = set()
+    with torch.no_grad():
+        for unit in units:
+            param = _find_param(params, unit)
+            hf = [ckpt.get(n, s) for n, s in zip(unit.hf_names, unit.hf_shapes)]
+            shard = _shard(unit.kind, hf, d, groups.tp_size, groups.tp_rank)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"hf_weights: {unit.hf_names[0]} gives a shard of shape {tuple(shard.shape)} for "
+                    f"{unit.mcore[0]} of shape {tuple(param.shape)}"
+                )
+            param.copy_(shard.to(param.dtype))
+            done.add(id(param))
+    missing = [n for n, p in params.items() if id(p) not in done]
+    if missing:
+        raise KeyError(f"hf_weights: megatron parameters not loaded from {ckpt.source}: {missing}")
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def _export_dtype(hf_config: Any, fallback: torch.dtype) -> torch.dtype:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else fallback
+
+
+def _buckets(units: list[_Unit], bucket_bytes: int | None, itemsize: int) -> list[list[_Unit]]:
+    out: list[list[_Unit]] = []
+    size = 0
+    for unit in units:
+        nbytes = sum(int(torch.Size(s).numel()) for s in unit.hf_shapes) * itemsize
+        if (
+            out
+            and out[-1][0].stage == unit.stage
+            and (
+                (bucket_bytes is None and out[-1][0].block == unit.block)
+                or (bucket_bytes is not None and size + nbytes <= bucket_bytes)
+            )
+        ):
+            out[-1].append(unit)
+            size += nbytes
+        else:
+            out.append([unit])
+            size = nbytes
+    return out
+
+
+def _gather_unit(param: Tensor, unit: _Unit, d: _Dims, groups: ParallelGroups) -> list[Tensor]:
+    local = param.detach()
+    if unit.kind == "replicated" or groups.tp_size == 1:
+        shards = [local]
+    else:
+        local = local.contiguous()
+        shards = [torch.empty_like(local) for _ in range(groups.tp_size)]
+        dist.all_gather(shards, local, group=groups.tp_group)
+    return _unshard(unit.kind, shards, d)
+
+
+def export_hf_weights(
+    model_chunks: list[torch.nn.Module],
+    hf_config: Any,
+    groups: ParallelGroups,
+    *,
+    bucket_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield (hf_name, full tensor) for the whole model on every rank of the model-parallel group.
+
+    All ranks must consume the iterator to the end (it runs collectives over tp_group and pp_group).
+    Tensors: full HF shapes (vocab padding stripped), dtype = `dtype` or the HF config's dtype, on
+    groups.device. They may alias the live parameters (pp_size == 1, same dtype) or a shared bucket buffer:
+    send or copy each tensor before advancing the iterator / stepping the optimizer.
+    """
+    d = _dims(hf_config)
+    model = _stage_model(model_chunks, d, groups)
+    params = dict(model.named_parameters())
+    out_dtype = dtype or _export_dtype(hf_config, next(iter(params.values())).dtype)
+    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    with torch.no_grad():
+        for bucket in _buckets(_plan(d, groups.pp_size), bucket_bytes, itemsize):
+            stage = bucket[0].stage
+            names = [n for u in bucket for n in u.hf_names]
+            shapes = [s for u in bucket for s in u.hf_shapes]
+            if groups.pp_rank == stage:
+                tensors = [t.to(out_dtype) for u in bucket for t in _gather_unit(_find_param(params, u), u, d, groups)]
+            if groups.pp_size > 1:
+                numels = [int(torch.Size(s).numel()) for s in shapes]
+                if groups.pp_rank == stage:
+                    flat = torch.cat([t.reshape(-1) for t in tensors])
+                else:
+                    flat = torch.empty(sum(numels), dtype=out_dtype, device=groups.device)
+                dist.broadcast(flat, src=groups.pp_ranks[stage], group=groups.pp_group)
+                tensors = [p.view(s) for p, s in zip(flat.split(numels), shapes)]
+            yield from zip(names, tensors)
+            del tensors

@@ -1,0 +1,265 @@
+"""Hugging Face config -> megatron TransformerConfig + layer spec -> GPTModel for one pipeline stage.
+
+API:
+    SUPPORTED_ARCHITECTURES                    {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+    model_arch(hf_config) -> str               "llama" or "qwen2" (ValueError naming the field otherwise)
+    padded_vocab_size(vocab, tp, divisible_by=128) -> int
+    to_transformer_config(hf_config, actor_config, *, on_cpu) -> TransformerConfig
+    build_gpt_model(hf_config, actor_config, groups, *, pre_process=None, post_process=None) -> GPTModel
+    forward_logits(model_chunks, tokens, groups) -> Tensor | None   (test/debug helper, forward-only schedule)
+
+`to_transformer_config` is the only place that translates HF fields to megatron's. On CPU: fp32, local spec
+(get_gpt_layer_local_spec(normalization="RMSNorm")), every fusion off. On GPU: bf16/fp16 per actor_config.dtype
+and the Transformer Engine spec when TE imports (local spec otherwise); bf16/fp16 models must be wrapped in
+megatron's Float16Module (or DDP with a Float16Module inside) by the caller.
+
+Tied embeddings (SmolLM2): share_embeddings_and_output_weights=True. With pipeline_parallel > 1 megatron keeps a
+copy of the embedding as output_layer.weight on the last stage and all-reduces its gradient with the first stage
+over the embedding group (megatron.core.distributed.finalize_model_grads does this when the caller uses it);
+hf_weights.load_hf_into_model fills both copies.
+
+Building a model for a test (2 gloo processes, after torchrun-style env vars are set):
+    groups = init_distributed(tensor_parallel=2, pipeline_parallel=1)          # applies the CPU shims
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    actor_cfg = ActorConfig(model_path=hf_dir, tensor_parallel=2, dtype="fp32")
+    model = build_gpt_model(hf_config, actor_cfg, groups)
+    load_hf_into_model([model], hf_dir, hf_config, groups)
+    logits = forward_logits([model], tokens, groups, vocab_size=hf_config.vocab_size)  # [B, S, V] last stage
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_dapo.actor.distributed import ParallelGroups
+    from megatron_dapo.config import ActorConfig
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def model_arch(hf_config: Any) -> str:
+    """The supported architecture family of an HF config: "llama" or "qwen2"."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ValueError(
+        f"hf config: architectures {getattr(hf_config, 'architectures', None)} / model_type {model_type!r} "
+        f"not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Smallest multiple of divisible_by * tp that holds `vocab` rows (megatron's vocab padding)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def _rope_params(hf_config: Any) -> dict[str, Any]:
+    """rope theta and scaling as GPTModel kwargs; unsupported rope types are a one-line error."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    out: dict[str, Any] = {"rotary_base": theta}
+    if rope_type == "default":
+        return out
+    if rope_type == "linear":
+        out["seq_len_interpolation_factor"] = float(params["factor"])
+        return out
+    if rope_type == "llama3":
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        got = {k: params.get(k) for k in expected}
+        if any(got[k] is None or float(got[k]) != v for k, v in expected.items()):
+            raise ValueError(f"hf config: rope_parameters llama3 {got} unsupported (megatron fixes {expected})")
+        out["rope_scaling"] = True
+        out["rope_scaling_factor"] = float(params["factor"])
+        return out
+    raise ValueError(
+        f"hf config: rope_parameters.rope_type {rope_type!r} not supported (supported: default, linear, llama3)"
+    )
+
+
+def _have_te() -> bool:
+    try:
+        from megatron.core.extensions import transformer_engine  # noqa: F401, PLC0415
+    except Exception:  # noqa: BLE001  (TE missing or broken: fall back to the local spec)
+        return False
+    return bool(getattr(transformer_engine, "HAVE_TE", True))
+
+
+def _check_hf_config(hf_config: Any, arch: str, pipeline_parallel: int) -> None:
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hf config: hidden_act {act!r} not supported (only 'silu')")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("hf config: mlp_bias=True not supported")
+    if arch == "llama" and getattr(hf_config, "attention_bias", False):
+        raise ValueError("hf config: attention_bias=True not supported for llama")
+    if arch == "qwen2" and getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("hf config: use_sliding_window=True not supported")
+    layers = hf_config.num_hidden_layers
+    if layers % pipeline_parallel != 0:
+        raise ValueError(
+            f"actor.pipeline_parallel: {pipeline_parallel} must divide num_hidden_layers {layers} of the model"
+        )
+
+
+def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: bool) -> TransformerConfig:
+    """Translate an HF Llama/Qwen2 config plus the actor's parallelism and precision into a TransformerConfig.
+
+    On CPU the dtype is fp32 whatever actor_config.dtype says, and every fusion that needs CUDA/TE is off.
+    """
+    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
+
+    arch = model_arch(hf_config)
+    tp, pp = actor_config.tensor_parallel, actor_config.pipeline_parallel
+    _check_hf_config(hf_config, arch, pp)
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if kv_heads % tp != 0 and tp % kv_heads != 0:
+        raise ValueError(f"actor.tensor_parallel: {tp} incompatible with num_key_value_heads {kv_heads}")
+    if kv_heads % tp != 0:
+        raise ValueError(f"actor.tensor_parallel: {tp} must divide num_key_value_heads {kv_heads} (no KV replication)")
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    dtype = torch.float32 if on_cpu else _DTYPES[actor_config.dtype]
+    recompute = actor_config.recompute_activations
+    use_te = not on_cpu and _have_te()
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch == "qwen2",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=on_cpu,
+        variable_seq_lengths=True,  # micro-batches may differ in length under PP (shapes exchanged first)
+        moe_token_dispatcher_type="alltoall",  # unused (dense model); "allgather" rejects variable_seq_lengths
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=use_te,
+        bias_activation_fusion=not on_cpu,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=not on_cpu,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+
+
+def build_gpt_model(
+    hf_config: Any,
+    actor_config: ActorConfig,
+    groups: ParallelGroups,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+) -> GPTModel:
+    """GPTModel for this rank's pipeline stage (randomly initialised; load weights with hf_weights).
+
+    pre_process / post_process default to groups.is_first_stage / groups.is_last_stage. The model lives on
+    groups.device; its vocabulary is padded to padded_vocab_size(vocab_size, tp). Logits from forward() are
+    [B, S, V_padded / tp] (vocab-parallel), in the compute dtype.
+    """
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+
+    on_cpu = groups.device.type == "cpu"
+    config = to_transformer_config(hf_config, actor_config, on_cpu=on_cpu)
+    if not on_cpu and _have_te():
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa: PLC0415
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(hf_config.vocab_size, groups.tp_size),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=groups.is_first_stage if pre_process is None else pre_process,
+        post_process=groups.is_last_stage if post_process is None else post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        **_rope_params(hf_config),
+    )
+    return model.to(groups.device)
+
+
+def forward_logits(
+    model_chunks: list[torch.nn.Module], tokens: Tensor, groups: ParallelGroups, *, vocab_size: int | None = None
+) -> Tensor | None:
+    """Forward-only pass through megatron's pipeline schedule; full-vocabulary logits on the last stage.
+
+    tokens: [B, S] int64, the same on every rank of the model-parallel group (one micro-batch).
+    Returns [B, S, V] fp32 logits gathered over tp_group on last-stage ranks (V = vocab_size when given, which
+    strips the vocab padding, else the padded vocabulary), None on other stages.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+
+    tokens = tokens.to(groups.device)
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    outputs: list[Tensor] = []
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[Tensor, Any]:
+        del data_iterator
+        out = model(tokens, position_ids, None)
+
+        def collect(output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            outputs.append(output.detach())
+            return output.sum() * 0.0, {}
+
+        return out, collect
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([None]),
+        model=model_chunks,
+        num_microbatches=1,
+        seq_length=s,
+        micro_batch_size=b,
+        forward_only=True,
+    )
+    if not groups.is_last_stage:
+        return None
+    local = outputs[0].float().contiguous()
+    if groups.tp_size > 1:
+        parts = [torch.empty_like(local) for _ in range(groups.tp_size)]
+        torch.distributed.all_gather(parts, local, group=groups.tp_group)
+        local = torch.cat(parts, dim=-1)
+    return local if vocab_size is None else local[..., :vocab_size]

@@ -1,0 +1,116 @@
+"""Worker run on every gloo rank by the actor tests: build, load, forward and export, for several layouts.
+
+One process launch costs ~15-25 s of imports, so one launch checks every (tensor_parallel, pipeline_parallel)
+layout of a given world size and both tiny models; the results are cached per pytest process so
+test_model_logits.py and test_hf_weights.py share them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.actor._dist import run_distributed
+from tests.actor._tiny_models import tiny_checkpoints
+
+LAYOUTS = {2: ((2, 1), (1, 2)), 4: ((2, 2),)}
+MODELS = ("llama", "qwen2")
+
+
+def _compat_state() -> dict[str, Any]:
+    from megatron_dapo.actor import cpu_compat  # noqa: PLC0415
+
+    return {"applied": cpu_compat.cpu_compat_applied(), "synchronize": id(torch.cuda.synchronize)}
+
+
+def actor_checks(ckpts: dict[str, str], tokens: torch.Tensor) -> dict[str, Any]:
+    """Per-rank results: cpu_compat facts, and per (tp, pp, model) logits / export checks."""
+    import megatron_dapo.actor.distributed  # noqa: F401, PLC0415
+    import megatron_dapo.actor.hf_weights  # noqa: F401, PLC0415
+    import megatron_dapo.actor.model  # noqa: F401, PLC0415
+    from megatron_dapo.actor.cpu_compat import apply_cpu_compat  # noqa: PLC0415
+    from megatron_dapo.actor.distributed import destroy_distributed  # noqa: PLC0415
+    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
+
+    world = int(os.environ["WORLD_SIZE"])
+    out: dict[str, Any] = {"before_init": _compat_state()}
+    for tp, pp in LAYOUTS[world]:
+        groups = init_distributed(tp, pp)
+        if "after_init" not in out:
+            out["after_init"] = _compat_state()
+            apply_cpu_compat()
+            out["after_second_apply"] = _compat_state()
+        for name in MODELS:
+            out[f"{tp}x{pp}/{name}"] = _check_model(Path(ckpts[name]), tokens, groups, tp, pp)
+        if pp == 1:
+            out[f"{tp}x{pp}/recompute_grad_err"] = _recompute_grad_err(Path(ckpts["qwen2"]), tokens, groups, tp)
+    destroy_distributed()
+    return out
+
+
+def _check_model(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int, pp: int) -> dict[str, Any]:
+    from safetensors.torch import load_file  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from megatron_dapo.actor.hf_weights import export_hf_weights  # noqa: PLC0415
+    from megatron_dapo.actor.hf_weights import load_hf_into_model  # noqa: PLC0415
+    from megatron_dapo.actor.model import build_gpt_model  # noqa: PLC0415
+    from megatron_dapo.actor.model import forward_logits  # noqa: PLC0415
+    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    actor_cfg = ActorConfig(model_path=str(hf_dir), tensor_parallel=tp, pipeline_parallel=pp, dtype="fp32")
+    model = build_gpt_model(hf_config, actor_cfg, groups)
+    load_hf_into_model([model], hf_dir, hf_config, groups)
+    logits = forward_logits([model], tokens, groups, vocab_size=hf_config.vocab_size)
+    original = load_file(str(hf_dir / "model.safetensors"))
+    exported = {name: t.clone() for name, t in export_hf_weights([model], hf_config, groups)}
+    # A small bucket bound must give the same tensors in the same order.
+    small = [(n, t.clone()) for n, t in export_hf_weights([model], hf_config, groups, bucket_bytes=4096)]
+    mismatched = sorted(k for k in original if k in exported and not torch.equal(original[k], exported[k]))
+    return {
+        "logits": logits,
+        "export_keys": list(exported),
+        "source_keys": sorted(original),
+        "mismatched": mismatched,
+        "dtypes": sorted({str(t.dtype) for t in exported.values()}),
+        "small_bucket_same": [n for n, _ in small] == list(exported)
+        and all(torch.equal(t, exported[n]) for n, t in small),
+        "exported": exported if groups.rank == 0 else None,
+    }
+
+
+def _recompute_grad_err(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int) -> float:
+    """Max abs difference of all grads with and without full activation recompute (exercises the RNG shims)."""
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from megatron_dapo.actor.hf_weights import load_hf_into_model  # noqa: PLC0415
+    from megatron_dapo.actor.model import build_gpt_model  # noqa: PLC0415
+    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    grads = []
+    for recompute in (False, True):
+        cfg = ActorConfig(tensor_parallel=tp, dtype="fp32", recompute_activations=recompute)
+        model = build_gpt_model(hf_config, cfg, groups)
+        load_hf_into_model([model], hf_dir, hf_config, groups)
+        position_ids = torch.arange(tokens.shape[1]).expand_as(tokens)
+        model(tokens, position_ids, None).pow(2).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
+@functools.cache
+def cached_results(world: int) -> tuple[dict[str, Any], ...]:
+    """Run actor_checks on `world` gloo ranks once per pytest process; per-rank results."""
+    ckpts = {k: str(v) for k, v in tiny_checkpoints().items()}
+    return tuple(run_distributed(actor_checks, world, ckpts, tokens(), timeout_s=300))
+
+
+def tokens() -> torch.Tensor:
+    """[2, 11] int64 test input (fixed seed)."""
+    return torch.randint(0, 200, (2, 11), generator=torch.Generator().manual_seed(3))

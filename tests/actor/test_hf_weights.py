@@ -1,0 +1,107 @@
+"""HF -> Megatron -> HF is bit-exact; exported weights load into transformers and give identical logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+from transformers import AutoModelForCausalLM
+
+from megatron_dapo.actor import hf_weights
+from megatron_dapo.actor.hf_weights import hf_state_dict_keys
+from tests.actor._actor_checks import cached_results
+from tests.actor._actor_checks import tokens
+from tests.actor._tiny_models import load_hf
+from tests.actor._tiny_models import tiny_checkpoints
+
+LAYOUTS = [(2, 2, 1), (2, 1, 2), pytest.param(4, 2, 2, marks=pytest.mark.slow)]
+IDS = ["tp2", "pp2", "tp2xpp2"]
+
+
+def _expected_keys(name: str) -> set[str]:
+    model = load_hf(tiny_checkpoints()[name])
+    keys = set(model.state_dict())
+    if model.config.tie_word_embeddings:
+        keys.discard("lm_head.weight")
+    return keys
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize(("world", "tp", "pp"), LAYOUTS, ids=IDS)
+def test_roundtrip_bit_exact_on_every_rank(world, tp, pp, model):
+    expected = _expected_keys(model)
+    order = hf_state_dict_keys(AutoConfig.from_pretrained(tiny_checkpoints()[model]))
+    for rank, res in enumerate(cached_results(world)):
+        out = res[f"{tp}x{pp}/{model}"]
+        assert set(out["export_keys"]) == expected == set(out["source_keys"]), rank
+        assert out["export_keys"] == order, rank
+        assert out["mismatched"] == [], rank
+        assert out["dtypes"] == ["torch.float32"], rank
+        assert out["small_bucket_same"], rank
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize(("world", "tp", "pp"), LAYOUTS, ids=IDS)
+def test_export_loads_into_transformers(world, tp, pp, model):
+    exported = cached_results(world)[0][f"{tp}x{pp}/{model}"]["exported"]
+    path = tiny_checkpoints()[model]
+    config = AutoConfig.from_pretrained(path)
+    fresh = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    result = fresh.load_state_dict(exported, strict=False)
+    assert result.unexpected_keys == []
+    assert result.missing_keys == (["lm_head.weight"] if config.tie_word_embeddings else [])
+    if config.tie_word_embeddings:
+        assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        got = fresh(tokens()).logits
+        want = load_hf(path)(tokens()).logits
+    assert torch.equal(got, want)
+
+
+class _Dims:
+    heads, groups, head_dim, vocab = 8, 2, 3, 10
+
+
+def test_qkv_layout_groups_heads_per_kv_head():
+    d = _Dims()
+    q = torch.arange(8 * 3).float().reshape(24, 1)
+    k = 100 + torch.arange(2 * 3).float().reshape(6, 1)
+    v = 200 + torch.arange(2 * 3).float().reshape(6, 1)
+    fused = hf_weights._qkv_to_mcore(q, k, v, d)
+    # group 0: q heads 0-3 (rows 0-11), k head 0 (rows 0-2), v head 0; then group 1.
+    want = torch.cat([q[:12], k[:3], v[:3], q[12:], k[3:], v[3:]])
+    assert torch.equal(fused, want)
+    assert all(torch.equal(a, b) for a, b in zip(hf_weights._qkv_from_mcore(fused, d), (q, k, v)))
+    bias = hf_weights._qkv_to_mcore(q[:, 0], k[:, 0], v[:, 0], d)
+    assert torch.equal(bias, want[:, 0])
+
+
+@pytest.mark.parametrize("kind", ["replicated", "row", "qkv", "fc1", "vocab"])
+def test_shard_unshard_inverse(kind):
+    d = _Dims()
+    gen = torch.Generator().manual_seed(0)
+    shapes = {
+        "replicated": [(5,)],
+        "row": [(5, 6)],
+        "qkv": [(24, 5), (6, 5), (6, 5)],
+        "fc1": [(6, 5), (6, 5)],
+        "vocab": [(10, 5)],
+    }[kind]
+    full = [torch.randn(s, generator=gen) for s in shapes]
+    shards = [hf_weights._shard(kind, full, d, 2, r) for r in range(2)]
+    if kind == "fc1":  # rank r holds [gate_r ; up_r]
+        assert torch.equal(shards[1], torch.cat([full[0][3:], full[1][3:]]))
+    if kind == "vocab":  # padded to 256 rows, split in two
+        assert shards[0].shape == (128, 5) and torch.equal(shards[0][:10], full[0])
+    back = hf_weights._unshard(kind, shards, d)
+    assert len(back) == len(full) and all(torch.equal(a, b) for a, b in zip(back, full))
+
+
+def test_checkpoint_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        hf_weights._SafetensorsDir(tmp_path)
+    ckpt = hf_weights._SafetensorsDir(tiny_checkpoints()["qwen2"])
+    with pytest.raises(KeyError, match="model.safetensors: missing tensor 'nope'"):
+        ckpt.get("nope", (1,))
+    with pytest.raises(ValueError, match="has shape"):
+        ckpt.get("model.norm.weight", (3,))

@@ -1,0 +1,128 @@
+"""Megatron GPTModel logits equal transformers logits at TP=2, PP=2 and TP=2 x PP=2 (fp32, CPU, gloo)."""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+import torch
+
+from megatron_dapo.actor.distributed import first_slurm_host
+from megatron_dapo.actor.distributed import init_distributed
+from megatron_dapo.actor.model import padded_vocab_size
+from megatron_dapo.actor.model import to_transformer_config
+from megatron_dapo.config import ActorConfig
+from tests.actor._actor_checks import cached_results
+from tests.actor._actor_checks import tokens
+from tests.actor._tiny_models import load_hf
+from tests.actor._tiny_models import tiny_checkpoints
+
+ATOL = 1e-4
+
+
+@functools.cache
+def _hf_logits(name: str) -> torch.Tensor:
+    with torch.no_grad():
+        return load_hf(tiny_checkpoints()[name])(tokens()).logits.float()
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("world", "tp", "pp"),
+    [(2, 2, 1), (2, 1, 2), pytest.param(4, 2, 2, marks=pytest.mark.slow)],
+    ids=["tp2", "pp2", "tp2xpp2"],
+)
+def test_logits_match_transformers(world, tp, pp, model):
+    results = cached_results(world)
+    ref = _hf_logits(model)
+    for rank, res in enumerate(results):
+        logits = res[f"{tp}x{pp}/{model}"]["logits"]
+        last_stage = rank // (world // pp) == pp - 1  # megatron order tp-cp-ep-dp-pp: stages are world/pp apart
+        if not last_stage:
+            assert logits is None, rank
+            continue
+        assert logits.shape == ref.shape, rank
+        err = (logits - ref).abs().max().item()
+        assert err <= ATOL, f"rank {rank}: max abs err {err}"
+
+
+def _hf_config(**kw):
+    base = dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(200, 1) == 256
+    assert padded_vocab_size(200, 2) == 256
+    assert padded_vocab_size(257, 2) == 512
+    assert padded_vocab_size(151936, 4) == 152064
+    assert padded_vocab_size(49152, 2) == 49152
+
+
+def test_to_transformer_config_qwen2_on_cpu():
+    cfg = to_transformer_config(_hf_config(), ActorConfig(tensor_parallel=2, dtype="bf16"), on_cpu=True)
+    assert cfg.params_dtype == torch.float32 and not cfg.bf16
+    assert cfg.num_query_groups == 2 and cfg.kv_channels == 16 and cfg.ffn_hidden_size == 96
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear and cfg.gated_linear_unit
+    assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == 1e-5
+    assert cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0
+    assert cfg.activation_func is torch.nn.functional.silu
+    off = (
+        "gradient_accumulation_fusion",
+        "persist_layer_norm",
+        "apply_rope_fusion",
+        "sequence_parallel",
+        "bias_activation_fusion",
+        "masked_softmax_fusion",
+        "bias_dropout_fusion",
+    )
+    assert not any(getattr(cfg, name) for name in off)
+    llama = _hf_config(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False)
+    assert not to_transformer_config(llama, ActorConfig(), on_cpu=True).add_qkv_bias
+
+
+@pytest.mark.parametrize(
+    ("override", "actor", "match"),
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, {}, "rope_type 'yarn'"),
+        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, {}, "not supported"),
+        ({"hidden_act": "gelu"}, {}, "hidden_act"),
+        ({}, {"tensor_parallel": 4}, "num_key_value_heads 2"),
+        ({}, {"pipeline_parallel": 3}, "num_hidden_layers 2"),
+    ],
+)
+def test_to_transformer_config_rejects(override, actor, match):
+    from megatron_dapo.actor.model import _rope_params  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=match):
+        hf = _hf_config(**override)
+        to_transformer_config(hf, ActorConfig(**actor), on_cpu=True)
+        _rope_params(hf)
+
+
+def test_init_distributed_rejects_indivisible_world(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="world_size 1 is not divisible by tensor_parallel 2"):
+        init_distributed(2, 1)
+
+
+def test_first_slurm_host():
+    assert first_slurm_host("gpu[003-005,9],cpu1") == "gpu003"
+    assert first_slurm_host("node7") == "node7"
+    assert first_slurm_host("a1,a2") == "a1"
