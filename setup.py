@@ -36,7 +36,7 @@ EXTRAS = {
         "matplotlib",
     ],
     # SGLang has no CPU wheel; on GPU nodes install the pinned version (see docs/rollout.md).
-    "sglang": ["sglang>=0.5.15,<=0.5.23"],
+    "sglang": ["sglang==0.5.23"],
     "vllm": ["vllm>=0.10"],
     "te": ["transformer-engine[pytorch]"],
     "apex": ["apex"],

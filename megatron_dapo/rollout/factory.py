@@ -1,0 +1,93 @@
+"""make_engine: RolloutConfig -> a RolloutEngine; sampling_params: RolloutConfig -> SamplingParams."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_dapo.config import RolloutConfig
+from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.rollout.base import SamplingParams
+
+
+def sampling_params(
+    rollout: RolloutConfig, n: int, *, seed: int | None = None, stop_token_ids: Sequence[int] = ()
+) -> SamplingParams:
+    """Training-time sampling: n = group size, max_new_tokens = rollout.max_response_length."""
+    return SamplingParams(
+        n=n,
+        max_new_tokens=rollout.max_response_length,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        stop_token_ids=tuple(stop_token_ids),
+        seed=seed,
+        return_logprobs=rollout.compare_logprobs,
+    )
+
+
+def make_engine(
+    rollout: RolloutConfig,
+    model_path: str,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+    base_gpu_id: int = 0,
+    batch_size: int = 32,
+    master_address: str = "127.0.0.1",
+    master_port: int = 29600,
+    engine_kwargs: dict[str, Any] | None = None,
+) -> RolloutEngine:
+    """Build the engine named by rollout.engine / rollout.mode.
+
+    model_path: HF checkpoint directory (the actor's starting point; later weights arrive through WeightSync).
+    device / dtype: defaults "cuda" + "bfloat16" when a GPU is visible, else "cpu" + "float32".
+    base_gpu_id: first GPU of a colocated SGLang engine (the local rank that holds it).
+    master_address / master_port: this rank's endpoint for SGLang server mode's NCCL weight-update group.
+    engine_kwargs: extra arguments for sglang.Engine / vllm.LLM.
+    """
+    cuda = torch.cuda.is_available()
+    device = device or ("cuda" if cuda else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if rollout.engine == "transformers":
+        from megatron_dapo.rollout.transformers_engine import TransformersEngine  # noqa: PLC0415
+
+        return TransformersEngine(model_path, dtype=getattr(torch, dtype), device=device, batch_size=batch_size)
+    if rollout.engine == "sglang" and rollout.mode == "server":
+        from megatron_dapo.rollout.sglang_engine import SGLangServerEngine  # noqa: PLC0415
+
+        return SGLangServerEngine(
+            rollout.server_urls,
+            server_tp=rollout.tensor_parallel,
+            master_address=master_address,
+            master_port=master_port,
+        )
+    if rollout.engine == "sglang":
+        from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: PLC0415
+
+        return SGLangEngine(
+            model_path,
+            tensor_parallel=rollout.tensor_parallel,
+            mem_fraction=rollout.mem_fraction,
+            dtype=dtype,
+            base_gpu_id=base_gpu_id,
+            seed=seed,
+            engine_kwargs=engine_kwargs,
+        )
+    if rollout.engine == "vllm":
+        if rollout.mode == "server":
+            raise ValueError('rollout.mode: "server" is implemented for engine "sglang" only')
+        from megatron_dapo.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415
+
+        return VLLMEngine(
+            model_path,
+            tensor_parallel=rollout.tensor_parallel,
+            mem_fraction=rollout.mem_fraction,
+            dtype=dtype,
+            seed=seed,
+            llm_kwargs=engine_kwargs,
+        )
+    raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")

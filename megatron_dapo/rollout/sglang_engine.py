@@ -1,0 +1,533 @@
+"""SGLang rollout engines: colocated (offline sglang.Engine in the training processes) and server mode (HTTP).
+
+    colocated:  WeightSync --bucket--> flattened_bucket_payload (one uint8 tensor + metadata, CUDA IPC)
+                    --Engine.update_weights_from_tensor(load_format="flattened_bucket")--> SGLang TP workers
+                sleep(): release_memory_occupation  /  wake(["weights"]) ... sync ... wake(["kv_cache"])
+    server:     generate --HTTP POST /generate (input_ids, sampling_params, return_logprob)--> servers
+                WeightSync --bucket--> POST /update_weights_from_distributed (names, dtypes, shapes)
+                                       + NCCL broadcast from the trainer (rank 0 of the update group)
+
+Every SGLang name this module uses (Engine methods and their keyword arguments, ServerArgs fields, sampling
+parameters, HTTP routes, request fields) is listed once in SGLANG_API; calls go through _checked(), which refuses
+a name not listed there, and tests/rollout/test_sglang_adapter.py checks the list against SGLang's source with
+`ast`. sglang is imported lazily: it has no CPU build. Supported versions: SGLANG_VERSIONS (docs/rollout.md).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron_dapo.rollout.base import Completion
+from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.base import WeightUpdateError
+from megatron_dapo.rollout.transformers_engine import completion_seed
+
+SGLANG_VERSIONS = ("0.5.15", "0.5.23")
+"""Oldest and newest SGLang release whose source was checked against SGLANG_API (CI pins the newest)."""
+
+ENGINE = ("srt/entrypoints/engine.py",)
+SERVER_ARGS = ("srt/server_args.py", "srt/arg_groups/fields/*.py")  # 0.5.23 split ServerArgs into namespaces
+IO_STRUCT = ("srt/managers/io_struct.py",)
+HTTP = ("srt/entrypoints/http_server.py",)
+
+
+@dataclass(frozen=True)
+class ApiUse:
+    """One SGLang name we depend on.
+
+    kind: "params" (owner "Class.method", names = keyword arguments we pass), "fields" (owner a class, or "*" for
+    any class in files, names = annotated fields), "route" (owner an HTTP path, names = (request class,) or ()),
+    "literals" (names = substrings of string constants in files).
+    files: globs relative to the sglang package directory. optional: absent in older releases; used via hasattr.
+    """
+
+    kind: str
+    files: tuple[str, ...]
+    owner: str
+    names: tuple[str, ...]
+    optional: bool = False
+
+
+SGLANG_API: tuple[ApiUse, ...] = (
+    ApiUse("params", ENGINE, "Engine.generate", ("input_ids", "sampling_params", "return_logprob")),
+    ApiUse("params", ENGINE, "Engine.update_weights_from_tensor", ("named_tensors", "load_format", "flush_cache")),
+    ApiUse("params", ENGINE, "Engine.release_memory_occupation", ("tags",)),
+    ApiUse("params", ENGINE, "Engine.resume_memory_occupation", ("tags",)),
+    ApiUse("params", ENGINE, "Engine.flush_cache", ()),
+    ApiUse("params", ENGINE, "Engine.shutdown", ()),
+    ApiUse("params", ENGINE, "Engine.begin_weight_update", (), optional=True),
+    ApiUse("params", ENGINE, "Engine.end_weight_update", (), optional=True),
+    ApiUse(
+        "fields",
+        SERVER_ARGS,
+        "*",
+        (
+            "model_path",
+            "tp_size",
+            "mem_fraction_static",
+            "enable_memory_saver",
+            "skip_tokenizer_init",
+            "dtype",
+            "base_gpu_id",
+            "random_seed",
+        ),
+    ),
+    ApiUse(
+        "fields",
+        ("srt/sampling/sampling_params.py",),
+        "SamplingParams",
+        ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "no_stop_trim", "sampling_seed"),
+    ),
+    ApiUse("fields", IO_STRUCT, "GenerateReqInput", ("input_ids", "sampling_params", "return_logprob")),
+    ApiUse(
+        "fields",
+        IO_STRUCT,
+        "InitWeightsUpdateGroupReqInput",
+        ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
+    ),
+    ApiUse(
+        "fields",
+        IO_STRUCT,
+        "UpdateWeightsFromDistributedReqInput",
+        ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"),
+    ),
+    ApiUse("fields", IO_STRUCT, "BeginWeightUpdateReqInput", (), optional=True),
+    ApiUse("fields", IO_STRUCT, "EndWeightUpdateReqInput", (), optional=True),
+    ApiUse("route", HTTP, "/generate", ("GenerateReqInput",)),
+    ApiUse("route", HTTP, "/init_weights_update_group", ("InitWeightsUpdateGroupReqInput",)),
+    ApiUse("route", HTTP, "/update_weights_from_distributed", ("UpdateWeightsFromDistributedReqInput",)),
+    ApiUse("route", HTTP, "/flush_cache", ()),
+    ApiUse("route", HTTP, "/begin_weight_update", ("BeginWeightUpdateReqInput",), optional=True),
+    ApiUse("route", HTTP, "/end_weight_update", ("EndWeightUpdateReqInput",), optional=True),
+    ApiUse(
+        "fields",
+        ("srt/weight_sync/tensor_bucket.py",),
+        "FlattenedTensorMetadata",
+        ("name", "shape", "dtype", "start_idx", "end_idx", "numel"),
+    ),
+    ApiUse("params", ("srt/utils/common.py",), "MultiprocessingSerializer.serialize", ("obj",)),
+    ApiUse("params", ("srt/utils/patch_torch.py",), "monkey_patch_torch_reductions", ()),
+    # The receiver of load_format="flattened_bucket" reads these two keys of the payload dict.
+    ApiUse(
+        "literals",
+        ("srt/managers/*.py", "srt/model_executor/**/*.py"),
+        "*",
+        ("flattened_bucket", "flattened_tensor", "metadata"),
+    ),
+    # SGLang's restricted unpickler must admit our FlattenedTensorMetadata objects.
+    ApiUse("literals", ("srt/utils/common.py",), "*", ("sglang.srt.weight_sync.tensor_bucket",)),
+)
+
+_ALLOWED: dict[str, frozenset[str]] = {use.owner: frozenset(use.names) for use in SGLANG_API if use.owner != "*"}
+_ALLOWED["ServerArgs"] = frozenset(next(u.names for u in SGLANG_API if u.files == SERVER_ARGS))
+_ROUTE_BODY: dict[str, str | None] = {
+    u.owner: (u.names[0] if u.names else None) for u in SGLANG_API if u.kind == "route"
+}
+
+
+def _checked(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Return kwargs after checking that every key is listed for owner in SGLANG_API (no drift from the test)."""
+    allowed = _ALLOWED.get(owner)
+    if allowed is None:
+        raise KeyError(f"sglang_engine: {owner!r} is not listed in SGLANG_API")
+    extra = sorted(set(kwargs) - allowed)
+    if extra:
+        raise KeyError(f"sglang_engine: {owner} argument {extra[0]!r} is not listed in SGLANG_API")
+    return kwargs
+
+
+def sampling_params_dicts(prompts: Sequence[Sequence[int]], params: SamplingParams, base_seed: int) -> list[dict]:
+    """One SGLang sampling-params dict per completion row (prompt i, sample k), rows ordered i-major.
+
+    top_k 0 (disabled) becomes SGLang's -1; each row gets its own sampling_seed so the n samples differ and the
+    same seed reproduces them; no_stop_trim keeps the stop token in the output ids.
+    """
+    rows = []
+    for i in range(len(prompts)):
+        for k in range(params.n):
+            row = {
+                "max_new_tokens": params.max_new_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k if params.top_k > 0 else -1,
+                "stop_token_ids": list(params.stop_token_ids),
+                "no_stop_trim": True,
+                "sampling_seed": completion_seed(base_seed, i, k),
+            }
+            rows.append(_checked("SamplingParams", row))
+    return rows
+
+
+def parse_sglang_output(out: dict, prompt_ids: list[int], want_logprobs: bool) -> Completion:
+    """One SGLang generate result (a dict with "output_ids" and "meta_info") -> Completion.
+
+    meta_info.output_token_logprobs is a list of (logprob, token_id, text) over every generated token;
+    meta_info.finish_reason is {"type": "stop" | "length" | "abort", "matched": ...}. An abort is an error.
+    """
+    meta = out.get("meta_info", {})
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in ("stop", "length"):
+        raise RuntimeError(f"sglang: generation ended with finish_reason {reason!r}")
+    token_logprobs = meta.get("output_token_logprobs")
+    if token_logprobs:
+        ids = [int(t[1]) for t in token_logprobs]
+        logps: list[float] | None = [float(t[0]) for t in token_logprobs]
+    else:
+        ids, logps = [int(t) for t in out.get("output_ids", [])], None
+    matched = reason.get("matched") if isinstance(reason, dict) else None
+    if kind == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
+        raise RuntimeError(f"sglang: response does not end with its stop token {matched} (set no_stop_trim)")
+    return Completion(
+        prompt_ids=list(prompt_ids),
+        response_ids=ids,
+        response_logprobs=logps if want_logprobs else None,
+        finish_reason=kind,
+    )
+
+
+def flatten_bucket(bucket: Sequence[tuple[str, Tensor]], align: int = 16) -> tuple[Tensor, list[dict]]:
+    """Pack tensors into one uint8 tensor: each tensor's bytes start at a multiple of align.
+
+    bucket: (name, tensor) pairs, any dtypes, one device. Returns (flat [nbytes] uint8, metadata) where
+    metadata[j] = {name, shape, dtype, start_idx, end_idx, numel} with byte offsets (SGLang's
+    FlattenedTensorMetadata fields; numel counts bytes, as SGLang's own bucket does).
+    """
+    if not bucket:
+        raise ValueError("flatten_bucket: empty bucket")
+    device = bucket[0][1].device
+    metadata, offset = [], 0
+    for name, t in bucket:
+        start = (offset + align - 1) // align * align
+        nbytes = t.numel() * t.element_size()
+        metadata.append(
+            {"name": name, "shape": t.shape, "dtype": t.dtype, "start_idx": start, "end_idx": start + nbytes}
+        )
+        metadata[-1]["numel"] = nbytes
+        offset = start + nbytes
+    flat = torch.empty(offset, dtype=torch.uint8, device=device)
+    for (_, t), meta in zip(bucket, metadata):
+        flat[meta["start_idx"] : meta["end_idx"]].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    return flat, metadata
+
+
+def flattened_bucket_payloads(
+    bucket: Sequence[tuple[str, Tensor]],
+    tp_size: int,
+    metadata_cls: Callable[..., Any],
+    serialize: Callable[[Any], bytes],
+) -> list[bytes]:
+    """The named_tensors argument of Engine.update_weights_from_tensor(load_format="flattened_bucket").
+
+    One serialized {"flattened_tensor": uint8 tensor, "metadata": [metadata_cls]} per SGLang TP rank (each rank
+    deserializes its own copy). metadata_cls is sglang's FlattenedTensorMetadata; serialize is
+    MultiprocessingSerializer.serialize (CUDA tensors travel as IPC handles, not copies).
+    """
+    flat, metadata = flatten_bucket(bucket)
+    payload = {"flattened_tensor": flat, "metadata": [metadata_cls(**m) for m in metadata]}
+    return [serialize(payload) for _ in range(tp_size)]
+
+
+def _ok(result: Any, what: str) -> None:
+    """Raise WeightUpdateError when an SGLang call reports (False, message)."""
+    if isinstance(result, tuple) and len(result) >= 2 and result[0] is False:
+        raise WeightUpdateError(f"sglang {what} failed: {result[1]}")
+    if isinstance(result, dict) and result.get("success") is False:
+        raise WeightUpdateError(f"sglang {what} failed: {result.get('message')}")
+
+
+class SGLangEngine:
+    """Colocated SGLang: an offline sglang.Engine on this process's GPUs (base_gpu_id .. + tensor_parallel).
+
+    Create it on the first rank of each rollout group; that rank receives the full HF tensors from the actor
+    export and hands them to SGLang through CUDA IPC (no copy). SGLang's load_weights shards them for its TP.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tensor_parallel: int = 1,
+        mem_fraction: float = 0.7,
+        dtype: str = "bfloat16",
+        base_gpu_id: int = 0,
+        seed: int = 0,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        import sglang  # noqa: PLC0415
+        from sglang.srt.utils.common import MultiprocessingSerializer  # noqa: PLC0415
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # noqa: PLC0415
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata  # noqa: PLC0415
+
+        args = {
+            "model_path": model_path,
+            "tp_size": tensor_parallel,
+            "mem_fraction_static": mem_fraction,
+            "enable_memory_saver": True,
+            "skip_tokenizer_init": True,
+            "dtype": dtype,
+            "base_gpu_id": base_gpu_id,
+            "random_seed": seed,
+        }
+        self._engine = sglang.Engine(**_checked("ServerArgs", args), **(engine_kwargs or {}))
+        self.tp_size = tensor_parallel
+        self._metadata_cls = FlattenedTensorMetadata
+        self._serialize = MultiprocessingSerializer.serialize
+        self._patch_reductions = monkey_patch_torch_reductions
+        self._released: set[str] = set()
+        self._session = False
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        return getattr(self._engine, method)(**_checked(f"Engine.{method}", kwargs))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """len(prompts) * params.n completions, grouped by prompt (one SGLang request per completion)."""
+        base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        outs = self._call(
+            "generate",
+            input_ids=rows,
+            sampling_params=sampling_params_dicts(prompts, params, base_seed),
+            return_logprob=True,
+        )
+        return [parse_sglang_output(o, r, params.return_logprobs) for o, r in zip(outs, rows)]
+
+    def begin_weight_update(self) -> None:
+        """Restore weight memory if released, then open SGLang's update session where it exists (>= 0.5.23)."""
+        if "weights" in self._released:
+            self.wake(["weights"])
+        self._patch_reductions()  # SGLang's own fix so IPC handles name the GPU by UUID, not by index
+        if hasattr(self._engine, "begin_weight_update"):
+            _ok(self._call("begin_weight_update"), "begin_weight_update")
+        self._session = True
+
+    def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
+        """Send one bucket as a flattened CUDA-IPC payload; SGLang copies it into its sharded weights."""
+        payloads = flattened_bucket_payloads(bucket, self.tp_size, self._metadata_cls, self._serialize)
+        result = self._call(
+            "update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
+        )
+        _ok(result, "update_weights_from_tensor")
+
+    def end_weight_update(self, *, full: bool = True) -> None:
+        """Close the session, flush the radix cache and restore the KV cache if it was released.
+
+        SGLang cannot list which parameters a bucket covered, so `full` is not checked here; the actor's export
+        covers every parameter by construction (tested with the transformers engine).
+        """
+        if self._session and hasattr(self._engine, "end_weight_update"):
+            _ok(self._call("end_weight_update"), "end_weight_update")
+        self._session = False
+        self._call("flush_cache")
+        if self._released:
+            self.wake()
+
+    def sleep(self) -> None:
+        """Release weights, KV cache and CUDA graphs (SGLang's memory saver) before training."""
+        self._call("release_memory_occupation", tags=None)
+        self._released = {"weights", "kv_cache", "cuda_graph"}
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Resume released memory: tags ("weights", "kv_cache", "cuda_graph") or None for all of it."""
+        todo = sorted(self._released if tags is None else self._released & set(tags))
+        if todo:
+            self._call("resume_memory_occupation", tags=todo)
+            self._released -= set(todo)
+
+    def shutdown(self) -> None:
+        """Stop SGLang's scheduler processes."""
+        self._call("shutdown")
+
+
+# ---------------------------------------------------------------------------------------------- server mode
+
+
+def init_weight_update_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    group_name: str,
+    *,
+    rank: int = 0,
+    backend: str = "nccl",
+    timeout: timedelta = timedelta(minutes=10),
+) -> Any:
+    """The trainer's side of SGLang's weight-update group (rank 0; servers join at rank_offset >= 1).
+
+    It must meet SGLang's receiver in the same TCP rendezvous and store prefixes: rendezvous on
+    tcp://master_address:master_port (rank 0 hosts the store), a PrefixStore named group_name, and torch's
+    process-group constructor under that group name. Returns a ProcessGroup for torch.distributed.broadcast.
+    Works with backend "gloo" on CPU (tested); "nccl" needs GPUs.
+    """
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+    store, rank, world_size = next(
+        dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(  # noqa: SLF001 -- same constructor SGLang's receiver uses
+        world_size, rank, [], dist.Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # noqa: SLF001
+    return pg
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SGLangServerEngine:
+    """Disaggregated SGLang: HTTP servers on other nodes; weights by NCCL broadcast from this trainer rank.
+
+    server_urls: base URLs; server_tp: tensor-parallel size of each server (for the update group's world size).
+    master_address / master_port: this rank's address reachable from the servers, and a free port.
+    """
+
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        *,
+        server_tp: int = 1,
+        master_address: str = "127.0.0.1",
+        master_port: int = 29600,
+        group_name: str = "megatron_dapo_weights",
+        timeout_s: float = 3600.0,
+    ) -> None:
+        if not server_urls:
+            raise ValueError("SGLangServerEngine: server_urls is empty")
+        self.urls = [u.rstrip("/") for u in server_urls]
+        self.server_tp = server_tp
+        self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
+        self.timeout_s = timeout_s
+        self._group = None
+        self._session_routes = True
+
+    def _post(self, url: str, route: str, body: dict | None = None) -> Any:
+        body_cls = _ROUTE_BODY.get(route, "")
+        if body_cls == "":
+            raise KeyError(f"sglang_engine: route {route} is not listed in SGLANG_API")
+        if body_cls is not None and body:
+            _checked(body_cls, body)
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(url + route, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"sglang server {url}{route}: HTTP {err.code} {err.read()[:300]!r}") from None
+        try:
+            return json.loads(raw or b"null")
+        except ValueError:  # /flush_cache answers with plain text
+            return raw.decode(errors="replace")
+
+    def _post_all(self, route: str, body: dict | None = None) -> list[Any]:
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            return list(pool.map(lambda u: self._post(u, route, body), self.urls))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Split the completion rows into contiguous chunks, one per server, sent concurrently."""
+        base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        sampling = sampling_params_dicts(prompts, params, base_seed)
+        per = -(-len(rows) // len(self.urls))
+        chunks = [(u, slice(j * per, (j + 1) * per)) for j, u in enumerate(self.urls) if j * per < len(rows)]
+
+        def run(chunk: tuple[str, slice]) -> list[dict]:
+            url, sl = chunk
+            body = {"input_ids": rows[sl], "sampling_params": sampling[sl], "return_logprob": True}
+            return self._post(url, "/generate", body)
+
+        with ThreadPoolExecutor(len(chunks)) as pool:
+            outs = [o for part in pool.map(run, chunks) for o in part]
+        return [parse_sglang_output(o, r, params.return_logprobs) for o, r in zip(outs, rows)]
+
+    def begin_weight_update(self) -> None:
+        """Create the NCCL update group on first use (servers join concurrently), then open server sessions."""
+        if self._group is None:
+            world = 1 + self.server_tp * len(self.urls)
+            results: list[Any] = []
+            threads = [
+                threading.Thread(
+                    target=lambda j=j, u=u: results.append(
+                        self._post(
+                            u,
+                            "/init_weights_update_group",
+                            {
+                                "master_address": self.master_address,
+                                "master_port": self.master_port,
+                                "rank_offset": 1 + j * self.server_tp,
+                                "world_size": world,
+                                "group_name": self.group_name,
+                                "backend": "nccl",
+                            },
+                        )
+                    )
+                )
+                for j, u in enumerate(self.urls)
+            ]
+            for t in threads:
+                t.start()
+            self._group = init_weight_update_group(self.master_address, self.master_port, world, self.group_name)
+            for t in threads:
+                t.join()
+            for r in results:
+                _ok(r, "init_weights_update_group")
+        if self._session_routes:
+            try:
+                self._post_all("/begin_weight_update", {})
+            except RuntimeError as err:  # servers older than 0.5.23 have no session routes
+                if "HTTP 404" not in str(err):
+                    raise
+                self._session_routes = False
+
+    def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
+        """Announce the bucket to every server over HTTP, then broadcast each tensor from rank 0 (NCCL)."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        body = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [_dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self.group_name,
+            "flush_cache": False,
+        }
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(self._post_all, "/update_weights_from_distributed", body)
+            for _, t in bucket:
+                dist.broadcast(t.contiguous(), group_src=0, group=self._group)
+            for r in pending.result():
+                _ok(r, "update_weights_from_distributed")
+
+    def end_weight_update(self, *, full: bool = True) -> None:
+        """Close the server sessions (if any) and flush their radix caches."""
+        if self._session_routes:
+            self._post_all("/end_weight_update", {})
+        self._post_all("/flush_cache")
+
+    def sleep(self) -> None:
+        """No-op: the servers own their GPUs."""
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """No-op: the servers own their GPUs."""
+
+    def shutdown(self) -> None:
+        """Destroy the update group; the servers keep running."""
+        if self._group is not None:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            dist.destroy_process_group(self._group)
+            self._group = None

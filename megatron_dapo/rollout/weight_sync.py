@@ -1,0 +1,96 @@
+"""Per-step weight sync: full HF-named tensors from the actor, in size-bounded buckets, into a rollout engine.
+
+    MegatronActor.export_hf_weights() --(hf_name, full tensor)*--> WeightSync.sync
+        --bucket_named_tensors (<= bucket_bytes each)--> engine.begin_weight_update()
+                                                         engine.update_weights(bucket) per bucket
+                                                         engine.end_weight_update(full=True)
+
+On ranks that hold no engine (engine=None) sync() still drains the iterator: the actor's export may be
+collective (TP/PP gathers), so every rank must walk it in step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from collections.abc import Iterator
+
+from torch import Tensor
+
+from megatron_dapo.rollout.base import RolloutEngine
+
+MiB = 1 << 20
+
+
+def tensor_bytes(t: Tensor) -> int:
+    """Size of a tensor's elements in bytes."""
+    return t.numel() * t.element_size()
+
+
+def bucket_named_tensors(
+    named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """Group (name, tensor) pairs, in order, into lists of at most bucket_bytes bytes.
+
+    A tensor larger than bucket_bytes gets a bucket of its own. Consumes the input lazily, so at most one
+    bucket of tensors is alive at a time.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_named_tensors: bucket_bytes must be >= 1, got {bucket_bytes}")
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor_bytes(tensor)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class WeightSync:
+    """Push the actor's weights into a rollout engine once per step.
+
+    engine: a RolloutEngine, or None on ranks that only take part in the actor's export.
+    bucket_bytes: size bound of one bucket (RolloutConfig.weight_sync_bucket_mb MiB).
+    """
+
+    def __init__(self, engine: RolloutEngine | None, bucket_bytes: int = 512 * MiB) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"WeightSync.bucket_bytes: must be >= 1, got {bucket_bytes}")
+        self.engine = engine
+        self.bucket_bytes = bucket_bytes
+
+    def sync(self, named_tensors: Iterable[tuple[str, Tensor]], *, full: bool = True) -> dict[str, float]:
+        """Send every (hf_name, full tensor) to the engine; returns metrics.
+
+        named_tensors: e.g. MegatronActor.export_hf_weights(); tensors are full (un-sharded) HF-layout weights.
+        full: the update must cover every engine parameter (checked by the engine at the end).
+        Returns {"weight_sync/bytes", "weight_sync/seconds", "weight_sync/gb_per_s", "weight_sync/num_buckets",
+        "weight_sync/num_tensors"} (GB = 1e9 bytes; seconds include the export time of the iterator).
+        """
+        start = time.perf_counter()
+        total_bytes = 0
+        num_buckets = 0
+        num_tensors = 0
+        engine = self.engine
+        if engine is not None:
+            engine.begin_weight_update()
+        for bucket in bucket_named_tensors(named_tensors, self.bucket_bytes):
+            num_buckets += 1
+            num_tensors += len(bucket)
+            total_bytes += sum(tensor_bytes(t) for _, t in bucket)
+            if engine is not None:
+                engine.update_weights(bucket)
+        if engine is not None:
+            engine.end_weight_update(full=full)
+        seconds = time.perf_counter() - start
+        return {
+            "weight_sync/bytes": float(total_bytes),
+            "weight_sync/seconds": seconds,
+            "weight_sync/gb_per_s": total_bytes / 1e9 / seconds if seconds > 0 else 0.0,
+            "weight_sync/num_buckets": float(num_buckets),
+            "weight_sync/num_tensors": float(num_tensors),
+        }

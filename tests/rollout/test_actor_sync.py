@@ -1,0 +1,156 @@
+"""End to end on CPU: MegatronActor (TP=2, gloo) update -> export -> WeightSync -> TransformersEngine.
+
+One 2-process launch (~20-30 s, mostly imports). After one DAPO update the actor's weights differ from the
+checkpoint; after the sync the engine's sampling log-probs of its own completions equal the actor's
+compute_logprobs of the same sequences (fp32, 1e-4). The same export, packed as SGLang flattened-bucket payloads
+and rebuilt with SGLang's own tensor_bucket.py, loads into a second transformers model with identical logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.batch import ActorBatch
+from megatron_dapo.config import ActorConfig
+from megatron_dapo.config import AlgorithmConfig
+from megatron_dapo.config import RolloutConfig
+from megatron_dapo.config import RunConfig
+from megatron_dapo.config import TrainerConfig
+from tests.actor._dist import run_distributed
+from tests.actor._tiny_models import VOCAB
+from tests.actor._tiny_models import make_tiny_qwen2
+
+TEMPERATURE = 0.7
+PROMPTS = [[5, 17, 33, 3], [9, 100], [150, 151, 152, 153, 154]]
+
+
+def _config(hf_dir: str) -> RunConfig:
+    return RunConfig(
+        actor=ActorConfig(
+            model_path=hf_dir,
+            tensor_parallel=2,
+            dtype="fp32",
+            lr=1e-2,
+            lr_warmup_steps=0,
+            logprob_impl="reference",
+            use_distributed_optimizer=False,
+        ),
+        trainer=TrainerConfig(prompts_per_step=4, gen_prompts_per_batch=4, mini_batch_prompts=4, micro_batch_size=4),
+        algorithm=AlgorithmConfig(group_size=2, overlong_buffer=4),
+        rollout=RolloutConfig(engine="transformers", max_response_length=8, temperature=TEMPERATURE),
+    )
+
+
+def _train_batch() -> ActorBatch:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, VOCAB, (8, 10), generator=gen)
+    response = torch.zeros(8, 10)
+    response[:, 4:] = 1.0
+    advantages = torch.randn(8, generator=gen)
+    return ActorBatch(tokens=tokens, loss_mask=response.clone(), response_mask=response, advantages=advantages)
+
+
+def _as_batch(completions) -> ActorBatch:  # noqa: ANN001
+    """Prompt+response rows, right-padded with 0; response_mask on the response tokens."""
+    width = max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
+    tokens = torch.zeros(len(completions), width, dtype=torch.long)
+    mask = torch.zeros(len(completions), width)
+    for i, c in enumerate(completions):
+        seq = c.prompt_ids + c.response_ids
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        mask[i, len(c.prompt_ids) : len(seq)] = 1.0
+    return ActorBatch(tokens=tokens, loss_mask=mask, response_mask=mask, advantages=torch.zeros(len(completions)))
+
+
+def _load_tensor_bucket_module():
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "srt/weight_sync/tensor_bucket.py"
+    mod_spec = importlib.util.spec_from_file_location("_sglang_tensor_bucket", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    sys.modules["_sglang_tensor_bucket"] = mod
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def _sync_worker(hf_dir: str) -> dict:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
+    from megatron_dapo.actor.distributed import destroy_distributed  # noqa: PLC0415
+    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
+    from megatron_dapo.rollout import SamplingParams  # noqa: PLC0415
+    from megatron_dapo.rollout import TransformersEngine  # noqa: PLC0415
+    from megatron_dapo.rollout import WeightSync  # noqa: PLC0415
+    from megatron_dapo.rollout import bucket_named_tensors  # noqa: PLC0415
+    from megatron_dapo.rollout.sglang_engine import flattened_bucket_payloads  # noqa: PLC0415
+    from tests.actor._tiny_models import load_hf  # noqa: PLC0415
+
+    groups = init_distributed(2, 1)
+    actor = MegatronActor(_config(hf_dir), groups, hf_dir=hf_dir)
+    batch = _train_batch()
+    batch.old_logp, _ = actor.compute_logprobs(batch, with_entropy=False)
+    actor.update(batch)
+    rank = dist.get_rank()
+    engine = TransformersEngine(load_hf(hf_dir), batch_size=8) if rank == 0 else None
+    out: dict = {}
+    probe = torch.tensor([[3, 40, 80, 120, 160, 199]])
+    if engine is not None:
+        with torch.no_grad():
+            out["logits_before"] = engine.model(input_ids=probe).logits
+    # Every rank walks the collective export; only rank 0 holds an engine.
+    out["metrics"] = WeightSync(engine, bucket_bytes=64 * 1024).sync(actor.export_hf_weights())
+    completions = None
+    if engine is not None:
+        params = SamplingParams(n=2, max_new_tokens=6, temperature=TEMPERATURE, seed=0)
+        completions = engine.generate(PROMPTS, params)
+        with torch.no_grad():
+            out["logits_after"] = engine.model(input_ids=probe).logits
+    shared = [completions]
+    dist.broadcast_object_list(shared, src=0)
+    completions = shared[0]
+    seqs = _as_batch(completions)
+    actor_logp, _ = actor.compute_logprobs(seqs, with_entropy=False)
+    exported = [(n, t.clone()) for n, t in actor.export_hf_weights()]
+    if engine is not None:
+        out["engine_logp"] = [torch.tensor(c.response_logprobs) for c in completions]
+        out["actor_logp"] = [
+            actor_logp[i, len(c.prompt_ids) : len(c.prompt_ids) + len(c.response_ids)]
+            for i, c in enumerate(completions)
+        ]
+        tb = _load_tensor_bucket_module()
+        if tb is not None:
+            second = TransformersEngine(load_hf(hf_dir))
+            second.begin_weight_update()
+            for bucket in bucket_named_tensors(exported, 64 * 1024):
+                for payload in flattened_bucket_payloads(bucket, 2, tb.FlattenedTensorMetadata, pickle.dumps):
+                    data = pickle.loads(payload)
+                    rebuilt = tb.FlattenedTensorBucket(
+                        flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+                    )
+                    second.update_weights(rebuilt.reconstruct_tensors())
+            second.end_weight_update(full=True)
+            with torch.no_grad():
+                out["sglang_payload_logits"] = second.model(input_ids=probe).logits
+    destroy_distributed()
+    return out
+
+
+def test_actor_update_sync_then_engine_logprobs_equal_actor_logprobs():
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = str(make_tiny_qwen2(Path(tmp) / "qwen2"))
+        res = run_distributed(_sync_worker, 2, hf_dir)[0]
+    # The update moved the weights and the sync carried them into the engine.
+    assert (res["logits_before"] - res["logits_after"]).abs().max() > 1e-3
+    assert res["metrics"]["weight_sync/num_buckets"] > 1
+    for engine_lp, actor_lp in zip(res["engine_logp"], res["actor_logp"]):
+        torch.testing.assert_close(engine_lp, actor_lp, rtol=0, atol=1e-4)
+    if "sglang_payload_logits" in res:
+        torch.testing.assert_close(res["sglang_payload_logits"], res["logits_after"], rtol=0, atol=0)

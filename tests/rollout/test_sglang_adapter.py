@@ -1,0 +1,265 @@
+"""The SGLang adapter against SGLang's real source (parsed with ast, never imported) and its payload format.
+
+CI installs the pinned sglang wheel with --no-deps (it cannot be imported on CPU: no CPU build, missing deps);
+importlib.util.find_spec locates it without importing it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pickle
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo.rollout import SamplingParams
+from megatron_dapo.rollout import TransformersEngine
+from megatron_dapo.rollout import bucket_named_tensors
+from megatron_dapo.rollout.sglang_engine import SGLANG_API
+from megatron_dapo.rollout.sglang_engine import ApiUse
+from megatron_dapo.rollout.sglang_engine import SGLangEngine
+from megatron_dapo.rollout.sglang_engine import _checked
+from megatron_dapo.rollout.sglang_engine import flatten_bucket
+from megatron_dapo.rollout.sglang_engine import flattened_bucket_payloads
+from megatron_dapo.rollout.sglang_engine import parse_sglang_output
+from megatron_dapo.rollout.sglang_engine import sampling_params_dicts
+from tests.rollout.conftest import tiny_model
+
+
+def sglang_root() -> Path | None:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+ROOT = sglang_root()
+needs_sglang = pytest.mark.skipif(ROOT is None, reason="sglang wheel not installed (pip install --no-deps sglang)")
+
+
+@cache
+def _parse(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8-sig"), filename=str(path))
+
+
+def _files(root: Path, globs: tuple[str, ...]) -> list[Path]:
+    return sorted({p for g in globs for p in root.glob(g)})
+
+
+def _classes(trees: list[ast.Module]) -> dict[str, ast.ClassDef]:
+    return {n.name: n for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+
+
+def _fields(cls: ast.ClassDef) -> set[str]:
+    names = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    for s in cls.body:  # classes with a plain __init__ (older releases)
+        if isinstance(s, ast.FunctionDef) and s.name == "__init__":
+            names |= {a.arg for a in s.args.args + s.args.kwonlyargs}
+    return names
+
+
+def _params(trees: list[ast.Module], owner: str) -> set[str] | None:
+    cls_name, _, fn_name = owner.rpartition(".")
+    scopes = [c.body for c in _classes(trees).values() if c.name == cls_name] if cls_name else [t.body for t in trees]
+    for body in scopes:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == fn_name:
+                return {a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs}
+    return None
+
+
+def _route(trees: list[ast.Module], path: str) -> ast.AsyncFunctionDef | ast.FunctionDef | None:
+    for t in trees:
+        for node in ast.walk(t):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for dec in node.decorator_list:
+                    if isinstance(dec, ast.Call) and dec.args and isinstance(dec.args[0], ast.Constant):
+                        if dec.args[0].value == path:
+                            return node
+    return None
+
+
+def api_problems(root: Path, uses: tuple[ApiUse, ...] = SGLANG_API) -> list[str]:
+    """Every SGLang name in `uses` that the source tree at root lacks (optional owners may be absent)."""
+    problems = []
+    for use in uses:
+        files = _files(root, use.files)
+        if not files:
+            problems.append(f"{use.owner}: no file matches {use.files}")
+            continue
+        trees = [_parse(f) for f in files]
+        if use.kind == "params":
+            found = _params(trees, use.owner)
+        elif use.kind == "fields":
+            classes = _classes(trees)
+            if use.owner == "*":
+                found = set().union(*(_fields(c) for c in classes.values()))
+            else:
+                found = _fields(classes[use.owner]) if use.owner in classes else None
+        elif use.kind == "route":
+            fn = _route(trees, use.owner)
+            found = None if fn is None else {ast.unparse(a.annotation) for a in fn.args.args if a.annotation}
+            if found is not None and use.names:
+                ok = any(use.names[0] in ann for ann in found)
+                found = set(use.names) if ok else set()
+        else:  # literals: substrings of any string constant
+            consts = [n.value for t in trees for n in ast.walk(t) if isinstance(n, ast.Constant)]
+            strings = [c for c in consts if isinstance(c, str)]
+            found = {name for name in use.names if any(name in s for s in strings)}
+        if found is None:
+            if not use.optional:
+                problems.append(f"{use.owner}: not found in {use.files}")
+            continue
+        problems += [f"{use.owner}: {name!r} not found in {use.files}" for name in use.names if name not in found]
+    return problems
+
+
+@needs_sglang
+def test_every_sglang_name_we_use_exists_in_the_installed_source():
+    assert api_problems(ROOT) == []
+
+
+@needs_sglang
+def test_checker_catches_a_renamed_argument():
+    fake = (ApiUse("params", ("srt/entrypoints/engine.py",), "Engine.update_weights_from_tensor", ("tensors_x",)),)
+    assert api_problems(ROOT, fake) == [
+        "Engine.update_weights_from_tensor: 'tensors_x' not found in ('srt/entrypoints/engine.py',)"
+    ]
+    missing_route = (ApiUse("route", ("srt/entrypoints/http_server.py",), "/no_such_route", ()),)
+    assert len(api_problems(ROOT, missing_route)) == 1
+
+
+def test_adapter_refuses_names_outside_the_list():
+    with pytest.raises(KeyError, match="'tensors'"):
+        _checked("Engine.update_weights_from_tensor", {"tensors": []})
+    with pytest.raises(KeyError, match="not listed"):
+        _checked("Engine.update_weights_from_disk", {})
+
+
+def _load_sglang_tensor_bucket(monkeypatch):
+    """SGLang's own tensor_bucket.py (imports only torch), loaded from its file without importing sglang."""
+    spec = importlib.util.spec_from_file_location("_sglang_tensor_bucket", ROOT / "srt/weight_sync/tensor_bucket.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "_sglang_tensor_bucket", mod)  # pickle finds the metadata class here
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_sglang
+@pytest.mark.parametrize("kind,tied", [("qwen2", False), ("llama", True)])
+def test_flattened_payload_rebuilt_by_sglang_reproduces_source_logits(monkeypatch, kind, tied):
+    tb = _load_sglang_tensor_bucket(monkeypatch)
+    source, engine = tiny_model(kind, tied, seed=4), TransformersEngine(tiny_model(kind, tied, seed=0))
+    named = [(n, t) for n, t in source.state_dict().items() if not (tied and n == "lm_head.weight")]
+    engine.begin_weight_update()
+    for bucket in bucket_named_tensors(named, bucket_bytes=30_000):
+        payloads = flattened_bucket_payloads(bucket, 2, tb.FlattenedTensorMetadata, pickle.dumps)
+        assert len(payloads) == 2
+        for payload in payloads:  # what each SGLang TP rank does with its copy
+            data = pickle.loads(payload)
+            rebuilt = tb.FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+            tensors = rebuilt.reconstruct_tensors()
+            assert [n for n, _ in tensors] == [n for n, _ in bucket]
+            engine.update_weights(tensors)
+    engine.end_weight_update(full=True)
+    ids = torch.tensor([[1, 5, 7, 11, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(engine.model(input_ids=ids).logits, source(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@needs_sglang
+def test_mixed_dtype_bucket_is_aligned_and_bit_exact(monkeypatch):
+    tb = _load_sglang_tensor_bucket(monkeypatch)
+    bucket = [("a", torch.randn(3).bfloat16()), ("b", torch.randn(5, 3)), ("c", torch.arange(7, dtype=torch.int64))]
+    flat, meta = flatten_bucket(bucket)
+    assert all(m["start_idx"] % 16 == 0 for m in meta) and flat.dtype == torch.uint8
+    rebuilt = tb.FlattenedTensorBucket(flattened_tensor=flat, metadata=[tb.FlattenedTensorMetadata(**m) for m in meta])
+    for (n0, t0), (n1, t1) in zip(bucket, rebuilt.reconstruct_tensors()):
+        assert n0 == n1 and t0.dtype == t1.dtype and torch.equal(t0, t1)
+
+
+def test_sampling_params_rows():
+    rows = sampling_params_dicts([[1, 2], [3]], SamplingParams(n=3, max_new_tokens=9, top_k=0, seed=1), 1)
+    assert len(rows) == 6 and len({r["sampling_seed"] for r in rows}) == 6
+    assert rows[0]["top_k"] == -1 and rows[0]["max_new_tokens"] == 9 and rows[0]["no_stop_trim"] is True
+    again = sampling_params_dicts([[1, 2], [3]], SamplingParams(n=3, top_k=4, seed=1), 1)
+    assert [r["sampling_seed"] for r in again] == [r["sampling_seed"] for r in rows] and again[0]["top_k"] == 4
+
+
+def test_parse_sglang_output_stop_length_abort():
+    stop = {
+        "output_ids": [5, 6, 2],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 2},
+            "output_token_logprobs": [[-0.5, 5, None], [-1.0, 6, None], [-0.1, 2, None]],
+        },
+    }
+    c = parse_sglang_output(stop, [1, 9], True)
+    assert (c.response_ids, c.response_logprobs, c.finish_reason) == ([5, 6, 2], [-0.5, -1.0, -0.1], "stop")
+    length = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}
+    c = parse_sglang_output(length, [1], False)
+    assert (c.response_ids, c.response_logprobs, c.finish_reason) == ([5, 6], None, "length")
+    with pytest.raises(RuntimeError, match="abort"):
+        parse_sglang_output({"meta_info": {"finish_reason": {"type": "abort", "message": "oom"}}}, [1], True)
+    trimmed = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop", "matched": 2}}}
+    with pytest.raises(RuntimeError, match="stop token 2"):
+        parse_sglang_output(trimmed, [1], False)
+
+
+class _RecordingEngine:
+    """Stands in for sglang.Engine to check the adapter's session logic (not SGLang's behaviour)."""
+
+    def __init__(self, with_session: bool) -> None:
+        self.calls: list[tuple[str, dict]] = []
+        if with_session:
+            self.begin_weight_update = lambda **kw: self._rec("begin_weight_update", kw, (True, "ok"))
+            self.end_weight_update = lambda **kw: self._rec("end_weight_update", kw, (True, "ok"))
+
+    def _rec(self, name, kwargs, result=None):
+        self.calls.append((name, kwargs))
+        return result
+
+    def update_weights_from_tensor(self, **kw):
+        return self._rec("update_weights_from_tensor", kw, (True, "Success"))
+
+    def flush_cache(self, **kw):
+        return self._rec("flush_cache", kw)
+
+    def release_memory_occupation(self, **kw):
+        return self._rec("release_memory_occupation", kw)
+
+    def resume_memory_occupation(self, **kw):
+        return self._rec("resume_memory_occupation", kw)
+
+
+def _adapter(fake) -> SGLangEngine:
+    eng = object.__new__(SGLangEngine)
+    eng._engine, eng.tp_size, eng._released, eng._session = fake, 2, set(), False
+    eng._metadata_cls = dict
+    eng._serialize = pickle.dumps
+    eng._patch_reductions = lambda: None
+    return eng
+
+
+@pytest.mark.parametrize("with_session", [True, False])
+def test_colocated_session_order(with_session):
+    fake = _RecordingEngine(with_session)
+    eng = _adapter(fake)
+    eng.sleep()
+    eng.begin_weight_update()
+    eng.update_weights([("w", torch.ones(3))])
+    eng.end_weight_update()
+    names = [c[0] for c in fake.calls]
+    expected = ["release_memory_occupation", "resume_memory_occupation"]
+    expected += ["begin_weight_update"] * with_session + ["update_weights_from_tensor"]
+    expected += ["end_weight_update"] * with_session + ["flush_cache", "resume_memory_occupation"]
+    assert names == expected
+    assert fake.calls[1][1] == {"tags": ["weights"]}
+    assert fake.calls[-1][1] == {"tags": ["cuda_graph", "kv_cache"]}
+    upd = next(kw for n, kw in fake.calls if n == "update_weights_from_tensor")
+    assert upd["load_format"] == "flattened_bucket" and upd["flush_cache"] is False
+    assert len(upd["named_tensors"]) == 2 and pickle.loads(upd["named_tensors"][0])["metadata"][0]["name"] == "w"
