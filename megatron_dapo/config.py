@@ -40,7 +40,7 @@ class AlgorithmConfig:
     """DAPO's loss, advantage, sampling and reward-shaping switches (paper section 3)."""
 
     policy_loss: str = "dapo"
-    """Registered policy loss (megatron_dapo.algorithms.POLICY_LOSSES): "dapo" or "grpo"."""
+    """Registered policy loss (megatron_dapo.algorithms.POLICY_LOSSES); "dapo" is the clipped surrogate above."""
     eps_low: float = 0.2
     """Lower clip range: the ratio is clipped below at 1 - eps_low."""
     eps_high: float = 0.28

@@ -65,6 +65,8 @@ _MODE_WRAPPED = (
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
     ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),
+    # asserts param.grad.type() == 'torch.cuda.FloatTensor' whenever clip_grad > 0
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
 )
 
 _FACTORIES = (

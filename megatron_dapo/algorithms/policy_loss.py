@@ -26,6 +26,7 @@ class PolicyLossFn(Protocol):
         eps_high: float,
         clip_ratio_c: float | None,
         num_tokens: float | Tensor | None,
+        loss_agg_mode: str,
     ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
@@ -139,6 +140,7 @@ def dapo_policy_loss(
     eps_high: float = 0.28,
     clip_ratio_c: float | None = None,
     num_tokens: float | Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO's clipped surrogate with Clip-Higher and token-level aggregation.
 
@@ -146,6 +148,8 @@ def dapo_policy_loss(
     `clip_ratio_c` (dual clip, c > 1) tokens with A < 0 use min(l, -A * c). loss = sum(l * mask) / D with
     D = `num_tokens` (global valid-token count of the mini-batch, see `agg_loss`) or mask.sum(); D == 0 gives 0.
     At a ratio exactly on a clip bound both branches are equal and torch.clamp passes the gradient through.
+    `loss_agg_mode` (config algorithm.loss_agg_mode) swaps the token-level mean for GRPO's sequence mean in ablations;
+    `num_tokens` is then the global number of sequences (see `agg_loss`).
 
     Args:
         logp: [B, T] float, current policy log-probs of the response tokens (differentiable).
@@ -158,7 +162,7 @@ def dapo_policy_loss(
     token_loss, ratio, adv = clipped_token_loss(
         logp, old_logp.detach(), advantages, eps_low, eps_high, clip_ratio_c, mask
     )
-    loss = agg_loss(token_loss, mask, "token-mean", num_tokens)
+    loss = agg_loss(token_loss, mask, loss_agg_mode, num_tokens)
     with torch.no_grad():
         metrics = policy_metrics(ratio, adv, logp, old_logp, mask, eps_low, eps_high)
     return loss, metrics
@@ -179,26 +183,3 @@ def policy_metrics(
         torch.where(valid, ratio.detach(), torch.zeros_like(ratio)).max() if ratio.numel() else ratio.new_zeros(())
     )
     return {"clipfrac_high": high, "clipfrac_low": low, "approx_kl": approx_kl, "ratio_max": ratio_max.float()}
-
-
-@register_policy_loss("grpo")
-def grpo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    clip_ratio_c: float | None = None,
-    num_tokens: float | Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO-style baseline for ablations: the same clipped surrogate aggregated per sequence
-    ("seq-mean-token-mean"); `num_tokens` is then the global number of sequences. Shapes as `dapo_policy_loss`."""
-    token_loss, ratio, adv = clipped_token_loss(
-        logp, old_logp.detach(), advantages, eps_low, eps_high, clip_ratio_c, mask
-    )
-    loss = agg_loss(token_loss, mask, "seq-mean-token-mean", num_tokens)
-    with torch.no_grad():
-        metrics = policy_metrics(ratio, adv, logp, old_logp, mask, eps_low, eps_high)
-    return loss, metrics

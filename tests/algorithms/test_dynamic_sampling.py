@@ -32,11 +32,13 @@ def test_admission_rule():
 
 def test_refills_until_target_and_drops_surplus():
     mixed = lambda i: g(1, 0, tag=i)  # noqa: E731
-    src = Source([
-        [mixed(0), g(1, 1), g(0, 0), g(0, 0)],
-        [g(0, 0), mixed(1), g(1, 1), g(0, 0)],
-        [mixed(2), mixed(3), mixed(4), g(0, 0)],
-    ])
+    src = Source(
+        [
+            [mixed(0), g(1, 1), g(0, 0), g(0, 0)],
+            [g(0, 0), mixed(1), g(1, 1), g(0, 0)],
+            [mixed(2), mixed(3), mixed(4), g(0, 0)],
+        ]
+    )
     sampler = DynamicSampler(target_prompts=3)
     batch, m = sampler.collect(src)
     assert [x.payload for x in batch] == [0, 1, 2]
@@ -99,8 +101,11 @@ def test_disabled_keeps_everything_from_one_batch():
 
 @pytest.mark.parametrize(
     "kwargs,msg",
-    [({"target_prompts": 0}, "target_prompts"), ({"target_prompts": 1, "max_gen_batches": -1}, "max_gen_batches"),
-     ({"target_prompts": 1, "on_max_gen_batches": "x"}, "on_max_gen_batches")],
+    [
+        ({"target_prompts": 0}, "target_prompts"),
+        ({"target_prompts": 1, "max_gen_batches": -1}, "max_gen_batches"),
+        ({"target_prompts": 1, "on_max_gen_batches": "x"}, "on_max_gen_batches"),
+    ],
 )
 def test_invalid_arguments(kwargs, msg):
     with pytest.raises(ValueError, match=msg):

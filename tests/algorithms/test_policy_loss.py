@@ -165,8 +165,11 @@ def test_token_mean_is_invariant_to_micro_batching():
     lengths = torch.tensor([1, 12, 3, 9, 5, 2, 12, 7])  # very unequal
     mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
     whole, grad_whole = _split_grads("token-mean", logp, old, adv, mask, [torch.arange(b)], True)
-    for splits in ([torch.arange(0, 4), torch.arange(4, 8)], [torch.tensor([i]) for i in range(b)],
-                   [torch.tensor([0, 5, 6]), torch.tensor([1, 2, 3, 4, 7])]):
+    for splits in (
+        [torch.arange(0, 4), torch.arange(4, 8)],
+        [torch.tensor([i]) for i in range(b)],
+        [torch.tensor([0, 5, 6]), torch.tensor([1, 2, 3, 4, 7])],
+    ):
         total, grad = _split_grads("token-mean", logp, old, adv, mask, splits, True)
         assert total == pytest.approx(whole, abs=1e-6)
         torch.testing.assert_close(grad, grad_whole, rtol=0, atol=1e-6)
@@ -201,9 +204,12 @@ def test_registry_and_agg_errors():
         get_policy_loss("nope")
     with pytest.raises(ValueError, match="algorithm.loss_agg_mode"):
         agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "bogus")
-    grpo = get_policy_loss("grpo")
-    loss, _ = grpo(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3))
-    assert loss.item() == pytest.approx(0.0)
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    logp = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, -1.0])
+    tok, _ = dapo_policy_loss(logp, logp, adv, mask)
+    seq, _ = dapo_policy_loss(logp, logp, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    assert tok.item() == pytest.approx((-1 + 3) / 4) and seq.item() == pytest.approx((-1 + 1) / 2)
 
 
 def test_dual_clip_tie_keeps_unclipped_gradient_and_padding_overflow_is_ignored():

@@ -1,0 +1,502 @@
+"""MegatronActor: the DAPO policy on Megatron-Core (log-probs, updates, weight export, checkpoint state).
+
+    ActorBatch (full batch, same on every rank)
+        |-- compute_logprobs --> rows split over DP --> forward-only pipeline schedule --> logp/entropy on the last
+        |                        PP stage --> broadcast over PP --> all-gather over DP --> [B, S] fp32 on every rank
+        '-- update ------------> mini-batches (mini_batch_prompts x group_size responses) x ppo_epochs;
+                                 each mini-batch: rows split over DP, micro-batches through get_forward_backward_func,
+                                 DAPO loss / global D, finite check, Megatron optimizer step (clip, warm-up lr)
+
+Gradient scaling (why the loss is multiplied): a micro-batch's loss is sum(l * mask) / D with D the valid-token
+count of the whole mini-batch all-reduced over data parallel (`integration.dapo_loss_func`). Megatron's schedule
+divides each returned loss by num_microbatches and DDP pre-scales gradients by 1 / dp_size before its SUM
+all-reduce; the loss is multiplied by num_microbatches * dp_size to cancel both. The gradient is then exactly
+d(sum over all tokens of the mini-batch of l) / D, the same for any TP / PP / DP / micro-batch split.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Callable
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_attr_wrapped_model
+from torch import Tensor
+
+from megatron_dapo.actor.distributed import ParallelGroups
+from megatron_dapo.batch import ActorBatch
+from megatron_dapo.config import RunConfig
+from megatron_dapo.integration import dapo_loss_func
+from megatron_dapo.integration import get_logprob_fn
+from megatron_dapo.integration import local_loss_denominator
+from megatron_dapo.integration import sequence_logprobs_and_entropy
+
+_TWO_PART = ("loss", "clipfrac_high", "clipfrac_low", "approx_kl", "entropy")
+
+
+def _pad_rows(batch: ActorBatch, rows: int) -> ActorBatch:
+    """Append `rows` dummy responses (pad token 0, all masks 0, advantage 0): they add nothing to loss or grads."""
+    if rows == 0:
+        return batch
+
+    def pad(t: Tensor | None) -> Tensor | None:
+        if t is None:
+            return None
+        return torch.cat([t, t.new_zeros((rows, *t.shape[1:]))])
+
+    return ActorBatch(
+        tokens=pad(batch.tokens),
+        loss_mask=pad(batch.loss_mask),
+        response_mask=pad(batch.response_mask),
+        advantages=pad(batch.advantages),
+        old_logp=pad(batch.old_logp),
+        engine_logp=pad(batch.engine_logp),
+    )
+
+
+def _micro_batches(batch: ActorBatch, size: int) -> list[ActorBatch]:
+    return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+
+
+class MegatronActor:
+    """The policy model: Megatron GPTModel chunks + DDP + Megatron optimizer, driven by one RunConfig.
+
+    Every rank of the job constructs one and calls every method collectively (all ranks, same arguments).
+
+    Args:
+        config: the run configuration (actor, trainer, algorithm and rollout.temperature are read).
+        groups: process groups from `actor.distributed.init_distributed(actor.tensor_parallel,
+            actor.pipeline_parallel)`.
+        hf_dir: Hugging Face checkpoint to load weights from; None builds the architecture from
+            `config.actor.model_path` and keeps Megatron's random init (e.g. before `load_checkpoint`).
+    """
+
+    def __init__(self, config: RunConfig, groups: ParallelGroups, hf_dir: str | None = None) -> None:
+        from transformers import AutoConfig  # noqa: PLC0415
+
+        from megatron_dapo.actor.model import build_gpt_model  # noqa: PLC0415
+
+        self.config = config
+        self.groups = groups
+        source = hf_dir or config.actor.model_path
+        if not source:
+            raise ValueError("MegatronActor: pass hf_dir or set actor.model_path (the HF config is needed)")
+        self.hf_config = AutoConfig.from_pretrained(source)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.device = groups.device
+        self.logprob_fn = get_logprob_fn(config.actor.logprob_impl)
+        self.temperature = float(config.rollout.temperature)
+        self.num_steps = 0
+        """Successful optimizer steps so far (drives the warm-up)."""
+        self.num_skipped = 0
+        """Steps skipped because the loss or a gradient was not finite."""
+
+        model = build_gpt_model(
+            self.hf_config,
+            config.actor,
+            groups,
+            pre_process=groups.is_first_stage,
+            post_process=groups.is_last_stage,
+        )
+        if hf_dir is not None:
+            from megatron_dapo.actor import hf_weights  # noqa: PLC0415
+
+            hf_weights.load_hf_into_model([model], hf_dir, self.hf_config, groups)
+        self.tf_config = model.config
+        self.dtype = self.tf_config.params_dtype  # fp32 on CPU whatever actor.dtype says (model.py)
+        self.tf_config.calculate_per_token_loss = False  # see the module docstring: D is explicit
+        if self.dtype != torch.float32:
+            model = Float16Module(self.tf_config, model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=config.actor.use_distributed_optimizer,
+        )
+        self.model = [DistributedDataParallel(self.tf_config, ddp_config, model)]
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=config.actor.lr,
+                min_lr=config.actor.lr,
+                weight_decay=config.actor.weight_decay,
+                adam_beta1=config.actor.adam_beta1,
+                adam_beta2=config.actor.adam_beta2,
+                clip_grad=config.actor.grad_clip,
+                bf16=self.dtype == torch.bfloat16,
+                fp16=self.dtype == torch.float16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=config.actor.use_distributed_optimizer,
+            ),
+            self.model,
+        )
+        self.tf_config.no_sync_func = self.model[0].no_sync
+        self.tf_config.finalize_model_grads_func = finalize_model_grads
+        self.tf_config.grad_scale_func = self.optimizer.scale_loss if self.dtype == torch.float16 else None
+        self._set_lr()
+
+    # ---------------------------------------------------------------------------------------------------------
+    # helpers
+    # ---------------------------------------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step `step` (0-based): linear warm-up over actor.lr_warmup_steps, then
+        constant actor.lr (step k < W uses lr * (k + 1) / W)."""
+        warmup = self.config.actor.lr_warmup_steps
+        if warmup <= 0 or step >= warmup:
+            return self.config.actor.lr
+        return self.config.actor.lr * (step + 1) / warmup
+
+    def _set_lr(self) -> float:
+        lr = self.lr_at(self.num_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.config.actor.weight_decay * group.get("wd_mult", 1.0)
+        return lr
+
+    def _unwrapped(self) -> torch.nn.Module:
+        """The GPTModel inside the DDP / Float16Module wrappers."""
+        return get_attr_wrapped_model(self.model[0], "decoder", return_model_obj=True)
+
+    def _forward_step(
+        self, make_loss: Callable[[ActorBatch], Callable], data_iterator: Iterator[ActorBatch], model: Any
+    ) -> tuple[Tensor, Callable]:
+        """Megatron forward_step_func: [b, S] tokens -> logits [b, S, V_local] (last stage) or hidden states."""
+        mb = next(data_iterator)
+        tokens = mb.tokens.to(self.device, non_blocking=True)
+        position_ids = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
+        kwargs = {"fp32_output": False} if self.dtype != torch.float32 else {}
+        output = model(tokens, position_ids, None, **kwargs)
+        return output, make_loss(mb)
+
+    def _run_schedule(
+        self, micro: list[ActorBatch], make_loss: Callable[[ActorBatch], Callable], forward_only: bool
+    ) -> list[Any]:
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, make_loss),
+            data_iterator=iter(micro),
+            model=self.model,
+            num_microbatches=len(micro),
+            seq_length=micro[0].tokens.shape[1],
+            micro_batch_size=len(micro[0]),
+            forward_only=forward_only,
+        )
+
+    def _local_rows(self, batch: ActorBatch, what: str) -> ActorBatch:
+        """This data-parallel rank's contiguous share of `batch` (B must be a multiple of dp_size)."""
+        b, dp = len(batch), self.groups.dp_size
+        if b % dp != 0:
+            raise ValueError(f"MegatronActor.{what}: batch of {b} responses is not divisible by data parallel {dp}")
+        n = b // dp
+        return batch.select(slice(self.groups.dp_rank * n, (self.groups.dp_rank + 1) * n))
+
+    def _from_last_stage(self, tensor: Tensor) -> Tensor:
+        """Broadcast a tensor (same shape on every stage) from the last pipeline stage to the others."""
+        if self.groups.pp_size > 1:
+            dist.broadcast(tensor, src=self.groups.pp_ranks[-1], group=self.groups.pp_group)
+        return tensor
+
+    # ---------------------------------------------------------------------------------------------------------
+    # log-probs
+    # ---------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, batch: ActorBatch, *, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-probs (and entropies) of the batch's tokens under the current weights.
+
+        Forward only, through the pipeline schedule, micro-batched by trainer.micro_batch_size; rows are split over
+        data-parallel ranks (any B: the batch is padded internally) and gathered back. Temperature is
+        rollout.temperature; padded vocab columns do not count.
+
+        Args:
+            batch: ActorBatch, the same on every rank (tokens [B, S], response_mask [B, S] are read).
+            with_entropy: also return the entropies (else None).
+        Returns:
+            (logp, entropy): [B, S] fp32 on CPU, on every rank. Position t is log p(tokens[t] | tokens[<t]);
+            0 at position 0 and wherever response_mask is 0 (prompt and padding).
+        """
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            logp, ent = self._logprobs(batch, with_entropy)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        return logp, ent
+
+    def _logprobs(self, batch: ActorBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        b, s = batch.tokens.shape
+        mbs, dp = self.config.trainer.micro_batch_size, self.groups.dp_size
+        per_rank = -(-b // dp)
+        per_rank = -(-per_rank // mbs) * mbs if per_rank > mbs else per_rank
+        padded = _pad_rows(batch, per_rank * dp - b)
+        local = padded.select(slice(self.groups.dp_rank * per_rank, (self.groups.dp_rank + 1) * per_rank))
+        micro = _micro_batches(local, min(mbs, per_rank))
+        store = self._run_schedule(micro, self._collect_logprobs, forward_only=True)
+        out = torch.zeros(2, per_rank, s, dtype=torch.float32, device=self.device)
+        if self.groups.is_last_stage:
+            out[0] = torch.cat([d["logp"] for d in store])
+            out[1] = torch.cat([d["entropy"] for d in store])
+        out = self._from_last_stage(out if with_entropy else out[:1].contiguous())
+        if dp > 1:
+            parts = [torch.empty_like(out) for _ in range(dp)]
+            dist.all_gather(parts, out, group=self.groups.dp_group)
+            out = torch.cat(parts, dim=1)
+        out = out[:, :b].cpu() * batch.response_mask.to(torch.float32)
+        return out[0], (out[1] if with_entropy else None)
+
+    def _collect_logprobs(self, mb: ActorBatch) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
+        def loss_func(logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            logp, ent = sequence_logprobs_and_entropy(
+                logits,
+                mb.tokens.to(logits.device),
+                temperature=self.temperature,
+                tp_group=self.groups.tp_group,
+                vocab_size=self.vocab_size,
+                logprob_fn=self.logprob_fn,
+            )
+            return logits.new_zeros((), dtype=torch.float32), {"logp": logp, "entropy": ent}
+
+        return loss_func
+
+    # ---------------------------------------------------------------------------------------------------------
+    # update
+    # ---------------------------------------------------------------------------------------------------------
+    def update(self, batch: ActorBatch) -> dict[str, float]:
+        """DAPO policy update on a full training batch (old_logp filled in).
+
+        The batch is cut into mini-batches of trainer.mini_batch_prompts * algorithm.group_size responses (the last
+        may be smaller), each is one optimizer step, repeated trainer.ppo_epochs times. Each mini-batch is split over
+        data-parallel ranks (its size must be divisible by dp_size) and then into micro-batches of
+        trainer.micro_batch_size. A step whose loss or gradient is not finite is skipped: gradients are zeroed and
+        the weights stay unchanged.
+
+        Args:
+            batch: ActorBatch, the same on every rank, with old_logp [B, S].
+        Returns:
+            plain floats, identical on every rank, averaged over the optimizer steps (skipped steps excluded):
+            actor/loss, actor/grad_norm, actor/lr, actor/clipfrac_high, actor/clipfrac_low, actor/approx_kl,
+            actor/ratio_max, actor/entropy; and actor/skipped_steps (count), actor/num_updates (count).
+        """
+        if batch.old_logp is None:
+            raise ValueError("MegatronActor.update: batch.old_logp is None; call compute_logprobs first")
+        size = self.config.trainer.mini_batch_prompts * self.config.algorithm.group_size
+        results = []
+        for _ in range(self.config.trainer.ppo_epochs):
+            for start in range(0, len(batch), size):
+                mini = self._local_rows(batch.select(slice(start, start + size)), "update")
+                results.append(self._train_mini_batch(mini))
+        return self._average(results)
+
+    @staticmethod
+    def _average(results: list[dict[str, float]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        ok = [r for r in results if not r["skipped"]]
+        for key in ("loss", "grad_norm", "lr", "clipfrac_high", "clipfrac_low", "approx_kl", "ratio_max", "entropy"):
+            values = [r[key] for r in ok if key in r]
+            out[f"actor/{key}"] = sum(values) / len(values) if values else float("nan")
+        out["actor/skipped_steps"] = float(sum(r["skipped"] for r in results))
+        out["actor/num_updates"] = float(len(results))
+        return out
+
+    def _forward_backward(self, local: ActorBatch) -> dict[str, float]:
+        """Zero the grads, run forward/backward on this rank's rows of one mini-batch; gradients end up reduced
+        over data parallel in the DDP buffers (param.main_grad). Returns the mini-batch's metrics (all ranks)."""
+        mbs = self.config.trainer.micro_batch_size
+        local = _pad_rows(local, (-len(local)) % mbs)
+        micro = _micro_batches(local, mbs)
+        denom = local_loss_denominator(local.loss_mask, self.config.algorithm.loss_agg_mode).to(self.device)
+        dist.all_reduce(denom, group=self.groups.dp_group)
+        make_loss = partial(self._dapo_loss, denom=denom, num_microbatches=len(micro))
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        store = self._run_schedule(micro, make_loss, forward_only=False)
+        return self._reduce_metrics(store)
+
+    def _train_mini_batch(self, local: ActorBatch) -> dict[str, float]:
+        """One optimizer step on this rank's rows of one mini-batch (skipped when loss or gradient is not finite)."""
+        stats = self._forward_backward(local)
+        stats["lr"] = self._set_lr()
+        stepped = False
+        if math.isfinite(stats["loss"]):
+            stepped, stats["grad_norm"] = self._optimizer_step()
+        if not stepped:
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self.num_skipped += 1
+        else:
+            self.num_steps += 1
+        stats["skipped"] = float(not stepped)
+        return stats
+
+    @torch.no_grad()
+    def _optimizer_step(self) -> tuple[bool, float]:
+        """Megatron's step in its public parts, with a finite check between norm and update:
+        prepare_grads (copy/unscale to main grads) -> get_grad_norm (global) -> skip if not finite -> clip by the
+        total norm (coefficient actor.grad_clip / (norm + 1e-6) when < 1) -> step_with_ready_grads.
+        Returns (stepped, grad_norm before clipping); the decision is the same on every rank (global norm)."""
+        found_inf = bool(self.optimizer.prepare_grads())
+        grad_norm = float(self.optimizer.get_grad_norm())
+        ok = torch.tensor([float(not found_inf and math.isfinite(grad_norm))], device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() == 0.0:
+            return False, grad_norm
+        clip = self.config.actor.grad_clip
+        if clip > 0.0 and clip / (grad_norm + 1.0e-6) < 1.0:
+            optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            grads = [p.grad for opt in optimizers for p in opt.get_parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, clip / (grad_norm + 1.0e-6))
+        return bool(self.optimizer.step_with_ready_grads()), grad_norm
+
+    def _dapo_loss(self, mb: ActorBatch, *, denom: Tensor, num_microbatches: int) -> Callable:
+        mb = mb.to(self.device)
+        return dapo_loss_func(
+            mb.tokens,
+            mb.loss_mask,
+            mb.old_logp,
+            mb.advantages,
+            num_tokens=denom,
+            algorithm=self.config.algorithm,
+            response_mask=mb.response_mask,
+            temperature=self.temperature,
+            tp_group=self.groups.tp_group,
+            vocab_size=self.vocab_size,
+            num_microbatches=num_microbatches,
+            dp_size=self.groups.dp_size,
+            logprob_fn=self.logprob_fn,
+        )
+
+    def _reduce_metrics(self, store: list[dict[str, Tensor]]) -> dict[str, float]:
+        """Sum [numerator, denominator] metrics over micro-batches, PP (from the last stage) and DP; max ratio."""
+        sums = torch.zeros(len(_TWO_PART), 2, dtype=torch.float64, device=self.device)
+        rmax = torch.full((1,), float("-inf"), dtype=torch.float64, device=self.device)
+        if self.groups.is_last_stage:
+            for d in store:
+                for i, key in enumerate(_TWO_PART):
+                    sums[i] += d[key].to(sums)
+                rmax = torch.maximum(rmax, d["ratio_max"].to(rmax).reshape(1))
+        self._from_last_stage(sums)
+        self._from_last_stage(rmax)
+        dist.all_reduce(sums, group=self.groups.dp_group)
+        dist.all_reduce(rmax, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
+        out = {key: float(sums[i, 0] / sums[i, 1].clamp_min(1.0)) for i, key in enumerate(_TWO_PART)}
+        out["ratio_max"] = float(rmax)
+        return out
+
+    # ---------------------------------------------------------------------------------------------------------
+    # weights and checkpoints
+    # ---------------------------------------------------------------------------------------------------------
+    def export_hf_weights(self, bucket_bytes: int | None = None) -> Iterator[tuple[str, Tensor]]:
+        """Full (un-sharded) HF-named tensors of the current weights, (name, tensor) in HF checkpoint order, in the
+        HF config's dtype; see `actor.hf_weights.export_hf_weights`. Collective: EVERY rank must iterate it to the
+        end (TP gathers and PP broadcasts inside); every rank receives every tensor."""
+        from megatron_dapo.actor import hf_weights  # noqa: PLC0415
+
+        return hf_weights.export_hf_weights(self.model, self.hf_config, self.groups, bucket_bytes=bucket_bytes)
+
+    def _sharded_state_dict(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
+        model_sd = self._unwrapped().sharded_state_dict()
+        state = {"model": model_sd, "actor": {"num_steps": self.num_steps}}
+        if with_optimizer:
+            if is_loading:
+                self._allocate_optimizer_state()
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+            )
+        return state
+
+    def _torch_adam_states(self) -> Iterator[tuple[Tensor, dict[str, Any]]]:
+        """(param, state) of the inner torch Adam, used when neither TE nor Apex is installed (CPU runs)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        yield p, inner.state[p]
+
+    def _allocate_optimizer_state(self) -> None:
+        """torch Adam creates its state at the first step; megatron's checkpoint code needs it allocated, so a fresh
+        actor gets what Adam would create (zero moments, step 0)."""
+        for p, state in self._torch_adam_states():
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _restore_adam_steps(self) -> None:
+        """Set torch Adam's per-parameter `step` to the restored optimizer step count.
+
+        megatron's DistributedOptimizer.load_state_dict (torch-Adam path) gives every parameter the SAME `step`
+        tensor, which Adam then increments once per parameter, and it can keep the pre-load value. Adam's step is
+        by construction the number of successful optimizer steps (skipped steps never reach it), so it is rebuilt
+        from num_steps, one tensor per parameter."""
+        for _, state in self._torch_adam_states():
+            if "step" in state:
+                state["step"] = torch.tensor(float(self.num_steps), dtype=state["step"].dtype)
+
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        """Save model, optimizer, step count (megatron dist_checkpointing) and this rank's RNG states.
+
+        Collective. `ckpt_dir` is created if missing and must be empty (the trainer makes it atomic on top). See
+        `load_checkpoint` for resharding; RNG states are restored only with the same world size.
+        """
+        os.makedirs(ckpt_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), ckpt_dir)
+        torch.save(_rng_state(), os.path.join(ckpt_dir, f"rng_rank{dist.get_rank():05d}_of{dist.get_world_size()}.pt"))
+        dist.barrier()
+
+    def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool = True) -> None:
+        """Load what `save_checkpoint` wrote (collective).
+
+        Weights reshard to any TP / PP / DP layout. The optimizer state uses megatron's "dp_reshardable" format: it
+        loads into the same TP x PP layout (any DP size); to change TP or PP pass load_optimizer=False (weights and
+        step count only; Adam moments start at zero)."""
+        sharded = self._sharded_state_dict(is_loading=True, with_optimizer=load_optimizer)
+        state = dist_checkpointing.load(sharded, ckpt_dir)
+        self._unwrapped().load_state_dict(state["model"])
+        if load_optimizer:
+            with torch.no_grad():
+                self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self.optimizer.reload_model_params()
+        self.num_steps = int(state["actor"]["num_steps"])
+        if load_optimizer:
+            self._restore_adam_steps()
+        self._set_lr()
+        rng_file = os.path.join(ckpt_dir, f"rng_rank{dist.get_rank():05d}_of{dist.get_world_size()}.pt")
+        if os.path.exists(rng_file):
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
