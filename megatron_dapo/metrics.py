@@ -177,9 +177,9 @@ def format_step(step: int, m: dict[str, float]) -> str:
         ("clip_hi", "actor/clipfrac_high", "{:.3f}"),
         ("kl", "actor/approx_kl", "{:+.4f}"),
         ("per_useful", "sampling/prompts_per_useful", "{:.2f}"),
-        ("eval", "eval/avg@32", "{:.3f}"),
         ("s", "time/step", "{:.1f}"),
     ]
+    keys += [(key[5:], key, "{:.3f}") for key in sorted(m) if key.startswith("eval/") and "@" in key]
     parts = [f"step {step}"] + [f"{name} {fmt.format(m[key])}" for name, key, fmt in keys if key in m]
     return " | ".join(parts)
 

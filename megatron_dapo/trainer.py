@@ -68,7 +68,12 @@ class DAPOTrainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", c.checkpoint.keep_last, self.rank, self._barrier)
         resume_from = self._resume_path()
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
-        self.engine = make_engine(c.rollout, c.actor.model_path, eos_token_ids=self.stop_ids, pad_token_id=self.pad_id)
+        self.engine_ranks = rollout_ranks(c.rollout, self.world)
+        self.engine = (
+            make_engine(c.rollout, c.actor.model_path, base_gpu_id=self.groups.local_rank, seed=c.trainer.seed)
+            if self.rank in self.engine_ranks
+            else None
+        )
         self.weight_sync = WeightSync(self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20)
         self.step = 0
         if resume_from is not None:
@@ -102,6 +107,7 @@ class DAPOTrainer:
             every = self.cfg.checkpoint.save_every
             if preempted or (every and self.step % every == 0) or self.step == self.cfg.trainer.total_steps:
                 self.save()
+            self._fault("after_step")
             if preempted:
                 break
         self.close()
@@ -110,11 +116,11 @@ class DAPOTrainer:
     def train_step(self) -> dict[str, float]:
         c, timer, start = self.cfg, PhaseTimer(), time.perf_counter()
         sampled: list = []
-        self.engine.wake()
+        self._engine_call("wake")
         with timer("generate"):
             kept, metrics = self.sampler.collect(lambda missing: self._generate(sampled))
         metrics.update(sampled_response_metrics(sampled))
-        self.engine.sleep()
+        self._engine_call("sleep")
         if kept:
             batch = build_actor_batch(kept, c.algorithm, self.pad_id)
             with timer("logprobs"):
@@ -127,9 +133,9 @@ class DAPOTrainer:
             metrics["train/responses"] = float(len(batch))
             metrics["train/valid_tokens"] = float(batch.loss_mask.sum())
         with timer("weight_sync"):
-            self.engine.wake()
+            self._engine_call("wake")
             sync = self.weight_sync.sync(self.actor.export_hf_weights())
-        metrics.update({f"weight_sync/{k}": v for k, v in sync.items()})
+        metrics.update(sync)
         timer.seconds["step"] = time.perf_counter() - start
         generated = sum(int(g.payload["lengths"].sum()) for g in sampled)
         metrics["perf/tokens_per_s"] = generated / max(timer.seconds["step"], 1e-9)
@@ -150,7 +156,10 @@ class DAPOTrainer:
     def _sample(self, examples: list, n: int, temperature: float, top_p: float, seed: int) -> list:
         """Generate n responses for this rank's share of `examples` (interleaved by rank); returns
         (example, completions) pairs for the local share."""
-        mine = examples[self.rank :: self.world]
+        if self.engine is None:
+            return []
+        slot = self.engine_ranks.index(self.rank)
+        mine = examples[slot :: len(self.engine_ranks)]
         params = SamplingParams(
             n=n,
             max_new_tokens=self.cfg.rollout.max_response_length,
@@ -196,7 +205,7 @@ class DAPOTrainer:
         if not examples:
             return {}
         start = time.perf_counter()
-        self.engine.wake()
+        self._engine_call("wake")
         local = []
         for ex, comps in self._sample(examples, t.eval_samples, t.eval_temperature, t.eval_top_p, seed=t.seed + 7):
             texts = self.tokenizer.batch_decode([x.response_ids for x in comps], skip_special_tokens=True)
@@ -223,7 +232,11 @@ class DAPOTrainer:
 
     def save(self) -> Path:
         return self.ckpt.save(
-            self.step, self.trainer_state(), self.cfg.to_dict(), lambda d: self.actor.save_checkpoint(str(d))
+            self.step,
+            self.trainer_state(),
+            self.cfg.to_dict(),
+            lambda d: self.actor.save_checkpoint(str(d)),
+            crash_hook=lambda _d: self._fault("in_save"),
         )
 
     def _load(self, path: Path) -> None:
@@ -257,6 +270,20 @@ class DAPOTrainer:
                 plot_run(self.run_dir)
 
     # ------------------------------------------------------------------------------------------------ comms
+    def _fault(self, where: str) -> None:
+        """Fault injection for the resume tests: MEGATRON_DAPO_FAULT="after_step:N" or "in_save:N" SIGKILLs every
+        rank at once (after step N's checkpoint, or halfway through writing it). Unset in real runs."""
+        import os  # noqa: PLC0415
+        import signal  # noqa: PLC0415
+
+        if os.environ.get("MEGATRON_DAPO_FAULT") == f"{where}:{self.step}":
+            self._barrier()  # every rank dies at the same point, before a launcher's SIGTERM can reach a survivor
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _engine_call(self, method: str) -> None:
+        if self.engine is not None:
+            getattr(self.engine, method)()
+
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:
             self.logger.log(step, metrics)
@@ -276,6 +303,19 @@ class DAPOTrainer:
         if self.world > 1:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.groups.world_group)
         return t
+
+
+def rollout_ranks(rollout: Any, world_size: int) -> list[int]:
+    """Global ranks that host a rollout engine (prompts are sharded over them in this order).
+
+    transformers: every rank (CPU rollout is data-parallel); sglang colocated: one engine per rollout.tensor_parallel
+    GPUs (ranks per node must be a multiple of it); sglang server / vllm: rank 0 drives the engine.
+    """
+    if rollout.engine == "transformers":
+        return list(range(world_size))
+    if rollout.engine == "sglang" and rollout.mode == "colocated":
+        return [r for r in range(world_size) if r % rollout.tensor_parallel == 0]
+    return [0]
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

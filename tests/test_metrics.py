@@ -13,8 +13,13 @@ from megatron_dapo.metrics import response_metrics
 
 
 def test_response_metrics_values():
-    m = response_metrics(torch.tensor([4, 10, 6]), torch.tensor([False, True, False]), torch.tensor([1.0, -2.0, -1.0]),
-                         torch.tensor([True, False, False]), torch.tensor([0.0, -1.0, 0.0]))
+    m = response_metrics(
+        torch.tensor([4, 10, 6]),
+        torch.tensor([False, True, False]),
+        torch.tensor([1.0, -2.0, -1.0]),
+        torch.tensor([True, False, False]),
+        torch.tensor([0.0, -1.0, 0.0]),
+    )
     assert m["reward/mean"] == pytest.approx(-2 / 3) and m["reward/acc"] == pytest.approx(1 / 3)
     assert m["response/length_max"] == 10 and m["response/truncation_rate"] == pytest.approx(1 / 3)
     assert m["reward/overlong_penalty_mean"] == pytest.approx(-1 / 3)
