@@ -66,17 +66,29 @@ def _boxed(question: str, shots: Sequence[Shot]) -> list[dict[str, str]]:
     return [_user(BOXED_TEMPLATE.format(question=question))]
 
 
-def _few_shot(question: str, shots: Sequence[Shot]) -> list[dict[str, str]]:
-    """Worked examples as prior chat turns, each answer in DAPO's answer-line format."""
+def _worked_examples(question: str, shots: Sequence[Shot], name: str, wrap: str) -> list[dict[str, str]]:
+    """Worked examples as prior chat turns (each reply ends in an "Answer: N" line), then the question; `wrap`
+    formats every user turn."""
     if not shots:
-        raise ValueError("template 'few_shot' needs at least one worked example (shots)")
+        raise ValueError(f"template '{name}' needs at least one worked example (shots)")
     messages: list[dict[str, str]] = []
     for shot in shots:
         reply = f"{shot.solution.strip()}\nAnswer: {shot.answer}" if shot.solution.strip() else f"Answer: {shot.answer}"
-        messages.append(_user(DAPO_TEMPLATE.format(question=shot.question)))
+        messages.append(_user(wrap.format(question=shot.question)))
         messages.append({"role": "assistant", "content": reply})
-    messages.append(_user(DAPO_TEMPLATE.format(question=question)))
+    messages.append(_user(wrap.format(question=question)))
     return messages
+
+
+def _few_shot(question: str, shots: Sequence[Shot]) -> list[dict[str, str]]:
+    """Worked examples in DAPO's format: every user turn carries DAPO's instruction."""
+    return _worked_examples(question, shots, "few_shot", DAPO_TEMPLATE)
+
+
+def _few_shot_compact(question: str, shots: Sequence[Shot]) -> list[dict[str, str]]:
+    """Worked examples with bare questions (no instruction text): about 40% of few_shot's tokens. The examples alone
+    teach the answer-line format (docs/cpu_job.md: chosen for the SmolLM2 CPU job)."""
+    return _worked_examples(question, shots, "few_shot_compact", "{question}")
 
 
 TEMPLATES: dict[str, PromptTemplate] = {
@@ -84,6 +96,12 @@ TEMPLATES: dict[str, PromptTemplate] = {
     "plain": PromptTemplate("plain", "the question only", _plain),
     "few_shot": PromptTemplate(
         "few_shot", "worked examples of the same task as chat turns, then the question in DAPO format", _few_shot, 3
+    ),
+    "few_shot_compact": PromptTemplate(
+        "few_shot_compact",
+        "worked examples as chat turns with bare questions, replies end in 'Answer: N'",
+        _few_shot_compact,
+        3,
     ),
     "boxed": PromptTemplate("boxed", "reason step by step, final answer within \\boxed{}", _boxed),
 }

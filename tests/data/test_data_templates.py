@@ -8,7 +8,7 @@ from megatron_dapo.data.templates import render_prompt
 
 
 def test_registry_names_and_keys_match():
-    assert set(TEMPLATES) == {"dapo", "plain", "few_shot", "boxed"}
+    assert set(TEMPLATES) == {"dapo", "plain", "few_shot", "few_shot_compact", "boxed"}
     for name, tmpl in TEMPLATES.items():
         assert tmpl.name == name
 
