@@ -12,6 +12,7 @@ RunConfig.__post_init__. Every error is one line naming the section and field. D
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ class ConfigError(ValueError):
 def _check(cond: bool, where: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{where}: {msg}")
+
+
+def _expand(path: str) -> str:
+    """~ and $VARS in path fields (model and data locations differ per machine)."""
+    return os.path.expanduser(os.path.expandvars(path)) if isinstance(path, str) else path
 
 
 def _one_of(value: str, choices: tuple[str, ...], where: str) -> None:
@@ -182,6 +188,7 @@ class ActorConfig:
     """Log-prob/entropy implementation: "fused" (megatron_dapo.ops) or "reference" (plain torch, for debugging)."""
 
     def __post_init__(self) -> None:
+        self.model_path = _expand(self.model_path)
         _check(self.tensor_parallel >= 1, "actor.tensor_parallel", f"must be >= 1, got {self.tensor_parallel}")
         _check(self.pipeline_parallel >= 1, "actor.pipeline_parallel", f"must be >= 1, got {self.pipeline_parallel}")
         _one_of(self.dtype, ("bf16", "fp16", "fp32"), "actor.dtype")
@@ -210,6 +217,8 @@ class DataConfig:
     """Prompts longer than this many tokens are an error naming the file and row."""
 
     def __post_init__(self) -> None:
+        self.train_files = [_expand(p) for p in self.train_files]
+        self.eval_files = [_expand(p) for p in self.eval_files]
         _check(self.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
         for key in ("train_files", "eval_files"):
             value = getattr(self, key)

@@ -9,6 +9,9 @@
   Triton picks the interpreter when ``@triton.jit`` runs; tests/conftest.py does this.
 
 The environment is read once at import time, the same moment Triton reads it, so the two never disagree.
+
+``kernel_backend(backend)`` picks the GPU implementation: the compiled Triton kernels ("triton", default) or the
+CUDA C++ twins from csrc/ ("cuda"); env MEGATRON_DAPO_KERNEL_BACKEND is read at every call.
 """
 
 import os
@@ -36,3 +39,21 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def interpreting() -> bool:
     """True when the Triton interpreter is active (TRITON_INTERPRET=1 at import time)."""
     return _INTERPRET
+
+
+KERNEL_BACKENDS = ("triton", "cuda")
+
+
+def kernel_backend(backend: str | None = None) -> str:
+    """The GPU backend name: ``backend`` if given, else env MEGATRON_DAPO_KERNEL_BACKEND, else "triton".
+
+    Args:
+        backend: "triton", "cuda" or None.
+
+    Returns:
+        One of KERNEL_BACKENDS; an unknown name raises ValueError naming the variable and the choices.
+    """
+    name = backend or os.environ.get("MEGATRON_DAPO_KERNEL_BACKEND", "triton") or "triton"
+    if name not in KERNEL_BACKENDS:
+        raise ValueError(f"MEGATRON_DAPO_KERNEL_BACKEND / backend: unknown {name!r}; choose one of {KERNEL_BACKENDS}")
+    return name

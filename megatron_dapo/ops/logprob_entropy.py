@@ -13,7 +13,9 @@ logp_t = log softmax(x_t / temperature)[label_t] and H_t = -sum_j p_tj log p_tj,
 - Padding: `vocab_size` (keyword) is the true global vocabulary; global columns >= vocab_size are never read, so
   Megatron's padded rows of the output layer count as probability 0 and get gradient 0. Logits of -inf are fine too.
 - Dispatch (ops/dispatch.py): CUDA tensors and TRITON_INTERPRET=1 use these kernels; plain CPU tensors use
-  `reference.logprobs_and_entropy_chunked`.
+  `reference.logprobs_and_entropy_chunked`. On CUDA tensors, backend="cuda" (or env MEGATRON_DAPO_KERNEL_BACKEND=cuda)
+  swaps both kernels for the CUDA C++ twins in csrc/ (ops/_cuda_twins.py), which write the same [3, T] stats; the
+  shard merge over tp_group and the saved state are the same for both backends.
 - Label range is checked on CPU tensors only (a check on CUDA would synchronise); an out-of-range label on CUDA
   gives logp = -lse instead of an error.
 """
@@ -23,11 +25,13 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from megatron_dapo.ops import _cuda_twins
 from megatron_dapo.ops._softmax_utils import logprob_entropy_dz
 from megatron_dapo.ops._softmax_utils import online_softmax_finalize
 from megatron_dapo.ops._softmax_utils import online_softmax_update
 from megatron_dapo.ops._softmax_utils import target_logit
 from megatron_dapo.ops.dispatch import interpreting
+from megatron_dapo.ops.dispatch import kernel_backend
 from megatron_dapo.ops.dispatch import use_triton
 from megatron_dapo.ops.reference import check_inputs
 from megatron_dapo.ops.reference import combine_vocab_shards
@@ -159,27 +163,38 @@ def logprob_entropy_backward(
 
 
 class LogProbEntropyFunction(torch.autograd.Function):
-    """autograd wrapper; saves logits, labels and the [3, T] fp32 global stats (lse, entropy, target logit)."""
+    """autograd wrapper; saves logits, labels and the [3, T] fp32 global stats (lse, entropy, target logit).
+
+    backend "triton" launches the Triton kernels above, "cuda" the CUDA C++ twins (same stats layout and math).
+    """
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, tp_group, vocab_size):
+    def forward(ctx, logits, labels, temperature, tp_group, vocab_size, backend):
         class_start, n_valid, _ = vocab_shard(logits.shape[1], tp_group, vocab_size)
-        inv_temp = 1.0 / temperature
-        stats = logprob_entropy_forward(logits, labels, inv_temp=inv_temp, class_start=class_start, n_valid=n_valid)
+        if backend == "cuda":
+            stats, _ = _cuda_twins.logprob_entropy_stats(logits, labels, temperature, class_start, n_valid)
+        else:
+            inv_temp = 1.0 / temperature
+            stats = logprob_entropy_forward(logits, labels, inv_temp=inv_temp, class_start=class_start, n_valid=n_valid)
         stats = combine_vocab_shards(stats, tp_group)
         ctx.save_for_backward(logits, labels, stats)
-        ctx.args = (inv_temp, class_start, n_valid)
+        ctx.args = (temperature, class_start, n_valid, backend)
         return outputs_from_stats(stats)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, labels, stats = ctx.saved_tensors
-        inv_temp, class_start, n_valid = ctx.args
+        temperature, class_start, n_valid, backend = ctx.args
+        if backend == "cuda":
+            grad = _cuda_twins.logprob_entropy_grad(
+                logits, labels, stats, g_logp, g_ent, temperature, class_start, n_valid
+            )
+            return grad, None, None, None, None, None
         grad_out = torch.stack([g_logp, g_ent]).to(torch.float32)
         grad = logprob_entropy_backward(
-            logits, labels, stats, grad_out, inv_temp=inv_temp, class_start=class_start, n_valid=n_valid
+            logits, labels, stats, grad_out, inv_temp=1.0 / temperature, class_start=class_start, n_valid=n_valid
         )
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -189,6 +204,7 @@ def logprobs_and_entropy(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of the label and entropy of softmax(logits / temperature), vocab-parallel aware.
 
@@ -200,11 +216,19 @@ def logprobs_and_entropy(
         tp_group: vocab-parallel process group, or None for the full vocabulary on this rank.
         vocab_size: true global vocab size; global columns >= vocab_size (Megatron's vocab padding) are ignored.
             None: all V_local * tp columns count.
+        backend: "triton" or "cuda" (the CUDA C++ twins, which must be built: csrc/README.md) for CUDA tensors;
+            default env MEGATRON_DAPO_KERNEL_BACKEND, else "triton". The environment variable is ignored for CPU
+            tensors, but an explicit backend="cuda" with CPU tensors is an error.
 
     Returns:
         (logp, entropy): [...] fp32 each, identical on every rank of tp_group, differentiable in both. The logits
         gradient on each rank is its own shard's gradient (no further reduction needed).
     """
+    chosen = kernel_backend(backend)
+    if backend == "cuda" and not logits.is_cuda:
+        raise ValueError(f"logprobs_and_entropy: backend='cuda' needs CUDA tensors, got logits on {logits.device}")
+    if not logits.is_cuda:
+        chosen = "triton"  # the interpreter or the chunked reference; the environment variable only concerns GPUs
     if not use_triton(logits):
         return logprobs_and_entropy_chunked(
             logits, labels, temperature=temperature, tp_group=tp_group, vocab_size=vocab_size
@@ -216,5 +240,5 @@ def logprobs_and_entropy(
     if x.stride(-1) != 1:
         x = x.contiguous()
     lab = labels.reshape(-1).to(torch.int64).contiguous()
-    logp, ent = LogProbEntropyFunction.apply(x, lab, float(temperature), tp_group, vocab_size)
+    logp, ent = LogProbEntropyFunction.apply(x, lab, float(temperature), tp_group, vocab_size, chosen)
     return logp.reshape(lead), ent.reshape(lead)

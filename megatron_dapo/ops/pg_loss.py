@@ -19,19 +19,17 @@ from csrc/ on GPU, which must then have been built (csrc/README.md).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from megatron_dapo.algorithms.policy_loss import dapo_policy_loss
+from megatron_dapo.ops.dispatch import kernel_backend
 from megatron_dapo.ops.dispatch import use_triton
 
 BLOCK_TOKENS = 1024
 NUM_PARTIALS = 8  # columns of the per-program partial buffer (7 used, padded to 8)
-BACKENDS = ("triton", "cuda")
 
 
 @triton.jit
@@ -284,14 +282,6 @@ def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
         raise ValueError(f"clipped_pg_loss: {logp.numel()} tokens exceed the int32 indexing of the kernel")
 
 
-def select_backend(backend: str | None = None) -> str:
-    """The GPU backend: the `backend` argument, else env MEGATRON_DAPO_KERNEL_BACKEND, else "triton"."""
-    name = backend or os.environ.get("MEGATRON_DAPO_KERNEL_BACKEND", "triton") or "triton"
-    if name not in BACKENDS:
-        raise ValueError(f"MEGATRON_DAPO_KERNEL_BACKEND / backend: unknown {name!r}; choose one of {BACKENDS}")
-    return name
-
-
 def clipped_pg_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -325,7 +315,7 @@ def clipped_pg_loss(
     _check_inputs(logp, old_logp, advantages, mask)
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clipped_pg_loss: clip_ratio_c must be > 1, got {clip_ratio_c}")
-    chosen = select_backend(backend)
+    chosen = kernel_backend(backend)
     if not use_triton(logp):
         return dapo_policy_loss(
             logp,

@@ -67,7 +67,15 @@ def combine_vocab_shards(stats: torch.Tensor, tp_group: dist.ProcessGroup | None
         return stats
     parts = [torch.empty_like(stats) for _ in range(dist.get_world_size(tp_group))]
     dist.all_gather(parts, stats.contiguous(), group=tp_group)
-    allstats = torch.stack(parts)  # [R, 3, T]
+    return merge_stats(torch.stack(parts))
+
+
+def merge_stats(allstats: torch.Tensor) -> torch.Tensor:
+    """Stats of disjoint vocab slices [R, 3, T] (lse, entropy, target logit) -> stats of their union [3, T].
+
+    With w_r = exp(lse_r - lse) the share of slice r: lse = logsumexp_r lse_r, H = sum_r w_r * (H_r - log w_r),
+    target logit = sum_r (0 on the slices without the label).
+    """
     lse_r, ent_r, zt_r = allstats[:, 0], allstats[:, 1], allstats[:, 2]
     lse = torch.logsumexp(lse_r, dim=0)
     log_w = lse_r - lse
@@ -127,26 +135,27 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, tp_group, vocab_size, chunk_tokens):
         class_start, n_valid, _ = vocab_shard(logits.shape[1], tp_group, vocab_size)
-        labels_local = labels - class_start
         stats = logits.new_empty((3, logits.shape[0]), dtype=torch.float32)
         for c in range(0, logits.shape[0], chunk_tokens):
             z = _scaled(logits[c : c + chunk_tokens], 1.0 / temperature, n_valid)
-            stats[:, c : c + chunk_tokens] = _chunk_stats(z, labels_local[c : c + chunk_tokens])
+            stats[:, c : c + chunk_tokens] = _chunk_stats(z, labels[c : c + chunk_tokens] - class_start)
         stats = combine_vocab_shards(stats, tp_group)
-        ctx.save_for_backward(logits, labels_local, stats)
-        ctx.args = (temperature, n_valid, chunk_tokens)
+        # Saved: the inputs themselves and [3, T] fp32, i.e. 12 bytes per token beyond the logits (labels are shifted
+        # per chunk, so no [T] int64 copy is kept).
+        ctx.save_for_backward(logits, labels, stats)
+        ctx.args = (temperature, class_start, n_valid, chunk_tokens)
         return outputs_from_stats(stats)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        logits, labels_local, stats = ctx.saved_tensors
-        temperature, n_valid, chunk_tokens = ctx.args
+        logits, labels, stats = ctx.saved_tensors
+        temperature, class_start, n_valid, chunk_tokens = ctx.args
         g = torch.stack([g_logp, g_ent]).to(torch.float32)
         grad = torch.empty_like(logits)
         for c in range(0, logits.shape[0], chunk_tokens):
             sl = slice(c, c + chunk_tokens)
             z = _scaled(logits[sl], 1.0 / temperature, n_valid)
-            dz = _chunk_dz(z, labels_local[sl], stats[:, sl], g[:, sl])
+            dz = _chunk_dz(z, labels[sl] - class_start, stats[:, sl], g[:, sl])
             grad[sl] = dz * (1.0 / temperature)
         return grad, None, None, None, None, None
 
@@ -185,40 +194,68 @@ def logprobs_and_entropy_chunked(
 # ---------------------------------------------------------------------------------------------------------------
 # hidden @ weight.T -> (logp, entropy), chunked over tokens
 # ---------------------------------------------------------------------------------------------------------------
+LINEAR_CHUNK_TOKENS = 2048  # token rows per tile of the linear path (the contraction length of the dW matmul)
+
+
+def _linear_tiles(num_tokens: int, chunk_tokens: int | None, chunk_vocab: int | None) -> tuple[int, int]:
+    """(tokens, vocab columns) per tile: about CHUNK_ELEMENTS fp32 logits, with both matmul dims long.
+
+    Tiles long in both directions keep every matmul compute-bound: dW[v] += dz.T @ h contracts over the tile's
+    tokens, d_hidden[t] += dz @ W[v] over its vocab columns (a tile of few tokens x the whole vocabulary made the
+    dW update rewrite all of dW per tile, ~4x slower than naive torch on CPU at T=4096, H=1024, V=32000).
+    """
+    ct = chunk_tokens or max(1, min(num_tokens, LINEAR_CHUNK_TOKENS))
+    return ct, chunk_vocab or max(1, CHUNK_ELEMENTS // ct)
+
+
+def _tile_logits(h32: torch.Tensor, weight: torch.Tensor, v0: int, v1: int, inv_temp: float) -> torch.Tensor:
+    """fp32 z = h32 @ weight[v0:v1].T / temperature ([C, v1 - v0]; fp32 products like the kernel's tl.dot)."""
+    z = h32 @ weight[v0:v1].to(torch.float32).T
+    return z.mul_(inv_temp)
+
+
 class _ChunkedLinearLogProbEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature, tp_group, vocab_size, chunk_tokens):
+    def forward(ctx, hidden, weight, labels, temperature, tp_group, vocab_size, chunk_tokens, chunk_vocab):
         class_start, n_valid, _ = vocab_shard(weight.shape[0], tp_group, vocab_size)
-        labels_local = labels - class_start
+        inv_temp = 1.0 / temperature
         stats = hidden.new_empty((3, hidden.shape[0]), dtype=torch.float32)
-        w32 = weight.to(torch.float32)  # fp32 products, like the kernel's fp32-accumulated tl.dot
+        # A shard of padding only: lse = -inf, entropy 0, target logit 0 (what an all -inf row gives).
+        stats[0], stats[1:] = float("-inf"), 0.0
         for c in range(0, hidden.shape[0], chunk_tokens):
             sl = slice(c, c + chunk_tokens)
-            z = _scaled(hidden[sl].to(torch.float32) @ w32.T, 1.0 / temperature, n_valid)
-            stats[:, sl] = _chunk_stats(z, labels_local[sl])
+            h32, lab = hidden[sl].to(torch.float32), labels[sl] - class_start
+            # only the real columns [0, n_valid) are visited; padding rows of the weight never enter the softmax
+            parts = [
+                _chunk_stats(_tile_logits(h32, weight, v0, min(v0 + chunk_vocab, n_valid), inv_temp), lab - v0)
+                for v0 in range(0, n_valid, chunk_vocab)
+            ]
+            if parts:
+                stats[:, sl] = parts[0] if len(parts) == 1 else merge_stats(torch.stack(parts))
         stats = combine_vocab_shards(stats, tp_group)
-        ctx.save_for_backward(hidden, weight, labels_local, stats)
-        ctx.args = (temperature, n_valid, chunk_tokens, tp_group)
+        ctx.save_for_backward(hidden, weight, labels, stats)
+        ctx.args = (inv_temp, class_start, n_valid, chunk_tokens, chunk_vocab, tp_group)
         return outputs_from_stats(stats)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, labels_local, stats = ctx.saved_tensors
-        temperature, n_valid, chunk_tokens, tp_group = ctx.args
+        hidden, weight, labels, stats = ctx.saved_tensors
+        inv_temp, class_start, n_valid, chunk_tokens, chunk_vocab, tp_group = ctx.args
         g = torch.stack([g_logp, g_ent]).to(torch.float32)
-        d_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        w32 = weight.to(torch.float32)
+        d_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # padding rows stay 0
         for c in range(0, hidden.shape[0], chunk_tokens):
             sl = slice(c, c + chunk_tokens)
-            h32 = hidden[sl].to(torch.float32)
-            z = _scaled(h32 @ w32.T, 1.0 / temperature, n_valid)
-            dlogits = _chunk_dz(z, labels_local[sl], stats[:, sl], g[:, sl]) * (1.0 / temperature)
-            d_hidden[sl] = dlogits @ w32
-            d_weight += dlogits.T @ h32
+            h32, lab = hidden[sl].to(torch.float32), labels[sl] - class_start
+            for v0 in range(0, n_valid, chunk_vocab):
+                v1 = min(v0 + chunk_vocab, n_valid)
+                z = _tile_logits(h32, weight, v0, v1, inv_temp)
+                dlogits = _chunk_dz(z, lab - v0, stats[:, sl], g[:, sl]).mul_(inv_temp)
+                d_hidden[sl].addmm_(dlogits, weight[v0:v1].to(torch.float32))
+                d_weight[v0:v1].addmm_(dlogits.T, h32)
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             dist.all_reduce(d_hidden, group=tp_group)
-        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None, None, None
+        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None, None, None, None
 
 
 def linear_logprobs_and_entropy_chunked(
@@ -230,20 +267,23 @@ def linear_logprobs_and_entropy_chunked(
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     chunk_tokens: int | None = None,
+    chunk_vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked torch twin of `ops.linear_logprobs_and_entropy` (the CPU path). Same arguments and results.
 
-    Only [chunk_tokens, V_local] logits exist at a time. The hidden gradient is summed over tp_group (the full
-    gradient); the weight gradient is this rank's shard. Arguments as in `logprobs_and_entropy_chunked`, with
-    hidden [..., H] and weight [V_local, H] (same float dtype) in place of logits.
+    Only [chunk_tokens, chunk_vocab] logits tiles exist at a time; a token's stats over several vocab tiles are
+    merged as vocab shards are (`merge_stats`). The hidden gradient is summed over tp_group (the full gradient);
+    the weight gradient is this rank's shard. Arguments as in `logprobs_and_entropy_chunked`, with hidden [..., H]
+    and weight [V_local, H] (same float dtype) in place of logits; chunk_tokens / chunk_vocab default to tiles of
+    about CHUNK_ELEMENTS fp32 (LINEAR_CHUNK_TOKENS tokens).
     """
     _, _, vocab_size = vocab_shard(weight.shape[0], tp_group, vocab_size)
     check_inputs(hidden, labels, vocab_size, temperature, "linear_logprobs_and_entropy")
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
-    ct = _chunk_tokens(weight.shape[0], chunk_tokens)
+    ct, cv = _linear_tiles(h.shape[0], chunk_tokens, chunk_vocab)
     logp, ent = _ChunkedLinearLogProbEntropy.apply(
-        h, weight, labels.reshape(-1).long(), temperature, tp_group, vocab_size, ct
+        h, weight, labels.reshape(-1).long(), temperature, tp_group, vocab_size, ct, cv
     )
     return logp.reshape(lead), ent.reshape(lead)
 

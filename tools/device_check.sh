@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One prepared GPU check for a lent H200 (device README: python3 there already holds CUDA torch and Triton; nothing
+# can be downloaded, so nothing is pip-installed from a registry and torch is never replaced).
+#
+# Phases, each under its own timeout, ~10 minutes in all; a failing phase does not stop the later ones:
+#   1. environment report                       (nvidia-smi, python3 / torch / triton versions)
+#   2. optional wheels carried in .whl/          (e.g. liger_kernel-*.whl, installed --no-deps into /tmp/site)
+#   3. build the CUDA C++ twins                  (python3 csrc/build.py --arch 90)
+#   4. pytest -m gpu tests/ops                   (TRITON_INTERPRET=0: compiled kernels on the GPU)
+#   5. python3 tools/bench_kernels.py --device cuda
+# Everything useful lands in $OUT (at most 8 files come back): env.txt, build.log, pytest_gpu.log,
+# pytest_gpu.xml, bench.log, bench_kernels.csv.
+#
+# Run from the repository root, e.g. through the device tool:
+#   bash tools/device_check.sh          (with carry [".whl"] if Liger's wheel was downloaded there)
+# Afterwards, append $OUT/bench_kernels.csv's rows to results/bench_kernels.csv and fill the GPU part of
+# docs/benchmarks.md ("Kernels" section).
+# Knobs: BENCH_CONFIGS (default: the four GPU model shapes), BENCH_TIMEOUT, PYTEST_TIMEOUT.
+set -x
+set -o pipefail
+
+OUT="${OUT:-$PWD/results/tmp/device_check}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export TRITON_INTERPRET=0
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/mdapo_inductor}"
+PY="${PYTHON:-python3}"
+BENCH_CONFIGS="${BENCH_CONFIGS:-smollm2-135m qwen2.5-7b llama-3-8b qwen2.5-32b}"
+status=0
+
+# 1. environment
+timeout 60 bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print(\"triton\", triton.__version__)'; nvcc --version" \
+    >"$OUT/env.txt" 2>&1 || status=1
+
+# 2. carried wheels (optional): never from a registry
+if compgen -G ".whl/*.whl" >/dev/null; then
+    timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl >>"$OUT/env.txt" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site" || status=1
+fi
+
+# 3. CUDA twins
+timeout 300 "$PY" csrc/build.py --out build/cuda --arch 90 >"$OUT/build.log" 2>&1 || status=1
+if [ -f build/cuda/libmegatron_dapo_cuda.so ]; then
+    export MEGATRON_DAPO_CUDA_LIB="$PWD/build/cuda/libmegatron_dapo_cuda.so"
+fi
+
+# 4. GPU tests of the ops
+timeout "${PYTEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/ops -q -rs -p no:cacheprovider \
+    --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+
+# 5. benchmark (rows go to $OUT/bench_kernels.csv; copy them into results/bench_kernels.csv afterwards)
+# shellcheck disable=SC2086
+timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench_kernels.py --device cuda --configs $BENCH_CONFIGS \
+    --csv "$OUT/bench_kernels.csv" 2>&1 | tee "$OUT/bench.log" || status=1
+
+echo "device_check: status=$status (0 = every phase passed)"
+exit $status
