@@ -72,7 +72,7 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     t = config.trainer
     tok = AutoTokenizer.from_pretrained(model_dir)
     examples = PromptDataset(config.data.eval_files).examples[: t.eval_max_prompts or None]
-    engine = make_engine(config.rollout, model_dir, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    engine = make_engine(config.rollout, model_dir, seed=t.seed)
     prompts = []
     for ex in examples:
         ids = tok.apply_chat_template(ex.prompt_messages, add_generation_prompt=True, tokenize=True)
