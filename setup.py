@@ -43,6 +43,8 @@ EXTRAS = {
     "modelopt": ["nvidia-modelopt"],
     "data": ["reasoning-gym==0.1.25"],
     "smollm2": ["gguf", "accelerate"],
+    # Comparison provider in tools/bench_kernels.py (install torch first so pip keeps it).
+    "bench": ["liger-kernel==0.8.5"],
 }
 
 
