@@ -6,8 +6,11 @@
 // sum(old_logp - logp) over valid tokens, max ratio over valid tokens (0 if none). Python turns them into the loss
 // and metrics exactly as for the Triton kernel.
 // Backward = one elementwise launch recomputing ratio and branch; it reads grad_output and 1 / D from device memory.
-// Conventions (same as the Triton kernel): ties of max(-A r, -A clip(r)) take the unclipped gradient -A r; the dual
-// clip min(l, -A c) for A < 0 passes the gradient at l == -A c; masked tokens (w == 0) contribute exactly 0.
+// Conventions (same as the Triton kernel and policy_loss.clipped_token_loss): branches are decided on the log-ratio
+// x = logp - old_logp against log(1 - eps_low), log(1 + eps_high), log(c) (fp32 constants from Python's ClipBounds),
+// never on expf(x), whose last bit differs between backends; x exactly on a bound keeps the unclipped gradient
+// -A ratio; x is clamped to [-20, 20] before expf (verl's bound) so loss and gradient stay finite, and the unclipped
+// gradient is 0 where the clamp is active; masked tokens (w == 0) contribute exactly 0.
 #include "common.cuh"
 
 namespace mdapo {
@@ -27,11 +30,14 @@ struct PGParams {
   int64_t seq_len;
   int adv_per_token;
   float lo, hi, clip_c;
+  float log_lo, log_hi, log_c;
   int dual_clip;
 };
 
+constexpr float kLogRatioClamp = 20.f;  // policy_loss.LOG_RATIO_CLAMP
+
 struct TokenTerms {
-  float ratio, loss, dloss, adv, kl, w;
+  float ratio, log_ratio, loss, dloss, adv, w;
 };
 
 __device__ __forceinline__ TokenTerms token_terms(const PGParams& p, int64_t i) {
@@ -39,19 +45,18 @@ __device__ __forceinline__ TokenTerms token_terms(const PGParams& p, int64_t i) 
   const float logp = p.logp[i], old = p.old_logp[i];
   t.adv = p.adv[p.adv_per_token ? i : i / p.seq_len];
   t.w = p.mask_is_u8 ? (float)static_cast<const uint8_t*>(p.mask)[i] : static_cast<const float*>(p.mask)[i];
-  t.ratio = expf(logp - old);
-  t.kl = old - logp;
-  const float unclipped = -t.adv * t.ratio;
-  const float clipped = -t.adv * fminf(fmaxf(t.ratio, p.lo), p.hi);
-  t.loss = fmaxf(unclipped, clipped);
-  t.dloss = unclipped >= clipped ? unclipped : 0.f;  // d(-A r)/dlogp = -A r
-  if (p.dual_clip) {
-    const float cap = -t.adv * p.clip_c;
-    if (t.adv < 0.f && t.loss > cap) {
-      t.loss = cap;
-      t.dloss = 0.f;
-    }
+  const float x = logp - old;
+  t.log_ratio = x;
+  t.ratio = expf(fminf(fmaxf(x, -kLogRatioClamp), kLogRatioClamp));
+  const bool clip_high = t.adv > 0.f && x > p.log_hi;
+  const bool clip_low = t.adv < 0.f && x < p.log_lo;
+  bool active = !clip_high && !clip_low && x >= -kLogRatioClamp && x <= kLogRatioClamp;
+  t.loss = clip_high ? -t.adv * p.hi : (clip_low ? -t.adv * p.lo : -t.adv * t.ratio);
+  if (p.dual_clip && t.adv < 0.f && x > p.log_c) {
+    t.loss = -t.adv * p.clip_c;
+    active = false;
   }
+  t.dloss = active ? -t.adv * t.ratio : 0.f;  // d(-A ratio)/dlogp = -A ratio
   return t;
 }
 
@@ -68,9 +73,9 @@ __global__ void __launch_bounds__(kThreads) pg_loss_partials_kernel(PGParams p, 
     acc[0] += t.loss * t.w;
     acc[1] += t.w;
     acc[2] += 1.f;
-    acc[3] += (t.adv > 0.f && t.ratio > p.hi) ? 1.f : 0.f;
-    acc[4] += (t.adv < 0.f && t.ratio < p.lo) ? 1.f : 0.f;
-    acc[5] += t.kl;
+    acc[3] += (t.adv > 0.f && t.log_ratio > p.log_hi) ? 1.f : 0.f;
+    acc[4] += (t.adv < 0.f && t.log_ratio < p.log_lo) ? 1.f : 0.f;
+    acc[5] += -t.log_ratio;
     rmax = fmaxf(rmax, t.ratio);
   }
   float* row = partials + (int64_t)blockIdx.x * 8;
@@ -118,14 +123,16 @@ extern "C" {
 int64_t mdapo_pg_loss_workspace_rows(int64_t n) { return n <= 0 ? 1 : (n + mdapo::kChunk - 1) / mdapo::kChunk; }
 
 // logp, old_logp: [n] fp32 (a flattened [B, T]); adv: [B] (adv_per_token = 0, seq_len = T) or [n] fp32;
-// mask: [n] uint8 (mask_is_u8 = 1) or fp32; lo = 1 - eps_low, hi = 1 + eps_high; clip_c used when dual_clip.
+// mask: [n] uint8 (mask_is_u8 = 1) or fp32; lo = 1 - eps_low, hi = 1 + eps_high; clip_c used when dual_clip;
+// log_lo, log_hi, log_c: their logs (formed in float64, rounded to fp32), which decide the branches.
 // workspace: [mdapo_pg_loss_workspace_rows(n), 8] fp32 scratch; totals: [7] fp32 out. Returns a cudaError_t.
 int mdapo_pg_loss_fwd(const float* logp, const float* old_logp, const float* adv, const void* mask, int mask_is_u8,
-                      int64_t n, int64_t seq_len, int adv_per_token, float lo, float hi, float clip_c, int dual_clip,
-                      float* workspace, int64_t workspace_rows, float* totals, cudaStream_t stream) {
+                      int64_t n, int64_t seq_len, int adv_per_token, float lo, float hi, float clip_c, float log_lo,
+                      float log_hi, float log_c, int dual_clip, float* workspace, int64_t workspace_rows, float* totals, cudaStream_t stream) {
   const int64_t rows = mdapo_pg_loss_workspace_rows(n);
   if (workspace_rows < rows || seq_len <= 0 || rows > 2147483647LL) return (int)cudaErrorInvalidValue;
-  const mdapo::PGParams p{logp, old_logp, adv, mask, mask_is_u8, n, seq_len, adv_per_token, lo, hi, clip_c, dual_clip};
+  const mdapo::PGParams p{logp,   old_logp, adv, mask,   mask_is_u8, n,     seq_len,  adv_per_token,
+                          lo,     hi,       clip_c, log_lo, log_hi,  log_c, dual_clip};
   mdapo::pg_loss_partials_kernel<<<(unsigned)rows, mdapo::kThreads, 0, stream>>>(p, workspace);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return (int)err;
@@ -135,12 +142,13 @@ int mdapo_pg_loss_fwd(const float* logp, const float* old_logp, const float* adv
 
 // grad: [n] fp32 out = d loss / d logp scaled by grad_out[0] * inv_denom[0] (both fp32 device scalars).
 int mdapo_pg_loss_bwd(const float* logp, const float* old_logp, const float* adv, const void* mask, int mask_is_u8,
-                      int64_t n, int64_t seq_len, int adv_per_token, float lo, float hi, float clip_c, int dual_clip,
-                      const float* grad_out, const float* inv_denom, float* grad, cudaStream_t stream) {
+                      int64_t n, int64_t seq_len, int adv_per_token, float lo, float hi, float clip_c, float log_lo,
+                      float log_hi, float log_c, int dual_clip, const float* grad_out, const float* inv_denom, float* grad, cudaStream_t stream) {
   if (n == 0) return 0;
   const int64_t blocks = (n + mdapo::kThreads - 1) / mdapo::kThreads;
   if (seq_len <= 0 || blocks > 2147483647LL) return (int)cudaErrorInvalidValue;
-  const mdapo::PGParams p{logp, old_logp, adv, mask, mask_is_u8, n, seq_len, adv_per_token, lo, hi, clip_c, dual_clip};
+  const mdapo::PGParams p{logp,   old_logp, adv, mask,   mask_is_u8, n,     seq_len,  adv_per_token,
+                          lo,     hi,       clip_c, log_lo, log_hi,  log_c, dual_clip};
   mdapo::pg_loss_grad_kernel<<<(unsigned)blocks, mdapo::kThreads, 0, stream>>>(p, grad_out, inv_denom, grad);
   return (int)cudaGetLastError();
 }

@@ -5,7 +5,10 @@ The fused twin is `megatron_dapo.ops.clipped_pg_loss`; this file is its referenc
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -98,6 +101,51 @@ def agg_loss(
     return (seq_val * has_tokens).sum() / torch.as_tensor(num_seqs, dtype=torch.float32).clamp_min(1.0)
 
 
+# Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp (verl's compute_policy_loss_vanilla uses
+# the same bound): exp(20) ~ 4.9e8 keeps ratio, loss and gradient finite in fp32 (exp overflows past ~88.7), and a
+# token that far off-policy gets no gradient from its unclipped branch (torch.clamp's gradient is 0 outside).
+LOG_RATIO_CLAMP = 20.0
+
+
+def _fp32(x: float) -> float:
+    """x rounded once to the nearest fp32 value (exact in fp32 and fp64, so every backend compares the same number)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@dataclass(frozen=True)
+class ClipBounds:
+    """The clip constants of one loss call, each rounded once to fp32, shared by the reference, Triton and CUDA.
+
+    Branch decisions compare the fp32 log-ratio with log(1 - eps_low), log(1 + eps_high) and log(c), never the
+    ratio with 1 +- eps: exp differs in its last bit between torch, the Triton interpreter and sm_90's ex2.approx,
+    so a ratio-side comparison could pick different branches in different backends for the same input.
+    """
+
+    lo: float  # 1 - eps_low: the loss value -A * lo where the low clip is active
+    hi: float  # 1 + eps_high
+    log_lo: float  # log(1 - eps_low), formed in float64
+    log_hi: float  # log(1 + eps_high)
+    clip_c: float | None  # dual-clip constant c > 1, or None
+    log_c: float  # log(c), 0.0 when clip_ratio_c is None (unused then)
+
+    @classmethod
+    def make(cls, eps_low: float, eps_high: float, clip_ratio_c: float | None) -> ClipBounds:
+        if not 0.0 <= eps_low < 1.0 or not eps_high >= 0.0:
+            raise ValueError(f"policy loss: need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
+        if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+            raise ValueError(f"policy loss: clip_ratio_c must be > 1, got {clip_ratio_c}")
+        log_c = 0.0 if clip_ratio_c is None else _fp32(math.log(clip_ratio_c))
+        c = None if clip_ratio_c is None else _fp32(clip_ratio_c)
+        return cls(
+            lo=_fp32(1.0 - eps_low),
+            hi=_fp32(1.0 + eps_high),
+            log_lo=_fp32(math.log1p(-eps_low)),
+            log_hi=_fp32(math.log1p(eps_high)),
+            clip_c=c,
+            log_c=log_c,
+        )
+
+
 def clipped_token_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -106,27 +154,31 @@ def clipped_token_loss(
     eps_high: float,
     clip_ratio_c: float | None,
     mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token clipped surrogate. Returns (loss [B,T], ratio [B,T], advantages broadcast to [B,T]).
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-token clipped surrogate. Returns (loss [B,T], ratio [B,T], advantages [B,T], log_ratio [B,T]), fp32.
 
-    With `mask`, invalid tokens get ratio 1 (log-ratio 0) so garbage there (padding, overflow) cannot leak NaN into
-    the gradient; their loss is then dropped by the aggregation."""
+    Semantics (identical in the Triton kernel and the CUDA twin; r = logp - old_logp, bounds from `ClipBounds`):
+    - A > 0 and r > log(1 + eps_high): l = -A (1 + eps_high), gradient 0 (clipped high);
+    - A < 0 and r < log(1 - eps_low): l = -A (1 - eps_low), gradient 0 (clipped low);
+    - A < 0 and r > log(c) with dual clip: l = -A c, gradient 0;
+    - otherwise l = -A exp(clamp(r, -20, 20)), gradient -A exp(r) for |r| <= 20 and 0 beyond.
+    This is max(-A ratio, -A clip(ratio)) (and min(., -A c) for A < 0) with the decision taken on the log-ratio and
+    ties (r exactly on a bound) kept unclipped. With `mask`, invalid tokens get log-ratio 0 so garbage there
+    (padding, overflow) cannot leak NaN into the gradient; their loss is then dropped by the aggregation."""
+    b = ClipBounds.make(eps_low, eps_high, clip_ratio_c)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.expand_as(logp).to(torch.float32)
     log_ratio = logp.float() - old_logp.float()
     if mask is not None:
         log_ratio = torch.where(mask != 0, log_ratio, torch.zeros_like(log_ratio))
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    if clip_ratio_c is not None:
-        # Dual clip: cap the loss of A < 0 tokens at -A*c. At exactly -A*c the unclipped gradient is kept (a plain
-        # minimum would halve it at the tie); the fused kernel uses the same convention.
-        cap = -advantages * clip_ratio_c
-        loss = torch.where((advantages < 0) & (loss > cap), cap, loss)
-    return loss, ratio, advantages
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    loss = -advantages * ratio
+    loss = torch.where((advantages > 0) & (log_ratio > b.log_hi), -advantages * b.hi, loss)
+    loss = torch.where((advantages < 0) & (log_ratio < b.log_lo), -advantages * b.lo, loss)
+    if b.clip_c is not None:
+        loss = torch.where((advantages < 0) & (log_ratio > b.log_c), -advantages * b.clip_c, loss)
+    return loss, ratio, advantages, log_ratio
 
 
 @register_policy_loss("dapo")
@@ -147,9 +199,10 @@ def dapo_policy_loss(
     ratio = exp(logp - old_logp); per token l = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)); with
     `clip_ratio_c` (dual clip, c > 1) tokens with A < 0 use min(l, -A * c). loss = sum(l * mask) / D with
     D = `num_tokens` (global valid-token count of the mini-batch, see `agg_loss`) or mask.sum(); D == 0 gives 0.
-    At a ratio exactly on a clip bound both branches are equal and torch.clamp passes the gradient through.
-    `loss_agg_mode` (config algorithm.loss_agg_mode) swaps the token-level mean for GRPO's sequence mean in ablations;
-    `num_tokens` is then the global number of sequences (see `agg_loss`).
+    Branches are chosen on the log-ratio (see `clipped_token_loss`): a ratio exactly on a bound keeps the unclipped
+    gradient, and log-ratios are clamped to +-LOG_RATIO_CLAMP before exp, so the loss and its gradient stay finite
+    for any finite inputs (verl clamps the same way). `loss_agg_mode` (config algorithm.loss_agg_mode) swaps the
+    token-level mean for GRPO's sequence mean in ablations; `num_tokens` is then the global number of sequences (see `agg_loss`).
 
     Args:
         logp: [B, T] float, current policy log-probs of the response tokens (differentiable).
@@ -159,26 +212,27 @@ def dapo_policy_loss(
     Returns:
         loss: 0-dim fp32. metrics: 0-dim fp32 tensors clipfrac_high, clipfrac_low, approx_kl, ratio_max.
     """
-    token_loss, ratio, adv = clipped_token_loss(
+    token_loss, ratio, adv, log_ratio = clipped_token_loss(
         logp, old_logp.detach(), advantages, eps_low, eps_high, clip_ratio_c, mask
     )
     loss = agg_loss(token_loss, mask, loss_agg_mode, num_tokens)
     with torch.no_grad():
-        metrics = policy_metrics(ratio, adv, logp, old_logp, mask, eps_low, eps_high)
+        metrics = policy_metrics(ratio, log_ratio, adv, mask, ClipBounds.make(eps_low, eps_high, clip_ratio_c))
     return loss, metrics
 
 
 def policy_metrics(
-    ratio: Tensor, adv: Tensor, logp: Tensor, old_logp: Tensor, mask: Tensor, eps_low: float, eps_high: float
+    ratio: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, bounds: ClipBounds
 ) -> dict[str, Tensor]:
-    """Clip fractions, approximate KL and max ratio over the valid tokens of this call ([B, T] inputs)."""
+    """Clip fractions, approximate KL and max ratio over the valid tokens of this call ([B, T] fp32 inputs).
+
+    Clip fractions use the same log-ratio decisions as the loss; approx_kl is the mean of old_logp - logp
+    (= -log_ratio); ratio_max is the largest clamped ratio (at most exp(LOG_RATIO_CLAMP))."""
     valid = mask.bool()
-    m = valid.to(torch.float32)
-    count = m.sum().clamp_min(1.0)
-    high = ((adv > 0) & (ratio > 1.0 + eps_high) & valid).to(torch.float32).sum() / count
-    low = ((adv < 0) & (ratio < 1.0 - eps_low) & valid).to(torch.float32).sum() / count
-    diff = old_logp.float() - logp.detach().float()
-    approx_kl = torch.where(valid, diff * m, torch.zeros_like(diff)).sum() / count
+    count = valid.to(torch.float32).sum().clamp_min(1.0)
+    high = ((adv > 0) & (log_ratio > bounds.log_hi) & valid).to(torch.float32).sum() / count
+    low = ((adv < 0) & (log_ratio < bounds.log_lo) & valid).to(torch.float32).sum() / count
+    approx_kl = torch.where(valid, -log_ratio, torch.zeros_like(log_ratio)).sum() / count
     ratio_max = (
         torch.where(valid, ratio.detach(), torch.zeros_like(ratio)).max() if ratio.numel() else ratio.new_zeros(())
     )

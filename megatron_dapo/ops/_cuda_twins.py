@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-ABI_VERSION = 1
+from megatron_dapo.algorithms.policy_loss import ClipBounds
+
+ABI_VERSION = 2  # 2: the pg entry points take log_lo, log_hi, log_c (branch decisions on the log-ratio)
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _c_int64 = ctypes.c_int64
@@ -32,13 +34,13 @@ _SIGNATURES = {
     "mdapo_pg_loss_workspace_rows": ([_c_int64], _c_int64),
     "mdapo_pg_loss_fwd": (
         [_ptr, _ptr, _ptr, _ptr, ctypes.c_int, _c_int64, _c_int64, ctypes.c_int]
-        + [ctypes.c_float] * 3
+        + [ctypes.c_float] * 6
         + [ctypes.c_int, _ptr, _c_int64, _ptr, _ptr],
         ctypes.c_int,
     ),
     "mdapo_pg_loss_bwd": (
         [_ptr, _ptr, _ptr, _ptr, ctypes.c_int, _c_int64, _c_int64, ctypes.c_int]
-        + [ctypes.c_float] * 3
+        + [ctypes.c_float] * 6
         + [ctypes.c_int, _ptr, _ptr, _ptr, _ptr],
         ctypes.c_int,
     ),
@@ -114,7 +116,7 @@ def _pg_common(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor):
 
 @torch.library.custom_op("megatron_dapo::pg_loss_totals_cuda", mutates_args=())
 def _pg_loss_totals_op(
-    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, lo: float, hi: float, clip_c: float, dual_clip: bool
+    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, bounds: list[float], dual_clip: bool
 ) -> Tensor:
     lib = load_library()
     lp, old, a, m, is_u8 = _pg_common(logp, old_logp, adv, mask)
@@ -125,14 +127,14 @@ def _pg_loss_totals_op(
     seq_len = max(lp.shape[-1], 1)
     args = (lp.data_ptr(), old.data_ptr(), a.data_ptr(), m.data_ptr(), is_u8, n, seq_len, int(a.dim() == 2))
     code = lib.mdapo_pg_loss_fwd(
-        *args, lo, hi, clip_c, int(dual_clip), workspace.data_ptr(), rows, totals.data_ptr(), _stream(lp)
+        *args, *bounds, int(dual_clip), workspace.data_ptr(), rows, totals.data_ptr(), _stream(lp)
     )
     check(code, "mdapo_pg_loss_fwd")
     return totals
 
 
 @_pg_loss_totals_op.register_fake
-def _(logp, old_logp, adv, mask, lo, hi, clip_c, dual_clip):
+def _(logp, old_logp, adv, mask, bounds, dual_clip):
     return logp.new_empty(7, dtype=torch.float32)
 
 
@@ -144,9 +146,7 @@ def _pg_loss_grad_op(
     mask: Tensor,
     grad_out: Tensor,
     inv_denom: Tensor,
-    lo: float,
-    hi: float,
-    clip_c: float,
+    bounds: list[float],
     dual_clip: bool,
 ) -> Tensor:
     lib = load_library()
@@ -157,22 +157,25 @@ def _pg_loss_grad_op(
     seq_len = max(lp.shape[-1], 1)
     args = (lp.data_ptr(), old.data_ptr(), a.data_ptr(), m.data_ptr(), is_u8, lp.numel(), seq_len, int(a.dim() == 2))
     code = lib.mdapo_pg_loss_bwd(
-        *args, lo, hi, clip_c, int(dual_clip), g_out.data_ptr(), inv_d.data_ptr(), grad.data_ptr(), _stream(lp)
+        *args, *bounds, int(dual_clip), g_out.data_ptr(), inv_d.data_ptr(), grad.data_ptr(), _stream(lp)
     )
     check(code, "mdapo_pg_loss_bwd")
     return grad
 
 
 @_pg_loss_grad_op.register_fake
-def _(logp, old_logp, adv, mask, grad_out, inv_denom, lo, hi, clip_c, dual_clip):
+def _(logp, old_logp, adv, mask, grad_out, inv_denom, bounds, dual_clip):
     return torch.empty_like(logp, dtype=torch.float32)
 
 
-def pg_loss_totals(
-    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, lo: float, hi: float, clip_c: float | None
-) -> Tensor:
+def _bound_list(b: ClipBounds) -> list[float]:
+    """(lo, hi, clip_c, log_lo, log_hi, log_c) in the order of the C entry points."""
+    return [b.lo, b.hi, 0.0 if b.clip_c is None else b.clip_c, b.log_lo, b.log_hi, b.log_c]
+
+
+def pg_loss_totals(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, bounds: ClipBounds) -> Tensor:
     """CUDA twin of the pg forward: [7] fp32 totals in the layout of pg_loss._reduce_partials."""
-    return _pg_loss_totals_op(logp, old_logp, adv, mask, lo, hi, 0.0 if clip_c is None else clip_c, clip_c is not None)
+    return _pg_loss_totals_op(logp, old_logp, adv, mask, _bound_list(bounds), bounds.clip_c is not None)
 
 
 def pg_loss_grad(
@@ -182,13 +185,11 @@ def pg_loss_grad(
     mask: Tensor,
     grad_out: Tensor,
     inv_denom: Tensor,
-    lo: float,
-    hi: float,
-    clip_c: float | None,
+    bounds: ClipBounds,
 ) -> Tensor:
     """CUDA twin of the pg backward: d loss / d logp [B, T] in logp's dtype."""
-    c = 0.0 if clip_c is None else clip_c
-    grad = _pg_loss_grad_op(logp, old_logp, adv, mask, grad_out, inv_denom, lo, hi, c, clip_c is not None)
+    dual = bounds.clip_c is not None
+    grad = _pg_loss_grad_op(logp, old_logp, adv, mask, grad_out, inv_denom, _bound_list(bounds), dual)
     return grad.to(logp.dtype)
 
 

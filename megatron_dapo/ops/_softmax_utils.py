@@ -44,9 +44,15 @@ def online_softmax_finalize(m, s, t):
 
 
 @triton.jit
-def target_logit(z, cols, labels_local):
-    """z at each row's label column, 0 where the label is outside these columns. Returns [BLOCK_T] fp32."""
-    return tl.sum(tl.where(cols[None, :] == labels_local[:, None], z, 0.0), axis=1)
+def target_logit(z, cols, labels_local, n_valid):
+    """z at each row's label column, 0 where the label is outside these columns. Returns [BLOCK_T] fp32.
+
+    Only columns < n_valid may match. The last vocab tile overhangs the shard: its masked columns hold -inf, and
+    under TP > 1 a label of the NEXT shard whose local index (label - class_start) falls in that overhang would
+    otherwise add -inf to this rank's target logit (logp = -inf after the merge).
+    """
+    hit = (cols[None, :] == labels_local[:, None]) & (cols < n_valid)[None, :]
+    return tl.sum(tl.where(hit, z, 0.0), axis=1)
 
 
 @triton.jit

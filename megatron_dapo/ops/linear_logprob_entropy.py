@@ -33,12 +33,24 @@ from megatron_dapo.ops.dispatch import use_triton
 from megatron_dapo.ops.reference import check_inputs
 from megatron_dapo.ops.reference import combine_vocab_shards
 from megatron_dapo.ops.reference import linear_logprobs_and_entropy_chunked
+from megatron_dapo.ops.reference import merge_stats
 from megatron_dapo.ops.reference import outputs_from_stats
 from megatron_dapo.ops.reference import vocab_shard
 
-# (BLOCK_T, BLOCK_V, BLOCK_H, BLOCK_HO, num_warps). GPU values are untuned (no GPU here); tl.dot needs >= 16.
-GPU_BLOCKS = (64, 128, 64, 128, 8)
+# (BLOCK_T, BLOCK_V, BLOCK_H, BLOCK_HO, num_warps) per dtype; tl.dot needs >= 16. Chosen from the sm_90 AOT compile
+# report (tests/ops/test_compile_sm90.py prints registers and stack per kernel; docs/kernels.md has the table): the
+# first release's (64, 128, 64, 128, 8) hit the 255-register cap in all three kernels and spilled (bf16 d_weight
+# 688 B/thread of stack, fp32 up to 2.3 KB). bf16/fp16: BLOCK_V 64 keeps the [64, 64] fp32 logits tile and the
+# [64, 128] accumulator within 230-250 registers without spills while BLOCK_HO stays 128 (the backward recomputes
+# the logits H / BLOCK_HO times). fp32 (ieee dots, no tensor cores) needs BLOCK_HO 32 as well. Untimed: no GPU here.
+GPU_BLOCKS = {
+    torch.bfloat16: (64, 64, 64, 128, 8),
+    torch.float16: (64, 64, 64, 128, 8),
+    torch.float32: (64, 64, 32, 32, 8),
+}
 INTERPRET_BLOCKS = (16, 32, 16, 16, 1)
+INTERPRET_NUM_SMS = 2  # the interpreter has no SMs; 2 makes small test shapes exercise the vocab split
+MIN_TILES_PER_SPLIT = 8  # GPU: a split streams at least 8 vocab tiles, so the [splits, 3, T] merge stays negligible
 
 
 @triton.jit
@@ -88,21 +100,27 @@ def _linear_fwd_kernel(
     stride_w,
     class_start,
     inv_temp,
+    cols_per_split,
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # h: [T, H]; w: [V_local, H]; labels [T] int64 global; stats [3, T] fp32 out (shard lse, entropy, target logit).
+    # h: [T, H]; w: [V_local, H]; labels [T] int64 global. Program (token block, vocab split) streams the vocab tiles
+    # of columns [split * cols_per_split, min(n_valid, (split + 1) * cols_per_split)) and writes that slice's stats
+    # to stats [num_splits, 3, T] fp32 (lse, entropy, target logit); the host merges the splits like TP shards.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
     row_ok = rows < T
     labels_local = tl.load(labels_ptr + rows, mask=row_ok, other=0) - class_start
+    v_begin = split * cols_per_split
+    v_end = tl.minimum(v_begin + cols_per_split, n_valid)
     m = tl.full([BLOCK_T], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_T], tl.float32)
     t = tl.zeros([BLOCK_T], tl.float32)
     zt = tl.zeros([BLOCK_T], tl.float32)
-    for v0 in range(0, n_valid, BLOCK_V):
+    for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         z = _logits_tile(
             h_ptr,
@@ -110,7 +128,7 @@ def _linear_fwd_kernel(
             rows,
             cols,
             row_ok,
-            cols < n_valid,
+            cols < v_end,
             H,
             stride_h,
             stride_w,
@@ -122,11 +140,12 @@ def _linear_fwd_kernel(
             DOT_PRECISION,
         )
         m, s, t = online_softmax_update(z, m, s, t)
-        zt += target_logit(z, cols, labels_local)
+        zt += target_logit(z, cols, labels_local, v_end)
     lse, ent = online_softmax_finalize(m, s, t)
-    tl.store(stats_ptr + rows, lse, mask=row_ok)
-    tl.store(stats_ptr + T + rows, ent, mask=row_ok)
-    tl.store(stats_ptr + 2 * T + rows, zt, mask=row_ok)
+    out = stats_ptr + split * 3 * T
+    tl.store(out + rows, lse, mask=row_ok)
+    tl.store(out + T + rows, ent, mask=row_ok)
+    tl.store(out + 2 * T + rows, zt, mask=row_ok)
 
 
 @triton.jit
@@ -311,20 +330,43 @@ def _linear_bwd_dhidden_kernel(
 
 
 def _launch_cfg(dtype: torch.dtype) -> tuple[tuple[int, int, int, int, int], bool, str]:
-    blocks = INTERPRET_BLOCKS if interpreting() else GPU_BLOCKS
+    blocks = INTERPRET_BLOCKS if interpreting() else GPU_BLOCKS[dtype]
     upcast = interpreting()
     precision = "ieee" if (upcast or dtype == torch.float32) else "tf32"
     return blocks, upcast, precision
 
 
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRET_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_vocab_splits(num_row_blocks: int, n_tiles: int, num_sms: int, min_tiles: int) -> int:
+    """How many vocab splits the forward grid gets: enough programs for two waves over the SMs, each split keeping
+    at least `min_tiles` vocab tiles (fewer splits when that would leave a split empty).
+
+    Without splitting, the grid is ceil(T / BLOCK_T) programs: 32 of an H100's 132 SMs at T = 2048, BLOCK_T = 64.
+    """
+    if n_tiles <= 1:
+        return 1
+    want = triton.cdiv(2 * num_sms, max(num_row_blocks, 1))
+    splits = max(1, min(want, n_tiles // max(min_tiles, 1)))
+    return triton.cdiv(n_tiles, triton.cdiv(n_tiles, splits))  # no empty split
+
+
 def linear_forward(hidden, weight, labels, *, inv_temp: float, class_start: int, n_valid: int) -> torch.Tensor:
     """Launch the forward kernel: hidden [T, H], weight [V_local, H] (inner stride 1), labels [T] -> stats [3, T]."""
     num_tokens, hdim = hidden.shape
-    stats = torch.empty((3, num_tokens), dtype=torch.float32, device=hidden.device)
     if num_tokens == 0:
-        return stats
+        return torch.empty((3, 0), dtype=torch.float32, device=hidden.device)
     (bt, bv, bh, _, warps), upcast, precision = _launch_cfg(hidden.dtype)
-    _linear_fwd_kernel[(triton.cdiv(num_tokens, bt),)](
+    row_blocks, n_tiles = triton.cdiv(num_tokens, bt), triton.cdiv(n_valid, bv)
+    min_tiles = 1 if interpreting() else MIN_TILES_PER_SPLIT
+    splits = num_vocab_splits(row_blocks, n_tiles, _num_sms(hidden.device), min_tiles)
+    cols_per_split = max(triton.cdiv(n_tiles, splits), 1) * bv
+    stats = torch.empty((splits, 3, num_tokens), dtype=torch.float32, device=hidden.device)
+    _linear_fwd_kernel[(row_blocks, splits)](
         hidden,
         weight,
         labels,
@@ -336,6 +378,7 @@ def linear_forward(hidden, weight, labels, *, inv_temp: float, class_start: int,
         weight.stride(0),
         class_start,
         inv_temp,
+        cols_per_split,
         BLOCK_T=bt,
         BLOCK_V=bv,
         BLOCK_H=bh,
@@ -343,7 +386,7 @@ def linear_forward(hidden, weight, labels, *, inv_temp: float, class_start: int,
         DOT_PRECISION=precision,
         num_warps=warps,
     )
-    return stats
+    return stats[0] if splits == 1 else merge_stats(stats)
 
 
 def linear_backward(hidden, weight, labels, stats, grad_out, *, inv_temp: float, class_start: int, n_valid: int):

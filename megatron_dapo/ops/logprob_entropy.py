@@ -39,12 +39,14 @@ from megatron_dapo.ops.reference import logprobs_and_entropy_chunked
 from megatron_dapo.ops.reference import outputs_from_stats
 from megatron_dapo.ops.reference import vocab_shard
 
-# Tile sizes. GPU: one row per program, 4096-wide vocab tiles (untuned: no GPU here). Interpreter: small tiles so
-# that tests with V of a few hundred still run the multi-tile loop.
+# Vocab tile widths (forward, backward). GPU: one row per program, 4096-wide forward tiles (untuned: no GPU here).
+# Interpreter: small tiles so that tests with V of a few hundred still run the multi-tile loop; tests swap in
+# GPU_BLOCKS to run the GPU tiling under the interpreter (tile overhang past a shard's end, issue 9).
 BLOCK_V = 4096
-NUM_WARPS = 8
-BLOCK_V_INTERPRET = 128
 BLOCK_V_BWD = 2048
+GPU_BLOCKS = (BLOCK_V, BLOCK_V_BWD)
+INTERPRET_BLOCKS = (128, 128)
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -74,7 +76,7 @@ def _logprob_entropy_fwd_kernel(
         # Upcast right after the load: the interpreter computes on raw bf16 bits otherwise.
         z = tl.load(row_base + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
         m, s, t = online_softmax_update(z, m, s, t)
-        zt += target_logit(z, cols, labels_local)
+        zt += target_logit(z, cols, labels_local, n_valid)
     lse, ent = online_softmax_finalize(m, s, t)
     tl.store(stats_ptr + rows, lse, mask=row_ok)
     tl.store(stats_ptr + T + rows, ent, mask=row_ok)
@@ -118,9 +120,8 @@ def _logprob_entropy_bwd_kernel(
 
 
 def _block_v(fwd: bool) -> int:
-    if interpreting():
-        return BLOCK_V_INTERPRET
-    return BLOCK_V if fwd else BLOCK_V_BWD
+    fwd_block, bwd_block = INTERPRET_BLOCKS if interpreting() else GPU_BLOCKS
+    return fwd_block if fwd else bwd_block
 
 
 def logprob_entropy_forward(

@@ -8,9 +8,11 @@ One kernel launch per direction:
 - backward: recomputes ratio and branch per token from the inputs (nothing [B, T] is saved besides the inputs
   themselves) and writes d loss / d logp in logp's dtype, already scaled by grad_output / D.
 
-Gradient convention at the kinks (see docs/kernels.md): where ratio sits exactly on a clip bound the two branches
-are equal and the gradient is the unclipped one, -A * ratio (torch.clamp passes the gradient at its bounds). At the
-dual-clip kink (A < 0 and ratio == clip_ratio_c exactly) the gradient is also the unclipped one.
+Branches and ties (see docs/kernels.md and policy_loss.clipped_token_loss): every clip decision compares the fp32
+log-ratio r = logp - old_logp with log(1 - eps_low), log(1 + eps_high) and log(c) (policy_loss.ClipBounds), so the
+reference, this kernel and the CUDA twin pick the same branch for the same inputs whatever their exp rounds to. A
+log-ratio exactly on a bound keeps the unclipped gradient -A * ratio. r is clamped to [-20, 20] before exp (as verl
+does), so loss and gradient stay finite for log-ratios of any size.
 
 Dispatch: `use_triton` (ops/dispatch.py) picks Triton for CUDA tensors and for CPU tensors under TRITON_INTERPRET=1;
 other CPU calls run the reference. MEGATRON_DAPO_KERNEL_BACKEND=cuda (or backend="cuda") selects the CUDA C++ twin
@@ -24,12 +26,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megatron_dapo.algorithms.policy_loss import LOG_RATIO_CLAMP
+from megatron_dapo.algorithms.policy_loss import ClipBounds
 from megatron_dapo.algorithms.policy_loss import dapo_policy_loss
 from megatron_dapo.ops.dispatch import kernel_backend
 from megatron_dapo.ops.dispatch import use_triton
 
 BLOCK_TOKENS = 1024
 NUM_PARTIALS = 8  # columns of the per-program partial buffer (7 used, padded to 8)
+_LOG_RATIO_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)
 
 
 @triton.jit
@@ -44,10 +49,17 @@ def _pg_token_terms(
     lo,
     hi,
     clip_c,
+    log_lo,
+    log_hi,
+    log_c,
     ADV_PER_TOKEN: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
 ):
-    """Per-token ratio, loss, gradient factor d l / d logp (unmasked) and mask weight, all fp32."""
+    """Per-token clamped ratio, log-ratio, loss, gradient factor d l / d logp (unmasked) and mask weight, fp32.
+
+    Branches are decided on the log-ratio r (policy_loss.clipped_token_loss): the exp below compiles to ex2.approx on
+    sm_90 and rounds differently from torch's, so a decision on exp(r) could differ between backends at a bound.
+    """
     # Upcast right after every load: the interpreter keeps bf16 as raw bits.
     logp = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     old = tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32)
@@ -56,18 +68,20 @@ def _pg_token_terms(
     else:
         adv = tl.load(adv_ptr + offs // seq_len, mask=inb, other=0.0).to(tl.float32)
     w = tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.float32)
-    ratio = tl.exp(logp - old)
-    unclipped = -adv * ratio
-    clipped = -adv * tl.minimum(tl.maximum(ratio, lo), hi)
-    # max(unclipped, clipped); ties (ratio inside or on the bounds) take the unclipped gradient d(-A r)/dlogp = -A r.
-    loss = tl.maximum(unclipped, clipped)
-    dloss = tl.where(unclipped >= clipped, unclipped, 0.0)
+    r = logp - old
+    # Clamp before exp (verl's bound): the ratio, loss and gradient stay finite in fp32 for any finite inputs.
+    ratio = tl.exp(tl.minimum(tl.maximum(r, -_LOG_RATIO_CLAMP), _LOG_RATIO_CLAMP))
+    clip_high = (adv > 0) & (r > log_hi)
+    clip_low = (adv < 0) & (r < log_lo)
+    loss = tl.where(clip_high, -adv * hi, tl.where(clip_low, -adv * lo, -adv * ratio))
+    # Unclipped gradient d(-A r)/dlogp = -A ratio, zero where the clamp is active (as torch.clamp's gradient).
+    active = ~clip_high & ~clip_low & (r >= -_LOG_RATIO_CLAMP) & (r <= _LOG_RATIO_CLAMP)
     if DUAL_CLIP:
-        cap = -adv * clip_c
-        capped = (adv < 0) & (loss > cap)
-        loss = tl.where(capped, cap, loss)
-        dloss = tl.where(capped, 0.0, dloss)
-    return ratio, loss, dloss, adv, logp, old, w
+        capped = (adv < 0) & (r > log_c)
+        loss = tl.where(capped, -adv * clip_c, loss)
+        active = active & ~capped
+    dloss = tl.where(active, -adv * ratio, 0.0)
+    return ratio, r, loss, dloss, adv, w
 
 
 @triton.jit
@@ -82,6 +96,9 @@ def _pg_loss_fwd_kernel(
     lo,
     hi,
     clip_c,
+    log_lo,
+    log_hi,
+    log_c,
     ADV_PER_TOKEN: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -89,17 +106,18 @@ def _pg_loss_fwd_kernel(
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < num_elements
-    ratio, loss, dloss, adv, logp, old, w = _pg_token_terms(
-        logp_ptr, old_ptr, adv_ptr, mask_ptr, offs, inb, seq_len, lo, hi, clip_c, ADV_PER_TOKEN, DUAL_CLIP
-    )
+    ratio, r, loss, dloss, adv, w = _pg_token_terms(
+        logp_ptr, old_ptr, adv_ptr, mask_ptr, offs, inb, seq_len, lo, hi, clip_c, log_lo, log_hi, log_c,
+        ADV_PER_TOKEN, DUAL_CLIP,
+    )  # fmt: skip
     valid = inb & (w != 0.0)
     # tl.where instead of multiplying by the mask: masked-out tokens never leak inf/NaN into the sums.
     loss_sum = tl.sum(tl.where(valid, loss * w, 0.0), axis=0)
     weight_sum = tl.sum(tl.where(valid, w, 0.0), axis=0)
     count = tl.sum(tl.where(valid, 1.0, 0.0), axis=0)
-    high = tl.sum(tl.where(valid & (adv > 0) & (ratio > hi), 1.0, 0.0), axis=0)
-    low = tl.sum(tl.where(valid & (adv < 0) & (ratio < lo), 1.0, 0.0), axis=0)
-    kl = tl.sum(tl.where(valid, old - logp, 0.0), axis=0)
+    high = tl.sum(tl.where(valid & (adv > 0) & (r > log_hi), 1.0, 0.0), axis=0)
+    low = tl.sum(tl.where(valid & (adv < 0) & (r < log_lo), 1.0, 0.0), axis=0)
+    kl = tl.sum(tl.where(valid, -r, 0.0), axis=0)
     rmax = tl.max(tl.where(valid, ratio, 0.0), axis=0)
     row = partial_ptr + pid * 8
     tl.store(row + 0, loss_sum)
@@ -126,6 +144,9 @@ def _pg_loss_bwd_kernel(
     lo,
     hi,
     clip_c,
+    log_lo,
+    log_hi,
+    log_c,
     ADV_PER_TOKEN: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -133,9 +154,10 @@ def _pg_loss_bwd_kernel(
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < num_elements
-    ratio, loss, dloss, adv, logp, old, w = _pg_token_terms(
-        logp_ptr, old_ptr, adv_ptr, mask_ptr, offs, inb, seq_len, lo, hi, clip_c, ADV_PER_TOKEN, DUAL_CLIP
-    )
+    ratio, r, loss, dloss, adv, w = _pg_token_terms(
+        logp_ptr, old_ptr, adv_ptr, mask_ptr, offs, inb, seq_len, lo, hi, clip_c, log_lo, log_hi, log_c,
+        ADV_PER_TOKEN, DUAL_CLIP,
+    )  # fmt: skip
     # Scalars read on device: no host sync for grad_output or a tensor num_tokens.
     scale = tl.load(grad_out_ptr).to(tl.float32) * tl.load(inv_denom_ptr)
     grad = tl.where(inb & (w != 0.0), dloss * w * scale, 0.0)
@@ -147,9 +169,12 @@ def _launch_meta(num_elements: int) -> tuple[int, int]:
     return block, triton.cdiv(max(num_elements, 1), block)
 
 
-def pg_loss_partials(
-    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, lo: float, hi: float, clip_c: float | None
-) -> Tensor:
+def _bound_args(b: ClipBounds) -> tuple[float, ...]:
+    """The kernels' scalar arguments (lo, hi, clip_c, log_lo, log_hi, log_c), all already fp32-exact."""
+    return (b.lo, b.hi, 0.0 if b.clip_c is None else b.clip_c, b.log_lo, b.log_hi, b.log_c)
+
+
+def pg_loss_partials(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, bounds: ClipBounds) -> Tensor:
     """Triton forward: per-program partial sums.
 
     Args:
@@ -169,11 +194,9 @@ def pg_loss_partials(
         partials,
         num_elements,
         max(logp.shape[-1], 1),
-        lo,
-        hi,
-        0.0 if clip_c is None else clip_c,
+        *_bound_args(bounds),
         ADV_PER_TOKEN=adv.dim() == 2,
-        DUAL_CLIP=clip_c is not None,
+        DUAL_CLIP=bounds.clip_c is not None,
         BLOCK=block,
     )
     return partials
@@ -186,9 +209,7 @@ def pg_loss_grad(
     mask: Tensor,
     grad_out: Tensor,
     inv_denom: Tensor,
-    lo: float,
-    hi: float,
-    clip_c: float | None,
+    bounds: ClipBounds,
 ) -> Tensor:
     """Triton backward: d loss / d logp [B, T] in logp's dtype, scaled by grad_out (0-dim) and inv_denom (0-dim)."""
     num_elements = logp.numel()
@@ -206,11 +227,9 @@ def pg_loss_grad(
         grad,
         num_elements,
         max(logp.shape[-1], 1),
-        lo,
-        hi,
-        0.0 if clip_c is None else clip_c,
+        *_bound_args(bounds),
         ADV_PER_TOKEN=adv.dim() == 2,
-        DUAL_CLIP=clip_c is not None,
+        DUAL_CLIP=bounds.clip_c is not None,
         BLOCK=block,
     )
     return grad
@@ -241,31 +260,30 @@ def _reduce_partials(partials: Tensor) -> Tensor:
 
 class ClippedPGLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, old_logp, advantages, mask, bounds, clip_c, num_tokens, backend):
-        lo, hi = bounds
+    def forward(ctx, logp, old_logp, advantages, mask, bounds, num_tokens, backend):
         if backend == "cuda":
             from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
 
-            totals = _cuda_twins.pg_loss_totals(logp, old_logp, advantages, mask, lo, hi, clip_c)
+            totals = _cuda_twins.pg_loss_totals(logp, old_logp, advantages, mask, bounds)
         else:
-            totals = _reduce_partials(pg_loss_partials(logp, old_logp, advantages, mask, lo, hi, clip_c))
+            totals = _reduce_partials(pg_loss_partials(logp, old_logp, advantages, mask, bounds))
         loss, inv_denom, metrics = _finish(totals, num_tokens)
         ctx.save_for_backward(logp, old_logp, advantages, mask, inv_denom)
-        ctx.params = (lo, hi, clip_c, backend)
+        ctx.params = (bounds, backend)
         ctx.mark_non_differentiable(*metrics.values())
         return loss, metrics["clipfrac_high"], metrics["clipfrac_low"], metrics["approx_kl"], metrics["ratio_max"]
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
         logp, old_logp, advantages, mask, inv_denom = ctx.saved_tensors
-        lo, hi, clip_c, backend = ctx.params
+        bounds, backend = ctx.params
         if backend == "cuda":
             from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
 
-            grad = _cuda_twins.pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, lo, hi, clip_c)
+            grad = _cuda_twins.pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, bounds)
         else:
-            grad = pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, lo, hi, clip_c)
-        return grad, None, None, None, None, None, None, None
+            grad = pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, bounds)
+        return grad, None, None, None, None, None, None
 
 
 def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> None:
@@ -331,15 +349,14 @@ def clipped_pg_loss(
         chosen = "triton"  # the interpreter; the CUDA twin needs a GPU
     if mask.dtype == torch.bool:
         mask = mask.contiguous().view(torch.uint8)
-    # Bounds computed in float64 then rounded once to fp32, as torch does for a Python scalar against fp32 tensors.
-    bounds = (1.0 - eps_low, 1.0 + eps_high)
+    # Bounds formed in float64 and rounded once to fp32, the same numbers the reference compares against.
+    bounds = ClipBounds.make(eps_low, eps_high, clip_ratio_c)
     outs = ClippedPGLossFunction.apply(
         logp.contiguous(),
         old_logp.detach().contiguous(),
         advantages.detach().contiguous(),
         mask.contiguous(),
         bounds,
-        clip_ratio_c,
         num_tokens,
         chosen,
     )

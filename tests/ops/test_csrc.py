@@ -2,6 +2,7 @@
 ctypes, and (on a GPU) match the references."""
 
 import ctypes
+import math
 import shutil
 import subprocess
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from csrc import build as csrc_build
+from megatron_dapo.algorithms.policy_loss import ClipBounds
 from megatron_dapo.ops import _cuda_twins
 
 pytestmark = pytest.mark.skipif(
@@ -48,11 +50,12 @@ def test_ctypes_load_and_host_entry_points(built_lib, monkeypatch):
         # invalid arguments are rejected before any launch (cudaErrorInvalidValue = 1)
         assert lib.mdapo_logprob_entropy_fwd(None, 1, 7, None, 3, 4, 4, 0, 1.0, None, None, None) == 1
         assert lib.mdapo_logprob_entropy_fwd(None, 1, 0, None, 3, 4, 4, 0, 0.0, None, None, None) == 1
-        assert lib.mdapo_pg_loss_fwd(*([None] * 4), 0, 10, 0, 0, 0.8, 1.28, 0.0, 0, None, 0, None, None) == 1
+        bounds = (0.8, 1.28, 0.0, math.log(0.8), math.log(1.28), 0.0)
+        assert lib.mdapo_pg_loss_fwd(*([None] * 4), 0, 10, 0, 0, *bounds, 0, None, 0, None, None) == 1
         if not torch.cuda.is_available():
             x = torch.zeros(2, 3)
             with pytest.raises(RuntimeError, match="mdapo_pg_loss_fwd: CUDA error"):
-                _cuda_twins.pg_loss_totals(x, x, torch.zeros(2), x > 0, 0.8, 1.28, None)
+                _cuda_twins.pg_loss_totals(x, x, torch.zeros(2), x > 0, ClipBounds.make(0.2, 0.28, None))
     finally:
         _cuda_twins.load_library.cache_clear()
 

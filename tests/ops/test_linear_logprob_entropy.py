@@ -129,3 +129,42 @@ def test_cuda_kernel_matches_float64(dtype):
     # fp32 on GPU: allow tf32-free ieee dots but a longer reduction than the CPU tests (H=256)
     for a, b in zip(got[:3] + (got[3][:true_vocab],), ref):
         torch.testing.assert_close(a, b, rtol=rtol * 10, atol=atol * 10)
+
+
+def test_num_vocab_splits_fills_the_gpu_and_never_leaves_a_split_empty():
+    from megatron_dapo.ops.linear_logprob_entropy import num_vocab_splits
+
+    # Qwen2.5 at TP=8 (V_local 19008 -> 297 tiles of 64), T = 2048 tokens in 32 row blocks, 132 SMs: 9 splits,
+    # so 288 programs instead of 32 (two waves over the SMs).
+    assert num_vocab_splits(32, 297, 132, 8) == 9
+    assert num_vocab_splits(1024, 297, 132, 8) == 1  # enough row blocks already
+    assert num_vocab_splits(32, 1, 132, 8) == 1 and num_vocab_splits(32, 0, 132, 8) == 1
+    for rows in (1, 3, 40):
+        for tiles in range(1, 60):
+            s = num_vocab_splits(rows, tiles, 132, 2)
+            per = -(-tiles // s)
+            assert 1 <= s <= tiles and (s - 1) * per < tiles, (rows, tiles, s)
+
+
+@pytest.mark.parametrize("num_sms", [1, 3, 64])
+def test_vocab_split_merge_matches_float64(monkeypatch, num_sms):
+    """The forward's vocab split (merged like TP shards) gives the same outputs and gradients for any split count."""
+    from megatron_dapo.ops import linear_logprob_entropy as lle
+
+    calls = []
+    real_merge = lle.merge_stats
+    monkeypatch.setattr(lle, "merge_stats", lambda s: calls.append(s.shape[0]) or real_merge(s))
+    monkeypatch.setattr(lle, "INTERPRET_NUM_SMS", num_sms)
+    hidden = torch.randn(20, 24, requires_grad=True)
+    weight = (torch.randn(203, 24) * 0.5).requires_grad_()
+    labels = torch.randint(0, 203, (20,))
+    logp, ent = lle.linear_logprobs_and_entropy(hidden, weight, labels, temperature=0.7)
+    (logp.sum() + 0.5 * ent.sum()).backward()
+    ref_h, ref_w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    r_logp, r_ent = linear_logprobs_and_entropy_naive(ref_h, ref_w, labels, temperature=0.7)
+    (r_logp.sum() + 0.5 * r_ent.sum()).backward()
+    assert (calls[0] if calls else 1) == lle.num_vocab_splits(2, 7, num_sms, 1)
+    assert num_sms == 1 or calls, "the split path was not taken"
+    for got, want, name in ((logp, r_logp, "logp"), (ent, r_ent, "entropy"), (hidden.grad, ref_h.grad, "d_hidden"),
+                            (weight.grad, ref_w.grad, "d_weight")):  # fmt: skip
+        assert_close(got, want, torch.float32, name)
