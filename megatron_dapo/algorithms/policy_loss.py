@@ -202,7 +202,8 @@ def dapo_policy_loss(
     Branches are chosen on the log-ratio (see `clipped_token_loss`): a ratio exactly on a bound keeps the unclipped
     gradient, and log-ratios are clamped to +-LOG_RATIO_CLAMP before exp, so the loss and its gradient stay finite
     for any finite inputs (verl clamps the same way). `loss_agg_mode` (config algorithm.loss_agg_mode) swaps the
-    token-level mean for GRPO's sequence mean in ablations; `num_tokens` is then the global number of sequences (see `agg_loss`).
+    token-level mean for GRPO's sequence mean in ablations; `num_tokens` is then the global number of sequences
+    (see `agg_loss`).
 
     Args:
         logp: [B, T] float, current policy log-probs of the response tokens (differentiable).
