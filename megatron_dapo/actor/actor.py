@@ -202,8 +202,12 @@ class MegatronActor:
         position_ids = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
         kwargs = {"fp32_output": False} if self.dtype != torch.float32 else {}
         hidden_out = self.logprob_impl.takes_hidden and self.groups.is_last_stage
-        self._unwrapped().return_hidden = hidden_out
-        output = model(tokens, position_ids, None, **kwargs)
+        gpt = self._unwrapped()
+        gpt.return_hidden = hidden_out  # scoped to this call: any other forward of the model returns logits
+        try:
+            output = model(tokens, position_ids, None, **kwargs)
+        finally:
+            gpt.return_hidden = False
         if hidden_out:
             if self.tf_config.sequence_parallel and self.groups.tp_size > 1:
                 # [S/tp, b, H] -> [S, b, H]. The fused op already all-reduces d(hidden) over tp_group (every rank
