@@ -184,9 +184,9 @@ class ActorConfig:
     """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
     recompute_activations: bool = False
     """Full activation recompute per layer (saves memory on long responses)."""
-    logprob_impl: str = "fused"
-    """Log-prob/entropy implementation (registry in megatron_dapo/actor/loss.py): "fused" (megatron_dapo.ops on the
-    logits), "fused_linear" (LM head fused in: the last stage returns hidden states, no [T, V] logits) or
+    logprob_impl: str = "fused_linear"
+    """Log-prob/entropy implementation (registry in megatron_dapo/actor/loss.py): "fused_linear" (default; LM head
+    fused in: the last stage returns hidden states, no [T, V] logits), "fused" (megatron_dapo.ops on full logits) or
     "reference" (chunked plain torch on the logits, for debugging)."""
 
     def __post_init__(self) -> None:
