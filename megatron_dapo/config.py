@@ -184,8 +184,10 @@ class ActorConfig:
     """Shard optimizer state over data-parallel ranks (Megatron distributed optimizer)."""
     recompute_activations: bool = False
     """Full activation recompute per layer (saves memory on long responses)."""
-    logprob_impl: str = "fused"
-    """Log-prob/entropy implementation: "fused" (megatron_dapo.ops) or "reference" (plain torch, for debugging)."""
+    logprob_impl: str = "fused_linear"
+    """Log-prob/entropy implementation (registry in megatron_dapo/actor/loss.py): "fused_linear" (default; LM head
+    fused in: the last stage returns hidden states, no [T, V] logits), "fused" (megatron_dapo.ops on full logits) or
+    "reference" (chunked plain torch on the logits, for debugging)."""
 
     def __post_init__(self) -> None:
         self.model_path = _expand(self.model_path)
@@ -198,7 +200,9 @@ class ActorConfig:
         _check(0 <= self.adam_beta1 < 1, "actor.adam_beta1", "must be in [0, 1)")
         _check(0 <= self.adam_beta2 < 1, "actor.adam_beta2", "must be in [0, 1)")
         _check(self.grad_clip >= 0, "actor.grad_clip", "must be >= 0")
-        _one_of(self.logprob_impl, ("fused", "reference"), "actor.logprob_impl")
+        from megatron_dapo.actor.loss import LOGPROB_IMPLS  # noqa: PLC0415
+
+        _one_of(self.logprob_impl, tuple(sorted(LOGPROB_IMPLS)), "actor.logprob_impl")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,10 +8,17 @@
                                  DAPO loss / global D, finite check, Megatron optimizer step (clip, warm-up lr)
 
 Gradient scaling (why the loss is multiplied): a micro-batch's loss is sum(l * mask) / D with D the valid-token
-count of the whole mini-batch all-reduced over data parallel (`integration.dapo_loss_func`). Megatron's schedule
+count of the whole mini-batch all-reduced over data parallel (`actor.loss.dapo_loss_func`). Megatron's schedule
 divides each returned loss by num_microbatches and DDP pre-scales gradients by 1 / dp_size before its SUM
 all-reduce; the loss is multiplied by num_microbatches * dp_size to cancel both. The gradient is then exactly
 d(sum over all tokens of the mini-batch of l) / D, the same for any TP / PP / DP / micro-batch split.
+
+Log-probs on the last stage (actor.logprob_impl, registry in actor/loss.py): "reference" / "fused" take the
+vocab-parallel logits [b, S, V/tp] the model returns; "fused_linear" switches the model to return the final hidden
+states (model.hidden_output_gpt_class), gathers them over TP when sequence parallel is on, and calls
+linear_logprobs_and_entropy(hidden, output weight, labels, tp_group=...) so no [T, V] logits exist in either pass. The
+weight is the output layer's, or the embedding when tied (on a PP>1 last stage, megatron's copy of it, whose gradient
+finalize_model_grads all-reduces with the first stage as before).
 """
 
 from __future__ import annotations
@@ -34,17 +41,19 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from megatron_dapo.actor.distributed import ParallelGroups
+from megatron_dapo.actor.loss import dapo_loss_func
+from megatron_dapo.actor.loss import get_logprob_impl
+from megatron_dapo.actor.loss import local_loss_denominator
+from megatron_dapo.actor.loss import sequence_logprobs_and_entropy
+from megatron_dapo.actor.loss import sequence_logprobs_from_hidden
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.config import RunConfig
-from megatron_dapo.integration import dapo_loss_func
-from megatron_dapo.integration import get_logprob_fn
-from megatron_dapo.integration import local_loss_denominator
-from megatron_dapo.integration import sequence_logprobs_and_entropy
 
 _TWO_PART = ("loss", "clipfrac_high", "clipfrac_low", "approx_kl", "entropy")
 
@@ -99,7 +108,8 @@ class MegatronActor:
         self.hf_config = AutoConfig.from_pretrained(source)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.device = groups.device
-        self.logprob_fn = get_logprob_fn(config.actor.logprob_impl)
+        self.logprob_impl = get_logprob_impl(config.actor.logprob_impl)
+        """The log-prob implementation (a LogprobImpl; may be swapped between calls, e.g. in tests)."""
         self.temperature = float(config.rollout.temperature)
         self.num_steps = 0
         """Successful optimizer steps so far (drives the warm-up)."""
@@ -171,15 +181,41 @@ class MegatronActor:
         """The GPTModel inside the DDP / Float16Module wrappers."""
         return get_attr_wrapped_model(self.model[0], "decoder", return_model_obj=True)
 
+    def _output_weight(self) -> Tensor | None:
+        """The LM-head weight [V_local, H] of the last stage for hidden-input log-prob implementations, else None:
+        the tied embedding when embeddings are shared (megatron's copy of it on a PP>1 last stage), else the output
+        layer's weight."""
+        if not (self.logprob_impl.takes_hidden and self.groups.is_last_stage):
+            return None
+        gpt = self._unwrapped()
+        if gpt.share_embeddings_and_output_weights:
+            return gpt.shared_embedding_or_output_weight()
+        return gpt.output_layer.weight
+
     def _forward_step(
         self, make_loss: Callable[[ActorBatch], Callable], data_iterator: Iterator[ActorBatch], model: Any
     ) -> tuple[Tensor, Callable]:
-        """Megatron forward_step_func: [b, S] tokens -> logits [b, S, V_local] (last stage) or hidden states."""
+        """Megatron forward_step_func: [b, S] tokens -> on the last stage logits [b, S, V_local], or hidden states
+        [b, S, H] for a hidden-input log-prob implementation; on other stages the stage's output [S, b, H]."""
         mb = next(data_iterator)
         tokens = mb.tokens.to(self.device, non_blocking=True)
         position_ids = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
         kwargs = {"fp32_output": False} if self.dtype != torch.float32 else {}
-        output = model(tokens, position_ids, None, **kwargs)
+        hidden_out = self.logprob_impl.takes_hidden and self.groups.is_last_stage
+        gpt = self._unwrapped()
+        gpt.return_hidden = hidden_out  # scoped to this call: any other forward of the model returns logits
+        try:
+            output = model(tokens, position_ids, None, **kwargs)
+        finally:
+            gpt.return_hidden = False
+        if hidden_out:
+            if self.tf_config.sequence_parallel and self.groups.tp_size > 1:
+                # [S/tp, b, H] -> [S, b, H]. The fused op already all-reduces d(hidden) over tp_group (every rank
+                # holds the full gradient), so the backward of the gather must only split, not reduce-scatter.
+                output = gather_from_sequence_parallel_region(
+                    output, tensor_parallel_output_grad=False, group=self.groups.tp_group
+                )
+            output = output.transpose(0, 1)  # [S, b, H] -> [b, S, H]
         return output, make_loss(mb)
 
     def _run_schedule(
@@ -258,16 +294,21 @@ class MegatronActor:
         return out[0], (out[1] if with_entropy else None)
 
     def _collect_logprobs(self, mb: ActorBatch) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
-        def loss_func(logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-            logp, ent = sequence_logprobs_and_entropy(
-                logits,
-                mb.tokens.to(logits.device),
+        weight = self._output_weight()
+
+        def loss_func(output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            tokens = mb.tokens.to(output.device)
+            kwargs = dict(
                 temperature=self.temperature,
                 tp_group=self.groups.tp_group,
                 vocab_size=self.vocab_size,
-                logprob_fn=self.logprob_fn,
+                logprob_fn=self.logprob_impl.fn,
             )
-            return logits.new_zeros((), dtype=torch.float32), {"logp": logp, "entropy": ent}
+            if weight is not None:
+                logp, ent = sequence_logprobs_from_hidden(output, weight, tokens, **kwargs)
+            else:
+                logp, ent = sequence_logprobs_and_entropy(output, tokens, **kwargs)
+            return output.new_zeros((), dtype=torch.float32), {"logp": logp, "entropy": ent}
 
         return loss_func
 
@@ -377,7 +418,8 @@ class MegatronActor:
             vocab_size=self.vocab_size,
             num_microbatches=num_microbatches,
             dp_size=self.groups.dp_size,
-            logprob_fn=self.logprob_fn,
+            logprob_fn=self.logprob_impl.fn,
+            output_weight=self._output_weight(),
         )
 
     def _reduce_metrics(self, store: list[dict[str, Tensor]]) -> dict[str, float]:

@@ -6,6 +6,8 @@ API:
     padded_vocab_size(vocab, tp, divisible_by=128) -> int
     to_transformer_config(hf_config, actor_config, *, on_cpu) -> TransformerConfig
     build_gpt_model(hf_config, actor_config, groups, *, pre_process=None, post_process=None) -> GPTModel
+        (a GPTModel subclass whose last stage returns the final hidden states [S, B, H] instead of logits while
+        its `return_hidden` attribute is True; the output layer and the tied-embedding machinery stay as built)
     forward_logits(model_chunks, tokens, groups) -> Tensor | None   (test/debug helper, forward-only schedule)
 
 `to_transformer_config` is the only place that translates HF fields to megatron's. On CPU: fp32, local spec
@@ -29,6 +31,7 @@ Building a model for a test (2 gloo processes, after torchrun-style env vars are
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 from typing import Any
@@ -179,6 +182,29 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
     )
 
 
+@functools.cache
+def hidden_output_gpt_class() -> type:
+    """GPTModel with one switch, `return_hidden`: when True, forward() on the last stage returns the decoder's output
+    (after the final norm) [S, B, H] (S / tp under sequence parallel) instead of the output layer's logits, so the
+    caller can run a fused LM-head op on it with the output weight. Nothing else changes: post_process stays True, so
+    the output layer (or the tied copy of the embedding on the last stage under PP) keeps existing, is saved, loaded
+    and exported, and megatron's finalize_model_grads still all-reduces the tied embedding gradient between the first
+    and last stage. Multi-token prediction (unused here) is not supported with return_hidden."""
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+
+    class HiddenOutputGPTModel(GPTModel):
+        return_hidden: bool = False
+
+        def _postprocess(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            if self.return_hidden and self.post_process:
+                if self.config.mtp_num_layers:
+                    raise ValueError("return_hidden: multi-token prediction layers are not supported")
+                return hidden_states
+            return super()._postprocess(hidden_states, *args, **kwargs)
+
+    return HiddenOutputGPTModel
+
+
 def build_gpt_model(
     hf_config: Any,
     actor_config: ActorConfig,
@@ -191,9 +217,9 @@ def build_gpt_model(
 
     pre_process / post_process default to groups.is_first_stage / groups.is_last_stage. The model lives on
     groups.device; its vocabulary is padded to padded_vocab_size(vocab_size, tp). Logits from forward() are
-    [B, S, V_padded / tp] (vocab-parallel), in the compute dtype.
+    [B, S, V_padded / tp] (vocab-parallel), in the compute dtype; with `model.return_hidden = True` the last stage
+    returns hidden states instead (see `hidden_output_gpt_class`).
     """
-    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
 
     on_cpu = groups.device.type == "cpu"
@@ -204,7 +230,7 @@ def build_gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
-    model = GPTModel(
+    model = hidden_output_gpt_class()(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, groups.tp_size),

@@ -104,7 +104,7 @@ def _layouts_worker(hf_dir: str, batch: ActorBatch) -> list[dict]:
     """Per layout: compute_logprobs and the DAPO gradient for several micro-batch sizes."""
     from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
     from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.integration import get_logprob_fn  # noqa: PLC0415
+    from megatron_dapo.actor.loss import get_logprob_impl  # noqa: PLC0415
 
     out = []
     # (tp, pp, micro-batch sizes); B=8: TP=2 and PP=2 get 8 rows (1 or 4 micro-batches), DP=2 gets 4 per rank.
@@ -120,7 +120,7 @@ def _layouts_worker(hf_dir: str, batch: ActorBatch) -> list[dict]:
             grads[size], losses[size] = _hf_named_grads(actor), stats["loss"]
         res = dict(layout=(tp, pp), logp=logp, ent=ent, no_ent=no_ent, grads=grads, losses=losses)
         if tp == 2:  # the default op (Triton interpreter here: slow, so two rows only) under vocab-parallel TP
-            actor.logprob_fn = get_logprob_fn("fused")
+            actor.logprob_impl = get_logprob_impl("fused")
             res["fused"] = actor.compute_logprobs(batch.select(slice(0, 2)))
         out.append(res)
     return out

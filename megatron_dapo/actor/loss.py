@@ -1,0 +1,325 @@
+"""The actor's loss plumbing: the log-prob implementation registry, per-sequence log-probs, loss denominators and
+the Megatron `loss_func` factory. Pure torch: no megatron import (megatron_dapo.integration re-exports it).
+
+    actor.logprob_impl --get_logprob_impl--> LogprobImpl(name, fn, takes_hidden)
+        "reference"     fn(logits [T, V_local], labels [T], ...)         chunked pure torch (ops/reference.py)
+        "fused"         fn(logits [T, V_local], labels [T], ...)         ops.logprobs_and_entropy
+        "fused_linear"  fn(hidden [T, H], weight [V_local, H], labels, ...)  ops.linear_logprobs_and_entropy
+
+    model output (last stage)
+        logits [B, S, V_local] --sequence_logprobs_and_entropy-----------\
+        hidden [B, S, H] + W   --sequence_logprobs_from_hidden------------+--> logp, entropy [B, S] (token-aligned)
+                                                                          |
+    dapo_loss_func(tokens, loss_mask, old_logp, advantages, num_tokens=D) -> loss_func(output) -> (loss, metrics)
+
+Every implementation takes keyword arguments (temperature, tp_group, vocab_size) and returns fp32 (logp, entropy)
+[T] each, differentiable w.r.t. its float inputs. Register a new one with `@register_logprob_impl(name)`; the
+config check (`actor.logprob_impl`) reads the registry, so there is one switch and one list of names.
+
+Normalisation (DESIGN.md, "token-level loss normalisation is global"): the loss of one micro-batch is
+sum(l * mask) / D, where D = `num_tokens` is the valid-token count of the WHOLE mini-batch (all micro-batches, all
+data-parallel ranks). Megatron's schedule then divides the returned loss by num_microbatches, and DDP pre-scales grads
+by 1 / dp_size before its SUM all-reduce; the loss is multiplied by num_microbatches * dp_size to undo both, so the
+final gradient is exactly d(sum over all tokens of l) / D.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_dapo.algorithms import get_policy_loss
+from megatron_dapo.config import AlgorithmConfig
+
+__all__ = [
+    "LOGPROB_IMPLS",
+    "LOSS_DENOMINATOR_UNIT",
+    "LogprobImpl",
+    "dapo_loss_func",
+    "get_logprob_fn",
+    "get_logprob_impl",
+    "local_loss_denominator",
+    "register_logprob_impl",
+    "sequence_logprobs_and_entropy",
+    "sequence_logprobs_from_hidden",
+]
+
+LogProbFn = Callable[..., tuple[Tensor, Tensor]]
+
+# What each registered policy loss divides by (its `num_tokens` argument): "tokens" (token-mean) or "sequences"
+# (seq-mean-* aggregations). Losses not listed divide by tokens.
+LOSS_DENOMINATOR_UNIT = {"token-mean": "tokens", "seq-mean-token-mean": "sequences", "seq-mean-token-sum": "sequences"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the log-prob implementation registry (actor.logprob_impl)
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LogprobImpl:
+    """One registered log-prob/entropy implementation.
+
+    Attributes:
+        name: the `actor.logprob_impl` value.
+        fn: the function. takes_hidden=False: fn(logits [T, V_local], labels [T], *, temperature, tp_group,
+            vocab_size); takes_hidden=True: fn(hidden [T, H], weight [V_local, H], labels [T], *, temperature,
+            tp_group, vocab_size). Returns (logp, entropy) [T] fp32.
+        takes_hidden: the model's last stage must return hidden states (no logits) and the LM-head weight is passed.
+    """
+
+    name: str
+    fn: LogProbFn
+    takes_hidden: bool = False
+
+
+LOGPROB_IMPLS: dict[str, LogprobImpl] = {}
+
+
+def register_logprob_impl(name: str, *, takes_hidden: bool = False) -> Callable[[LogProbFn], LogProbFn]:
+    """Register a log-prob/entropy implementation under `name` (config field `actor.logprob_impl`)."""
+
+    def wrap(fn: LogProbFn) -> LogProbFn:
+        if name in LOGPROB_IMPLS:
+            raise ValueError(f"logprob impl {name!r} is already registered")
+        LOGPROB_IMPLS[name] = LogprobImpl(name=name, fn=fn, takes_hidden=takes_hidden)
+        return fn
+
+    return wrap
+
+
+def get_logprob_impl(name: str) -> LogprobImpl:
+    """The implementation registered as `name`; an unknown name raises ValueError naming the config field."""
+    if name not in LOGPROB_IMPLS:
+        raise ValueError(f"actor.logprob_impl: unknown {name!r}; choose one of {sorted(LOGPROB_IMPLS)}")
+    return LOGPROB_IMPLS[name]
+
+
+def get_logprob_fn(impl: str = "fused") -> LogProbFn:
+    """The function of a logits-input implementation ("reference" or "fused"); kept for outside users of
+    `integration.get_logprob_fn`. Hidden-state implementations ("fused_linear") raise: they need the LM-head weight,
+    see `sequence_logprobs_from_hidden`."""
+    found = get_logprob_impl(impl)
+    if found.takes_hidden:
+        raise ValueError(f"get_logprob_fn: {impl!r} takes hidden states and a weight; use get_logprob_impl")
+    return found.fn
+
+
+# The ops are imported at call time: config validation reads this registry without importing Triton.
+@register_logprob_impl("reference")
+def _reference(logits: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
+    from megatron_dapo.ops.reference import logprobs_and_entropy_chunked  # noqa: PLC0415
+
+    return logprobs_and_entropy_chunked(logits, labels, **kwargs)
+
+
+@register_logprob_impl("fused")
+def _fused(logits: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
+    from megatron_dapo.ops import logprobs_and_entropy  # noqa: PLC0415
+
+    return logprobs_and_entropy(logits, labels, **kwargs)
+
+
+@register_logprob_impl("fused_linear", takes_hidden=True)
+def _fused_linear(hidden: Tensor, weight: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
+    from megatron_dapo.ops import linear_logprobs_and_entropy  # noqa: PLC0415
+
+    return linear_logprobs_and_entropy(hidden, weight, labels, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-sequence log-probs
+# ---------------------------------------------------------------------------------------------------------------
+def _aligned(logp: Tensor, ent: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    pad = logp.new_zeros(tokens.shape[0], 1, dtype=torch.float32)
+    return torch.cat([pad, logp.float()], dim=1), torch.cat([pad, ent.float()], dim=1)
+
+
+def sequence_logprobs_and_entropy(
+    logits: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    logprob_fn: LogProbFn = _fused,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropies aligned with the tokens (megatron_dapo.batch convention).
+
+    Position t holds log p(tokens[t] | tokens[<t]) (from logits[t - 1]) and the entropy of that distribution;
+    position 0 holds 0. Padded vocab columns (global id >= vocab_size) are ignored.
+
+    Args:
+        logits: [B, S, V_local] any float dtype, this rank's vocab shard (Megatron rank order in tp_group).
+        tokens: [B, S] int64 global token ids.
+        temperature: logits are divided by it (the sampling temperature).
+        tp_group: tensor-parallel group of the vocab split, or None for the full vocab on this rank.
+        vocab_size: true vocab size (HF config.vocab_size); None counts every column.
+        logprob_fn: a logits-input implementation, see `get_logprob_impl` (default "fused").
+    Returns:
+        (logp, entropy): [B, S] fp32 each, differentiable w.r.t. logits; identical on every rank of tp_group.
+    """
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(tokens.shape):
+        raise ValueError(
+            f"sequence_logprobs_and_entropy: logits {tuple(logits.shape)} must be [B, S, V_local] with [B, S] = "
+            f"tokens {tuple(tokens.shape)}"
+        )
+    logp, ent = logprob_fn(
+        logits[:, :-1], tokens[:, 1:], temperature=temperature, tp_group=tp_group, vocab_size=vocab_size
+    )
+    return _aligned(logp, ent, tokens)
+
+
+def sequence_logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    logprob_fn: LogProbFn = _fused_linear,
+) -> tuple[Tensor, Tensor]:
+    """`sequence_logprobs_and_entropy` from the last hidden states and the LM-head weight: no [B, S, V] logits.
+
+    Args:
+        hidden: [B, S, H] any float dtype, the final-norm output (replicated over tp_group, i.e. already gathered
+            when sequence parallel is on).
+        weight: [V_local, H] same dtype, this rank's vocab shard of the output layer (or the tied embedding).
+        tokens: [B, S] int64 global token ids.
+        temperature, tp_group, vocab_size: as in `sequence_logprobs_and_entropy`.
+        logprob_fn: a hidden-input implementation (default "fused_linear").
+    Returns:
+        (logp, entropy): [B, S] fp32 each, 0 at position 0; differentiable w.r.t. hidden (the full gradient on every
+        tp rank) and weight (this rank's shard).
+    """
+    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(tokens.shape) or hidden.shape[2] != weight.shape[-1]:
+        raise ValueError(
+            f"sequence_logprobs_from_hidden: hidden {tuple(hidden.shape)} must be [B, S, H] with [B, S] = tokens "
+            f"{tuple(tokens.shape)} and H = weight {tuple(weight.shape)}[1]"
+        )
+    logp, ent = logprob_fn(
+        hidden[:, :-1], weight, tokens[:, 1:], temperature=temperature, tp_group=tp_group, vocab_size=vocab_size
+    )
+    return _aligned(logp, ent, tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loss
+# ---------------------------------------------------------------------------------------------------------------
+def local_loss_denominator(loss_mask: Tensor, loss_agg_mode: str = "token-mean") -> Tensor:
+    """This rank's share of the loss denominator D: valid tokens ("token-mean"), or for the sequence-mean
+    aggregations (algorithm.loss_agg_mode "seq-mean-*") the responses with at least one valid token. Sum it over
+    micro-batches and all-reduce it (SUM) over data-parallel ranks to get the `num_tokens` of `dapo_loss_func`.
+
+    Args:
+        loss_mask: [B, S] float/bool, 1 on trained response tokens.
+    Returns:
+        0-dim fp32 tensor.
+    """
+    mask = loss_mask.to(torch.float32)
+    if loss_agg_mode not in LOSS_DENOMINATOR_UNIT:
+        raise ValueError(
+            f"algorithm.loss_agg_mode: unknown {loss_agg_mode!r}; choose one of {list(LOSS_DENOMINATOR_UNIT)}"
+        )
+    if LOSS_DENOMINATOR_UNIT[loss_agg_mode] == "sequences":
+        return (mask.sum(dim=-1) > 0).to(torch.float32).sum()
+    return mask.sum()
+
+
+def _two(numerator: Tensor, denominator: Tensor) -> Tensor:
+    return torch.stack([numerator.detach().float().reshape(()), denominator.detach().float().reshape(())])
+
+
+def dapo_loss_func(
+    tokens: Tensor,
+    loss_mask: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    *,
+    num_tokens: float | Tensor,
+    algorithm: AlgorithmConfig | None = None,
+    response_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    num_microbatches: int = 1,
+    dp_size: int = 1,
+    logprob_fn: LogProbFn = _fused,
+    output_weight: Tensor | None = None,
+) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
+    """Build the `loss_func(output_tensor)` of one micro-batch for a Megatron forward_step_func.
+
+    The policy loss is `algorithm.policy_loss` from the registry (default "dapo": decoupled clip with eps_low /
+    effective_eps_high, optional dual clip clip_ratio_c), divided by the global denominator `num_tokens`.
+
+    Args:
+        tokens: [B, S] int64 prompt + response tokens of this micro-batch.
+        loss_mask: [B, S] float, 1 on trained response tokens (batch.py alignment: position t is token t).
+        old_logp: [B, S] float, log-probs of the behaviour policy (0 where the mask is 0).
+        advantages: [B] float.
+        num_tokens: D, the denominator of the WHOLE mini-batch: sum of `local_loss_denominator` over micro-batches
+            and data-parallel ranks.
+        algorithm: loss hyperparameters (AlgorithmConfig defaults when None).
+        response_mask: [B, S] float, tokens whose entropy is reported (default: loss_mask).
+        temperature: sampling temperature the logits are divided by.
+        tp_group / vocab_size: vocab-parallel group and true vocab size (see `sequence_logprobs_and_entropy`).
+        num_microbatches: micro-batches per optimizer step on this rank (Megatron divides the loss by it).
+        dp_size: data-parallel size (Megatron DDP averages gradients over it). Pass 1 for both if your loop already
+            sums micro-batch losses and all-reduces gradients with SUM.
+        logprob_fn: log-prob/entropy implementation (`get_logprob_impl(name).fn`); a hidden-input one when
+            `output_weight` is given.
+        output_weight: [V_local, H] LM-head weight (this rank's vocab shard). When given, output_tensor is the last
+            hidden states [B, S, H] and log-probs come from `sequence_logprobs_from_hidden` (no logits).
+    Returns:
+        loss_func(output_tensor) -> (loss, metrics). output_tensor is [B, S, V_local] logits, [B, S, H] hidden
+        states (with output_weight) or [B, S] fp32 log-probs aligned with the tokens. loss: 0-dim fp32,
+        sum(l * mask) / D * num_microbatches * dp_size. metrics: 2-element fp32 tensors [numerator, denominator]
+        (Megatron-LM's reduction convention: sum both over micro-batches and DP ranks, then divide): "loss"
+        (numerator loss * D, denominator this micro-batch's share of D), "clipfrac_high", "clipfrac_low",
+        "approx_kl", "entropy" (logits or hidden input only); plus "ratio_max" (0-dim).
+    """
+    alg = algorithm if algorithm is not None else AlgorithmConfig()
+    policy_loss = get_policy_loss(alg.policy_loss)
+    resp = (response_mask if response_mask is not None else loss_mask).to(torch.float32)
+    mask = loss_mask.to(torch.float32)
+    scale = float(num_microbatches * dp_size)
+    kwargs = dict(temperature=temperature, tp_group=tp_group, vocab_size=vocab_size, logprob_fn=logprob_fn)
+
+    def loss_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        entropy = None
+        if output_weight is not None:
+            logp, entropy = sequence_logprobs_from_hidden(output_tensor, output_weight, tokens, **kwargs)
+        elif output_tensor.dim() == 3:
+            logp, entropy = sequence_logprobs_and_entropy(output_tensor, tokens, **kwargs)
+        elif tuple(output_tensor.shape) == tuple(tokens.shape):
+            logp = output_tensor.float()
+        else:
+            raise ValueError(
+                f"dapo loss_func: output must be [B, S, V_local] logits or [B, S] log-probs with [B, S] = "
+                f"{tuple(tokens.shape)}, got {tuple(output_tensor.shape)}"
+            )
+        loss, stats = policy_loss(
+            logp,
+            old_logp,
+            advantages,
+            mask,
+            eps_low=alg.eps_low,
+            eps_high=alg.effective_eps_high,
+            clip_ratio_c=alg.clip_ratio_c,
+            num_tokens=num_tokens,
+            loss_agg_mode=alg.loss_agg_mode,
+        )
+        count = mask.sum()
+        denom = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss.device).clamp_min(1.0)
+        metrics = {"loss": _two(loss.detach() * denom, local_loss_denominator(mask, alg.loss_agg_mode))}
+        for key in ("clipfrac_high", "clipfrac_low", "approx_kl"):
+            metrics[key] = _two(stats[key] * count, count)
+        metrics["ratio_max"] = stats["ratio_max"].detach().float().reshape(())
+        if entropy is not None:
+            metrics["entropy"] = _two((entropy.detach() * resp).sum(), resp.sum())
+        return loss * scale, metrics
+
+    return loss_func
