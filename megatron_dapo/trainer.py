@@ -47,7 +47,9 @@ class DAPOTrainer:
         from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
 
         self.cfg = c = config
-        self.groups = init_distributed(c.actor.tensor_parallel, c.actor.pipeline_parallel, seed=c.trainer.seed)
+        self.groups = init_distributed(
+            c.actor.tensor_parallel, c.actor.pipeline_parallel, seed=c.trainer.seed, timeout_s=c.distributed.timeout_s
+        )
         self.rank, self.world = self.groups.rank, self.groups.world_size
         self.run_dir = Path(c.trainer.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(c.actor.model_path)
