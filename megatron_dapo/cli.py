@@ -97,7 +97,9 @@ def convert(config, to: str, checkpoint: str | None, out: str) -> None:
     from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
     from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
 
-    groups = init_distributed(config.actor.tensor_parallel, config.actor.pipeline_parallel)
+    groups = init_distributed(
+        config.actor.tensor_parallel, config.actor.pipeline_parallel, timeout_s=config.distributed.timeout_s
+    )
     if to == "megatron":
         MegatronActor(config, groups, hf_dir=config.actor.model_path).save_checkpoint(out)
         return

@@ -12,6 +12,7 @@ RunConfig.__post_init__. Every error is one line naming the section and field. D
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -30,6 +31,14 @@ class ConfigError(ValueError):
 def _check(cond: bool, where: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{where}: {msg}")
+
+
+def _check_finite(section: Any, name: str) -> None:
+    """Every float field of a section must be a finite number (.inf / .nan are accepted by YAML and float())."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float):
+            _check(math.isfinite(value), f"{name}.{f.name}", f"must be a finite number, got {value}")
 
 
 def _expand(path: str) -> str:
@@ -63,8 +72,9 @@ class AlgorithmConfig:
     """Epsilon in A = (R - mean) / (std + eps)."""
     dynamic_sampling: bool = True
     """Keep only groups with 0 < accuracy < 1 and keep sampling until the batch is full."""
-    max_gen_batches: int = 0
-    """Cap on generation batches per step for dynamic sampling (0 = unlimited)."""
+    max_gen_batches: int = 10
+    """Cap on generation batches per step for dynamic sampling (0 = unlimited: spins for as long as every group is
+    all-correct or all-wrong). Each round after the first is logged."""
     on_max_gen_batches: str = "error"
     """What happens at max_gen_batches: "error" (stop with the counts) or "partial" (train on what was kept)."""
     keep_surplus: bool = False
@@ -82,6 +92,7 @@ class AlgorithmConfig:
         from megatron_dapo.algorithms import LOSS_AGG_MODES  # noqa: PLC0415
         from megatron_dapo.algorithms import POLICY_LOSSES  # noqa: PLC0415
 
+        _check_finite(self, "algorithm")
         _one_of(self.policy_loss, tuple(sorted(POLICY_LOSSES)), "algorithm.policy_loss")
         _check(0.0 < self.eps_low < 1.0, "algorithm.eps_low", f"must be in (0, 1), got {self.eps_low}")
         _check(
@@ -93,7 +104,7 @@ class AlgorithmConfig:
             _check(self.clip_ratio_c > 1.0, "algorithm.clip_ratio_c", f"must be > 1 (or null), got {self.clip_ratio_c}")
         _one_of(self.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
         _check(self.group_size >= 2, "algorithm.group_size", f"must be >= 2, got {self.group_size}")
-        _check(self.adv_eps > 0, "algorithm.adv_eps", f"must be > 0, got {self.adv_eps}")
+        _check(0 < self.adv_eps <= 1, "algorithm.adv_eps", f"must be in (0, 1], got {self.adv_eps}")
         _check(self.max_gen_batches >= 0, "algorithm.max_gen_batches", f"must be >= 0, got {self.max_gen_batches}")
         _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
         _check(self.overlong_buffer > 0, "algorithm.overlong_buffer", f"must be > 0, got {self.overlong_buffer}")
@@ -110,8 +121,12 @@ class RewardConfig:
 
     answer_format: str = "answer_line"
     """"answer_line" (DAPO: the last "Answer:" line), "boxed" (last \\boxed{}) or "last_number"."""
+    verify_timeout_s: float = 5.0
+    """Time limit of one symbolic (math-verify) comparison, on any thread; past it the answer scores as wrong."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "reward")
+        _check(self.verify_timeout_s > 0, "reward.verify_timeout_s", f"must be > 0, got {self.verify_timeout_s}")
         _one_of(self.answer_format, ("answer_line", "boxed", "last_number"), "reward.answer_format")
 
 
@@ -143,6 +158,7 @@ class RolloutConfig:
     """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "rollout")
         _one_of(self.engine, ("transformers", "sglang", "vllm"), "rollout.engine")
         _one_of(self.mode, ("colocated", "server"), "rollout.mode")
         if self.mode == "server":
@@ -191,12 +207,14 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         self.model_path = _expand(self.model_path)
+        _check_finite(self, "actor")
         _check(self.tensor_parallel >= 1, "actor.tensor_parallel", f"must be >= 1, got {self.tensor_parallel}")
         _check(self.pipeline_parallel >= 1, "actor.pipeline_parallel", f"must be >= 1, got {self.pipeline_parallel}")
         _one_of(self.dtype, ("bf16", "fp16", "fp32"), "actor.dtype")
-        _check(self.lr > 0, "actor.lr", f"must be > 0, got {self.lr}")
+        # Adam moves each weight by about lr per step: lr > 1 destroys any model in one step.
+        _check(0 < self.lr <= 1, "actor.lr", f"must be in (0, 1], got {self.lr}")
         _check(self.lr_warmup_steps >= 0, "actor.lr_warmup_steps", "must be >= 0")
-        _check(self.weight_decay >= 0, "actor.weight_decay", "must be >= 0")
+        _check(0 <= self.weight_decay <= 1, "actor.weight_decay", f"must be in [0, 1], got {self.weight_decay}")
         _check(0 <= self.adam_beta1 < 1, "actor.adam_beta1", "must be in [0, 1)")
         _check(0 <= self.adam_beta2 < 1, "actor.adam_beta2", "must be in [0, 1)")
         _check(self.grad_clip >= 0, "actor.grad_clip", "must be >= 0")
@@ -218,7 +236,10 @@ class DataConfig:
     seed: int = 0
     """Shuffle seed."""
     max_prompt_length: int = 2048
-    """Prompts longer than this many tokens are an error naming the file and row."""
+    """Prompts longer than this many tokens (chat template applied) are found when the data loads: an error naming
+    the file and row, or dropped with filter_overlong_prompts."""
+    filter_overlong_prompts: bool = False
+    """Drop over-long prompts at load (logged with their count) instead of stopping (verl's option of this name)."""
 
     def __post_init__(self) -> None:
         self.train_files = [_expand(p) for p in self.train_files]
@@ -259,8 +280,13 @@ class TrainerConfig:
     """Eval nucleus threshold (paper: 0.7)."""
     eval_max_prompts: int = 0
     """Evaluate at most this many prompts (0 = all)."""
+    max_skipped_steps: int = 10
+    """Stop with an error after this many optimizer steps in a row were skipped for a non-finite loss or gradient
+    (0 = never stop)."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "trainer")
+        _check(self.max_skipped_steps >= 0, "trainer.max_skipped_steps", "must be >= 0")
         for key in ("total_steps", "prompts_per_step", "gen_prompts_per_batch", "mini_batch_prompts"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
         _check(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
@@ -297,6 +323,23 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DistributedConfig:
+    """torch.distributed settings."""
+
+    timeout_minutes: float = 30.0
+    """Collective timeout (init_process_group and megatron's groups; Megatron-LM --distributed-timeout-minutes): a
+    rank that stops answering fails the job after this long instead of stalling it."""
+
+    def __post_init__(self) -> None:
+        _check_finite(self, "distributed")
+        _check(self.timeout_minutes > 0, "distributed.timeout_minutes", f"must be > 0, got {self.timeout_minutes}")
+
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_minutes * 60.0
+
+
+@dataclass(kw_only=True, slots=True)
 class LoggingConfig:
     """Metric sinks."""
 
@@ -321,6 +364,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "trainer": TrainerConfig,
     "checkpoint": CheckpointConfig,
+    "distributed": DistributedConfig,
     "logging": LoggingConfig,
 }
 
@@ -343,6 +387,8 @@ class RunConfig:
     """Loop and batch sizes."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoints."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Process-group settings."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metric sinks."""
 

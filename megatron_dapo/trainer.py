@@ -47,7 +47,9 @@ class DAPOTrainer:
         from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
 
         self.cfg = c = config
-        self.groups = init_distributed(c.actor.tensor_parallel, c.actor.pipeline_parallel, seed=c.trainer.seed)
+        self.groups = init_distributed(
+            c.actor.tensor_parallel, c.actor.pipeline_parallel, seed=c.trainer.seed, timeout_s=c.distributed.timeout_s
+        )
         self.rank, self.world = self.groups.rank, self.groups.world_size
         self.run_dir = Path(c.trainer.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(c.actor.model_path)
@@ -58,13 +60,7 @@ class DAPOTrainer:
             PromptDataset(c.data.train_files).examples, seed=c.data.seed, shuffle=c.data.shuffle
         )
         self.eval_examples = PromptDataset(c.data.eval_files).examples if c.data.eval_files else []
-        self.sampler: DynamicSampler = DynamicSampler(
-            target_prompts=c.trainer.prompts_per_step,
-            enabled=c.algorithm.dynamic_sampling,
-            max_gen_batches=c.algorithm.max_gen_batches,
-            on_max_gen_batches=c.algorithm.on_max_gen_batches,
-            keep_surplus=c.algorithm.keep_surplus,
-        )
+        self.sampler: DynamicSampler = DynamicSampler.from_config(c.algorithm, c.trainer.prompts_per_step, self._note)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", c.checkpoint.keep_last, self.rank, self._barrier)
         resume_from = self._resume_path()
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
@@ -279,6 +275,13 @@ class DAPOTrainer:
         if os.environ.get("MEGATRON_DAPO_FAULT") == f"{where}:{self.step}":
             self._barrier()  # every rank dies at the same point, before a launcher's SIGTERM can reach a survivor
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _note(self, line: str) -> None:
+        """A one-line notice on rank 0's stderr (e.g. each extra dynamic-sampling round)."""
+        if self.rank == 0:
+            import sys  # noqa: PLC0415
+
+            print(f"[megatron_dapo] step {self.step}: {line}", file=sys.stderr, flush=True)
 
     def _engine_call(self, method: str) -> None:
         if self.engine is not None:

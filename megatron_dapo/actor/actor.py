@@ -115,6 +115,8 @@ class MegatronActor:
         """Successful optimizer steps so far (drives the warm-up)."""
         self.num_skipped = 0
         """Steps skipped because the loss or a gradient was not finite."""
+        self.consecutive_skipped = 0
+        """Steps skipped in a row (a successful step resets it); trainer.max_skipped_steps bounds it."""
 
         model = build_gpt_model(
             self.hf_config,
@@ -379,10 +381,34 @@ class MegatronActor:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
             self.num_skipped += 1
+            self.consecutive_skipped += 1
         else:
             self.num_steps += 1
+            self.consecutive_skipped = 0
+            self._check_finite_weights()
         stats["skipped"] = float(not stepped)
+        limit = self.config.trainer.max_skipped_steps
+        if limit and self.consecutive_skipped >= limit:
+            raise RuntimeError(
+                f"MegatronActor.update: {self.consecutive_skipped} optimizer steps in a row were skipped (loss or "
+                f"gradient not finite; last loss {stats['loss']}, grad_norm {stats.get('grad_norm', float('nan'))}); "
+                f"stopping at trainer.max_skipped_steps={limit}: lower actor.lr or check the data and rewards"
+            )
         return stats
+
+    @torch.no_grad()
+    def _check_finite_weights(self) -> None:
+        """Raise if any weight of any rank is NaN/Inf after a step, before it reaches a checkpoint or the engine
+        (collective over all ranks: every rank raises together)."""
+        bad = [name for chunk in self.model for name, p in chunk.named_parameters() if not torch.isfinite(p).all()]
+        flag = torch.tensor([float(len(bad))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            where = f"on this rank: {', '.join(bad[:3])}" if bad else "on another rank"
+            raise RuntimeError(
+                f"MegatronActor.update: non-finite weights after optimizer step {self.num_steps} "
+                f"(actor.lr={self.config.actor.lr}, lr used {self.lr_at(self.num_steps - 1)}; {where}); stopping"
+            )
 
     @torch.no_grad()
     def _optimizer_step(self) -> tuple[bool, float]:
@@ -454,8 +480,9 @@ class MegatronActor:
         model_sd = self._unwrapped().sharded_state_dict()
         state = {"model": model_sd, "actor": {"num_steps": self.num_steps}}
         if with_optimizer:
-            if is_loading:
-                self._allocate_optimizer_state()
+            # Before the first step torch Adam has no state: megatron's save asserts on it (distributed optimizer)
+            # or writes no moments (plain), and the load then misses them. Allocate what Adam would create.
+            self._allocate_optimizer_state()
             state["optimizer"] = self.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
             )
@@ -485,9 +512,10 @@ class MegatronActor:
         megatron's DistributedOptimizer.load_state_dict (torch-Adam path) gives every parameter the SAME `step`
         tensor, which Adam then increments once per parameter, and it can keep the pre-load value. Adam's step is
         by construction the number of successful optimizer steps (skipped steps never reach it), so it is rebuilt
-        from num_steps, one tensor per parameter."""
+        from num_steps, one tensor per parameter. It is also set where the load left none: megatron saves the step
+        only when it is non-zero (`if step:`), so a checkpoint from before the first step has moments without it."""
         for _, state in self._torch_adam_states():
-            if "step" in state:
+            if state:
                 state["step"] = torch.tensor(float(self.num_steps), dtype=state["step"].dtype)
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
@@ -512,6 +540,7 @@ class MegatronActor:
         state = dist_checkpointing.load(sharded, ckpt_dir)
         self._unwrapped().load_state_dict(state["model"])
         if load_optimizer:
+            _fill_missing_common_step(state["optimizer"])
             with torch.no_grad():
                 self.optimizer.load_state_dict(state["optimizer"])
         else:
@@ -522,7 +551,33 @@ class MegatronActor:
         self._set_lr()
         rng_file = os.path.join(ckpt_dir, f"rng_rank{dist.get_rank():05d}_of{dist.get_world_size()}.pt")
         if os.path.exists(rng_file):
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+            _set_rng_state(_load_rng_file(rng_file))
+
+
+def _fill_missing_common_step(optimizer_state: Any) -> None:
+    """megatron saves Adam's shared step only when it is non-zero (`if step:`), so a checkpoint written before the
+    first optimizer step has moments without a step, which torch Adam refuses (KeyError 'step'). Put step 0 back
+    (the true value: nothing stepped) in every plain-optimizer state of the loaded dict."""
+    if not isinstance(optimizer_state, dict):
+        return
+    inner = optimizer_state.get("state")
+    if isinstance(inner, dict) and "common_step" not in inner:
+        params = [v for v in inner.values() if isinstance(v, dict)]
+        if params and all("exp_avg" in v and "step" not in v for v in params):
+            inner["common_step"] = torch.tensor(0.0)
+    for value in optimizer_state.values():
+        if isinstance(value, dict) and value is not inner:
+            _fill_missing_common_step(value)
+
+
+def _load_rng_file(path: str) -> dict[str, Any]:
+    """The RNG states of `save_checkpoint`, unpickled with torch's weights-only loader: tensors, ints, tuples and
+    dicts only, so a crafted file cannot run code (it is refused with its name)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:  # UnpicklingError for disallowed globals, RuntimeError for a damaged archive
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{path}: refused to load the RNG state ({first})") from None
 
 
 def _rng_state() -> dict[str, Any]:

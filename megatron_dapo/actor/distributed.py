@@ -124,7 +124,8 @@ def init_distributed(
         tensor_parallel: TP size; pipeline_parallel: PP size. world_size must be a multiple of their product;
             data parallel is world_size / (tensor_parallel * pipeline_parallel).
         backend: "nccl" or "gloo"; None picks NCCL with CUDA, gloo without.
-        timeout_s: collective timeout.
+        timeout_s: collective timeout of the default group and of megatron's groups (config:
+            distributed.timeout_minutes): a rank that stops answering fails its peers' next collective after this.
         seed: base seed for megatron's RNG tracker (data-parallel seed = seed, TP seed = seed + 2718 + tp_rank).
     Returns:
         ParallelGroups for this rank.
@@ -170,7 +171,7 @@ def init_distributed(
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        distributed_timeout_minutes=timeout_s / 60.0,  # timedelta(minutes=...): fractions are kept
     )
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
 

@@ -9,6 +9,7 @@ The admission rule looks at the verifier's accuracy, never at the shaped (overlo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ import torch
 from torch import Tensor
 
 P = TypeVar("P")
+
+_log = logging.getLogger(__name__)
 
 ON_MAX_GEN_BATCHES = ("error", "partial")
 
@@ -66,17 +69,21 @@ class DynamicSampler(Generic[P]):
     Args:
         target_prompts: prompts per training batch (DAPO: 512).
         enabled: False reproduces plain GRPO batching: one generation batch, every group kept.
-        max_gen_batches: stop after this many generation batches in one step (0 = unlimited; the loop then ends only
-            when the target is met or the generator returns no groups, i.e. the data ran out).
+        max_gen_batches: stop after this many generation batches in one step (default 10, as the DAPO recipe; 0 =
+            unlimited: the loop then ends only when the target is met or the generator returns no groups, and spins
+            for as long as every group is all-correct or all-wrong).
         on_max_gen_batches: "error" raises DynamicSamplingError stating the counts; "partial" trains on what was kept.
         keep_surplus: admitted groups beyond the target are kept for the next step (default: dropped, as DAPO does).
+        log: receives one line per extra generation round (the second and later of a step); default: this module's
+            logger at INFO.
     """
 
     target_prompts: int
     enabled: bool = True
-    max_gen_batches: int = 0
+    max_gen_batches: int = 10
     on_max_gen_batches: str = "error"
     keep_surplus: bool = False
+    log: Callable[[str], None] | None = None
     _carry: list[Group[P]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +93,21 @@ class DynamicSampler(Generic[P]):
             raise ValueError(f"max_gen_batches must be >= 0 (0 = unlimited), got {self.max_gen_batches}")
         if self.on_max_gen_batches not in ON_MAX_GEN_BATCHES:
             raise ValueError(f"on_max_gen_batches must be one of {ON_MAX_GEN_BATCHES}, got {self.on_max_gen_batches!r}")
+
+    @classmethod
+    def from_config(
+        cls, algorithm: Any, target_prompts: int, log: Callable[[str], None] | None = None
+    ) -> DynamicSampler:
+        """A sampler for the `algorithm` config section (dynamic_sampling, max_gen_batches, on_max_gen_batches,
+        keep_surplus are read)."""
+        return cls(
+            target_prompts=target_prompts,
+            enabled=algorithm.dynamic_sampling,
+            max_gen_batches=algorithm.max_gen_batches,
+            on_max_gen_batches=algorithm.on_max_gen_batches,
+            keep_surplus=algorithm.keep_surplus,
+            log=log,
+        )
 
     def collect(self, generate: Callable[[int], Sequence[Group[P]]]) -> tuple[list[Group[P]], dict[str, float]]:
         """Run one step's sampling.
@@ -110,6 +132,13 @@ class DynamicSampler(Generic[P]):
                         f"algorithm.max_gen_batches or set algorithm.on_max_gen_batches=partial"
                     )
                 break
+            if counts.gen_batches >= 1:
+                cap = self.max_gen_batches or "unlimited"
+                (self.log or _log.info)(
+                    f"dynamic sampling: generation round {counts.gen_batches + 1} (of at most {cap}): kept "
+                    f"{len(kept)} of {self.target_prompts} prompts after {counts.prompts_sampled} sampled "
+                    f"({counts.all_correct} all-correct, {counts.all_wrong} all-wrong groups)"
+                )
             groups = list(generate(self.target_prompts - len(kept)))
             if not groups:
                 break

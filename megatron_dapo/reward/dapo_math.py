@@ -23,7 +23,8 @@ when it is installed; otherwise they fall back to an exact comparison of normali
 wrappers and whitespace removed, case folded) and a one-time warning says so.
 
 Time is bounded on any input: everything works on the bounded tail with linear regular expressions (each
-pattern is deterministic: no nested or overlapping quantifiers).
+pattern is deterministic: no nested or overlapping quantifiers), and the symbolic comparison has a time limit
+(``reward.verify_timeout_s``) on the main thread and off it.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ ANSWER_FORMATS: tuple[str, ...] = ("answer_line", "boxed", "last_number")
 TAIL_CHARS: int = 300
 """Characters at the end of a response that the verifier inspects (DAPO's verifier uses the last 300)."""
 
-MATH_VERIFY_TIMEOUT_S: int = 5
-"""math-verify parse/verify timeout when running on the main thread (signal.alarm works only there)."""
+MATH_VERIFY_TIMEOUT_S: float = 5.0
+"""Default time limit of one math-verify comparison (config: reward.verify_timeout_s), on any thread."""
 
 _MAX_DIGITS = 1000  # int() of longer digit strings is refused by Python (4300) and never a valid answer anyway
 
@@ -255,15 +256,32 @@ def _closing_brace(text: str) -> int:
     return -1
 
 
-def _verify_non_integer(answer: str, ground_truth: str) -> bool:
-    """Symbolic check with math-verify when available, else exact normalised string equality."""
+def _verify_non_integer(answer: str, ground_truth: str, timeout_s: float = MATH_VERIFY_TIMEOUT_S) -> bool:
+    """Symbolic check with math-verify when available, else exact normalised string equality.
+
+    Bounded by `timeout_s` on any thread. On the main thread math-verify's own signal.alarm limit interrupts the
+    work (whole seconds, rounded up). signal.alarm works only there, so on any other thread the check runs in a
+    helper daemon thread that is waited for `timeout_s`: past it the answer scores as wrong and the caller goes on,
+    while the helper (which cannot be interrupted) finishes in the background.
+    """
     mv = _math_verify()
     if mv is None:
         return _exact_key(answer) == _exact_key(ground_truth)
-    # signal.alarm-based timeouts work only on the main thread of a Unix process.
     on_main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM")
-    timeout = MATH_VERIFY_TIMEOUT_S if on_main else None
+    if on_main:
+        return _math_verify_equal(mv, answer, ground_truth, max(1, math.ceil(timeout_s)))
+    result: list[bool] = []
+    helper = threading.Thread(
+        target=lambda: result.append(_math_verify_equal(mv, answer, ground_truth, None)),
+        name="dapo-math-verify",
+        daemon=True,
+    )
+    helper.start()
+    helper.join(timeout_s)
+    return bool(result and result[0])
 
+
+def _math_verify_equal(mv, answer: str, ground_truth: str, timeout: int | None) -> bool:  # noqa: ANN001
     def parse(text: str):
         parsed = mv.parse(text, parsing_timeout=timeout)
         if not parsed and "$" not in text:
@@ -283,6 +301,7 @@ def compute_score(
     *,
     answer_format: str = "answer_line",
     tail_chars: int = TAIL_CHARS,
+    timeout_s: float = MATH_VERIFY_TIMEOUT_S,
 ) -> dict:
     """Score one response against its ground truth, DAPO style.
 
@@ -292,6 +311,8 @@ def compute_score(
             "\\frac{1}{2}" uses math-verify if installed, else exact normalised string comparison).
         answer_format: one of ``ANSWER_FORMATS``: "answer_line" (default), "boxed", "last_number".
         tail_chars: trailing characters inspected (default ``TAIL_CHARS``).
+        timeout_s: time limit of the symbolic comparison (non-integer truths only), on any thread; past it the
+            answer scores as wrong.
 
     Returns:
         ``{"score": 1.0 | -1.0, "acc": bool, "pred": str | None}``: ``pred`` is the canonical integer
@@ -308,7 +329,7 @@ def compute_score(
         if truth is not None:
             acc = value is not None and value == truth
         elif pred is not None:
-            acc = _verify_non_integer(raw, str(ground_truth))
+            acc = _verify_non_integer(raw, str(ground_truth), timeout_s)
     return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
@@ -324,20 +345,33 @@ class Verifier:
     """One of ``ANSWER_FORMATS``; the config field is ``reward.answer_format``."""
     tail_chars: int = TAIL_CHARS
     """Trailing characters of a response that are inspected."""
+    timeout_s: float = MATH_VERIFY_TIMEOUT_S
+    """Time limit of one symbolic comparison; the config field is ``reward.verify_timeout_s``."""
 
     def __post_init__(self) -> None:
         _check_format(self.answer_format)
         if not isinstance(self.tail_chars, int) or self.tail_chars <= 0:
             raise ValueError(f"reward.tail_chars: must be a positive int, got {self.tail_chars!r}")
+        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < math.inf):
+            raise ValueError(f"reward.verify_timeout_s: must be a positive finite number, got {self.timeout_s!r}")
 
     @classmethod
     def from_config(cls, reward_config) -> Verifier:
-        """A verifier for a config object with an ``answer_format`` attribute (the ``reward`` section)."""
-        return cls(answer_format=reward_config.answer_format)
+        """A verifier for the ``reward`` config section (``answer_format``, ``verify_timeout_s``)."""
+        return cls(
+            answer_format=reward_config.answer_format,
+            timeout_s=getattr(reward_config, "verify_timeout_s", MATH_VERIFY_TIMEOUT_S),
+        )
 
     def __call__(self, solution: str, ground_truth: str | int) -> dict:
         """Same contract as ``compute_score``."""
-        return compute_score(solution, ground_truth, answer_format=self.answer_format, tail_chars=self.tail_chars)
+        return compute_score(
+            solution,
+            ground_truth,
+            answer_format=self.answer_format,
+            tail_chars=self.tail_chars,
+            timeout_s=self.timeout_s,
+        )
 
 
 def make_verifier(answer_format: str = "answer_line", *, tail_chars: int = TAIL_CHARS) -> Verifier:
