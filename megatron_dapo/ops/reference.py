@@ -96,13 +96,39 @@ def _scaled(x: torch.Tensor, inv_temp: float, n_valid: int) -> torch.Tensor:
 
 
 def _chunk_stats(z: torch.Tensor, labels_local: torch.Tensor) -> torch.Tensor:
-    """[3, C] fp32 (lse, entropy, target logit) of the shard softmax of z [C, V_local]."""
-    lse = torch.logsumexp(z, dim=1)
+    """[3, C] fp32 (lse, entropy, target logit) of the shard softmax of z [C, V_local] (fp32, no padding columns).
+
+    Three passes over the tile beyond z itself: log_softmax (torch's fused kernel), exp, and an in-place product
+    summed per row; lse comes back from any one column (z_j - logp_j), the label's. Rows where that is not finite
+    (a -inf logit at the label, or 0 * -inf in the entropy) are redone by `_chunk_stats_safe`.
+    """
+    if z.shape[1] == 0:
+        return _chunk_stats_safe(z, labels_local)
+    logp = torch.log_softmax(z, dim=1)
+    on = (labels_local >= 0) & (labels_local < z.shape[1])
+    idx = labels_local.clamp(0, z.shape[1] - 1)[:, None]
+    z_label = z.gather(1, idx)[:, 0]
+    lse = z_label - logp.gather(1, idx)[:, 0]
+    ent = -torch.exp(logp).mul_(logp).sum(1)
+    stats = torch.stack([lse, ent, torch.where(on, z_label, torch.zeros_like(z_label))])
+    bad = ~(torch.isfinite(lse) & torch.isfinite(ent))
+    if bool(bad.any()):
+        stats[:, bad] = _chunk_stats_safe(z[bad], labels_local[bad])
+    return stats
+
+
+def _chunk_stats_safe(z: torch.Tensor, labels_local: torch.Tensor) -> torch.Tensor:
+    """`_chunk_stats` for any z (-inf columns, all -inf rows, no columns): every step guarded, more passes."""
+    lse = torch.logsumexp(z, dim=1) if z.shape[1] else z.new_full((z.shape[0],), float("-inf"))
     logp = z - lse[:, None]
     p = torch.exp(logp)
     ent = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(1)
     on = (labels_local >= 0) & (labels_local < z.shape[1])
-    zt = torch.where(on, z.gather(1, labels_local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], torch.zeros_like(lse))
+    if z.shape[1]:
+        zt = z.gather(1, labels_local.clamp(0, z.shape[1] - 1)[:, None])[:, 0]
+        zt = torch.where(on, zt, torch.zeros_like(lse))
+    else:
+        zt = torch.zeros_like(lse)
     ent = torch.where(torch.isfinite(lse), ent, torch.zeros_like(ent))
     return torch.stack([lse, ent, zt])
 
@@ -137,7 +163,8 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         class_start, n_valid, _ = vocab_shard(logits.shape[1], tp_group, vocab_size)
         stats = logits.new_empty((3, logits.shape[0]), dtype=torch.float32)
         for c in range(0, logits.shape[0], chunk_tokens):
-            z = _scaled(logits[c : c + chunk_tokens], 1.0 / temperature, n_valid)
+            # Only the real columns: padding would put -inf into the softmax and send every row to the slow path.
+            z = logits[c : c + chunk_tokens, :n_valid].to(torch.float32) * (1.0 / temperature)
             stats[:, c : c + chunk_tokens] = _chunk_stats(z, labels[c : c + chunk_tokens] - class_start)
         stats = combine_vocab_shards(stats, tp_group)
         # Saved: the inputs themselves and [3, T] fp32, i.e. 12 bytes per token beyond the logits (labels are shifted
