@@ -156,6 +156,12 @@ class RolloutConfig:
     """Size bound of one weight-sync bucket, in MiB."""
     compare_logprobs: bool = True
     """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
+    weight_sync_master_address: str = ""
+    """Mode "server": the address SGLang servers dial to join the weight-update group hosted by the trainer's rank 0
+    ("" = detect: the local address that routes to the first server, else the host's name as resolved). A
+    loopback address is refused when a server URL is not local or the job spans nodes."""
+    weight_sync_master_port: int = 29600
+    """Mode "server": the TCP port of that group's store on the trainer's rank-0 host (must be free there)."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "rollout")
@@ -163,6 +169,18 @@ class RolloutConfig:
         _one_of(self.mode, ("colocated", "server"), "rollout.mode")
         if self.mode == "server":
             _check(bool(self.server_urls), "rollout.server_urls", 'must list at least one URL when mode is "server"')
+            from megatron_dapo.rollout.launch_env import is_loopback  # noqa: PLC0415
+            from megatron_dapo.rollout.launch_env import url_host  # noqa: PLC0415
+
+            remote = [u for u in self.server_urls if not is_loopback(url_host(u))]
+            address = self.weight_sync_master_address
+            _check(
+                not (address and is_loopback(address) and remote),
+                "rollout.weight_sync_master_address",
+                f"{address!r} is a loopback address but server {remote[0] if remote else ''} is not local; "
+                "set an address of the trainer's rank-0 host that the servers can reach",
+            )
+        _check(0 < self.weight_sync_master_port < 65536, "rollout.weight_sync_master_port", "must be in 1..65535")
         _check(self.tensor_parallel >= 1, "rollout.tensor_parallel", f"must be >= 1, got {self.tensor_parallel}")
         _check(self.max_response_length >= 1, "rollout.max_response_length", "must be >= 1")
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")

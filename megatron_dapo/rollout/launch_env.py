@@ -168,12 +168,18 @@ def local_address(toward: str | None = None) -> str:
 def weight_sync_master_address(configured: str, server_urls: Sequence[str], nodes: int) -> str:
     """The address SGLang servers connect to for the weight-update group (this trainer rank hosts its store).
 
-    configured: rollout.weight_sync_master_address ("" = detect: the address that routes to the first server).
+    configured: rollout.weight_sync_master_address. "" = detect: the local address that routes to the first remote
+    server; 127.0.0.1 when every server is local and the job has one node; else the host's resolved name.
     A loopback address is refused when the job spans nodes or any server URL is not local: servers would dial
     themselves and the group would hang until its timeout. Raises ValueError (one line naming the field).
     """
     remote = [url_host(u) for u in server_urls if not is_loopback(url_host(u))]
-    address = configured or local_address(remote[0] if remote else None)
+    if configured:
+        address = configured
+    elif remote or nodes > 1:
+        address = local_address(remote[0] if remote else None)
+    else:
+        address = "127.0.0.1"
     if is_loopback(address) and (nodes > 1 or remote):
         why = f"server {remote[0]} is not local" if remote else f"the job spans {nodes} nodes"
         raise ValueError(
