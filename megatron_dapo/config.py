@@ -223,6 +223,10 @@ class ActorConfig:
     fused in: the last stage returns hidden states, no [T, V] logits), "fused" (megatron_dapo.ops on full logits) or
     "reference" (chunked plain torch on the logits, for debugging)."""
 
+    allow_local_spec_on_gpu: bool = False
+    """Debugging only: on GPU without Transformer Engine, build the local layer spec instead of stopping (it holds
+    full attention scores per layer and has no fused kernels: long responses run out of memory)."""
+
     def __post_init__(self) -> None:
         self.model_path = _expand(self.model_path)
         _check_finite(self, "actor")
