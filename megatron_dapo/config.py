@@ -156,6 +156,10 @@ class RolloutConfig:
     """Size bound of one weight-sync bucket, in MiB."""
     compare_logprobs: bool = True
     """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
+    deterministic_inference: bool = False
+    """SGLang colocated: start the engine with enable_deterministic_inference, the only mode in which SGLang honours
+    the per-request sampling_seed we send (reproducible rollouts; batch-invariant kernels cost throughput). Server
+    mode: launch the servers with --enable-deterministic-inference instead."""
     weight_sync_master_address: str = ""
     """Mode "server": the address SGLang servers dial to join the weight-update group hosted by the trainer's rank 0
     ("" = detect: the local address that routes to the first server, else the host's name as resolved). A

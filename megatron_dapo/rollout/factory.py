@@ -82,6 +82,7 @@ def make_engine(
             dtype=dtype,
             base_gpu_id=base_gpu_id,
             seed=seed,
+            deterministic_inference=rollout.deterministic_inference,
             engine_kwargs=engine_kwargs,
         )
     if rollout.engine == "vllm":

@@ -84,6 +84,7 @@ SGLANG_API: tuple[ApiUse, ...] = (
             "dtype",
             "base_gpu_id",
             "random_seed",
+            "enable_deterministic_inference",
         ),
     ),
     ApiUse(
@@ -255,6 +256,8 @@ class SGLangEngine:
 
     Create it on the first rank of each rollout group; that rank receives the full HF tensors from the actor
     export and hands them to SGLang through CUDA IPC (no copy). SGLang's load_weights shards them for its TP.
+    deterministic_inference: SGLang's enable_deterministic_inference (batch-invariant kernels, pytorch sampler);
+    only with it does SGLang 0.5.23 honour each request's sampling_seed (SamplingBatchInfo ignores it otherwise).
     """
 
     def __init__(
@@ -266,6 +269,7 @@ class SGLangEngine:
         dtype: str = "bfloat16",
         base_gpu_id: int = 0,
         seed: int = 0,
+        deterministic_inference: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         import sglang  # noqa: PLC0415
@@ -283,6 +287,8 @@ class SGLangEngine:
             "base_gpu_id": base_gpu_id,
             "random_seed": seed,
         }
+        if deterministic_inference:  # per-request sampling_seed is ignored without it (docs/rollout.md)
+            args["enable_deterministic_inference"] = True
         # SGLang spawns its scheduler processes with this process's environment; under torchrun they would inherit
         # TORCHELASTIC_USE_AGENT_STORE and hang in their tcp:// rendezvous (launch_env.py).
         with scrubbed_environ():
