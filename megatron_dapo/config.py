@@ -156,6 +156,9 @@ class RolloutConfig:
     """Size bound of one weight-sync bucket, in MiB."""
     compare_logprobs: bool = True
     """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
+    generation_timeout_minutes: float = 60.0
+    """Longest a rank waits at the rollout exchange for the slowest rank's generation round (a gloo group, so the
+    wait holds no GPU); past it the job stops with one line naming this field."""
     deterministic_inference: bool = False
     """SGLang colocated: start the engine with enable_deterministic_inference, the only mode in which SGLang honours
     the per-request sampling_seed we send (reproducible rollouts; batch-invariant kernels cost throughput). Server
@@ -192,6 +195,7 @@ class RolloutConfig:
         _check(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
         _check(0.0 < self.mem_fraction < 1.0, "rollout.mem_fraction", f"must be in (0, 1), got {self.mem_fraction}")
         _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", "must be >= 1")
+        _check(self.generation_timeout_minutes > 0, "rollout.generation_timeout_minutes", "must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
