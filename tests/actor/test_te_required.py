@@ -27,6 +27,8 @@ def test_switch_allows_the_local_spec_on_gpu(monkeypatch):
         _hf_config(), ActorConfig(dtype="bf16", allow_local_spec_on_gpu=True), on_cpu=False
     )
     assert cfg.bf16 and not cfg.apply_rope_fusion  # GPU settings, no TE fusion
+    debug = ActorConfig(dtype="bf16", tensor_parallel=2, allow_local_spec_on_gpu=True)
+    assert not model.to_transformer_config(_hf_config(), debug, on_cpu=False).sequence_parallel  # no local SP norm
     assert not model.use_transformer_engine(ActorConfig(allow_local_spec_on_gpu=True), on_cpu=False)
 
 
