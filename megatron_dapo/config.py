@@ -156,6 +156,19 @@ class RolloutConfig:
     """Size bound of one weight-sync bucket, in MiB."""
     compare_logprobs: bool = True
     """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
+    generation_timeout_minutes: float = 60.0
+    """Longest a rank waits at the rollout exchange for the slowest rank's generation round (a gloo group, so the
+    wait holds no GPU); past it the job stops with one line naming this field."""
+    deterministic_inference: bool = False
+    """SGLang colocated: start the engine with enable_deterministic_inference, the only mode in which SGLang honours
+    the per-request sampling_seed we send (reproducible rollouts; batch-invariant kernels cost throughput). Server
+    mode: launch the servers with --enable-deterministic-inference instead."""
+    weight_sync_master_address: str = ""
+    """Mode "server": the address SGLang servers dial to join the weight-update group hosted by the trainer's rank 0
+    ("" = detect: the local address that routes to the first server, else the host's name as resolved). A
+    loopback address is refused when a server URL is not local or the job spans nodes."""
+    weight_sync_master_port: int = 29600
+    """Mode "server": the TCP port of that group's store on the trainer's rank-0 host (must be free there)."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "rollout")
@@ -163,6 +176,18 @@ class RolloutConfig:
         _one_of(self.mode, ("colocated", "server"), "rollout.mode")
         if self.mode == "server":
             _check(bool(self.server_urls), "rollout.server_urls", 'must list at least one URL when mode is "server"')
+            from megatron_dapo.rollout.launch_env import is_loopback  # noqa: PLC0415
+            from megatron_dapo.rollout.launch_env import url_host  # noqa: PLC0415
+
+            remote = [u for u in self.server_urls if not is_loopback(url_host(u))]
+            address = self.weight_sync_master_address
+            _check(
+                not (address and is_loopback(address) and remote),
+                "rollout.weight_sync_master_address",
+                f"{address!r} is a loopback address but server {remote[0] if remote else ''} is not local; "
+                "set an address of the trainer's rank-0 host that the servers can reach",
+            )
+        _check(0 < self.weight_sync_master_port < 65536, "rollout.weight_sync_master_port", "must be in 1..65535")
         _check(self.tensor_parallel >= 1, "rollout.tensor_parallel", f"must be >= 1, got {self.tensor_parallel}")
         _check(self.max_response_length >= 1, "rollout.max_response_length", "must be >= 1")
         _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
@@ -170,6 +195,7 @@ class RolloutConfig:
         _check(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
         _check(0.0 < self.mem_fraction < 1.0, "rollout.mem_fraction", f"must be in (0, 1), got {self.mem_fraction}")
         _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", "must be >= 1")
+        _check(self.generation_timeout_minutes > 0, "rollout.generation_timeout_minutes", "must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,6 +240,10 @@ class ActorConfig:
     """Token budget of a micro-batch (packed: sum of lengths; padded: rows x longest); rows are binned by length
     under it. 0: trainer.micro_batch_size rows per micro-batch. Rows are balanced over data-parallel ranks by tokens
     either way."""
+
+    allow_local_spec_on_gpu: bool = False
+    """Debugging only: on GPU without Transformer Engine, build the local layer spec instead of stopping (it holds
+    full attention scores per layer and has no fused kernels: long responses run out of memory)."""
 
     def __post_init__(self) -> None:
         self.model_path = _expand(self.model_path)

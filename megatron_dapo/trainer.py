@@ -30,6 +30,7 @@ from megatron_dapo.metrics import logprob_mismatch
 from megatron_dapo.metrics import masked_mean
 from megatron_dapo.metrics import plot_run
 from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.exchange import RolloutExchange
 
 
 class DAPOTrainer:
@@ -51,6 +52,8 @@ class DAPOTrainer:
             c.actor.tensor_parallel, c.actor.pipeline_parallel, seed=c.trainer.seed, timeout_s=c.distributed.timeout_s
         )
         self.rank, self.world = self.groups.rank, self.groups.world_size
+        # Generation waits and rollout objects go over gloo (CPU), bounded by the generation timeout, not NCCL.
+        self.exchange = RolloutExchange(self.world, timeout_s=c.rollout.generation_timeout_minutes * 60.0)
         self.run_dir = Path(c.trainer.run_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(c.actor.model_path)
         self.stop_ids = [self.tokenizer.eos_token_id]
@@ -195,7 +198,8 @@ class DAPOTrainer:
                 )
             )
         order = {ex.index: i for i, ex in enumerate(examples)}
-        groups = sorted((group_from_state(s) for s in self._all_gather(local)), key=lambda g: order[g.payload["index"]])
+        gathered = self.exchange.all_gather(local)
+        groups = sorted((group_from_state(s) for s in gathered), key=lambda g: order[g.payload["index"]])
         sampled.extend(groups)
         return groups
 
@@ -210,7 +214,7 @@ class DAPOTrainer:
         for ex, comps in self._sample(examples, t.eval_samples, t.eval_temperature, t.eval_top_p, seed=t.seed + 7):
             texts = self.tokenizer.batch_decode([x.response_ids for x in comps], skip_special_tokens=True)
             local.append([self.verifier(text, ex.ground_truth) for text in texts])
-        metrics = score_groups(self._all_gather(local), t.eval_samples)
+        metrics = score_groups(self.exchange.all_gather(local, "eval"), t.eval_samples)
         metrics["time/eval"] = time.perf_counter() - start
         return metrics
 
@@ -298,13 +302,6 @@ class DAPOTrainer:
     def _barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier(group=self.groups.world_group)
-
-    def _all_gather(self, items: list) -> list:
-        if self.world == 1:
-            return items
-        out: list = [None] * self.world
-        torch.distributed.all_gather_object(out, items, group=self.groups.world_group)
-        return [x for part in out for x in part]
 
     def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:

@@ -5,6 +5,7 @@ API:
     model_arch(hf_config) -> str               "llama" or "qwen2" (ValueError naming the field otherwise)
     padded_vocab_size(vocab, tp, divisible_by=128) -> int
     to_transformer_config(hf_config, actor_config, *, on_cpu) -> TransformerConfig
+    use_transformer_engine(actor_config, *, on_cpu) -> bool   (GPU without TE: RuntimeError naming the fix)
     build_gpt_model(hf_config, actor_config, groups, *, pre_process=None, post_process=None) -> GPTModel
         (a GPTModel subclass whose last stage returns the final hidden states [S, B, H] instead of logits while
         its `return_hidden` attribute is True; the output layer and the tied-embedding machinery stay as built)
@@ -12,7 +13,8 @@ API:
 
 `to_transformer_config` is the only place that translates HF fields to megatron's. On CPU: fp32, local spec
 (get_gpt_layer_local_spec(normalization="RMSNorm")), every fusion off. On GPU: bf16/fp16 per actor_config.dtype
-and the Transformer Engine spec when TE imports (local spec otherwise); bf16/fp16 models must be wrapped in
+and the Transformer Engine spec; without TE on GPU it stops (use_transformer_engine) unless
+actor.allow_local_spec_on_gpu allows the local spec for debugging; bf16/fp16 models must be wrapped in
 megatron's Float16Module (or DDP with a Float16Module inside) by the caller.
 
 Tied embeddings (SmolLM2): share_embeddings_and_output_weights=True. With pipeline_parallel > 1 megatron keeps a
@@ -107,6 +109,26 @@ def _have_te() -> bool:
     return bool(getattr(transformer_engine, "HAVE_TE", True))
 
 
+def use_transformer_engine(actor_config: ActorConfig, *, on_cpu: bool) -> bool:
+    """True when the Transformer Engine layer spec is used: on GPU, when TE imports.
+
+    On GPU without TE it stops with a one-line RuntimeError naming the fix, unless actor.allow_local_spec_on_gpu is
+    set: the local spec materialises full [b, heads, s, s] attention scores (~4 GB per layer at 21k tokens for
+    Qwen2.5-32B) and runs without TE's fused kernels, so a long-response run would OOM or crawl.
+    """
+    if on_cpu:
+        return False
+    if _have_te():
+        return True
+    if actor_config.allow_local_spec_on_gpu:
+        return False
+    raise RuntimeError(
+        "actor: Transformer Engine is not importable on this CUDA machine and the local layer spec materialises full "
+        "attention scores; install it (pip install -e .[te], i.e. transformer-engine[pytorch]) or set "
+        "actor.allow_local_spec_on_gpu=true to debug with the local spec"
+    )
+
+
 def _check_hf_config(hf_config: Any, arch: str, pipeline_parallel: int) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
@@ -143,7 +165,7 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     dtype = torch.float32 if on_cpu else _DTYPES[actor_config.dtype]
     recompute = actor_config.recompute_activations
-    use_te = not on_cpu and _have_te()
+    use_te = use_transformer_engine(actor_config, on_cpu=on_cpu)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -164,7 +186,8 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         pipeline_model_parallel_size=pp,
         # Sequence parallel (norms, dropout and residuals split over TP along the sequence) needs reduce-scatter /
         # all-gather of tensors, which gloo lacks: GPU only. Passes pad their sequences to a multiple of tp for it.
-        sequence_parallel=bool(actor_config.sequence_parallel and tp > 1 and not on_cpu),
+        # The local spec (CPU, or GPU with allow_local_spec_on_gpu) has no sequence-parallel norm: TE only.
+        sequence_parallel=bool(actor_config.sequence_parallel and tp > 1 and use_te),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -290,7 +313,7 @@ def build_gpt_model(
 
     on_cpu = groups.device.type == "cpu"
     config = to_transformer_config(hf_config, actor_config, on_cpu=on_cpu)
-    if not on_cpu and _have_te():
+    if use_transformer_engine(actor_config, on_cpu=on_cpu):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa: PLC0415
 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)

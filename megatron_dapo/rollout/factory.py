@@ -37,8 +37,8 @@ def make_engine(
     seed: int = 0,
     base_gpu_id: int = 0,
     batch_size: int = 32,
-    master_address: str = "127.0.0.1",
-    master_port: int = 29600,
+    master_address: str | None = None,
+    master_port: int | None = None,
     engine_kwargs: dict[str, Any] | None = None,
 ) -> RolloutEngine:
     """Build the engine named by rollout.engine / rollout.mode.
@@ -46,7 +46,9 @@ def make_engine(
     model_path: HF checkpoint directory (the actor's starting point; later weights arrive through WeightSync).
     device / dtype: defaults "cuda" + "bfloat16" when a GPU is visible, else "cpu" + "float32".
     base_gpu_id: first GPU of a colocated SGLang engine (the local rank that holds it).
-    master_address / master_port: this rank's endpoint for SGLang server mode's NCCL weight-update group.
+    master_address / master_port: this rank's endpoint for SGLang server mode's NCCL weight-update group; None takes
+        rollout.weight_sync_master_address (detected when empty) / rollout.weight_sync_master_port. A loopback
+        address is refused when a server is remote or the job spans nodes (launch_env.weight_sync_master_address).
     engine_kwargs: extra arguments for sglang.Engine / vllm.LLM.
     """
     cuda = torch.cuda.is_available()
@@ -57,13 +59,18 @@ def make_engine(
 
         return TransformersEngine(model_path, dtype=getattr(torch, dtype), device=device, batch_size=batch_size)
     if rollout.engine == "sglang" and rollout.mode == "server":
+        from megatron_dapo.rollout.launch_env import num_nodes  # noqa: PLC0415
+        from megatron_dapo.rollout.launch_env import weight_sync_master_address  # noqa: PLC0415
         from megatron_dapo.rollout.sglang_engine import SGLangServerEngine  # noqa: PLC0415
 
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        address = master_address if master_address is not None else rollout.weight_sync_master_address
         return SGLangServerEngine(
             rollout.server_urls,
             server_tp=rollout.tensor_parallel,
-            master_address=master_address,
-            master_port=master_port,
+            master_address=weight_sync_master_address(address, rollout.server_urls, num_nodes(world)),
+            master_port=master_port if master_port is not None else rollout.weight_sync_master_port,
         )
     if rollout.engine == "sglang":
         from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: PLC0415
@@ -75,6 +82,7 @@ def make_engine(
             dtype=dtype,
             base_gpu_id=base_gpu_id,
             seed=seed,
+            deterministic_inference=rollout.deterministic_inference,
             engine_kwargs=engine_kwargs,
         )
     if rollout.engine == "vllm":

@@ -32,6 +32,8 @@ from torch import Tensor
 from megatron_dapo.rollout.base import Completion
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
+from megatron_dapo.rollout.launch_env import rendezvous_store
+from megatron_dapo.rollout.launch_env import scrubbed_environ
 from megatron_dapo.rollout.transformers_engine import completion_seed
 
 SGLANG_VERSIONS = ("0.5.15", "0.5.23")
@@ -82,6 +84,7 @@ SGLANG_API: tuple[ApiUse, ...] = (
             "dtype",
             "base_gpu_id",
             "random_seed",
+            "enable_deterministic_inference",
         ),
     ),
     ApiUse(
@@ -253,6 +256,8 @@ class SGLangEngine:
 
     Create it on the first rank of each rollout group; that rank receives the full HF tensors from the actor
     export and hands them to SGLang through CUDA IPC (no copy). SGLang's load_weights shards them for its TP.
+    deterministic_inference: SGLang's enable_deterministic_inference (batch-invariant kernels, pytorch sampler);
+    only with it does SGLang 0.5.23 honour each request's sampling_seed (SamplingBatchInfo ignores it otherwise).
     """
 
     def __init__(
@@ -264,6 +269,7 @@ class SGLangEngine:
         dtype: str = "bfloat16",
         base_gpu_id: int = 0,
         seed: int = 0,
+        deterministic_inference: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         import sglang  # noqa: PLC0415
@@ -281,7 +287,12 @@ class SGLangEngine:
             "base_gpu_id": base_gpu_id,
             "random_seed": seed,
         }
-        self._engine = sglang.Engine(**_checked("ServerArgs", args), **(engine_kwargs or {}))
+        if deterministic_inference:  # per-request sampling_seed is ignored without it (docs/rollout.md)
+            args["enable_deterministic_inference"] = True
+        # SGLang spawns its scheduler processes with this process's environment; under torchrun they would inherit
+        # TORCHELASTIC_USE_AGENT_STORE and hang in their tcp:// rendezvous (launch_env.py).
+        with scrubbed_environ():
+            self._engine = sglang.Engine(**_checked("ServerArgs", args), **(engine_kwargs or {}))
         self.tp_size = tensor_parallel
         self._metadata_cls = FlattenedTensorMetadata
         self._serialize = MultiprocessingSerializer.serialize
@@ -366,18 +377,17 @@ def init_weight_update_group(
 ) -> Any:
     """The trainer's side of SGLang's weight-update group (rank 0; servers join at rank_offset >= 1).
 
-    It must meet SGLang's receiver in the same TCP rendezvous and store prefixes: rendezvous on
-    tcp://master_address:master_port (rank 0 hosts the store), a PrefixStore named group_name, and torch's
-    process-group constructor under that group name. Returns a ProcessGroup for torch.distributed.broadcast.
-    Works with backend "gloo" on CPU (tested); "nccl" needs GPUs.
+    It must meet SGLang's receiver in the same TCP rendezvous and store prefixes: the store of a tcp:// rendezvous
+    on master_address:master_port (rank 0 hosts it), a PrefixStore named group_name, and torch's process-group
+    constructor under that group name. Returns a ProcessGroup for torch.distributed.broadcast.
+    The store is built by launch_env.rendezvous_store, not dist.rendezvous: under torchrun the latter reads
+    TORCHELASTIC_USE_AGENT_STORE=True and makes rank 0 a client of a store nobody hosts.
+    Works with backend "gloo" on CPU (tested, also under torchrun); "nccl" needs GPUs.
     """
     import torch.distributed as dist  # noqa: PLC0415
     from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
 
-    store, rank, world_size = next(
-        dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
+    store = rendezvous_store(master_address, master_port, rank, world_size, timeout)
     store = dist.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(  # noqa: SLF001 -- same constructor SGLang's receiver uses
         world_size, rank, [], dist.Backend(backend), store, group_name=group_name, timeout=timeout
@@ -394,7 +404,10 @@ class SGLangServerEngine:
     """Disaggregated SGLang: HTTP servers on other nodes; weights by NCCL broadcast from this trainer rank.
 
     server_urls: base URLs; server_tp: tensor-parallel size of each server (for the update group's world size).
-    master_address / master_port: this rank's address reachable from the servers, and a free port.
+    master_address / master_port: this rank's address reachable from the servers (make_engine resolves it with
+    launch_env.weight_sync_master_address: loopback is refused for remote servers), and a free port.
+    timeout_s: HTTP request timeout; group_timeout_s: rendezvous and collective timeout of the update group;
+    backend: its torch backend ("nccl"; "gloo" for CPU tests).
     """
 
     def __init__(
@@ -406,6 +419,8 @@ class SGLangServerEngine:
         master_port: int = 29600,
         group_name: str = "megatron_dapo_weights",
         timeout_s: float = 3600.0,
+        group_timeout_s: float = 600.0,
+        backend: str = "nccl",
     ) -> None:
         if not server_urls:
             raise ValueError("SGLangServerEngine: server_urls is empty")
@@ -413,6 +428,8 @@ class SGLangServerEngine:
         self.server_tp = server_tp
         self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
         self.timeout_s = timeout_s
+        self.group_timeout = timedelta(seconds=group_timeout_s)
+        self.backend = backend
         self._group = None
         self._session_routes = True
 
@@ -472,7 +489,7 @@ class SGLangServerEngine:
                                 "rank_offset": 1 + j * self.server_tp,
                                 "world_size": world,
                                 "group_name": self.group_name,
-                                "backend": "nccl",
+                                "backend": self.backend,
                             },
                         )
                     )
@@ -481,7 +498,14 @@ class SGLangServerEngine:
             ]
             for t in threads:
                 t.start()
-            self._group = init_weight_update_group(self.master_address, self.master_port, world, self.group_name)
+            self._group = init_weight_update_group(
+                self.master_address,
+                self.master_port,
+                world,
+                self.group_name,
+                backend=self.backend,
+                timeout=self.group_timeout,
+            )
             for t in threads:
                 t.join()
             for r in results:

@@ -26,6 +26,7 @@ from torch import Tensor
 from megatron_dapo.rollout.base import Completion
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
+from megatron_dapo.rollout.launch_env import scrubbed_environ
 from megatron_dapo.rollout.transformers_engine import completion_seed
 
 
@@ -61,7 +62,8 @@ class VLLMEngine:
         }
         kwargs.update(llm_kwargs or {})
         self._vllm = vllm
-        self.llm = vllm.LLM(**kwargs)
+        with scrubbed_environ():  # its engine-core / worker processes must not inherit torchrun's variables
+            self.llm = vllm.LLM(**kwargs)
         self._pending: list[tuple[str, Tensor]] | None = None
         self._asleep = False
 

@@ -263,3 +263,31 @@ def test_colocated_session_order(with_session):
     upd = next(kw for n, kw in fake.calls if n == "update_weights_from_tensor")
     assert upd["load_format"] == "flattened_bucket" and upd["flush_cache"] is False
     assert len(upd["named_tensors"]) == 2 and pickle.loads(upd["named_tensors"][0])["metadata"][0]["name"] == "w"
+
+
+def _stub_sglang(monkeypatch) -> list[dict]:
+    """sys.modules entries for the names SGLangEngine.__init__ imports; returns the recorded Engine kwargs."""
+    import types  # noqa: PLC0415
+
+    seen: list[dict] = []
+    names = ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch")
+    mods = {n: types.ModuleType(n) for n in (*names, "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket")}
+    mods["sglang"].Engine = lambda **kw: seen.append(kw)
+    mods["sglang.srt.utils.common"].MultiprocessingSerializer = types.SimpleNamespace(serialize=pickle.dumps)
+    mods["sglang.srt.utils.patch_torch"].monkey_patch_torch_reductions = lambda: None
+    mods["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorMetadata = dict
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return seen
+
+
+def test_deterministic_inference_switch_reaches_sglang(monkeypatch):
+    """sampling_seed is honoured by SGLang 0.5.23 only under enable_deterministic_inference (SamplingBatchInfo)."""
+    from megatron_dapo.config import RolloutConfig  # noqa: PLC0415
+    from megatron_dapo.rollout.factory import make_engine  # noqa: PLC0415
+
+    seen = _stub_sglang(monkeypatch)
+    make_engine(RolloutConfig(engine="sglang"), "/m", device="cuda", seed=5)
+    make_engine(RolloutConfig(engine="sglang", deterministic_inference=True), "/m", device="cuda")
+    assert "enable_deterministic_inference" not in seen[0] and seen[0]["random_seed"] == 5
+    assert seen[1]["enable_deterministic_inference"] is True
