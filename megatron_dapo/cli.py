@@ -96,8 +96,8 @@ def run_plan(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float, assum
 
 def preflight(config) -> int:
     """`train`'s start check on CUDA (skipped by trainer.preflight=false): plan the run on this job's layout
-    (WORLD_SIZE, LOCAL_WORLD_SIZE, the GPU's memory); every rank gets the same answer, rank 0 prints the plan when a
-    phase does not fit and every rank returns 2."""
+    (WORLD_SIZE / LOCAL_WORLD_SIZE under torchrun, SLURM_NTASKS / SLURM_NNODES under srun; the GPU's memory). Every
+    rank gets the same answer; rank 0 prints the plan when a phase does not fit and every rank returns 2."""
     import os  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -108,15 +108,17 @@ def preflight(config) -> int:
     from megatron_dapo.plan import PlanError  # noqa: PLC0415
     from megatron_dapo.plan import make_plan  # noqa: PLC0415
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(min(world, torch.cuda.device_count()))))
+    env = os.environ
+    world = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+    nodes = int(env.get("SLURM_NNODES") or 0)
+    per_node = int(env.get("LOCAL_WORLD_SIZE") or (world // nodes if nodes else min(world, torch.cuda.device_count())))
     memory = torch.cuda.get_device_properties(0).total_memory / GiB
     try:
         plan = make_plan(config, nodes=max(1, world // per_node), gpus_per_node=per_node, gpu_memory_gb=memory)
     except PlanError as err:
         print(f"preflight: cannot plan this run ({err}); set --trainer.preflight=false to skip", file=sys.stderr)
         return 0
-    if plan.exit_code and os.environ.get("RANK", "0") == "0":
+    if plan.exit_code and (env.get("RANK") or env.get("SLURM_PROCID") or "0") == "0":
         print(plan.report(), file=sys.stderr)
         print("preflight: a phase does not fit (see above); set --trainer.preflight=false to skip", file=sys.stderr)
     return plan.exit_code
