@@ -399,3 +399,32 @@ def test_counts_match_megatron_core():
         # each DP rank holds Adam m and v for its half of the (padded) buffer
         assert res["adam_bytes"] == pytest.approx(stage * o_b, rel=0.02)
         assert (p_b, g_b) == (4.0, 4.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the shipped launch files and docs agree with the planner
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sbatch", ["dapo_qwen2.5_32b.sbatch", "dapo_qwen2.5_7b.sbatch"])
+def test_shipped_sbatch_layouts_fit(sbatch):
+    import re
+
+    text = (ROOT / "examples/slurm" / sbatch).read_text()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M).group(1))
+    per_node = int(re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", text, re.M).group(1))
+    assert per_node == int(re.search(r"^#SBATCH --gpus-per-node=(\d+)$", text, re.M).group(1))  # one task per GPU
+    config = re.search(r"^CONFIG=\$\{CONFIG:-(\S+)\}$", text, re.M).group(1)
+    memory = float(re.search(r"^GPU_MEMORY_GB=\$\{GPU_MEMORY_GB:-([\d.]+)\}", text, re.M).group(1))
+    assert "megatron_dapo.cli plan" in text  # the pre-flight runs before the launch
+    assert re.search(r"^srun [^\n]*\\\n\s+python -m megatron_dapo.cli train", text, re.M)  # srun starts the trainers
+    assert not re.search(r"^\s*torchrun\b", text, re.M)
+    plan = make_plan(load_config(ROOT / config), nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=memory)
+    assert plan.exit_code == 0, plan.report()
+    # an H100 80GB reports 79.6 GiB: still fits
+    assert make_plan(load_config(ROOT / config), nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=79.6).exit_code == 0
+
+
+def test_docs_show_the_current_planner_output():
+    docs = (ROOT / "docs/planning.md").read_text()
+    for cfg, nodes in [(CFG_32B, 4), (CFG_7B, 1)]:
+        report = make_plan(load_config(cfg), nodes=nodes, gpus_per_node=8, gpu_memory_gb=80).report()
+        assert report in docs, f"docs/planning.md: refresh the output of `megatron-dapo plan --config {cfg.name}`"
