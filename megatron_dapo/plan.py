@@ -82,42 +82,14 @@ class ModelShape:
         return self.layers * per_layer + embeddings + self.hidden
 
 
-# Known architectures (from the models' HF config.json; used when actor.model_path is not on this machine).
-KNOWN_MODELS: dict[str, ModelShape] = {
-    "qwen2.5-7b": ModelShape(
-        name="Qwen2.5-7B",
-        hidden=3584,
-        layers=28,
-        heads=28,
-        kv_heads=4,
-        ffn=18944,
-        vocab=152064,
-        tied=False,
-        qkv_bias=True,
-    ),
-    "qwen2.5-32b": ModelShape(
-        name="Qwen2.5-32B",
-        hidden=5120,
-        layers=64,
-        heads=40,
-        kv_heads=8,
-        ffn=27648,
-        vocab=152064,
-        tied=False,
-        qkv_bias=True,
-    ),
-    "smollm2-135m": ModelShape(
-        name="SmolLM2-135M",
-        hidden=576,
-        layers=30,
-        heads=9,
-        kv_heads=3,
-        ffn=1536,
-        vocab=49152,
-        tied=True,
-        qkv_bias=False,
-    ),
-}
+# Known architectures (from the models' HF config.json; used when actor.model_path is not on this machine):
+# name, hidden, layers, heads, kv_heads, ffn, vocab, tied, qkv_bias.
+_KNOWN = [
+    ("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, False, True),
+    ("Qwen2.5-32B", 5120, 64, 40, 8, 27648, 152064, False, True),
+    ("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, False),
+]
+KNOWN_MODELS: dict[str, ModelShape] = {row[0].lower(): ModelShape(*row) for row in _KNOWN}
 
 
 def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
@@ -385,10 +357,31 @@ def kv_bytes_per_token(m: ModelShape, etp: int, b: int) -> float:
     return 2 * m.layers * max(1.0, m.kv_heads / etp) * m.hd * b
 
 
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """What make_plan derives once from the config and the layout."""
+
+    config: Any
+    a: Assumptions
+    m: ModelShape
+    dp: int
+    offload: str
+    recompute: str
+    tokens: int
+    num_micro: int
+    bytes_per_param: tuple[float, float, float]
+    gpu_memory_gb: float
+
+    @property
+    def b(self) -> int:
+        return 4 if self.config.actor.dtype == "fp32" else 2
+
+
 def make_plan(
     config: Any, *, nodes: int, gpus_per_node: int, gpu_memory_gb: float, assumptions: Assumptions | None = None
 ) -> Plan:
-    """Plan `config` (a RunConfig) on nodes x gpus_per_node GPUs of gpu_memory_gb GiB each."""
+    """Plan `config` (a RunConfig, or any object with its sections and fields) on nodes x gpus_per_node GPUs of
+    gpu_memory_gb GiB each. Raises PlanError (naming the field) when the layout cannot run at all."""
     a = assumptions or Assumptions()
     act, ro, tr, alg = config.actor, config.rollout, config.trainer, config.algorithm
     m, source = resolve_model(act.model_path)
@@ -402,8 +395,6 @@ def make_plan(
     if offload is None:
         notes.append("config has no actor.offload: planned as offload=none (actor state stays on the GPU)")
         offload = "none"
-    b = 4 if act.dtype == "fp32" else 2
-    recompute = recompute_mode(act)
     tokens, tokens_src = microbatch_tokens(config)
     responses_per_mini = tr.mini_batch_prompts * alg.group_size
     if responses_per_mini % (dp * tr.micro_batch_size):
@@ -411,109 +402,110 @@ def make_plan(
             f"trainer.micro_batch_size: {responses_per_mini} responses per mini-batch do not split into "
             f"dp {dp} x micro_batch_size {tr.micro_batch_size}"
         )
+    bpp = actor_state_bytes_per_param(act.dtype, dp, act.use_distributed_optimizer)
     num_micro = responses_per_mini // (dp * tr.micro_batch_size)
-    p_b, g_b, o_b = actor_state_bytes_per_param(act.dtype, dp, act.use_distributed_optimizer)
-    colocated = ro.mode == "colocated"
-    etp = ro.tensor_parallel
-    capacity = gpu_memory_gb
+    setup = _Setup(config, a, m, dp, offload, recompute_mode(act), tokens, num_micro, bpp, gpu_memory_gb)
     layout = {
         "gpus": f"{nodes} nodes x {gpus_per_node} = {world}",
         "actor": f"TP {tp} x PP {pp} x DP {dp} ({act.dtype}, distributed optimizer "
-        f"{'on' if act.use_distributed_optimizer else 'off'}, recompute {recompute}, logprob_impl {act.logprob_impl}"
-        f", offload {offload})",
-        "engine": f"{ro.engine} {ro.mode}, TP {etp}, mem_fraction {ro.mem_fraction}",
+        f"{'on' if act.use_distributed_optimizer else 'off'}, recompute {setup.recompute}, logprob_impl "
+        f"{act.logprob_impl}, offload {offload})",
+        "engine": f"{ro.engine} {ro.mode}, TP {ro.tensor_parallel}, mem_fraction {ro.mem_fraction}",
         "micro-batch": f"{tokens} tokens ({tokens_src}); {num_micro} micro-batches per mini-batch per DP rank",
         "model": f"{m.name}: {m.num_params / 1e9:.3f} B params (h {m.hidden}, L {m.layers}, heads {m.heads}, kv "
         f"{m.kv_heads}, ffn {m.ffn}, V {m.vocab}, tied {m.tied})",
     }
-    phases: list[Phase] = []
-    e_w = engine_weight_bytes(m, etp, a.dtype_bytes)
-    kv_tok = kv_bytes_per_token(m, etp, a.dtype_bytes)
-    max_seq = config.data.max_prompt_length + ro.max_response_length
-    for st in actor_stages(m, tp, pp):
-        n = st.params
-        params, grads, opt = _gib(n * p_b), _gib(n * g_b), _gib(n * o_b)
-        # Adam's moments (8 of the optimizer bytes) are created at the first step; at engine start only the master
-        # copy exists (16-bit params).
-        master = _gib(n * (0.0 if act.dtype == "fp32" else 4.0) / (dp if act.use_distributed_optimizer else 1))
-        trainer = Term("trainer runtime", a.trainer_overhead_gib, "assumption trainer_overhead_gib")
-        engine_rt = Term("engine runtime", a.engine_overhead_gib if colocated else 0.0, "assumption (colocated only)")
-        p_term = Term("actor params", params, f"{n:,} params x {p_b:g} B")
-        g_term = Term("actor grads", grads, f"{n:,} x {g_b:g} B (fp32 main grads)")
-        o_term = Term("actor optimizer", opt, f"{n:,} x {o_b:.4g} B (fp32 master + Adam m, v / dp {dp})")
-        resident = {
-            "none": [p_term, g_term, o_term],
-            "optimizer": [p_term, g_term, Term("actor optimizer", 0.0, "offloaded")],
-            "all": [Term("actor params", 0.0, "offloaded"), Term("actor grads", 0.0, "offloaded")],
-        }[offload]
-        in_sync = {
-            "none": [p_term, g_term, o_term],
-            "optimizer": [p_term, g_term],
-            "all": [Term("actor params", params, "reloaded for the export (assumption)")],
-        }[offload]
-        # -- training-side phases (engine memory released: only its process runtime stays)
-        per_layer = layer_activation_bytes(m, tp, recompute, b)
-        in_flight = min(pp - st.index, num_micro) if pp > 1 else 1
-        stored = in_flight * st.layers * per_layer * tokens
-        act_terms = [
-            Term(
-                "activations (stored)",
-                _gib(stored),
-                f"{in_flight} micro-batch(es) in flight x {st.layers} layers x {per_layer:,.0f} B/token ({recompute})"
-                f" x {tokens} tokens",
-            )
-        ]
-        if recompute == "full":
-            full = layer_activation_bytes(m, tp, "none", b) * tokens
-            act_terms.append(Term("activations (recomputed layer)", _gib(full), "1 layer x none-size x T"))
-        if st.has_lm_head:
-            lm, f = lm_head_bytes(m, tp, tokens, act.logprob_impl, True, b)
-            act_terms.append(Term(f"LM head ({act.logprob_impl})", _gib(lm), f))
-        fwd_layer = layer_activation_bytes(m, tp, "none", b) * tokens
-        lp_terms = [Term("forward working set", _gib(fwd_layer), "1 layer x none-size x T (forward only)")]
-        if st.has_lm_head:
-            lm, f = lm_head_bytes(m, tp, tokens, act.logprob_impl, False, b)
-            lp_terms.append(Term(f"LM head ({act.logprob_impl})", _gib(lm), f))
-        phases.append(Phase("log-probs", st.index, [trainer, engine_rt, p_term, g_term, o_term, *lp_terms]))
-        phases.append(Phase("update", st.index, [trainer, engine_rt, p_term, g_term, o_term, *act_terms]))
-        bucket = _gib(2 * ro.weight_sync_bucket_mb * 2**20)
-        bucket_term = Term("sync buffers", bucket, f"2 x bucket {ro.weight_sync_bucket_mb} MiB (gathered + flattened)")
-        if not colocated:
-            phases.append(Phase("sync", st.index, [trainer, *in_sync, bucket_term]))
-            continue
-        # -- engine phases: SGLang sizes weights + KV to mem_fraction of the memory free when it starts (after the
-        # actor is built, trainer.py), keeping (1 - mem_fraction) of it for itself.
-        pre_free = capacity - a.trainer_overhead_gib - a.engine_overhead_gib - params - grads - master
-        static = ro.mem_fraction * pre_free
-        kv = static - _gib(e_w)
-        w_term = Term("engine weights", _gib(e_w), f"{m.num_params / 1e9:.2f} B params x {a.dtype_bytes} B / TP {etp}")
-        kv_term = Term(
-            "engine KV cache",
-            max(kv, 0.0),
-            f"mem_fraction {ro.mem_fraction} x free at start {pre_free:.2f} GiB - weights; "
-            f"{kv_tok:,.0f} B/token -> {max(kv, 0.0) * GiB / kv_tok:,.0f} tokens",
-        )
-        start = [trainer, engine_rt, p_term, g_term, Term("actor master params", master, "fp32 master / dp")]
-        phases.append(Phase("engine start", st.index, [*start, w_term, kv_term]))
-        if kv * GiB < kv_tok * max_seq:
-            phases[-1].error = f"KV cache holds < 1 sequence of {max_seq} tokens"
-        graphs = Term("engine CUDA graphs", a.cuda_graph_gib, "assumption cuda_graph_gib")
-        work = Term("engine workspace", a.engine_workspace_gib, "assumption engine_workspace_gib")
-        phases.append(Phase("generation", st.index, [trainer, engine_rt, *resident, w_term, kv_term, graphs, work]))
-        phases.append(Phase("sync", st.index, [trainer, engine_rt, *in_sync, w_term, bucket_term]))
+    phases = [ph for st in actor_stages(m, tp, pp) for ph in _stage_phases(setup, st)]
     order = ["engine start", "generation", "log-probs", "update", "sync"]
     phases.sort(key=lambda p: (order.index(p.name), p.stage))
-    kv_tokens = [_kv_tokens(p, kv_tok) for p in phases if p.name == "engine start"]
-    times, formulas = step_times(config, m, nodes, gpus_per_node, dp, a, recompute, num_micro, min(kv_tokens or [0]))
-    if not colocated:
+    kv_tok = kv_bytes_per_token(m, ro.tensor_parallel, a.dtype_bytes)
+    kv_tokens = min([int(p.term("engine KV cache") * GiB // kv_tok) for p in phases if p.name == "engine start"] or [0])
+    times, formulas = step_times(config, m, nodes, gpus_per_node, dp, a, setup.recompute, num_micro, kv_tokens)
+    if ro.mode != "colocated":
         notes.append("server mode: the SGLang servers' GPUs are not planned here (only the actor's)")
     if ro.engine != "sglang":
         notes.append(f"rollout.engine {ro.engine}: engine memory is planned with SGLang's rules")
-    return Plan(m, source, layout, capacity - a.safety_gib, phases, times, formulas, a, notes)
+    return Plan(m, source, layout, gpu_memory_gb - a.safety_gib, phases, times, formulas, a, notes)
 
 
-def _kv_tokens(start: Phase, kv_tok: float) -> int:
-    return int(start.term("engine KV cache") * GiB // kv_tok)
+def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
+    """The phases of one pipeline stage (see docs/planning.md for what coexists in each)."""
+    a, m, act, ro = s.a, s.m, s.config.actor, s.config.rollout
+    tp, n, dp = act.tensor_parallel, st.params, s.dp
+    p_b, g_b, o_b = s.bytes_per_param
+    params, grads, opt = _gib(n * p_b), _gib(n * g_b), _gib(n * o_b)
+    trainer = Term("trainer runtime", a.trainer_overhead_gib, "assumption trainer_overhead_gib")
+    colocated = ro.mode == "colocated"
+    engine_rt = Term("engine runtime", a.engine_overhead_gib if colocated else 0.0, "assumption (colocated only)")
+    state = [
+        Term("actor params", params, f"{n:,} params x {p_b:g} B"),
+        Term("actor grads", grads, f"{n:,} x {g_b:g} B (fp32 main grads)"),
+        Term("actor optimizer", opt, f"{n:,} x {o_b:.4g} B (fp32 master + Adam m, v / dp {dp})"),
+    ]
+    in_sync = {"none": state, "optimizer": state[:2], "all": [Term("actor params", params, "reloaded for the export")]}
+    # -- actor phases (engine memory released: only its process runtime stays)
+    per_layer = layer_activation_bytes(m, tp, s.recompute, s.b)
+    one_layer = layer_activation_bytes(m, tp, "none", s.b) * s.tokens
+    in_flight = min(act.pipeline_parallel - st.index, s.num_micro) if act.pipeline_parallel > 1 else 1
+    update = [
+        Term(
+            "activations (stored)",
+            _gib(in_flight * st.layers * per_layer * s.tokens),
+            f"{in_flight} micro-batch(es) in flight x {st.layers} layers x {per_layer:,.0f} B/token ({s.recompute})"
+            f" x {s.tokens} tokens",
+        )
+    ]
+    if s.recompute == "full":
+        update.append(Term("activations (recomputed layer)", _gib(one_layer), "1 layer x none-size x T"))
+    logprobs = [Term("forward working set", _gib(one_layer), "1 layer x none-size x T (forward only)")]
+    if st.has_lm_head:
+        for terms, train in ((update, True), (logprobs, False)):
+            lm, formula = lm_head_bytes(m, tp, s.tokens, act.logprob_impl, train, s.b)
+            terms.append(Term(f"LM head ({act.logprob_impl})", _gib(lm), formula))
+    buckets = Term(
+        "sync buffers",
+        _gib(2 * ro.weight_sync_bucket_mb * 2**20),
+        f"2 x bucket {ro.weight_sync_bucket_mb} MiB (gathered + flattened)",
+    )
+    out = [
+        Phase("log-probs", st.index, [trainer, engine_rt, *state, *logprobs]),
+        Phase("update", st.index, [trainer, engine_rt, *state, *update]),
+    ]
+    if not colocated:
+        return [*out, Phase("sync", st.index, [trainer, *in_sync[s.offload], buckets])]
+    # -- engine phases: SGLang sizes weights + KV to mem_fraction of the memory free when it starts (the actor is
+    # built first, trainer.py; Adam's moments do not exist yet, the fp32 master copy does), keeping the rest.
+    etp = ro.tensor_parallel
+    master = _gib(n * (0.0 if act.dtype == "fp32" else 4.0) / (dp if act.use_distributed_optimizer else 1))
+    pre_free = s.gpu_memory_gb - a.trainer_overhead_gib - engine_rt.gib - params - grads - master
+    weights = _gib(engine_weight_bytes(m, etp, a.dtype_bytes))
+    kv = ro.mem_fraction * pre_free - weights
+    kv_tok = kv_bytes_per_token(m, etp, a.dtype_bytes)
+    w_term = Term("engine weights", weights, f"{m.num_params / 1e9:.2f} B params x {a.dtype_bytes} B / TP {etp}")
+    kv_term = Term(
+        "engine KV cache",
+        max(kv, 0.0),
+        f"mem_fraction {ro.mem_fraction} x free at start {pre_free:.2f} GiB - weights; "
+        f"{kv_tok:,.0f} B/token -> {max(kv, 0.0) * GiB / kv_tok:,.0f} tokens",
+    )
+    master_term = Term("actor master params", master, "fp32 master / dp")
+    start = Phase("engine start", st.index, [trainer, engine_rt, *state[:2], master_term, w_term, kv_term])
+    max_seq = s.config.data.max_prompt_length + ro.max_response_length
+    if kv * GiB < kv_tok * max_seq:
+        start.error = f"KV cache holds < 1 sequence of {max_seq} tokens"
+    resident = {
+        "none": state,
+        "optimizer": [*state[:2], Term("actor optimizer", 0.0, "offloaded")],
+        "all": [Term("actor params", 0.0, "offloaded"), Term("actor grads", 0.0, "offloaded")],
+    }[s.offload]
+    graphs = Term("engine CUDA graphs", a.cuda_graph_gib, "assumption cuda_graph_gib")
+    work = Term("engine workspace", a.engine_workspace_gib, "assumption engine_workspace_gib")
+    return [
+        *out,
+        start,
+        Phase("generation", st.index, [trainer, engine_rt, *resident, w_term, kv_term, graphs, work]),
+        Phase("sync", st.index, [trainer, engine_rt, *in_sync[s.offload], w_term, buckets]),
+    ]
 
 
 def step_times(
