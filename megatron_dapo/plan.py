@@ -597,7 +597,9 @@ def format_plan(plan: Plan) -> str:
     lines.append("")
     lines.append("assumptions (override with --assume NAME=VALUE):")
     for f in fields(plan.assumptions):
-        lines.append(f"  {f.name} = {getattr(plan.assumptions, f.name)}")
+        value = getattr(plan.assumptions, f.name)
+        derived = "  (0: derived from the model size; the value used is in the generation line)"
+        lines.append(f"  {f.name} = {value}{derived if f.name.startswith('decode_tps') and not value else ''}")
     for note in plan.notes:
         lines.append(f"note: {note}")
     failing = plan.failing
