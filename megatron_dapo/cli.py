@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         return run_plan(config, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.assume)
     if args.command == "train":
-        from megatron_dapo.trainer import DAPOTrainer  # noqa: PLC0415
-
         if (code := preflight(config)) != 0:
             return code
+        from megatron_dapo.trainer import DAPOTrainer  # noqa: PLC0415
+
         DAPOTrainer(config).fit()
     elif args.command == "eval":
         print(json.dumps(run_eval(config, args.model), indent=1))

@@ -423,6 +423,13 @@ def test_shipped_sbatch_layouts_fit(sbatch):
     assert make_plan(load_config(ROOT / config), nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=79.6).exit_code == 0
 
 
+def test_train_runs_the_preflight_first(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "preflight", lambda config: seen.append(config.actor.model_path) or 2)
+    assert cli.main(["train", "--config", str(CFG_7B)]) == 2  # stops before building the trainer
+    assert seen == ["/models/Qwen2.5-7B"]
+
+
 def test_docs_show_the_current_planner_output():
     docs = (ROOT / "docs/planning.md").read_text()
     for cfg, nodes in [(CFG_32B, 4), (CFG_7B, 1)]:
