@@ -37,13 +37,22 @@ def _gib(num_bytes: float) -> float:
     return num_bytes / GiB
 
 
+def _fields(obj) -> dict:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return dict(vars(obj))
+
+
 def _with(config, section: str, **extra):
     """A stand-in for a RunConfig whose `section` has extra fields (e.g. actor.offload, not in this config.py)."""
-    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    sec = sections[section]
-    fields = {f.name: getattr(sec, f.name) for f in dataclasses.fields(sec)}
-    sections[section] = types.SimpleNamespace(**fields, **extra)
+    sections = _fields(config)
+    sections[section] = types.SimpleNamespace(**{**_fields(sections[section]), **extra})
     return types.SimpleNamespace(**sections)
+
+
+def _config(path: Path, *overrides: str):
+    """The example config with actor.offload "none" whether or not config.py has that field (hand calculations)."""
+    return _with(load_config(path, list(overrides)), "actor", offload="none")
 
 
 def _stage(plan, phase: str, stage: int):
@@ -103,7 +112,7 @@ def test_padded_vocab_is_megatrons():
 # worked example 1: the shipped 4-node Qwen2.5-32B layout (docs/planning.md)
 # ---------------------------------------------------------------------------------------------------------------
 def test_qwen32b_four_nodes_matches_the_hand_calculation():
-    plan = make_plan(load_config(CFG_32B), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    plan = make_plan(_config(CFG_32B), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
     # Layout: 32 GPUs, TP 8 x PP 2 -> DP 2.  Per GPU and layer: 487,595,008 / 8 + 10,240 = 60,959,616 params;
     # 32 layers per stage = 1,950,707,712; vocab 152,576 / 8 = 19,072 rows x 5120 = 97,648,640.
     stage0 = 1_950_707_712 + 97_648_640  # + embedding             = 2,048,356,352
@@ -145,11 +154,20 @@ def test_qwen32b_four_nodes_matches_the_hand_calculation():
     # Sync = runtimes + P + G + O + engine weights + 2 x 2048 MiB buckets (4 GiB) = 45.65 GiB.
     assert plan.peak("sync").total_gib == pytest.approx(3.5 + p1 + g1 + o1 + weights + 4.0, abs=1e-9)
     assert plan.exit_code == 0 and plan.failing == []
-    assert any("actor.offload" in n for n in plan.notes)  # this config.py has no offload key: planned as none
+
+
+def test_missing_offload_field_is_planned_as_none_with_a_note():
+    cfg = load_config(CFG_32B)
+    plan = make_plan(cfg, nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    has_field = hasattr(cfg.actor, "offload")
+    assert any("config has no actor.offload" in n for n in plan.notes) != has_field
+    if not has_field:
+        explicit = make_plan(_config(CFG_32B), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+        assert [p.total_gib for p in plan.phases] == [p.total_gib for p in explicit.phases]
 
 
 def test_qwen32b_step_time_matches_the_hand_calculation():
-    plan = make_plan(load_config(CFG_32B), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    plan = make_plan(_config(CFG_32B), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
     n = 32_763_876_352
     # Log-probs: 512 x 16 = 8192 rows, padded to 256 + 20480 = 20,736 tokens; forward FLOPs per token
     # 2N + 2 x 64 layers x 5120 x 20,736; PP bubble 1 + 1/256; at 32 x 989e12 x 0.35 FLOP/s.
@@ -173,7 +191,7 @@ def test_qwen32b_step_time_matches_the_hand_calculation():
 # worked example 2: Qwen2.5-7B on one node (examples/qwen2.5_7b_dapo.yaml)
 # ---------------------------------------------------------------------------------------------------------------
 def test_qwen7b_one_node_matches_the_hand_calculation():
-    plan = make_plan(load_config(CFG_7B), nodes=1, gpus_per_node=8, gpu_memory_gb=80)
+    plan = make_plan(_config(CFG_7B), nodes=1, gpus_per_node=8, gpu_memory_gb=80)
     # TP 2 x PP 1 -> DP 4. Per GPU and layer 233,050,624 / 2 + 7168 = 116,532,480; x 28 = 3,262,909,440.
     # Vocab 152,064 is a multiple of 256: 76,032 rows x 3584 = 272,498,688, embedding + LM head, + final norm.
     n = 3_262_909_440 + 2 * 272_498_688 + 3584  # = 3,807,910,400
@@ -203,7 +221,7 @@ def test_qwen7b_one_node_matches_the_hand_calculation():
 # what changes the answer
 # ---------------------------------------------------------------------------------------------------------------
 def test_a_layout_that_does_not_fit_exits_2_naming_the_phase():
-    cfg = load_config(CFG_32B, ["--actor.pipeline_parallel=1"])
+    cfg = _config(CFG_32B, "--actor.pipeline_parallel=1")
     plan = make_plan(cfg, nodes=1, gpus_per_node=8, gpu_memory_gb=80)
     assert plan.exit_code == 2
     assert [p.name for p in plan.failing] == ["generation", "update", "sync"]
@@ -238,8 +256,8 @@ def test_offload_setting_changes_what_coexists():
 
 
 def test_logits_impl_and_recompute_modes():
-    base = load_config(CFG_32B)
-    fused = make_plan(load_config(CFG_32B, ["--actor.logprob_impl=fused"]), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    base = _config(CFG_32B)
+    fused = make_plan(_config(CFG_32B, "--actor.logprob_impl=fused"), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
     upd1 = _stage(fused, "update", 1)
     # Full logits [T, V_pad/8] in bf16 plus their gradient: 2 x 22,528 x 19,072 x 2 B + 12 x 22,528.
     assert upd1.term("LM head (fused)") == pytest.approx(_gib(2 * 22_528 * 19_072 * 2 + 12 * 22_528), abs=1e-9)
