@@ -270,6 +270,14 @@ def test_logits_impl_and_recompute_modes():
     assert sel.peak("update").term("activations (stored)") == pytest.approx(_gib(2 * 32 * 64_776 * 22_528))
 
 
+def test_token_budget_per_microbatch_is_used_when_the_config_has_one():
+    cfg = _with(_config(CFG_32B), "actor", max_tokens_per_microbatch=8192)
+    plan = make_plan(cfg, nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    assert "8192 tokens (actor.max_tokens_per_microbatch)" in plan.layout["micro-batch"]
+    # stage 0 under full recompute: 2 in flight x 32 layers x 10,240 B x 8192 tokens
+    assert plan.peak("update").term("activations (stored)") == pytest.approx(_gib(2 * 32 * 10_240 * 8192))
+
+
 def test_server_mode_plans_only_the_actor():
     cfg = load_config(CFG_32B, ["--rollout.mode=server", "--rollout.server_urls=[http://a:1,http://b:1]"])
     plan = make_plan(cfg, nodes=4, gpus_per_node=8, gpu_memory_gb=80)
