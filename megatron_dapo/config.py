@@ -204,6 +204,16 @@ class ActorConfig:
     """Log-prob/entropy implementation (registry in megatron_dapo/actor/loss.py): "fused_linear" (default; LM head
     fused in: the last stage returns hidden states, no [T, V] logits), "fused" (megatron_dapo.ops on full logits) or
     "reference" (chunked plain torch on the logits, for debugging)."""
+    packing: bool = True
+    """Pack each micro-batch's responses into one row (THD, cu_seqlens; attention and RoPE restart per sequence):
+    no padding is computed. False: rows padded to the micro-batch's longest."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism when tensor_parallel > 1 on GPU (activation memory / tp outside attention and
+    MLP); always off on CPU (gloo has no reduce-scatter)."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of a micro-batch (packed: sum of lengths; padded: rows x longest); rows are binned by length
+    under it. 0: trainer.micro_batch_size rows per micro-batch. Rows are balanced over data-parallel ranks by tokens
+    either way."""
 
     def __post_init__(self) -> None:
         self.model_path = _expand(self.model_path)
@@ -218,6 +228,11 @@ class ActorConfig:
         _check(0 <= self.adam_beta1 < 1, "actor.adam_beta1", "must be in [0, 1)")
         _check(0 <= self.adam_beta2 < 1, "actor.adam_beta2", "must be in [0, 1)")
         _check(self.grad_clip >= 0, "actor.grad_clip", "must be >= 0")
+        _check(
+            self.max_tokens_per_microbatch >= 0,
+            "actor.max_tokens_per_microbatch",
+            f"must be >= 0 (0: trainer.micro_batch_size rows), got {self.max_tokens_per_microbatch}",
+        )
         from megatron_dapo.actor.loss import LOGPROB_IMPLS  # noqa: PLC0415
 
         _one_of(self.logprob_impl, tuple(sorted(LOGPROB_IMPLS)), "actor.logprob_impl")

@@ -45,6 +45,8 @@ STEP_METRICS = (
     "time/weight_sync",
     "time/step",
     "perf/tokens_per_s",
+    "perf/actor_tokens_per_s",
+    "train/pad_fraction",
 )
 
 

@@ -128,6 +128,10 @@ class DAPOTrainer:
                 metrics.update(self.actor.update(batch))
             metrics["train/responses"] = float(len(batch))
             metrics["train/valid_tokens"] = float(batch.loss_mask.sum())
+            tokens = self.actor.pop_token_stats()
+            metrics["train/pad_fraction"] = tokens["pad_fraction"]
+            actor_s = timer.seconds["logprobs"] + timer.seconds["update"]
+            metrics["perf/actor_tokens_per_s"] = tokens["real_tokens"] / max(actor_s, 1e-9)
         with timer("weight_sync"):
             self._engine_call("wake")
             sync = self.weight_sync.sync(self.actor.export_hf_weights())

@@ -7,9 +7,13 @@
 #   2. optional wheels carried in .whl/          (e.g. liger_kernel-*.whl, installed --no-deps into /tmp/site)
 #   3. build the CUDA C++ twins                  (python3 csrc/build.py --arch 90)
 #   4. pytest -m gpu tests/ops                   (TRITON_INTERPRET=0: compiled kernels on the GPU)
+#   4b. pytest -m gpu tests/actor                (the actor on the GPU: packed THD on Transformer Engine's attention
+#                                                 or the varlen submodule, fused LM head and fused loss vs the padded
+#                                                 reference; needs megatron-core: carry its wheel in .whl/, e.g.
+#                                                 pip download megatron-core==0.16.1 --no-deps -d .whl)
 #   5. python3 tools/bench_kernels.py --device cuda
-# Everything useful lands in $OUT (at most 8 files come back): env.txt, build.log, pytest_gpu.log,
-# pytest_gpu.xml, bench.log, bench_kernels.csv.
+# Everything useful lands in $OUT: env.txt, build.log, pytest_gpu.log, pytest_gpu.xml, pytest_gpu_actor.log,
+# pytest_gpu_actor.xml, bench.log, bench_kernels.csv.
 #
 # Run from the repository root, e.g. through the device tool:
 #   bash tools/device_check.sh          (with carry [".whl"] if Liger's wheel was downloaded there)
@@ -48,6 +52,10 @@ fi
 # 4. GPU tests of the ops
 timeout "${PYTEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/ops -q -rs -p no:cacheprovider \
     --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
+
+# 4b. GPU tests of the actor (skipped inside pytest when megatron-core is missing)
+timeout "${PYTEST_ACTOR_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/actor -q -rs -p no:cacheprovider \
+    --junitxml="$OUT/pytest_gpu_actor.xml" 2>&1 | tee "$OUT/pytest_gpu_actor.log" || status=1
 
 # 5. benchmark (rows go to $OUT/bench_kernels.csv; copy them into results/bench_kernels.csv afterwards)
 # shellcheck disable=SC2086

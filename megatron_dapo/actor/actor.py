@@ -28,6 +28,8 @@ import os
 import random
 from collections.abc import Callable
 from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import fields
 from functools import partial
 from typing import Any
 
@@ -40,6 +42,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import Float16Module
@@ -50,36 +53,42 @@ from megatron_dapo.actor.distributed import ParallelGroups
 from megatron_dapo.actor.loss import dapo_loss_func
 from megatron_dapo.actor.loss import get_logprob_impl
 from megatron_dapo.actor.loss import local_loss_denominator
-from megatron_dapo.actor.loss import sequence_logprobs_and_entropy
-from megatron_dapo.actor.loss import sequence_logprobs_from_hidden
+from megatron_dapo.actor.loss import micro_batch_logprobs
+from megatron_dapo.actor.packing import PackedLayout
+from megatron_dapo.actor.packing import balance_rows
+from megatron_dapo.actor.packing import micro_batch_rows
+from megatron_dapo.actor.packing import sequence_lengths
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.config import RunConfig
 
 _TWO_PART = ("loss", "clipfrac_high", "clipfrac_low", "approx_kl", "entropy")
 
 
-def _pad_rows(batch: ActorBatch, rows: int) -> ActorBatch:
-    """Append `rows` dummy responses (pad token 0, all masks 0, advantage 0): they add nothing to loss or grads."""
-    if rows == 0:
-        return batch
+@dataclass
+class _MicroBatch:
+    """One micro-batch of a pass: its rows (ids into the pass's batch), the rows cut to their longest length
+    (width rounded up to `multiple`), and the packed layout when actor.packing is on."""
 
-    def pad(t: Tensor | None) -> Tensor | None:
-        if t is None:
-            return None
-        return torch.cat([t, t.new_zeros((rows, *t.shape[1:]))])
+    rows: list[int]
+    batch: ActorBatch
+    layout: PackedLayout | None
 
-    return ActorBatch(
-        tokens=pad(batch.tokens),
-        loss_mask=pad(batch.loss_mask),
-        response_mask=pad(batch.response_mask),
-        advantages=pad(batch.advantages),
-        old_logp=pad(batch.old_logp),
-        engine_logp=pad(batch.engine_logp),
-    )
+    @property
+    def computed_tokens(self) -> int:
+        return self.layout.num_tokens if self.layout is not None else self.batch.tokens.numel()
 
 
-def _micro_batches(batch: ActorBatch, size: int) -> list[ActorBatch]:
-    return [batch.select(slice(i, i + size)) for i in range(0, len(batch), size)]
+def _cut_columns(batch: ActorBatch, width: int) -> ActorBatch:
+    """Every [B, S] tensor cut (or zero-padded) to [B, width]; advantages unchanged."""
+
+    def cut(t: Tensor | None) -> Tensor | None:
+        if t is None or t.dim() != 2:
+            return t
+        if t.shape[1] >= width:
+            return t[:, :width]
+        return torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
+
+    return ActorBatch(**{f.name: cut(getattr(batch, f.name)) for f in fields(batch)})
 
 
 class MegatronActor:
@@ -113,6 +122,7 @@ class MegatronActor:
         self.temperature = float(config.rollout.temperature)
         self.num_steps = 0
         """Successful optimizer steps so far (drives the warm-up)."""
+        self._tokens = [0, 0]  # real / computed tokens of the passes since pop_token_stats
         self.num_skipped = 0
         """Steps skipped because the loss or a gradient was not finite."""
         self.consecutive_skipped = 0
@@ -195,14 +205,29 @@ class MegatronActor:
         return gpt.output_layer.weight
 
     def _forward_step(
-        self, make_loss: Callable[[ActorBatch], Callable], data_iterator: Iterator[ActorBatch], model: Any
+        self, make_loss: Callable[[_MicroBatch], Callable], data_iterator: Iterator[_MicroBatch], model: Any
     ) -> tuple[Tensor, Callable]:
-        """Megatron forward_step_func: [b, S] tokens -> on the last stage logits [b, S, V_local], or hidden states
-        [b, S, H] for a hidden-input log-prob implementation; on other stages the stage's output [S, b, H]."""
+        """Megatron forward_step_func. Padded: [b, S] tokens -> on the last stage logits [b, S, V_local] (or hidden
+        states [b, S, H] for a hidden-input log-prob implementation). Packed: one [1, T] row with cu_seqlens
+        (PackedSeqParams, qkv_format "thd": attention and RoPE restart per sequence) -> [1, T, V_local] / [1, T, H].
+        On other stages the stage's output [S, b, H] ([T, 1, H] packed)."""
         mb = next(data_iterator)
-        tokens = mb.tokens.to(self.device, non_blocking=True)
-        position_ids = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
-        kwargs = {"fp32_output": False} if self.dtype != torch.float32 else {}
+        layout = mb.layout
+        kwargs: dict[str, Any] = {"fp32_output": False} if self.dtype != torch.float32 else {}
+        if layout is not None:
+            layout = layout.to(self.device)
+            tokens, position_ids = layout.tokens, layout.position_ids
+            cu = layout.cu_seqlens.to(torch.int32)
+            kwargs["packed_seq_params"] = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=layout.max_seqlen,
+                max_seqlen_kv=layout.max_seqlen,
+            )
+        else:
+            tokens = mb.batch.tokens.to(self.device, non_blocking=True)
+            position_ids = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
         hidden_out = self.logprob_impl.takes_hidden and self.groups.is_last_stage
         gpt = self._unwrapped()
         gpt.return_hidden = hidden_out  # scoped to this call: any other forward of the model returns logits
@@ -221,25 +246,76 @@ class MegatronActor:
         return output, make_loss(mb)
 
     def _run_schedule(
-        self, micro: list[ActorBatch], make_loss: Callable[[ActorBatch], Callable], forward_only: bool
+        self, micro: list[_MicroBatch], make_loss: Callable[[_MicroBatch], Callable], forward_only: bool
     ) -> list[Any]:
+        # variable_seq_lengths is on (model.py): micro-batches of different widths / packed lengths exchange their
+        # shapes between pipeline stages, so seq_length / micro_batch_size here are only the first one's.
+        first = micro[0]
+        width = first.layout.num_tokens if first.layout is not None else first.batch.tokens.shape[1]
+        rows = 1 if first.layout is not None else len(first.batch)
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, make_loss),
             data_iterator=iter(micro),
             model=self.model,
             num_microbatches=len(micro),
-            seq_length=micro[0].tokens.shape[1],
-            micro_batch_size=len(micro[0]),
+            seq_length=width,
+            micro_batch_size=rows,
             forward_only=forward_only,
         )
 
-    def _local_rows(self, batch: ActorBatch, what: str) -> ActorBatch:
-        """This data-parallel rank's contiguous share of `batch` (B must be a multiple of dp_size)."""
-        b, dp = len(batch), self.groups.dp_size
-        if b % dp != 0:
-            raise ValueError(f"MegatronActor.{what}: batch of {b} responses is not divisible by data parallel {dp}")
-        n = b // dp
-        return batch.select(slice(self.groups.dp_rank * n, (self.groups.dp_rank + 1) * n))
+    def _plan(self, batch: ActorBatch) -> tuple[list[list[int]], list[_MicroBatch]]:
+        """Place the rows of a pass: every DP rank's rows (balanced by tokens, `packing.balance_rows`) and this rank's
+        micro-batches (actor.max_tokens_per_microbatch, else trainer.micro_batch_size rows; packed when
+        actor.packing). A rank without rows runs one dummy micro-batch (zero masks) so its pipeline and the
+        gradient all-reduce still happen. Token counts of the pass go to `pop_token_stats`."""
+        a = self.config.actor
+        lengths = sequence_lengths(batch.response_mask).tolist()
+        parts = balance_rows(lengths, self.groups.dp_size)
+        mine = parts[self.groups.dp_rank]
+        # Under sequence parallel the sequence is split over TP ranks: packed lengths / widths are multiples of tp.
+        multiple = self.groups.tp_size if self.tf_config.sequence_parallel else 1
+        micro = []
+        for rows in micro_batch_rows(
+            lengths,
+            mine,
+            max_tokens=a.max_tokens_per_microbatch,
+            rows_per_micro_batch=self.config.trainer.micro_batch_size,
+            packed=a.packing,
+        ):
+            width = max(lengths[i] for i in rows)
+            sub = _cut_columns(batch.select(torch.tensor(rows)), -(-width // multiple) * multiple)
+            lens = torch.tensor([lengths[i] for i in rows], dtype=torch.int64)
+            layout = PackedLayout.build(sub.tokens, lens, multiple) if a.packing else None
+            micro.append(_MicroBatch(rows=rows, batch=sub, layout=layout))
+            self._tokens[0] += int(lens.sum())
+        if not micro:
+            width = -(-2 // multiple) * multiple
+            dummy = _cut_columns(batch.select(slice(0, 1)), width)
+            dummy = ActorBatch(
+                tokens=torch.zeros_like(dummy.tokens),
+                loss_mask=torch.zeros_like(dummy.loss_mask),
+                response_mask=torch.zeros_like(dummy.response_mask),
+                advantages=torch.zeros_like(dummy.advantages),
+                old_logp=None if dummy.old_logp is None else torch.zeros_like(dummy.old_logp),
+            )
+            lens = torch.tensor([width], dtype=torch.int64)
+            layout = PackedLayout.build(dummy.tokens, lens, multiple) if a.packing else None
+            micro.append(_MicroBatch(rows=[], batch=dummy, layout=layout))
+        self._tokens[1] += sum(m.computed_tokens for m in micro)
+        return parts, micro
+
+    def pop_token_stats(self) -> dict[str, float]:
+        """Tokens the actor's passes held (real: prompt + response tokens of the rows) and computed (with padding)
+        since the last call, summed over data-parallel ranks; resets the counters. Collective over dp_group.
+
+        Returns:
+            {"real_tokens", "computed_tokens", "pad_fraction"} with pad_fraction = 1 - real / computed.
+        """
+        counts = torch.tensor(self._tokens, dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts, group=self.groups.dp_group)
+        self._tokens = [0, 0]
+        real, computed = float(counts[0]), float(counts[1])
+        return {"real_tokens": real, "computed_tokens": computed, "pad_fraction": 1.0 - real / max(computed, 1.0)}
 
     def _from_last_stage(self, tensor: Tensor) -> Tensor:
         """Broadcast a tensor (same shape on every stage) from the last pipeline stage to the others."""
@@ -276,41 +352,47 @@ class MegatronActor:
 
     def _logprobs(self, batch: ActorBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         b, s = batch.tokens.shape
-        mbs, dp = self.config.trainer.micro_batch_size, self.groups.dp_size
-        per_rank = -(-b // dp)
-        per_rank = -(-per_rank // mbs) * mbs if per_rank > mbs else per_rank
-        padded = _pad_rows(batch, per_rank * dp - b)
-        local = padded.select(slice(self.groups.dp_rank * per_rank, (self.groups.dp_rank + 1) * per_rank))
-        micro = _micro_batches(local, min(mbs, per_rank))
+        parts, micro = self._plan(batch)
         store = self._run_schedule(micro, self._collect_logprobs, forward_only=True)
-        out = torch.zeros(2, per_rank, s, dtype=torch.float32, device=self.device)
+        n_max = max(len(p) for p in parts)
+        out = torch.zeros(2, max(n_max, 1), s, dtype=torch.float32, device=self.device)
         if self.groups.is_last_stage:
-            out[0] = torch.cat([d["logp"] for d in store])
-            out[1] = torch.cat([d["entropy"] for d in store])
+            position = {row: k for k, row in enumerate(parts[self.groups.dp_rank])}
+            for mb, d in zip(micro, store, strict=True):
+                if mb.rows:
+                    idx = torch.tensor([position[r] for r in mb.rows], device=self.device)
+                    width = min(d["logp"].shape[1], s)
+                    out[0, idx, :width] = d["logp"][:, :width]
+                    out[1, idx, :width] = d["entropy"][:, :width]
         out = self._from_last_stage(out if with_entropy else out[:1].contiguous())
-        if dp > 1:
-            parts = [torch.empty_like(out) for _ in range(dp)]
-            dist.all_gather(parts, out, group=self.groups.dp_group)
-            out = torch.cat(parts, dim=1)
-        out = out[:, :b].cpu() * batch.response_mask.to(torch.float32)
-        return out[0], (out[1] if with_entropy else None)
+        if self.groups.dp_size > 1:
+            gathered = [torch.empty_like(out) for _ in range(self.groups.dp_size)]
+            dist.all_gather(gathered, out, group=self.groups.dp_group)
+        else:
+            gathered = [out]
+        full = torch.zeros(out.shape[0], b, s, dtype=torch.float32)
+        for rows, part in zip(parts, gathered, strict=True):
+            if rows:
+                full[:, torch.tensor(rows)] = part[:, : len(rows)].cpu()
+        full = full * batch.response_mask.to(torch.float32)
+        return full[0], (full[1] if with_entropy else None)
 
-    def _collect_logprobs(self, mb: ActorBatch) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
+    def _collect_logprobs(self, mb: _MicroBatch) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
         weight = self._output_weight()
+        layout = mb.layout.to(self.device) if mb.layout is not None else None
 
         def loss_func(output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-            tokens = mb.tokens.to(output.device)
-            kwargs = dict(
+            logp, ent = micro_batch_logprobs(
+                output,
+                mb.batch.tokens.to(output.device),
+                packed=layout,
+                output_weight=weight,
                 temperature=self.temperature,
                 tp_group=self.groups.tp_group,
                 vocab_size=self.vocab_size,
                 logprob_fn=self.logprob_impl.fn,
             )
-            if weight is not None:
-                logp, ent = sequence_logprobs_from_hidden(output, weight, tokens, **kwargs)
-            else:
-                logp, ent = sequence_logprobs_and_entropy(output, tokens, **kwargs)
-            return output.new_zeros((), dtype=torch.float32), {"logp": logp, "entropy": ent}
+            return output.new_zeros((), dtype=torch.float32), {"logp": logp.detach(), "entropy": ent.detach()}
 
         return loss_func
 
@@ -339,8 +421,7 @@ class MegatronActor:
         results = []
         for _ in range(self.config.trainer.ppo_epochs):
             for start in range(0, len(batch), size):
-                mini = self._local_rows(batch.select(slice(start, start + size)), "update")
-                results.append(self._train_mini_batch(mini))
+                results.append(self._train_mini_batch(batch.select(slice(start, start + size))))
         return self._average(results)
 
     @staticmethod
@@ -354,13 +435,14 @@ class MegatronActor:
         out["actor/num_updates"] = float(len(results))
         return out
 
-    def _forward_backward(self, local: ActorBatch) -> dict[str, float]:
-        """Zero the grads, run forward/backward on this rank's rows of one mini-batch; gradients end up reduced
-        over data parallel in the DDP buffers (param.main_grad). Returns the mini-batch's metrics (all ranks)."""
-        mbs = self.config.trainer.micro_batch_size
-        local = _pad_rows(local, (-len(local)) % mbs)
-        micro = _micro_batches(local, mbs)
-        denom = local_loss_denominator(local.loss_mask, self.config.algorithm.loss_agg_mode).to(self.device)
+    def _forward_backward(self, mini: ActorBatch) -> dict[str, float]:
+        """Zero the grads, run forward/backward on this rank's rows of one mini-batch (`_plan`); gradients end up
+        reduced over data parallel in the DDP buffers (param.main_grad). Returns the mini-batch's metrics (all
+        ranks). The denominator D is the whole mini-batch's (all DP ranks), so the split does not change the loss."""
+        parts, micro = self._plan(mini)
+        mine = parts[self.groups.dp_rank]
+        local_mask = mini.loss_mask[torch.tensor(mine, dtype=torch.int64)] if mine else mini.loss_mask[:0]
+        denom = local_loss_denominator(local_mask, self.config.algorithm.loss_agg_mode).to(self.device)
         dist.all_reduce(denom, group=self.groups.dp_group)
         make_loss = partial(self._dapo_loss, denom=denom, num_microbatches=len(micro))
         for chunk in self.model:
@@ -429,16 +511,16 @@ class MegatronActor:
             torch._foreach_mul_(grads, clip / (grad_norm + 1.0e-6))
         return bool(self.optimizer.step_with_ready_grads()), grad_norm
 
-    def _dapo_loss(self, mb: ActorBatch, *, denom: Tensor, num_microbatches: int) -> Callable:
-        mb = mb.to(self.device)
+    def _dapo_loss(self, mb: _MicroBatch, *, denom: Tensor, num_microbatches: int) -> Callable:
+        batch = mb.batch.to(self.device)
         return dapo_loss_func(
-            mb.tokens,
-            mb.loss_mask,
-            mb.old_logp,
-            mb.advantages,
+            batch.tokens,
+            batch.loss_mask,
+            batch.old_logp,
+            batch.advantages,
             num_tokens=denom,
             algorithm=self.config.algorithm,
-            response_mask=mb.response_mask,
+            response_mask=batch.response_mask,
             temperature=self.temperature,
             tp_group=self.groups.tp_group,
             vocab_size=self.vocab_size,
@@ -446,6 +528,8 @@ class MegatronActor:
             dp_size=self.groups.dp_size,
             logprob_fn=self.logprob_impl.fn,
             output_weight=self._output_weight(),
+            packed=mb.layout.to(self.device) if mb.layout is not None else None,
+            fused_loss=self.logprob_impl.fused_loss,
         )
 
     def _reduce_metrics(self, store: list[dict[str, Tensor]]) -> dict[str, float]:

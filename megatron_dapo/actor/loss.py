@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_dapo.actor.packing import PackedLayout
 from megatron_dapo.algorithms import get_policy_loss
 from megatron_dapo.config import AlgorithmConfig
 
@@ -43,6 +44,7 @@ __all__ = [
     "get_logprob_fn",
     "get_logprob_impl",
     "local_loss_denominator",
+    "micro_batch_logprobs",
     "register_logprob_impl",
     "sequence_logprobs_and_entropy",
     "sequence_logprobs_from_hidden",
@@ -68,23 +70,28 @@ class LogprobImpl:
             vocab_size); takes_hidden=True: fn(hidden [T, H], weight [V_local, H], labels [T], *, temperature,
             tp_group, vocab_size). Returns (logp, entropy) [T] fp32.
         takes_hidden: the model's last stage must return hidden states (no logits) and the LM-head weight is passed.
+        fused_loss: the policy loss runs its fused kernel (`get_policy_loss(name, fused=True)`, e.g.
+            ops.clipped_pg_loss for "dapo") instead of the pure-torch reference.
     """
 
     name: str
     fn: LogProbFn
     takes_hidden: bool = False
+    fused_loss: bool = False
 
 
 LOGPROB_IMPLS: dict[str, LogprobImpl] = {}
 
 
-def register_logprob_impl(name: str, *, takes_hidden: bool = False) -> Callable[[LogProbFn], LogProbFn]:
+def register_logprob_impl(
+    name: str, *, takes_hidden: bool = False, fused_loss: bool = False
+) -> Callable[[LogProbFn], LogProbFn]:
     """Register a log-prob/entropy implementation under `name` (config field `actor.logprob_impl`)."""
 
     def wrap(fn: LogProbFn) -> LogProbFn:
         if name in LOGPROB_IMPLS:
             raise ValueError(f"logprob impl {name!r} is already registered")
-        LOGPROB_IMPLS[name] = LogprobImpl(name=name, fn=fn, takes_hidden=takes_hidden)
+        LOGPROB_IMPLS[name] = LogprobImpl(name=name, fn=fn, takes_hidden=takes_hidden, fused_loss=fused_loss)
         return fn
 
     return wrap
@@ -115,14 +122,14 @@ def _reference(logits: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor
     return logprobs_and_entropy_chunked(logits, labels, **kwargs)
 
 
-@register_logprob_impl("fused")
+@register_logprob_impl("fused", fused_loss=True)
 def _fused(logits: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
     from megatron_dapo.ops import logprobs_and_entropy  # noqa: PLC0415
 
     return logprobs_and_entropy(logits, labels, **kwargs)
 
 
-@register_logprob_impl("fused_linear", takes_hidden=True)
+@register_logprob_impl("fused_linear", takes_hidden=True, fused_loss=True)
 def _fused_linear(hidden: Tensor, weight: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
     from megatron_dapo.ops import linear_logprobs_and_entropy  # noqa: PLC0415
 
@@ -206,6 +213,41 @@ def sequence_logprobs_from_hidden(
     return _aligned(logp, ent, tokens)
 
 
+def micro_batch_logprobs(
+    output: Tensor,
+    tokens: Tensor,
+    *,
+    packed: PackedLayout | None = None,
+    output_weight: Tensor | None = None,
+    temperature: float = 1.0,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    logprob_fn: LogProbFn = _fused,
+) -> tuple[Tensor, Tensor]:
+    """Per-row log-probs and entropies [b, S] of one micro-batch from the model's last-stage output.
+
+    Args:
+        output: logits [b, S, V_local], or hidden states [b, S, H] when `output_weight` is given; packed: the same
+            for the one packed row, [1, T, V_local] / [1, T, H].
+        tokens: [b, S] int64, the micro-batch's rows (the layout's source rows when packed).
+        packed: the micro-batch's PackedLayout (actor.packing), or None for padded rows.
+        output_weight: [V_local, H] LM-head weight for hidden-state input (a hidden-input `logprob_fn`).
+        temperature, tp_group, vocab_size, logprob_fn: as in `sequence_logprobs_and_entropy`.
+    Returns:
+        (logp, entropy): [b, S] fp32, token-aligned (position t: log p(tokens[t] | tokens[<t])), 0 at column 0; when
+        packed also 0 past each row's length. Differentiable w.r.t. output (and output_weight).
+    """
+    kwargs = dict(temperature=temperature, tp_group=tp_group, vocab_size=vocab_size, logprob_fn=logprob_fn)
+    source = packed.tokens if packed is not None else tokens
+    if output_weight is not None:
+        logp, ent = sequence_logprobs_from_hidden(output, output_weight, source, **kwargs)
+    else:
+        logp, ent = sequence_logprobs_and_entropy(output, source, **kwargs)
+    if packed is not None:
+        return packed.unpack(logp), packed.unpack(ent)
+    return logp, ent
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # loss
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,6 +291,8 @@ def dapo_loss_func(
     dp_size: int = 1,
     logprob_fn: LogProbFn = _fused,
     output_weight: Tensor | None = None,
+    packed: PackedLayout | None = None,
+    fused_loss: bool = False,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
     """Build the `loss_func(output_tensor)` of one micro-batch for a Megatron forward_step_func.
 
@@ -273,6 +317,11 @@ def dapo_loss_func(
             `output_weight` is given.
         output_weight: [V_local, H] LM-head weight (this rank's vocab shard). When given, output_tensor is the last
             hidden states [B, S, H] and log-probs come from `sequence_logprobs_from_hidden` (no logits).
+        packed: the micro-batch packed into one row (actor/packing.py): output_tensor is then [1, T, V_local] (or
+            [1, T, H]) for the packed tokens and the per-token values are unpacked to [B, S] before the loss, so the
+            loss, its aggregation and the metrics are the padded path's.
+        fused_loss: use the policy loss's fused kernel (`get_policy_loss(..., fused=True)`; ops.clipped_pg_loss for
+            "dapo", which falls back to the reference on CPU without the Triton interpreter).
     Returns:
         loss_func(output_tensor) -> (loss, metrics). output_tensor is [B, S, V_local] logits, [B, S, H] hidden
         states (with output_weight) or [B, S] fp32 log-probs aligned with the tokens. loss: 0-dim fp32,
@@ -282,7 +331,7 @@ def dapo_loss_func(
         "approx_kl", "entropy" (logits or hidden input only); plus "ratio_max" (0-dim).
     """
     alg = algorithm if algorithm is not None else AlgorithmConfig()
-    policy_loss = get_policy_loss(alg.policy_loss)
+    policy_loss = get_policy_loss(alg.policy_loss, fused=fused_loss)
     resp = (response_mask if response_mask is not None else loss_mask).to(torch.float32)
     mask = loss_mask.to(torch.float32)
     scale = float(num_microbatches * dp_size)
@@ -290,10 +339,10 @@ def dapo_loss_func(
 
     def loss_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         entropy = None
-        if output_weight is not None:
-            logp, entropy = sequence_logprobs_from_hidden(output_tensor, output_weight, tokens, **kwargs)
-        elif output_tensor.dim() == 3:
-            logp, entropy = sequence_logprobs_and_entropy(output_tensor, tokens, **kwargs)
+        if output_weight is not None or output_tensor.dim() == 3:
+            logp, entropy = micro_batch_logprobs(
+                output_tensor, tokens, packed=packed, output_weight=output_weight, **kwargs
+            )
         elif tuple(output_tensor.shape) == tuple(tokens.shape):
             logp = output_tensor.float()
         else:

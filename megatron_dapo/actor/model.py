@@ -162,7 +162,9 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        sequence_parallel=False,
+        # Sequence parallel (norms, dropout and residuals split over TP along the sequence) needs reduce-scatter /
+        # all-gather of tensors, which gloo lacks: GPU only. Passes pad their sequences to a multiple of tp for it.
+        sequence_parallel=bool(actor_config.sequence_parallel and tp > 1 and not on_cpu),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -205,6 +207,70 @@ def hidden_output_gpt_class() -> type:
     return HiddenOutputGPTModel
 
 
+@functools.cache
+def varlen_attention_class() -> type:
+    """megatron's local DotProductAttention plus packed sequences: with `packed_seq_params` (qkv_format "thd",
+    cu_seqlens) it runs causal attention within each sequence, in plain torch (scaled_dot_product_attention per
+    sequence, grouped-query heads repeated); without, it is DotProductAttention unchanged. A small reference path
+    for CPU and debugging: on GPU the Transformer Engine spec is used instead."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: PLC0415
+
+    class VarlenDotProductAttention(DotProductAttention):
+        def forward(
+            self,
+            query: Tensor,
+            key: Tensor,
+            value: Tensor,
+            attention_mask: Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: Tensor | None = None,
+            packed_seq_params: Any = None,
+        ) -> Tensor:
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+            if packed_seq_params.qkv_format != "thd" or attention_bias is not None:
+                raise ValueError("VarlenDotProductAttention: only qkv_format 'thd' without attention_bias")
+            return varlen_causal_attention(
+                query, key, value, packed_seq_params.cu_seqlens_q, scale=self._effective_scale()
+            )
+
+        def _effective_scale(self) -> float:
+            # DotProductAttention divides softmax_scale by the layer number under apply_query_key_layer_scaling and
+            # multiplies it back inside its softmax: the product is what the scores see.
+            if self.config.apply_query_key_layer_scaling:
+                return self.softmax_scale * self.layer_number
+            return self.softmax_scale
+
+    return VarlenDotProductAttention
+
+
+def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, *, scale: float) -> Tensor:
+    """Causal attention within each packed sequence (no attention across sequence boundaries).
+
+    Args:
+        query: [T, heads, D]; key, value: [T, kv_heads, D] with heads a multiple of kv_heads (grouped-query).
+        cu_seqlens: [n + 1] int, sequence boundaries in T (cu_seqlens[-1] == T).
+        scale: softmax scale applied to q.k.
+    Returns:
+        [T, heads * D] in query's dtype.
+    """
+    t, heads, dim = query.shape
+    group = heads // key.shape[1]
+    bounds = cu_seqlens.tolist()
+    if bounds[-1] != t:
+        raise ValueError(f"varlen_causal_attention: cu_seqlens ends at {bounds[-1]}, packed length is {t}")
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if b == a:
+            continue
+        q = query[a:b].transpose(0, 1)  # [heads, L, D]
+        k = key[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
+        v = value[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out.append(o.transpose(0, 1).reshape(b - a, heads * dim))
+    return torch.cat(out) if out else query.new_zeros(0, heads * dim)
+
+
 def build_gpt_model(
     hf_config: Any,
     actor_config: ActorConfig,
@@ -230,6 +296,9 @@ def build_gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        # The local DotProductAttention refuses packed (THD) input; this subclass runs it, so the actor's packed
+        # path is the same on CPU as on GPU (where Transformer Engine's attention takes cu_seqlens natively).
+        spec.submodules.self_attention.submodules.core_attention = varlen_attention_class()
     model = hidden_output_gpt_class()(
         config=config,
         transformer_layer_spec=spec,

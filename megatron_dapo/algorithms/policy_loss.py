@@ -34,23 +34,32 @@ class PolicyLossFn(Protocol):
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+FUSED_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+"""Kernel implementations of registered losses (same signature, same results to fp32 rounding); the reference in
+POLICY_LOSSES is their oracle and CPU fallback."""
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register a policy loss under `name` (config field `algorithm.policy_loss`)."""
+def register_policy_loss(name: str, *, fused: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register a policy loss under `name` (config field `algorithm.policy_loss`); fused=True registers the kernel
+    implementation of an existing name instead."""
+    table = FUSED_POLICY_LOSSES if fused else POLICY_LOSSES
 
     def wrap(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
+        if name in table:
+            raise ValueError(f"policy loss {name!r} is already registered{' (fused)' if fused else ''}")
+        table[name] = fn
         return fn
 
     return wrap
 
 
-def get_policy_loss(name: str) -> PolicyLossFn:
+def get_policy_loss(name: str, *, fused: bool = False) -> PolicyLossFn:
+    """The loss registered as `name`; with fused=True its kernel implementation when one is registered (the
+    reference otherwise). The actor asks for fused when actor.logprob_impl selects a fused path."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"algorithm.policy_loss: unknown {name!r}; choose one of {sorted(POLICY_LOSSES)}")
+    if fused and name in FUSED_POLICY_LOSSES:
+        return FUSED_POLICY_LOSSES[name]
     return POLICY_LOSSES[name]
 
 
@@ -220,6 +229,36 @@ def dapo_policy_loss(
     with torch.no_grad():
         metrics = policy_metrics(ratio, log_ratio, adv, mask, ClipBounds.make(eps_low, eps_high, clip_ratio_c))
     return loss, metrics
+
+
+@register_policy_loss("dapo", fused=True)
+def dapo_policy_loss_fused(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    num_tokens: float | Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`dapo_policy_loss` through the fused kernel `ops.clipped_pg_loss` (Triton / CUDA twin on GPU, the Triton
+    interpreter under TRITON_INTERPRET=1, this module's reference otherwise). Same arguments and results."""
+    from megatron_dapo.ops.pg_loss import clipped_pg_loss  # noqa: PLC0415  (Triton imported only when used)
+
+    return clipped_pg_loss(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+        num_tokens=num_tokens,
+        loss_agg_mode=loss_agg_mode,
+    )
 
 
 def policy_metrics(

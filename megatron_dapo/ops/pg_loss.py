@@ -27,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from megatron_dapo.algorithms.policy_loss import LOG_RATIO_CLAMP
+from megatron_dapo.algorithms.policy_loss import LOSS_AGG_MODES
 from megatron_dapo.algorithms.policy_loss import ClipBounds
 from megatron_dapo.algorithms.policy_loss import dapo_policy_loss
 from megatron_dapo.ops.dispatch import kernel_backend
@@ -300,6 +301,19 @@ def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
         raise ValueError(f"clipped_pg_loss: {logp.numel()} tokens exceed the int32 indexing of the kernel")
 
 
+def _sequence_mean_weights(mask: Tensor, num_tokens: float | Tensor | None, mode: str) -> tuple[Tensor, float | Tensor]:
+    """Per-token weights [B, T] fp32 and denominator that turn the kernel's sum(l * w) / D into `agg_loss`'s
+    sequence-mean modes (w is non-zero exactly where mask is, so the metrics count the same tokens)."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"algorithm.loss_agg_mode: unknown {mode!r}; choose one of {LOSS_AGG_MODES}")
+    m = mask.to(torch.float32)
+    seq_tokens = m.sum(dim=-1, keepdim=True)
+    weights = m / seq_tokens.clamp_min(1.0) if mode == "seq-mean-token-mean" else m
+    if num_tokens is None:
+        num_tokens = (seq_tokens > 0).to(torch.float32).sum()
+    return weights, num_tokens
+
+
 def clipped_pg_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -310,6 +324,7 @@ def clipped_pg_loss(
     eps_high: float = 0.28,
     clip_ratio_c: float | None = None,
     num_tokens: float | Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
     backend: str | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Fused DAPO clipped surrogate; same arguments, loss and metrics as `dapo_policy_loss` (to fp32 rounding).
@@ -324,7 +339,11 @@ def clipped_pg_loss(
         mask: [B, T] bool or float; float values weight the loss, metrics count tokens with mask != 0.
         eps_low, eps_high: clip range (1 - eps_low, 1 + eps_high).
         clip_ratio_c: dual-clip constant (> 1) for A < 0, or None.
-        num_tokens: global valid-token count (float or 0-dim tensor, read on device), or None for mask.sum().
+        num_tokens: global valid-token count (float or 0-dim tensor, read on device), or None for mask.sum(); for the
+            seq-mean modes the global number of sequences (None: this call's sequences with a valid token).
+        loss_agg_mode: "token-mean" (DAPO), "seq-mean-token-mean" or "seq-mean-token-sum" (`agg_loss`). The
+            kernel computes sum(l * w) / D; the sequence means are that sum with per-token weights
+            w = mask / tokens of its sequence (token-mean within a sequence) or w = mask, and D = sequences.
         backend: "triton" or "cuda" for CUDA tensors; default env MEGATRON_DAPO_KERNEL_BACKEND or "triton".
     Returns:
         loss: 0-dim fp32. metrics: 0-dim fp32 tensors clipfrac_high, clipfrac_low, approx_kl, ratio_max (over the
@@ -344,7 +363,10 @@ def clipped_pg_loss(
             eps_high=eps_high,
             clip_ratio_c=clip_ratio_c,
             num_tokens=num_tokens,
+            loss_agg_mode=loss_agg_mode,
         )
+    if loss_agg_mode != "token-mean":
+        mask, num_tokens = _sequence_mean_weights(mask, num_tokens, loss_agg_mode)
     if not logp.is_cuda:
         chosen = "triton"  # the interpreter; the CUDA twin needs a GPU
     if mask.dtype == torch.bool:

@@ -116,7 +116,7 @@ def _layouts_worker(hf_dir: str, batch: ActorBatch) -> list[dict]:
         grads, losses = {}, {}
         for size in sizes:
             actor.config.trainer.micro_batch_size = size
-            stats = actor._forward_backward(actor._local_rows(batch, "test"))
+            stats = actor._forward_backward(batch)
             grads[size], losses[size] = _hf_named_grads(actor), stats["loss"]
         res = dict(layout=(tp, pp), logp=logp, ent=ent, no_ent=no_ent, grads=grads, losses=losses)
         if tp == 2:  # the default op (Triton interpreter here: slow, so two rows only) under vocab-parallel TP

@@ -27,7 +27,7 @@ LAYOUTS = ((2, 1), (1, 2), (1, 1))  # on 2 ranks: TP=2, PP=2, DP=2
 
 def _run_impl(actor, batch) -> dict:  # noqa: ANN001
     logp, ent = actor.compute_logprobs(batch)
-    stats = actor._forward_backward(actor._local_rows(batch, "test"))
+    stats = actor._forward_backward(batch)
     return {
         "logp": logp,
         "ent": ent,

@@ -126,3 +126,16 @@ def test_first_slurm_host():
     assert first_slurm_host("gpu[003-005,9],cpu1") == "gpu003"
     assert first_slurm_host("node7") == "node7"
     assert first_slurm_host("a1,a2") == "a1"
+
+
+def test_sequence_parallel_only_on_gpu_with_tp():
+    """The GPU config (built here without a GPU: TransformerConfig checks no device) turns sequence parallel on at
+    TP > 1 unless actor.sequence_parallel is off; CPU never (gloo has no reduce-scatter)."""
+
+    def sp(tp: int, on_cpu: bool, **actor: object) -> bool:
+        return to_transformer_config(
+            _hf_config(), ActorConfig(tensor_parallel=tp, **actor), on_cpu=on_cpu
+        ).sequence_parallel
+
+    assert sp(2, on_cpu=False) and not sp(1, on_cpu=False)
+    assert not sp(2, on_cpu=True) and not sp(2, on_cpu=False, sequence_parallel=False)

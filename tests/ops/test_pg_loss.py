@@ -270,3 +270,30 @@ def test_gpu_matches_reference(backend, clip_c):
         torch.testing.assert_close(m[k], ref_m[k], rtol=RTOL, atol=ATOL, msg=k)
     loss2, _, grad2 = _run(lambda *a, **k: clipped_pg_loss(*a, backend=backend, **k), logp, old, adv, mask, dy, **kw)
     assert torch.equal(loss, loss2) and torch.equal(grad, grad2)  # no atomics: bitwise reproducible
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"])
+@pytest.mark.parametrize("num_tokens", [None, 7.0])
+def test_loss_agg_modes_match_reference(mode, num_tokens):
+    """The kernel's sequence-mean modes (per-token weights + a sequence denominator) against agg_loss's, value,
+    gradient and metrics; rows without valid tokens (row 2) must not count as sequences."""
+    logp, old, adv, mask = _inputs(5, 9, adv_per_token=False, seed=11)
+    mask[2] = False
+    dy = torch.tensor(1.7)
+    kw = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0, num_tokens=num_tokens, loss_agg_mode=mode)
+    loss, metrics, grad = _run(clipped_pg_loss, logp, old, adv, mask, dy, **kw)
+    ref_loss, ref_metrics, ref_grad = _run(dapo_policy_loss, logp, old, adv, mask, dy, **kw)
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(grad, ref_grad, rtol=RTOL, atol=ATOL)
+    for key in METRICS:
+        torch.testing.assert_close(metrics[key], ref_metrics[key], rtol=RTOL, atol=ATOL, msg=key)
+    if mode == "seq-mean-token-mean" or (mode != "token-mean" and num_tokens is None):
+        # the mode really differs from token-mean here (token-sum over an explicit D is token-mean by definition)
+        token_mean, _ = dapo_policy_loss(logp, old, adv, mask, num_tokens=num_tokens)
+        assert abs(float(token_mean) - float(loss.detach())) > 1e-3
+
+
+def test_unknown_loss_agg_mode_is_named():
+    logp, old, adv, mask = _inputs(2, 4, adv_per_token=False)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        clipped_pg_loss(logp, old, adv, mask, loss_agg_mode="seq-mean")

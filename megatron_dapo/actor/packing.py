@@ -1,0 +1,177 @@
+"""Row placement for the actor's passes: data-parallel balance, token-budget micro-batches, packed (THD) layout.
+
+Pure torch, no megatron import; deterministic (every rank computes every rank's plan from the same lengths).
+
+    rows of a batch, lengths L_i (prompt + response tokens, `sequence_lengths`)
+        --balance_rows(L, dp)--> each DP rank's rows, sums of L as equal as LPT makes them
+        --micro_batch_rows(L, rows, budget | rows_per_mb, packed)--> micro-batches (lists of row ids)
+        --PackedLayout.build(tokens, L, rows)--> one packed row [1, T] + cu_seqlens (qkv_format "thd")
+
+Packed layout of a micro-batch with rows r0, r1, r2 (lengths 4, 2, 3), padded to a multiple of 2 (sequence parallel):
+
+    tokens      [a a a a b b c c c _]        cu_seqlens [0, 4, 6, 9, 10]   (the pad is its own sequence)
+    position    [0 1 2 3 0 1 0 1 2 0]        max_seqlen 4
+    unpack:     row r1 of [b, S_mb] = packed[4:6] then zeros; column 0 of every row is 0 (no prediction)
+
+Cost of a micro-batch (what `max_tokens_per_microbatch` bounds): packed, the sum of its rows' lengths; padded, rows
+x the longest row (the micro-batch is cut to that width).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "PackedLayout",
+    "balance_rows",
+    "micro_batch_cost",
+    "micro_batch_rows",
+    "sequence_lengths",
+]
+
+
+def sequence_lengths(response_mask: Tensor) -> Tensor:
+    """Tokens each row really holds: up to and including its last response token (prompt + response).
+
+    Rows are right-padded (megatron_dapo.batch), so everything after the last response token is padding. A row
+    without response tokens (a dummy row) gets length 2 so it still forms a valid (empty-loss) sequence.
+
+    Args:
+        response_mask: [B, S] float/bool, 1 on response tokens.
+    Returns:
+        [B] int64 lengths in [2, S] (S when S < 2).
+    """
+    b, s = response_mask.shape
+    pos = torch.arange(1, s + 1, dtype=torch.int64).expand(b, s)
+    last = torch.where(response_mask.bool().cpu(), pos, torch.zeros_like(pos)).amax(dim=1) if s else pos.sum(1)
+    return last.clamp(min=min(2, s))
+
+
+def balance_rows(lengths: list[int], parts: int) -> list[list[int]]:
+    """Split row ids over `parts` data-parallel ranks, balancing the sum of lengths.
+
+    Longest-processing-time greedy: rows by decreasing length (ties by id), each to the part with the smallest token
+    sum so far (ties: fewer rows, then lowest part). Deterministic; every rank computes the same plan.
+
+    Returns:
+        `parts` lists of row ids, each sorted ascending (a part may be empty when there are fewer rows than parts).
+    """
+    if parts < 1:
+        raise ValueError(f"balance_rows: parts must be >= 1, got {parts}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    load = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in order:
+        p = min(range(parts), key=lambda k: (load[k], len(out[k]), k))
+        out[p].append(i)
+        load[p] += lengths[i]
+    return [sorted(rows) for rows in out]
+
+
+def micro_batch_cost(lengths: list[int], rows: list[int], packed: bool) -> int:
+    """Tokens a micro-batch computes: the sum of lengths (packed) or rows x the longest (padded)."""
+    if not rows:
+        return 0
+    return sum(lengths[i] for i in rows) if packed else len(rows) * max(lengths[i] for i in rows)
+
+
+def micro_batch_rows(
+    lengths: list[int], rows: list[int], *, max_tokens: int = 0, rows_per_micro_batch: int = 1, packed: bool = True
+) -> list[list[int]]:
+    """Cut one rank's rows into micro-batches.
+
+    max_tokens > 0 (token budget): first-fit decreasing by length; a row joins the first micro-batch whose cost
+    (`micro_batch_cost`) stays <= max_tokens with it, else opens a new one (a row longer than the budget is a
+    micro-batch alone). max_tokens == 0: rows by decreasing length in chunks of `rows_per_micro_batch` (similar
+    lengths together, so padded micro-batches waste little).
+
+    Returns:
+        non-empty lists of row ids (each sorted by decreasing length, ties by id), in a deterministic order; [] when
+        `rows` is empty.
+    """
+    order = sorted(rows, key=lambda i: (-lengths[i], i))
+    if max_tokens <= 0:
+        size = max(1, rows_per_micro_batch)
+        return [order[k : k + size] for k in range(0, len(order), size)]
+    bins: list[list[int]] = []
+    for i in order:
+        for b in bins:
+            if micro_batch_cost(lengths, [*b, i], packed) <= max_tokens:
+                b.append(i)
+                break
+        else:
+            bins.append([i])
+    return bins
+
+
+@dataclass
+class PackedLayout:
+    """One micro-batch packed into a single row (Megatron `PackedSeqParams(qkv_format="thd")`).
+
+    Attributes:
+        tokens: [1, T] int64, the rows' real tokens back to back, then `T - cu_seqlens[n]` pad tokens (id 0).
+        position_ids: [1, T] int64, position within its own sequence (RoPE restarts per sequence).
+        cu_seqlens: [n + 1 (+1 with padding)] int32, sequence boundaries; a trailing pad forms its own sequence.
+        max_seqlen: longest sequence in the pack.
+        index: [b, S_mb] int64, packed position of (row, column) (0 where invalid).
+        valid: [b, S_mb] bool, column 1 <= j < length of the row: positions whose prediction is inside the row.
+    """
+
+    tokens: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+    index: Tensor
+    valid: Tensor
+
+    @classmethod
+    def build(cls, tokens: Tensor, lengths: Tensor, multiple: int = 1) -> PackedLayout:
+        """Pack the rows of `tokens` [b, S_mb] (int64) with `lengths` [b] (int64, <= S_mb); the packed length is
+        rounded up to `multiple` (tensor-parallel size under sequence parallel)."""
+        b, s = tokens.shape
+        lengths = lengths.to(torch.int64).cpu()
+        starts = torch.cumsum(lengths, 0) - lengths
+        total = int(lengths.sum())
+        padded = -(-total // multiple) * multiple
+        seqlens = lengths.tolist() + ([padded - total] if padded > total else [])
+        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0).to(torch.int32)
+        cols = torch.arange(s, dtype=torch.int64).expand(b, s)
+        inside = cols < lengths.unsqueeze(1)
+        index = torch.where(inside, starts.unsqueeze(1) + cols, torch.zeros_like(cols))
+        packed = torch.zeros(padded, dtype=torch.int64)
+        packed[index[inside]] = tokens.cpu()[inside]
+        position = torch.cat([torch.arange(n, dtype=torch.int64) for n in seqlens]) if seqlens else packed
+        return cls(
+            tokens=packed.unsqueeze(0),
+            position_ids=position.unsqueeze(0),
+            cu_seqlens=cu,
+            max_seqlen=max(seqlens) if seqlens else 0,
+            index=index,
+            valid=inside & (cols >= 1),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the packed length (real tokens plus the alignment pad)."""
+        return int(self.tokens.shape[1])
+
+    def to(self, device: torch.device | str) -> PackedLayout:
+        return PackedLayout(
+            tokens=self.tokens.to(device),
+            position_ids=self.position_ids.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            max_seqlen=self.max_seqlen,
+            index=self.index.to(device),
+            valid=self.valid.to(device),
+        )
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """Packed per-token values [1, T] (aligned with `tokens`: position p predicted from p - 1) -> [b, S_mb], 0
+        at column 0 of every row, past each row's length, and wherever the prediction would cross a sequence
+        boundary. Differentiable (a gather)."""
+        flat = values.reshape(-1)
+        return torch.where(self.valid, flat[self.index], flat.new_zeros(()))
