@@ -293,17 +293,18 @@ def actor_state_bytes_per_param(dtype: str, dp: int, distributed: bool) -> tuple
     return p, 4.0, opt / dp if distributed else opt
 
 
-def layer_activation_bytes(m: ModelShape, tp: int, recompute: str, b: int = 2) -> float:
-    """Bytes one layer keeps per token for its backward (no sequence parallelism, flash attention, no dropout):
-    none: two RMSNorms keep input and output (4*h*b), q/k/v and the attention output (2*q_dim + 2*kv_dim)*b/tp, the
-          MLP keeps gate|up (2f) and the SwiGLU output (f): 3f*b/tp; plus fp32 softmax stats 4*heads/tp and two
-          fp32 rms factors (8).
+def layer_activation_bytes(m: ModelShape, tp: int, recompute: str, b: int = 2, sp: bool = False) -> float:
+    """Bytes one layer keeps per token for its backward (flash attention, no dropout):
+    none: two RMSNorms keep input and output (4*h*b) and fp32 rms factors (8), split tp ways only under sequence
+          parallelism (sp); q/k/v and the attention output (2*q_dim + 2*kv_dim)*b/tp; the MLP keeps gate|up (2f) and
+          the SwiGLU output (f): 3f*b/tp; fp32 softmax stats 4*heads/tp.
     selective: as none without the softmax stats (megatron recomputes core attention only).
-    full: the layer input h*b (the rest is recomputed one layer at a time)."""
+    full: the layer input h*b (/tp under sp); the rest is recomputed one layer at a time."""
     h = m.hidden
+    seq_split = tp if sp else 1
     if recompute == "full":
-        return h * b
-    base = 4 * h * b + (2 * m.q_dim + 2 * m.kv_dim + 3 * m.ffn) * b / tp + 8
+        return h * b / seq_split
+    base = (4 * h * b + 8) / seq_split + (2 * m.q_dim + 2 * m.kv_dim + 3 * m.ffn) * b / tp
     return base if recompute == "selective" else base + 4 * m.heads / tp
 
 
@@ -317,14 +318,25 @@ def recompute_mode(actor: Any) -> str:
 
 
 def microbatch_tokens(config: Any) -> tuple[int, str]:
-    """(tokens, source) of one actor micro-batch: actor.max_tokens_per_microbatch when the config has it, else
-    trainer.micro_batch_size rows padded to max_prompt_length + max_response_length (batches are right-padded)."""
-    budget = getattr(config.actor, "max_tokens_per_microbatch", None)
-    if budget:
-        return int(budget), "actor.max_tokens_per_microbatch"
+    """(tokens, source): the most tokens one actor micro-batch can hold. With actor.max_tokens_per_microbatch = B > 0
+    the budget, or one row of max_prompt_length + max_response_length when that is longer (a longer row is a
+    micro-batch alone, actor/packing.py); else trainer.micro_batch_size rows of that length."""
     seq = config.data.max_prompt_length + config.rollout.max_response_length
+    budget = getattr(config.actor, "max_tokens_per_microbatch", 0) or 0
+    if budget > 0:
+        return max(budget, seq), f"actor.max_tokens_per_microbatch {budget}, a row at most {seq}"
     mbs = config.trainer.micro_batch_size
     return mbs * seq, f"micro_batch_size {mbs} x (max_prompt_length + max_response_length) {seq}"
+
+
+def microbatches_per_rank(config: Any, dp: int, mean_seq: float) -> int:
+    """Micro-batches one DP rank runs per mini-batch: its rows / micro_batch_size, or with a token budget its
+    tokens (rows x mean_seq) / budget (rows are balanced over DP ranks by tokens)."""
+    rows = -(-config.trainer.mini_batch_prompts * config.algorithm.group_size // dp)
+    budget = getattr(config.actor, "max_tokens_per_microbatch", 0) or 0
+    if budget > 0:
+        return max(1, math.ceil(rows * mean_seq / budget))
+    return -(-rows // config.trainer.micro_batch_size)
 
 
 def lm_head_bytes(m: ModelShape, tp: int, tokens: int, impl: str, train: bool, b: int = 2) -> tuple[float, str]:
@@ -371,6 +383,8 @@ class _Setup:
     num_micro: int
     bytes_per_param: tuple[float, float, float]
     gpu_memory_gb: float
+    sp: bool
+    """Sequence parallelism on (actor.sequence_parallel and TP > 1)."""
 
     @property
     def b(self) -> int:
@@ -383,7 +397,7 @@ def make_plan(
     """Plan `config` (a RunConfig, or any object with its sections and fields) on nodes x gpus_per_node GPUs of
     gpu_memory_gb GiB each. Raises PlanError (naming the field) when the layout cannot run at all."""
     a = assumptions or Assumptions()
-    act, ro, tr, alg = config.actor, config.rollout, config.trainer, config.algorithm
+    act, ro = config.actor, config.rollout
     m, source = resolve_model(act.model_path)
     world = nodes * gpus_per_node
     tp, pp = act.tensor_parallel, act.pipeline_parallel
@@ -396,22 +410,18 @@ def make_plan(
         notes.append("config has no actor.offload: planned as offload=none (actor state stays on the GPU)")
         offload = "none"
     tokens, tokens_src = microbatch_tokens(config)
-    responses_per_mini = tr.mini_batch_prompts * alg.group_size
-    if responses_per_mini % (dp * tr.micro_batch_size):
-        raise PlanError(
-            f"trainer.micro_batch_size: {responses_per_mini} responses per mini-batch do not split into "
-            f"dp {dp} x micro_batch_size {tr.micro_batch_size}"
-        )
     bpp = actor_state_bytes_per_param(act.dtype, dp, act.use_distributed_optimizer)
-    num_micro = responses_per_mini // (dp * tr.micro_batch_size)
-    setup = _Setup(config, a, m, dp, offload, recompute_mode(act), tokens, num_micro, bpp, gpu_memory_gb)
+    mean_seq = a.mean_prompt_tokens + a.mean_response_frac * ro.max_response_length
+    num_micro = microbatches_per_rank(config, dp, mean_seq)
+    sp = bool(getattr(act, "sequence_parallel", False)) and tp > 1
+    setup = _Setup(config, a, m, dp, offload, recompute_mode(act), tokens, num_micro, bpp, gpu_memory_gb, sp)
     layout = {
         "gpus": f"{nodes} nodes x {gpus_per_node} = {world}",
         "actor": f"TP {tp} x PP {pp} x DP {dp} ({act.dtype}, distributed optimizer "
-        f"{'on' if act.use_distributed_optimizer else 'off'}, recompute {setup.recompute}, logprob_impl "
-        f"{act.logprob_impl}, offload {offload})",
+        f"{'on' if act.use_distributed_optimizer else 'off'}, recompute {setup.recompute}, sequence parallel "
+        f"{'on' if sp else 'off'}, logprob_impl {act.logprob_impl}, offload {offload})",
         "engine": f"{ro.engine} {ro.mode}, TP {ro.tensor_parallel}, mem_fraction {ro.mem_fraction}",
-        "micro-batch": f"{tokens} tokens ({tokens_src}); {num_micro} micro-batches per mini-batch per DP rank",
+        "micro-batch": f"at most {tokens} tokens ({tokens_src}); ~{num_micro} micro-batches per mini-batch per DP rank",
         "model": f"{m.name}: {m.num_params / 1e9:.3f} B params (h {m.hidden}, L {m.layers}, heads {m.heads}, kv "
         f"{m.kv_heads}, ffn {m.ffn}, V {m.vocab}, tied {m.tied})",
     }
@@ -444,8 +454,8 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
     ]
     in_sync = {"none": state, "optimizer": state[:2], "all": [Term("actor params", params, "reloaded for the export")]}
     # -- actor phases (engine memory released: only its process runtime stays)
-    per_layer = layer_activation_bytes(m, tp, s.recompute, s.b)
-    one_layer = layer_activation_bytes(m, tp, "none", s.b) * s.tokens
+    per_layer = layer_activation_bytes(m, tp, s.recompute, s.b, s.sp)
+    one_layer = layer_activation_bytes(m, tp, "none", s.b, s.sp) * s.tokens
     in_flight = min(act.pipeline_parallel - st.index, s.num_micro) if act.pipeline_parallel > 1 else 1
     update = [
         Term(
@@ -546,8 +556,13 @@ def step_times(
         f" decode tokens / ({engines} engines x {engine_tps:.0f} tok/s [{bound}]), longest {ro.max_response_length}"
         f" / {tps_seq:.0f} tok/s)"
     }
-    # Actor batches are right-padded to the longest row, assumed to reach the generation cap.
-    seq = a.mean_prompt_tokens + ro.max_response_length
+    # Tokens the actor computes per row: its real length when micro-batches are packed or cut to their longest row
+    # after sorting by length (actor/packing.py); a config without actor.packing pads every row to the batch's
+    # longest (assumed at the generation cap).
+    if hasattr(act, "packing"):
+        seq = a.mean_prompt_tokens + mean_resp
+    else:
+        seq = a.mean_prompt_tokens + ro.max_response_length
     rows = tr.prompts_per_step * alg.group_size
     fwd_per_token = 2 * n + 2 * m.layers * m.q_dim * seq  # 2N + attention (QK^T and AV, causal: ctx S/2 each)
     flops_s = world * a.peak_tflops * 1e12 * a.mfu
@@ -555,7 +570,9 @@ def step_times(
     times["log-probs"] = rows * seq * fwd_per_token * bubble / flops_s
     update_mult = 4 if recompute == "full" else 3  # fwd + 2x bwd (+ fwd again under full recompute)
     times["update"] = tr.ppo_epochs * update_mult * rows * seq * fwd_per_token * bubble / flops_s
-    base = f"{rows} rows x {seq} tokens x (2N + 2*L*q_dim*S = {fwd_per_token / 1e9:.1f} GFLOP) x bubble {bubble:.3f}"
+    base = (
+        f"{rows} rows x {seq:.0f} tokens x (2N + 2*L*q_dim*S = {fwd_per_token / 1e9:.1f} GFLOP) x bubble {bubble:.3f}"
+    )
     formulas["log-probs"] = f"{base} / ({world} GPUs x {a.peak_tflops:g} TFLOP/s x MFU {a.mfu})"
     formulas["update"] = f"{tr.ppo_epochs} epoch(s) x {update_mult} x {base} / (same)"
     size = n * a.dtype_bytes
