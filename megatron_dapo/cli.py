@@ -5,6 +5,8 @@ megatron-dapo eval --config X.yaml [--model HF_DIR] [--section.field=value ...] 
 megatron-dapo plot RUN_DIR
 megatron-dapo convert --config X.yaml --to megatron --out DIR                     (HF actor.model_path -> dist ckpt)
 megatron-dapo convert --config X.yaml --to hf --checkpoint DIR --out DIR          (dist ckpt -> HF safetensors)
+megatron-dapo plan --config X.yaml --nodes N [--gpus-per-node 8] [--gpu-memory-gb 80] [--assume NAME=VALUE ...]
+                                     (per-GPU memory by phase and step time; exit 2 when a phase does not fit)
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--to", choices=("megatron", "hf"), required=True)
     conv.add_argument("--checkpoint", default=None, help="actor checkpoint dir (for --to hf)")
     conv.add_argument("--out", required=True)
+    plan = sub.add_parser("plan", help="pre-flight check: per-GPU peak memory by phase and a step-time model")
+    plan.add_argument("--config", required=True)
+    plan.add_argument("--nodes", type=int, required=True)
+    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (H100 80GB: 79.6)")
+    plan.add_argument(
+        "--assume", action="append", default=[], metavar="NAME=VALUE", help="override a planner assumption"
+    )
     return parser
 
 
@@ -48,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.command == "plan":
+        return run_plan(config, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.assume)
     if args.command == "train":
+        if (code := preflight(config)) != 0:
+            return code
         from megatron_dapo.trainer import DAPOTrainer  # noqa: PLC0415
 
         DAPOTrainer(config).fit()
@@ -57,6 +71,57 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "convert":
         convert(config, args.to, args.checkpoint, args.out)
     return 0
+
+
+def run_plan(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float, assume: list[str]) -> int:
+    """Print the plan of `config` on the layout; 0 when every phase fits, 2 otherwise (or on a bad layout)."""
+    from megatron_dapo.plan import PlanError  # noqa: PLC0415
+    from megatron_dapo.plan import make_plan  # noqa: PLC0415
+    from megatron_dapo.plan import parse_assumptions  # noqa: PLC0415
+
+    try:
+        plan = make_plan(
+            config,
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            gpu_memory_gb=gpu_memory_gb,
+            assumptions=parse_assumptions(assume),
+        )
+    except PlanError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(plan.report())
+    return plan.exit_code
+
+
+def preflight(config) -> int:
+    """`train`'s start check on CUDA (skipped by trainer.preflight=false): plan the run on this job's layout
+    (WORLD_SIZE / LOCAL_WORLD_SIZE under torchrun, SLURM_NTASKS / SLURM_NNODES under srun; the GPU's memory). Every
+    rank gets the same answer; rank 0 prints the plan when a phase does not fit and every rank returns 2."""
+    import os  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    if not config.trainer.preflight or not torch.cuda.is_available():
+        return 0
+    from megatron_dapo.plan import GiB  # noqa: PLC0415
+    from megatron_dapo.plan import PlanError  # noqa: PLC0415
+    from megatron_dapo.plan import make_plan  # noqa: PLC0415
+
+    env = os.environ
+    world = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+    nodes = int(env.get("SLURM_NNODES") or 0)
+    per_node = int(env.get("LOCAL_WORLD_SIZE") or (world // nodes if nodes else min(world, torch.cuda.device_count())))
+    memory = torch.cuda.get_device_properties(0).total_memory / GiB
+    try:
+        plan = make_plan(config, nodes=max(1, world // per_node), gpus_per_node=per_node, gpu_memory_gb=memory)
+    except PlanError as err:
+        print(f"preflight: cannot plan this run ({err}); set --trainer.preflight=false to skip", file=sys.stderr)
+        return 0
+    if plan.exit_code and (env.get("RANK") or env.get("SLURM_PROCID") or "0") == "0":
+        print(plan.report(), file=sys.stderr)
+        print("preflight: a phase does not fit (see above); set --trainer.preflight=false to skip", file=sys.stderr)
+    return plan.exit_code
 
 
 def run_eval(config, model_dir: str | None) -> dict[str, float]:

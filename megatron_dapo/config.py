@@ -328,6 +328,9 @@ class TrainerConfig:
     max_skipped_steps: int = 10
     """Stop with an error after this many optimizer steps in a row were skipped for a non-finite loss or gradient
     (0 = never stop)."""
+    preflight: bool = True
+    """On CUDA, `train` first runs the planner (megatron_dapo/plan.py) on the job's layout and exits with code 2 when
+    a phase does not fit in GPU memory; false skips the check."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "trainer")

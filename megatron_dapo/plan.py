@@ -1,0 +1,647 @@
+"""Pre-flight planner: per-GPU peak memory by phase and a step-time model for a run config on a cluster layout.
+
+    RunConfig + --nodes/--gpus-per-node/--gpu-memory-gb --make_plan--> Plan
+        model shape   config.json under actor.model_path, else KNOWN_MODELS by the path's last component
+        memory        per pipeline stage and phase: engine start, generation, log-probs, update, sync (GiB)
+        step time     generation (decode tokens/s), log-probs and update (FLOPs at an MFU), sync (bytes / GB/s)
+    Plan.report() prints every term with its formula and every assumption; Plan.exit_code is 2 when a phase does
+    not fit (the report names it), else 0.
+
+Pure Python (no torch): the same arithmetic runs on a login node, in `megatron-dapo plan` and at the start of
+`train`. The formulas, with two hand calculations, are in docs/planning.md; they follow the code paths of this
+repository (actor/actor.py, actor/model.py, rollout/sglang_engine.py, actor/hf_weights.py) and of megatron-core
+0.16.1 (distributed optimizer, 1F1B schedule) and SGLang 0.5.23 (KV pool sizing). Memory is in GiB (2**30 bytes),
+bandwidth in GB/s (1e9 bytes/s), FLOPs in TFLOP/s (1e12).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from dataclasses import field
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+GiB = float(1 << 30)
+
+
+class PlanError(ValueError):
+    """The layout or the model cannot be planned (the message names the field)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model shapes
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The fields of an HF Llama/Qwen2 config.json the planner needs (dense, SwiGLU, RMSNorm, RoPE)."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    head_dim: int = 0
+    """0 = hidden // heads."""
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.hd
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.hd
+
+    @property
+    def layer_sharded_params(self) -> int:
+        """Parameters of one layer that tensor parallelism splits: q, k, v (+ biases), o, gate, up, down."""
+        h, q, kv, f = self.hidden, self.q_dim, self.kv_dim, self.ffn
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return h * (q + 2 * kv) + bias + q * h + 3 * h * f
+
+    @property
+    def layer_replicated_params(self) -> int:
+        """Parameters of one layer on every TP rank: the two RMSNorm weights."""
+        return 2 * self.hidden
+
+    @property
+    def num_params(self) -> int:
+        """The HF parameter count (unpadded vocabulary; the LM head counted once when tied)."""
+        per_layer = self.layer_sharded_params + self.layer_replicated_params
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * per_layer + embeddings + self.hidden
+
+
+# Known architectures (from the models' HF config.json; used when actor.model_path is not on this machine):
+# name, hidden, layers, heads, kv_heads, ffn, vocab, tied, qkv_bias.
+_KNOWN = [
+    ("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064, False, True),
+    ("Qwen2.5-32B", 5120, 64, 40, 8, 27648, 152064, False, True),
+    ("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, False),
+]
+KNOWN_MODELS: dict[str, ModelShape] = {row[0].lower(): ModelShape(*row) for row in _KNOWN}
+
+
+def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
+    """ModelShape from a parsed HF config.json (Qwen2 configs have q/k/v biases, Llama configs do not)."""
+    try:
+        heads = int(cfg["num_attention_heads"])
+        arch = " ".join(cfg.get("architectures") or []) + " " + str(cfg.get("model_type", ""))
+        return ModelShape(
+            name=name,
+            hidden=int(cfg["hidden_size"]),
+            layers=int(cfg["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            ffn=int(cfg["intermediate_size"]),
+            vocab=int(cfg["vocab_size"]),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias="qwen2" in arch.lower(),
+            head_dim=int(cfg.get("head_dim") or 0),
+        )
+    except KeyError as err:
+        raise PlanError(f"{name}/config.json: missing field {err.args[0]!r}") from None
+
+
+def resolve_model(model_path: str) -> tuple[ModelShape, str]:
+    """(shape, source): `model_path`/config.json when it exists, else KNOWN_MODELS by the path's last component
+    (case-insensitive, an "-Instruct" suffix ignored). Raises PlanError naming actor.model_path otherwise."""
+    path = Path(model_path)
+    cfg_file = path / "config.json"
+    if cfg_file.is_file():
+        return shape_from_hf_config(json.loads(cfg_file.read_text()), path.name), str(cfg_file)
+    key = path.name.lower().removesuffix("-instruct")
+    if key in KNOWN_MODELS:
+        return KNOWN_MODELS[key], f"built-in table ({key}; {cfg_file} not found)"
+    names = sorted(m.name for m in KNOWN_MODELS.values())
+    raise PlanError(f"actor.model_path: {model_path!r} has no config.json here and is not one of {names}")
+
+
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary: the smallest multiple of divisible_by * tp holding `vocab` rows (the same rule
+    as actor/model.py::padded_vocab_size)."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# assumptions
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True, slots=True)
+class Assumptions:
+    """Every number the planner does not read from the config or the layout. All are printed with the plan."""
+
+    trainer_overhead_gib: float = 2.5
+    """Per GPU, the training process: CUDA context (~0.6), NCCL communicators and allocator fragmentation."""
+    engine_overhead_gib: float = 1.0
+    """Per GPU, the SGLang scheduler process: CUDA context and its NCCL group; kept while its memory is released."""
+    cuda_graph_gib: float = 2.0
+    """SGLang's decode CUDA graphs per GPU (its log prints the real figure: "Capture cuda graph end ... mem")."""
+    engine_workspace_gib: float = 2.0
+    """SGLang activations while generating (prefill chunk, sampling buffers), per GPU."""
+    safety_gib: float = 2.0
+    """A phase fits when its peak is at most gpu_memory_gb - safety_gib."""
+    dtype_bytes: int = 2
+    """Engine weights and KV cache dtype (bf16)."""
+    peak_tflops: float = 989.0
+    """Dense bf16 peak per GPU (H100 SXM: 989)."""
+    mfu: float = 0.35
+    """Model FLOPs utilisation of log-probs and update."""
+    decode_tps_per_gpu: float = 0.0
+    """Decode tokens/s per GPU at a full batch; 0 = 1500 * 32.8e9 / N (1500 assumed for Qwen2.5-32B on H100)."""
+    decode_tps_per_seq: float = 0.0
+    """Decode tokens/s of one sequence; 0 = 60 * 8.2e9 / (N / engine TP), at most 300 (a decode step reads the
+    engine's weights: 60 tok/s assumed at 8.2e9 parameters per GPU, Qwen2.5-32B at TP 4)."""
+    mean_prompt_tokens: int = 256
+    """Mean prompt length in tokens."""
+    mean_response_frac: float = 0.3
+    """Mean response length as a share of rollout.max_response_length."""
+    keep_ratio: float = 0.5
+    """Share of prompt groups dynamic sampling admits (0 < acc < 1); 1.0 when dynamic sampling is off."""
+    nvlink_gbps: float = 360.0
+    """Intra-node all-gather / broadcast bandwidth per GPU (NVLink 4 bus bandwidth)."""
+    internode_gbps: float = 40.0
+    """Inter-node bandwidth per GPU (one 400 Gb/s NIC per GPU, ~80% efficiency)."""
+    ipc_gbps: float = 400.0
+    """SGLang workers reading a bucket through CUDA IPC (NVLink)."""
+    bucket_overhead_s: float = 0.01
+    """Fixed cost per weight-sync bucket (IPC handles, scheduler round trip)."""
+
+    def tps_per_gpu(self, num_params: int) -> float:
+        return self.decode_tps_per_gpu or min(50000.0, 1500.0 * 32.8e9 / num_params)
+
+    def tps_per_seq(self, num_params: int, engine_tp: int) -> float:
+        return self.decode_tps_per_seq or min(300.0, 60.0 * 8.2e9 / (num_params / engine_tp))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the plan
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Term:
+    """One memory term of a phase: its size in GiB and how it was computed."""
+
+    name: str
+    gib: float
+    formula: str
+
+
+@dataclass(slots=True)
+class Phase:
+    """Per-GPU memory of one phase on one pipeline stage."""
+
+    name: str
+    stage: int
+    terms: list[Term]
+    error: str = ""
+    """Set when the phase fails for a reason other than its total (e.g. no room for one sequence's KV cache)."""
+
+    @property
+    def total_gib(self) -> float:
+        return sum(t.gib for t in self.terms)
+
+    def term(self, name: str) -> float:
+        return next(t.gib for t in self.terms if t.name == name)
+
+
+@dataclass(slots=True)
+class Plan:
+    """The result of make_plan: layout, per-stage phases, step times, assumptions and notes."""
+
+    model: ModelShape
+    model_source: str
+    layout: dict[str, Any]
+    usable_gib: float
+    phases: list[Phase]
+    times_s: dict[str, float]
+    time_formulas: dict[str, str]
+    assumptions: Assumptions
+    notes: list[str] = field(default_factory=list)
+
+    def peak(self, phase: str) -> Phase:
+        """The stage of `phase` that fails (an error first, then the highest total) or else has the highest total."""
+        stages = [p for p in self.phases if p.name == phase]
+        return max(stages, key=lambda p: (bool(p.error), p.total_gib))
+
+    @property
+    def failing(self) -> list[Phase]:
+        """Worst stage of every phase that does not fit, in phase order."""
+        names = list(dict.fromkeys(p.name for p in self.phases))
+        return [ph for ph in map(self.peak, names) if ph.error or ph.total_gib > self.usable_gib]
+
+    @property
+    def exit_code(self) -> int:
+        return 2 if self.failing else 0
+
+    def report(self) -> str:
+        return format_plan(self)
+
+
+def _gib(num_bytes: float) -> float:
+    return num_bytes / GiB
+
+
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    """Parameters on one GPU of pipeline stage `index` of the actor."""
+
+    index: int
+    layers: int
+    params: int
+    has_lm_head: bool
+
+
+def actor_stages(m: ModelShape, tp: int, pp: int) -> list[_Stage]:
+    """Per-GPU parameter count of each pipeline stage: layers/pp layers split over tp (norms replicated), the
+    vocab-parallel embedding [V_pad/tp, h] on stage 0, the LM head [V_pad/tp, h] and the final norm on the last stage
+    (tied and pp > 1: megatron keeps a copy of the embedding there; tied and pp == 1: one tensor)."""
+    if m.layers % pp:
+        raise PlanError(f"actor.pipeline_parallel: {pp} must divide num_hidden_layers {m.layers}")
+    if m.kv_heads % tp:
+        raise PlanError(f"actor.tensor_parallel: {tp} must divide num_key_value_heads {m.kv_heads}")
+    per_layer = m.layer_sharded_params // tp + m.layer_replicated_params
+    vocab_rows = padded_vocab(m.vocab, tp) // tp * m.hidden
+    stages = []
+    for s in range(pp):
+        n = m.layers // pp * per_layer
+        first, last = s == 0, s == pp - 1
+        if first:
+            n += vocab_rows
+        if last:
+            n += m.hidden + (0 if (m.tied and first) else vocab_rows)
+        stages.append(_Stage(index=s, layers=m.layers // pp, params=n, has_lm_head=last))
+    return stages
+
+
+def actor_state_bytes_per_param(dtype: str, dp: int, distributed: bool) -> tuple[float, float, float]:
+    """(param, grad, optimizer) bytes per parameter with megatron-core 0.16.1's DDP and optimizer as actor.py builds
+    them: params in the param buffer (2 bytes bf16/fp16, 4 fp32), grads in the fp32 main-grad buffer
+    (grad_reduce_in_fp32=True: 4), optimizer = fp32 master copy (16-bit params only: 4) + Adam exp_avg and exp_avg_sq
+    (8), divided by dp under the distributed optimizer (each DP rank owns 1/dp of the buffer)."""
+    p = 4.0 if dtype == "fp32" else 2.0
+    opt = (0.0 if dtype == "fp32" else 4.0) + 8.0
+    return p, 4.0, opt / dp if distributed else opt
+
+
+def layer_activation_bytes(m: ModelShape, tp: int, recompute: str, b: int = 2, sp: bool = False) -> float:
+    """Bytes one layer keeps per token for its backward (flash attention, no dropout):
+    none: two RMSNorms keep input and output (4*h*b) and fp32 rms factors (8), split tp ways only under sequence
+          parallelism (sp); q/k/v and the attention output (2*q_dim + 2*kv_dim)*b/tp; the MLP keeps gate|up (2f) and
+          the SwiGLU output (f): 3f*b/tp; fp32 softmax stats 4*heads/tp.
+    selective: as none without the softmax stats (megatron recomputes core attention only).
+    full: the layer input h*b (/tp under sp); the rest is recomputed one layer at a time."""
+    h = m.hidden
+    seq_split = tp if sp else 1
+    if recompute == "full":
+        return h * b / seq_split
+    base = (4 * h * b + 8) / seq_split + (2 * m.q_dim + 2 * m.kv_dim + 3 * m.ffn) * b / tp
+    return base if recompute == "selective" else base + 4 * m.heads / tp
+
+
+def recompute_mode(actor: Any) -> str:
+    """Recompute mode "full", "selective" or "none": actor.recompute if the config has it, else from
+    actor.recompute_activations."""
+    mode = getattr(actor, "recompute", None)
+    if mode is not None:
+        return str(mode)
+    return "full" if actor.recompute_activations else "none"
+
+
+def microbatch_tokens(config: Any) -> tuple[int, str]:
+    """(tokens, source): the most tokens one actor micro-batch can hold. With actor.max_tokens_per_microbatch = B > 0
+    the budget, or one row of max_prompt_length + max_response_length when that is longer (a longer row is a
+    micro-batch alone, actor/packing.py); else trainer.micro_batch_size rows of that length."""
+    seq = config.data.max_prompt_length + config.rollout.max_response_length
+    budget = getattr(config.actor, "max_tokens_per_microbatch", 0) or 0
+    if budget > 0:
+        return max(budget, seq), f"actor.max_tokens_per_microbatch {budget}, a row at most {seq}"
+    mbs = config.trainer.micro_batch_size
+    return mbs * seq, f"micro_batch_size {mbs} x (max_prompt_length + max_response_length) {seq}"
+
+
+def microbatches_per_rank(config: Any, dp: int, mean_seq: float) -> int:
+    """Micro-batches one DP rank runs per mini-batch: its rows / micro_batch_size, or with a token budget its
+    tokens (rows x mean_seq) / budget (rows are balanced over DP ranks by tokens)."""
+    rows = -(-config.trainer.mini_batch_prompts * config.algorithm.group_size // dp)
+    budget = getattr(config.actor, "max_tokens_per_microbatch", 0) or 0
+    if budget > 0:
+        return max(1, math.ceil(rows * mean_seq / budget))
+    return -(-rows // config.trainer.micro_batch_size)
+
+
+def lm_head_bytes(m: ModelShape, tp: int, tokens: int, impl: str, train: bool, b: int = 2) -> tuple[float, str]:
+    """Extra bytes of the last stage's LM head + log-prob op for one micro-batch of `tokens`.
+
+    fused_linear: the final hidden [T, h] and fp32 stats [3, T]; backward adds d_hidden [T, h] and the LM-head weight
+    gradient [V_pad/tp, h] (b bytes each). Other impls: the logits [T, V_pad/tp] in the compute dtype (the model runs
+    with fp32_output=False) and, in backward, their gradient of the same size, plus the stats."""
+    v_local = padded_vocab(m.vocab, tp) // tp
+    if impl == "fused_linear":
+        if train:
+            return 2 * tokens * m.hidden * b + 12 * tokens + v_local * m.hidden * b, "2*T*h*b + 12*T + V/tp*h*b"
+        return tokens * m.hidden * b + 12 * tokens, "T*h*b + 12*T"
+    if train:
+        return 2 * tokens * v_local * b + 12 * tokens, "2*T*(V/tp)*b + 12*T (logits + grad)"
+    return tokens * v_local * b + 12 * tokens, "T*(V/tp)*b + 12*T (logits)"
+
+
+def engine_weight_bytes(m: ModelShape, etp: int, b: int) -> float:
+    """Per-GPU weights of an SGLang engine at tensor parallel etp: linear layers and the vocab-parallel embedding and
+    LM head split etp ways, norms replicated."""
+    sharded = m.layers * m.layer_sharded_params + m.vocab * m.hidden * (1 if m.tied else 2)
+    replicated = m.layers * m.layer_replicated_params + m.hidden
+    return (sharded / etp + replicated) * b
+
+
+def kv_bytes_per_token(m: ModelShape, etp: int, b: int) -> float:
+    """KV cache bytes per token on one GPU of the engine: 2 (K and V) * layers * kv_heads/etp * head_dim * b (SGLang
+    replicates KV heads when etp > kv_heads: at least one head per GPU)."""
+    return 2 * m.layers * max(1.0, m.kv_heads / etp) * m.hd * b
+
+
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """What make_plan derives once from the config and the layout."""
+
+    config: Any
+    a: Assumptions
+    m: ModelShape
+    dp: int
+    offload: str
+    recompute: str
+    tokens: int
+    num_micro: int
+    bytes_per_param: tuple[float, float, float]
+    gpu_memory_gb: float
+    sp: bool
+    """Sequence parallelism on (actor.sequence_parallel and TP > 1)."""
+
+    @property
+    def b(self) -> int:
+        return 4 if self.config.actor.dtype == "fp32" else 2
+
+
+def make_plan(
+    config: Any, *, nodes: int, gpus_per_node: int, gpu_memory_gb: float, assumptions: Assumptions | None = None
+) -> Plan:
+    """Plan `config` (a RunConfig, or any object with its sections and fields) on nodes x gpus_per_node GPUs of
+    gpu_memory_gb GiB each. Raises PlanError (naming the field) when the layout cannot run at all."""
+    a = assumptions or Assumptions()
+    act, ro = config.actor, config.rollout
+    m, source = resolve_model(act.model_path)
+    world = nodes * gpus_per_node
+    tp, pp = act.tensor_parallel, act.pipeline_parallel
+    if world % (tp * pp):
+        raise PlanError(f"actor.tensor_parallel x pipeline_parallel = {tp * pp} must divide {world} GPUs")
+    dp = world // (tp * pp)
+    notes: list[str] = []
+    offload = getattr(act, "offload", None)
+    if offload is None:
+        notes.append("config has no actor.offload: planned as offload=none (actor state stays on the GPU)")
+        offload = "none"
+    tokens, tokens_src = microbatch_tokens(config)
+    bpp = actor_state_bytes_per_param(act.dtype, dp, act.use_distributed_optimizer)
+    mean_seq = a.mean_prompt_tokens + a.mean_response_frac * ro.max_response_length
+    num_micro = microbatches_per_rank(config, dp, mean_seq)
+    sp = bool(getattr(act, "sequence_parallel", False)) and tp > 1
+    setup = _Setup(config, a, m, dp, offload, recompute_mode(act), tokens, num_micro, bpp, gpu_memory_gb, sp)
+    layout = {
+        "gpus": f"{nodes} nodes x {gpus_per_node} = {world}",
+        "actor": f"TP {tp} x PP {pp} x DP {dp} ({act.dtype}, distributed optimizer "
+        f"{'on' if act.use_distributed_optimizer else 'off'}, recompute {setup.recompute}, sequence parallel "
+        f"{'on' if sp else 'off'}, logprob_impl {act.logprob_impl}, offload {offload})",
+        "engine": f"{ro.engine} {ro.mode}, TP {ro.tensor_parallel}, mem_fraction {ro.mem_fraction}",
+        "micro-batch": f"at most {tokens} tokens ({tokens_src}); ~{num_micro} micro-batches per mini-batch per DP rank",
+        "model": f"{m.name}: {m.num_params / 1e9:.3f} B params (h {m.hidden}, L {m.layers}, heads {m.heads}, kv "
+        f"{m.kv_heads}, ffn {m.ffn}, V {m.vocab}, tied {m.tied})",
+    }
+    phases = [ph for st in actor_stages(m, tp, pp) for ph in _stage_phases(setup, st)]
+    order = ["engine start", "generation", "log-probs", "update", "sync"]
+    phases.sort(key=lambda p: (order.index(p.name), p.stage))
+    kv_tok = kv_bytes_per_token(m, ro.tensor_parallel, a.dtype_bytes)
+    kv_tokens = min([int(p.term("engine KV cache") * GiB // kv_tok) for p in phases if p.name == "engine start"] or [0])
+    times, formulas = step_times(config, m, nodes, gpus_per_node, dp, a, setup.recompute, num_micro, kv_tokens)
+    if ro.mode != "colocated":
+        notes.append("server mode: the SGLang servers' GPUs are not planned here (only the actor's)")
+    if ro.engine != "sglang":
+        notes.append(f"rollout.engine {ro.engine}: engine memory is planned with SGLang's rules")
+    return Plan(m, source, layout, gpu_memory_gb - a.safety_gib, phases, times, formulas, a, notes)
+
+
+def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
+    """The phases of one pipeline stage (see docs/planning.md for what coexists in each)."""
+    a, m, act, ro = s.a, s.m, s.config.actor, s.config.rollout
+    tp, n, dp = act.tensor_parallel, st.params, s.dp
+    p_b, g_b, o_b = s.bytes_per_param
+    params, grads, opt = _gib(n * p_b), _gib(n * g_b), _gib(n * o_b)
+    trainer = Term("trainer runtime", a.trainer_overhead_gib, "assumption trainer_overhead_gib")
+    colocated = ro.mode == "colocated"
+    engine_rt = Term("engine runtime", a.engine_overhead_gib if colocated else 0.0, "assumption (colocated only)")
+    state = [
+        Term("actor params", params, f"{n:,} params x {p_b:g} B"),
+        Term("actor grads", grads, f"{n:,} x {g_b:g} B (fp32 main grads)"),
+        Term("actor optimizer", opt, f"{n:,} x {o_b:.4g} B (fp32 master + Adam m, v / dp {dp})"),
+    ]
+    in_sync = {"none": state, "optimizer": state[:2], "all": [Term("actor params", params, "reloaded for the export")]}
+    # -- actor phases (engine memory released: only its process runtime stays)
+    per_layer = layer_activation_bytes(m, tp, s.recompute, s.b, s.sp)
+    one_layer = layer_activation_bytes(m, tp, "none", s.b, s.sp) * s.tokens
+    in_flight = min(act.pipeline_parallel - st.index, s.num_micro) if act.pipeline_parallel > 1 else 1
+    update = [
+        Term(
+            "activations (stored)",
+            _gib(in_flight * st.layers * per_layer * s.tokens),
+            f"{in_flight} micro-batch(es) in flight x {st.layers} layers x {per_layer:,.0f} B/token ({s.recompute})"
+            f" x {s.tokens} tokens",
+        )
+    ]
+    if s.recompute == "full":
+        update.append(Term("activations (recomputed layer)", _gib(one_layer), "1 layer x none-size x T"))
+    logprobs = [Term("forward working set", _gib(one_layer), "1 layer x none-size x T (forward only)")]
+    if st.has_lm_head:
+        for terms, train in ((update, True), (logprobs, False)):
+            lm, formula = lm_head_bytes(m, tp, s.tokens, act.logprob_impl, train, s.b)
+            terms.append(Term(f"LM head ({act.logprob_impl})", _gib(lm), formula))
+    buckets = Term(
+        "sync buffers",
+        _gib(2 * ro.weight_sync_bucket_mb * 2**20),
+        f"2 x bucket {ro.weight_sync_bucket_mb} MiB (gathered + flattened)",
+    )
+    out = [
+        Phase("log-probs", st.index, [trainer, engine_rt, *state, *logprobs]),
+        Phase("update", st.index, [trainer, engine_rt, *state, *update]),
+    ]
+    if not colocated:
+        return [*out, Phase("sync", st.index, [trainer, *in_sync[s.offload], buckets])]
+    # -- engine phases: SGLang sizes weights + KV to mem_fraction of the memory free when it starts (the actor is
+    # built first, trainer.py; Adam's moments do not exist yet, the fp32 master copy does), keeping the rest.
+    etp = ro.tensor_parallel
+    master = _gib(n * (0.0 if act.dtype == "fp32" else 4.0) / (dp if act.use_distributed_optimizer else 1))
+    pre_free = s.gpu_memory_gb - a.trainer_overhead_gib - engine_rt.gib - params - grads - master
+    weights = _gib(engine_weight_bytes(m, etp, a.dtype_bytes))
+    kv = ro.mem_fraction * pre_free - weights
+    kv_tok = kv_bytes_per_token(m, etp, a.dtype_bytes)
+    w_term = Term("engine weights", weights, f"{m.num_params / 1e9:.2f} B params x {a.dtype_bytes} B / TP {etp}")
+    kv_term = Term(
+        "engine KV cache",
+        max(kv, 0.0),
+        f"mem_fraction {ro.mem_fraction} x free at start {pre_free:.2f} GiB - weights; "
+        f"{kv_tok:,.0f} B/token -> {max(kv, 0.0) * GiB / kv_tok:,.0f} tokens",
+    )
+    master_term = Term("actor master params", master, "fp32 master / dp")
+    start = Phase("engine start", st.index, [trainer, engine_rt, *state[:2], master_term, w_term, kv_term])
+    max_seq = s.config.data.max_prompt_length + ro.max_response_length
+    if kv * GiB < kv_tok * max_seq:
+        start.error = f"KV cache holds < 1 sequence of {max_seq} tokens"
+    resident = {
+        "none": state,
+        "optimizer": [*state[:2], Term("actor optimizer", 0.0, "offloaded")],
+        "all": [Term("actor params", 0.0, "offloaded"), Term("actor grads", 0.0, "offloaded")],
+    }[s.offload]
+    graphs = Term("engine CUDA graphs", a.cuda_graph_gib, "assumption cuda_graph_gib")
+    work = Term("engine workspace", a.engine_workspace_gib, "assumption engine_workspace_gib")
+    return [
+        *out,
+        start,
+        Phase("generation", st.index, [trainer, engine_rt, *resident, w_term, kv_term, graphs, work]),
+        Phase("sync", st.index, [trainer, engine_rt, *in_sync[s.offload], w_term, buckets]),
+    ]
+
+
+def step_times(
+    config: Any,
+    m: ModelShape,
+    nodes: int,
+    gpus_per_node: int,
+    dp: int,
+    a: Assumptions,
+    recompute: str,
+    num_micro: int,
+    kv_tokens: int,
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Seconds per training step by phase, and the formula of each (see docs/planning.md). kv_tokens: tokens one
+    colocated engine's KV cache holds (0: not known, e.g. server mode; no concurrency bound then)."""
+    act, ro, tr, alg = config.actor, config.rollout, config.trainer, config.algorithm
+    world = nodes * gpus_per_node
+    n = m.num_params
+    keep = a.keep_ratio if alg.dynamic_sampling else 1.0
+    gen_batches = max(1, math.ceil(tr.prompts_per_step / (tr.gen_prompts_per_batch * keep)))
+    mean_resp = a.mean_response_frac * ro.max_response_length
+    decode_per_batch = tr.gen_prompts_per_batch * alg.group_size * mean_resp
+    etp = ro.tensor_parallel
+    engines = world // etp if ro.mode == "colocated" else len(ro.server_urls)
+    tps_seq = a.tps_per_seq(n, etp)
+    engine_tps = a.tps_per_gpu(n) * etp
+    bound = f"{a.tps_per_gpu(n):.0f} tok/s/GPU x TP {etp}"
+    if kv_tokens:
+        # The KV cache bounds the batch: kv_tokens / (mean prompt + mean response) sequences at tps_seq each.
+        concurrent = kv_tokens / (a.mean_prompt_tokens + mean_resp)
+        if concurrent * tps_seq < engine_tps:
+            engine_tps = concurrent * tps_seq
+            bound = f"KV-bound {concurrent:.0f} seqs x {tps_seq:.0f} tok/s"
+    round_s = max(decode_per_batch / (engine_tps * engines), ro.max_response_length / tps_seq)
+    times = {"generation": gen_batches * round_s}
+    formulas = {
+        "generation": f"{gen_batches} round(s) x max({tr.gen_prompts_per_batch} x {alg.group_size} x {mean_resp:.0f}"
+        f" decode tokens / ({engines} engines x {engine_tps:.0f} tok/s [{bound}]), longest {ro.max_response_length}"
+        f" / {tps_seq:.0f} tok/s)"
+    }
+    # Tokens the actor computes per row: its real length when micro-batches are packed or cut to their longest row
+    # after sorting by length (actor/packing.py); a config without actor.packing pads every row to the batch's
+    # longest (assumed at the generation cap).
+    if hasattr(act, "packing"):
+        seq = a.mean_prompt_tokens + mean_resp
+    else:
+        seq = a.mean_prompt_tokens + ro.max_response_length
+    rows = tr.prompts_per_step * alg.group_size
+    fwd_per_token = 2 * n + 2 * m.layers * m.q_dim * seq  # 2N + attention (QK^T and AV, causal: ctx S/2 each)
+    flops_s = world * a.peak_tflops * 1e12 * a.mfu
+    bubble = 1 + (act.pipeline_parallel - 1) / num_micro
+    times["log-probs"] = rows * seq * fwd_per_token * bubble / flops_s
+    update_mult = 4 if recompute == "full" else 3  # fwd + 2x bwd (+ fwd again under full recompute)
+    times["update"] = tr.ppo_epochs * update_mult * rows * seq * fwd_per_token * bubble / flops_s
+    base = (
+        f"{rows} rows x {seq:.0f} tokens x (2N + 2*L*q_dim*S = {fwd_per_token / 1e9:.1f} GFLOP) x bubble {bubble:.3f}"
+    )
+    formulas["log-probs"] = f"{base} / ({world} GPUs x {a.peak_tflops:g} TFLOP/s x MFU {a.mfu})"
+    formulas["update"] = f"{tr.ppo_epochs} epoch(s) x {update_mult} x {base} / (same)"
+    size = n * a.dtype_bytes
+    tp, pp = act.tensor_parallel, act.pipeline_parallel
+    pp_link = a.internode_gbps if nodes > 1 and tp * dp >= gpus_per_node else a.nvlink_gbps
+    buckets = math.ceil(size / (ro.weight_sync_bucket_mb * 2**20))
+    gather = size * (tp - 1) / tp / (a.nvlink_gbps * 1e9)
+    bcast = size * (pp - 1) / pp / (pp_link * 1e9)
+    load = size / (a.ipc_gbps * 1e9) if ro.mode == "colocated" else size / (a.internode_gbps * 1e9)
+    times["sync"] = gather + bcast + load + buckets * a.bucket_overhead_s
+    formulas["sync"] = (
+        f"S {size / 1e9:.1f} GB: TP gather S*(tp-1)/tp/{a.nvlink_gbps:g} + PP broadcast S*(pp-1)/pp/{pp_link:g} + "
+        f"load S/{a.ipc_gbps if ro.mode == 'colocated' else a.internode_gbps:g} + {buckets} buckets x "
+        f"{a.bucket_overhead_s} s"
+    )
+    return times, formulas
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable report: layout, per-phase peak (worst stage) with every term, step time, assumptions."""
+    lines = [f"model: {plan.layout['model']}", f"  shape from {plan.model_source}"]
+    lines += [f"{k}: {v}" for k, v in plan.layout.items() if k != "model"]
+    lines.append(f"usable per GPU: {plan.usable_gib:.2f} GiB (gpu memory - safety {plan.assumptions.safety_gib:g})")
+    lines.append("")
+    lines.append("per-GPU peak memory by phase (GiB; the worst pipeline stage of each phase):")
+    for name in dict.fromkeys(p.name for p in plan.phases):
+        ph = plan.peak(name)
+        verdict = "fits" if ph.total_gib <= plan.usable_gib and not ph.error else "DOES NOT FIT"
+        lines.append(
+            f"  {name:<13} stage {ph.stage}: {ph.total_gib:7.2f}  {verdict}{'  ' + ph.error if ph.error else ''}"
+        )
+        for t in ph.terms:
+            lines.append(f"      {t.gib:7.2f}  {t.name:<30} {t.formula}")
+    lines.append("")
+    total = sum(plan.times_s.values())
+    lines.append(f"step time model: {total:,.0f} s per step")
+    for name, secs in plan.times_s.items():
+        lines.append(f"  {name:<11} {secs:9.1f} s   {plan.time_formulas[name]}")
+    lines.append("")
+    lines.append("assumptions (override with --assume NAME=VALUE):")
+    for f in fields(plan.assumptions):
+        value = getattr(plan.assumptions, f.name)
+        derived = "  (0: derived from the model size; the value used is in the generation line)"
+        lines.append(f"  {f.name} = {value}{derived if f.name.startswith('decode_tps') and not value else ''}")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    failing = plan.failing
+    if failing:
+        names = ", ".join(f"{p.name} (stage {p.stage}: {p.total_gib:.2f} GiB)" for p in failing)
+        lines.append(f"DOES NOT FIT: {names} > {plan.usable_gib:.2f} GiB usable")
+    else:
+        lines.append("fits: every phase is within the usable memory")
+    return "\n".join(lines)
+
+
+def parse_assumptions(items: list[str]) -> Assumptions:
+    """Assumptions with `NAME=VALUE` overrides (e.g. ["mfu=0.4", "cuda_graph_gib=3"]); PlanError names a bad one."""
+    a = Assumptions()
+    known = {f.name: f for f in fields(Assumptions)}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in known:
+            raise PlanError(f"--assume {item!r}: expected NAME=VALUE with NAME one of {sorted(known)}")
+        kind = int if isinstance(getattr(a, name), int) else float
+        try:
+            value = kind(text)
+        except ValueError:
+            raise PlanError(f"--assume {name}: expected a number, got {text!r}") from None
+        if value < 0 or (name in ("mfu", "keep_ratio", "mean_response_frac") and not 0 < value <= 1):
+            raise PlanError(f"--assume {name}: {value} is out of range")
+        setattr(a, name, value)
+    return a
