@@ -7,6 +7,7 @@ periodic eval and checkpoint. All ranks run the same code; rank 0 logs.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ from typing import Any
 import torch
 
 from megatron_dapo.algorithms import DynamicSampler
+from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import PreemptionFlag
-from megatron_dapo.checkpoint import latest_checkpoint
 from megatron_dapo.config import RunConfig
 from megatron_dapo.evaluate import score_groups
 from megatron_dapo.experience import build_actor_batch
@@ -61,7 +62,15 @@ class DAPOTrainer:
         )
         self.eval_examples = PromptDataset(c.data.eval_files).examples if c.data.eval_files else []
         self.sampler: DynamicSampler = DynamicSampler.from_config(c.algorithm, c.trainer.prompts_per_step, self._note)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", c.checkpoint.keep_last, self.rank, self._barrier)
+        self.ckpt = CheckpointManager(
+            self.run_dir / "checkpoints",
+            c.checkpoint.keep_last,
+            self.rank,
+            self._barrier,
+            world_size=self.world,
+            gather=lambda obj: self._all_gather([obj]),
+            log=self._notice,
+        )
         resume_from = self._resume_path()
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
         self.engine_ranks = rollout_ranks(c.rollout, self.world)
@@ -216,7 +225,10 @@ class DAPOTrainer:
         if resume == "never":
             return None
         if resume == "auto":
-            return latest_checkpoint(self.run_dir / "checkpoints")
+            return self.ckpt.find_resumable()
+        problems = self.ckpt.verify(resume)
+        if problems:
+            raise CheckpointError(f"checkpoint.resume={resume}: cannot use it: {'; '.join(problems[:3])}")
         return Path(resume)
 
     def trainer_state(self) -> dict[str, Any]:
@@ -242,7 +254,7 @@ class DAPOTrainer:
         self.sampler.load_state_dict({"carry": [group_from_state(s) for s in state["sampler"]]})
         self.weight_sync.sync(self.actor.export_hf_weights())
         if self.rank == 0:
-            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step, self._notice)
         self._barrier()
 
     def export_final_hf(self, out_dir: str | Path) -> None:
@@ -269,7 +281,6 @@ class DAPOTrainer:
     def _fault(self, where: str) -> None:
         """Fault injection for the resume tests: MEGATRON_DAPO_FAULT="after_step:N" or "in_save:N" SIGKILLs every
         rank at once (after step N's checkpoint, or halfway through writing it). Unset in real runs."""
-        import os  # noqa: PLC0415
         import signal  # noqa: PLC0415
 
         if os.environ.get("MEGATRON_DAPO_FAULT") == f"{where}:{self.step}":
@@ -278,10 +289,14 @@ class DAPOTrainer:
 
     def _note(self, line: str) -> None:
         """A one-line notice on rank 0's stderr (e.g. each extra dynamic-sampling round)."""
+        self._notice(f"step {self.step}: {line}")
+
+    def _notice(self, line: str) -> None:
+        """A one-line notice on rank 0's stderr, no step prefix (start-up and resume decisions)."""
         if self.rank == 0:
             import sys  # noqa: PLC0415
 
-            print(f"[megatron_dapo] step {self.step}: {line}", file=sys.stderr, flush=True)
+            print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
 
     def _engine_call(self, method: str) -> None:
         if self.engine is not None:
@@ -321,11 +336,25 @@ def rollout_ranks(rollout: Any, world_size: int) -> list[int]:
     return [0]
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric rows logged after the checkpoint we resume from (a crash between log and save)."""
+def _truncate_metrics(path: Path, step: int, log: Any = print) -> None:
+    """Drop metric rows logged after the checkpoint we resume from (a crash between log and save), and lines that are
+    not JSON (a torn last line from a kill in mid-write): each such line is named through `log`."""
     import json  # noqa: PLC0415
 
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row_step = int(row["step"])
+        except (ValueError, TypeError, KeyError):
+            log(f"{path} line {number}: not a metrics row (torn by a kill in mid-write?); dropped: {line[:60]!r}")
+            continue
+        if row_step <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
