@@ -64,6 +64,7 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from megatron_dapo.data import PromptDataset  # noqa: PLC0415
+    from megatron_dapo.data.dataset import prompt_token_ids  # noqa: PLC0415
     from megatron_dapo.evaluate import evaluate  # noqa: PLC0415
     from megatron_dapo.reward import Verifier  # noqa: PLC0415
     from megatron_dapo.rollout import make_engine  # noqa: PLC0415
@@ -73,10 +74,7 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     examples = PromptDataset(config.data.eval_files).examples[: t.eval_max_prompts or None]
     engine = make_engine(config.rollout, model_dir, seed=t.seed)
-    prompts = []
-    for ex in examples:
-        ids = tok.apply_chat_template(ex.prompt_messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    prompts = [prompt_token_ids(tok, ex.prompt_messages) for ex in examples]
     return evaluate(
         engine,
         prompts,

@@ -57,10 +57,16 @@ class DAPOTrainer:
         self.stop_ids = [self.tokenizer.eos_token_id]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.verifier = Verifier.from_config(c.reward)
+        prompts = {
+            "tokenizer": self.tokenizer,
+            "max_prompt_length": c.data.max_prompt_length,
+            "filter_overlong": c.data.filter_overlong_prompts,
+            "log": self._notice,
+        }
         self.train_data = PromptIterator(
-            PromptDataset(c.data.train_files).examples, seed=c.data.seed, shuffle=c.data.shuffle
+            PromptDataset(c.data.train_files, **prompts).examples, seed=c.data.seed, shuffle=c.data.shuffle
         )
-        self.eval_examples = PromptDataset(c.data.eval_files).examples if c.data.eval_files else []
+        self.eval_examples = PromptDataset(c.data.eval_files, **prompts).examples if c.data.eval_files else []
         self.sampler: DynamicSampler = DynamicSampler.from_config(c.algorithm, c.trainer.prompts_per_step, self._note)
         self.ckpt = CheckpointManager(
             self.run_dir / "checkpoints",
@@ -149,14 +155,10 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ rollout
     def _render(self, example: Any) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(example.prompt_messages, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        if len(ids) > self.cfg.data.max_prompt_length:
-            raise ValueError(
-                f"data row {example.index}: prompt has {len(ids)} tokens, more than "
-                f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
-            )
-        return ids
+        """Prompt token ids (lengths were checked when the data loaded)."""
+        from megatron_dapo.data.dataset import prompt_token_ids  # noqa: PLC0415
+
+        return prompt_token_ids(self.tokenizer, example.prompt_messages)
 
     def _sample(self, examples: list, n: int, temperature: float, top_p: float, seed: int) -> list:
         """Generate n responses for this rank's share of `examples` (interleaved by rank); returns
