@@ -17,7 +17,8 @@ verifies, naming each one it skips and why. A checkpoint without MANIFEST.json (
 with a warning. Hashing costs one read of the checkpoint, split over the ranks, at save and at resume.
 
 SIGTERM / SIGUSR1 (Slurm preemption) only set a flag; the trainer checks it at step boundaries, agreeing across ranks,
-saves and exits 0.
+saves and exits 0. A step in progress runs to its end first, so the launcher must wait long enough before SIGKILL:
+checkpoint.preempt_grace_s, which `megatron-dapo launch` passes to torchrun (docs/reliability.md, Preemption).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import random
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -77,14 +79,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def check_compatible(saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]], where: str) -> None:
-    """Raise ValueError naming every field that changed in a way a resumed run cannot absorb."""
+    """Raise CheckpointError (a ValueError) naming every field that changed in a way a resumed run cannot absorb."""
     changed = [
         f"{s}.{f}: {saved.get(s, {}).get(f)!r} -> {current.get(s, {}).get(f)!r}"
         for s, f in INCOMPATIBLE_FIELDS
         if saved.get(s, {}).get(f) != current.get(s, {}).get(f)
     ]
     if changed:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: cannot resume, the config changed incompatibly ({'; '.join(changed)}); "
             f"use a new trainer.run_dir or checkpoint.resume=never"
         )
@@ -286,6 +288,11 @@ class CheckpointManager:
             )
         return None
 
+    def check_config(self, path: str | Path, config: dict[str, Any]) -> None:
+        """CheckpointError naming every field of `config` that cannot change when resuming from `path`."""
+        saved = yaml.safe_load((Path(path) / "config.yaml").read_text())
+        check_compatible(saved, config, str(path))
+
     def load(
         self, path: str | Path, config: dict[str, Any], load_actor: Callable[[Path], None] | None = None
     ) -> dict[str, Any]:
@@ -295,8 +302,7 @@ class CheckpointManager:
         path = Path(path)
         if not (path / COMPLETE).exists():
             raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
-        saved = yaml.safe_load((path / "config.yaml").read_text())
-        check_compatible(saved, config, str(path))
+        self.check_config(path, config)
         if load_actor is not None:
             load_actor(path / "actor")
         rng_file = path / f"rng_rank{self.rank}.pt"
@@ -328,12 +334,16 @@ class PreemptionFlag:
     def __init__(self) -> None:
         self.flag = False
         self.signum: int | None = None
+        self.received_at: float | None = None
+        """time.monotonic() of the first signal (how much of the grace period a long step used)."""
 
     def install(self) -> None:
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if not self.flag:
+            self.received_at = time.monotonic()
         self.flag = True
         self.signum = signum
 
