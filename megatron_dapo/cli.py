@@ -143,11 +143,12 @@ def launch(args: argparse.Namespace, overrides: list[str], config) -> int:
               f"and exit", file=sys.stderr, flush=True)  # fmt: skip
         return 128 + int(sig.sigval)
     except ChildFailedError as failed:
-        codes = {f.exitcode for f in failed.failures.values()}
-        if codes != {2}:  # 2: a user error, already printed once by rank 0
-            ranks = ", ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(failed.failures.items()))
-            print(f"error: workers failed ({ranks}); their output is above", file=sys.stderr, flush=True)
-        return max(codes) if all(c > 0 for c in codes) else 1
+        first = failed.failures.get(0)
+        if first is not None and first.exitcode == 2:
+            return 2  # a user error, printed once by rank 0 (torchrun then stopped the other ranks)
+        ranks = ", ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(failed.failures.items()))
+        print(f"error: workers failed ({ranks}); their output is above", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
