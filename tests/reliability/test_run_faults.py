@@ -180,17 +180,22 @@ def test_run_dir_lock_and_workers_exit_when_the_launcher_dies(tiny, tmp_path):
     log = open(tmp_path / "long.log", "w")  # noqa: SIM115
     cmd = _launch(tiny, run_dir, "--trainer.total_steps=1000", "--checkpoint.save_every=0")
     launcher = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    workers: list[psutil.Process] = []
     try:
         _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and _metric_steps(run_dir), 180, "step 1")
-        workers = psutil.Process(launcher.pid).children()
+        workers.extend(psutil.Process(launcher.pid).children())
         assert len(workers) == 2
         holder = json.loads((run_dir / ".lock").read_text())
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
         _wait_for(lambda: not any(w.is_running() and w.status() != "zombie" for w in workers), 90, "workers to exit")
-    finally:
-        for proc in psutil.Process(launcher.pid).children() if launcher.poll() is None else []:
-            proc.kill()
+    finally:  # never leave an orphaned worker training on (what this test checks for)
+        if launcher.poll() is None:
+            workers.extend(psutil.Process(launcher.pid).children())
+            launcher.kill()
+        for worker in workers:
+            if worker.is_running():
+                worker.kill()
         log.close()
     saved = sorted((run_dir / "checkpoints").glob("step_*"))
     assert saved and (saved[-1] / "COMPLETE").exists(), (tmp_path / "long.log").read_text()[-3000:]
