@@ -228,7 +228,11 @@ def test_sigterm_during_a_step_longer_than_30_s_still_saves_that_step(tiny, tmp_
         waited = time.monotonic() - signalled
     finally:
         if proc.poll() is None:
+            children = psutil.Process(proc.pid).children()
             proc.kill()
+            for child in children:
+                if child.is_running():
+                    child.kill()
     reader.join(10)
     out = "".join(lines)
     assert waited > 31, f"exited {waited:.0f} s after SIGTERM: the step was not longer than torchrun's window"
