@@ -65,7 +65,7 @@ class DAPOTrainer:
             self.rank,
             self._barrier,
             world_size=self.world,
-            gather=lambda obj: self._all_gather([obj]),
+            gather=lambda obj: self.exchange.all_gather([obj], "checkpoint"),
             log=self._notice,
         )
         resume_from = self._startup(self._resume_path)
@@ -126,7 +126,7 @@ class DAPOTrainer:
             result = fn()
         except (StartupError, CheckpointError, ValueError, OSError) as err:
             error, result = str(err).splitlines()[0] if str(err) else type(err).__name__, None
-        errors = [e for e in self._all_gather([error]) if e is not None]
+        errors = [e for e in self.exchange.all_gather([error], "start-up") if e is not None]
         if errors:
             if self.lock is not None:
                 self.lock.release()
