@@ -87,10 +87,26 @@ class AlgorithmConfig:
     """Length of the penalty ramp (L_cache), in tokens."""
     overlong_penalty_factor: float = 1.0
     """Penalty at the cap (the paper's ramp ends at -1)."""
+    rollout_correction: str = "none"
+    """Train/inference mismatch correction from the engine's log-probs (docs/rollout_correction.md): "none", "tis"
+    (truncated importance weights min(pi_old / pi_engine, rollout_is_threshold) on each token's loss) or "mis" (masked
+    importance sampling: tokens / responses whose ratio leaves [rollout_mis_low, rollout_mis_high] leave the loss and
+    its denominator, the others are weighted by the ratio). Needs rollout.compare_logprobs."""
+    rollout_correction_level: str = "token"
+    """Ratio the correction uses: "token" (per token) or "sequence" (product over the response's tokens, the same
+    weight / decision for the whole response)."""
+    rollout_is_threshold: float = 2.0
+    """TIS truncation C > 0 of the importance weight."""
+    rollout_mis_low: float = 0.5
+    """MIS: lowest ratio kept, in (0, 1]."""
+    rollout_mis_high: float = 2.0
+    """MIS: highest ratio kept, >= 1."""
 
     def __post_init__(self) -> None:
         from megatron_dapo.algorithms import LOSS_AGG_MODES  # noqa: PLC0415
         from megatron_dapo.algorithms import POLICY_LOSSES  # noqa: PLC0415
+        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS  # noqa: PLC0415
+        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTIONS  # noqa: PLC0415
 
         _check_finite(self, "algorithm")
         _one_of(self.policy_loss, tuple(sorted(POLICY_LOSSES)), "algorithm.policy_loss")
@@ -109,6 +125,13 @@ class AlgorithmConfig:
         _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
         _check(self.overlong_buffer > 0, "algorithm.overlong_buffer", f"must be > 0, got {self.overlong_buffer}")
         _check(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0")
+        _one_of(self.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
+        _one_of(self.rollout_correction_level, ROLLOUT_CORRECTION_LEVELS, "algorithm.rollout_correction_level")
+        _check(self.rollout_is_threshold > 0, "algorithm.rollout_is_threshold", "must be > 0")
+        _check(
+            0 < self.rollout_mis_low <= 1, "algorithm.rollout_mis_low", f"must be in (0, 1], got {self.rollout_mis_low}"
+        )
+        _check(self.rollout_mis_high >= 1, "algorithm.rollout_mis_high", f"must be >= 1, got {self.rollout_mis_high}")
 
     @property
     def effective_eps_high(self) -> float:
@@ -455,6 +478,12 @@ class RunConfig:
             f"{t.micro_batch_size} must divide the responses per mini-batch "
             f"(mini_batch_prompts {t.mini_batch_prompts} x group_size {a.group_size})",
         )
+        if a.rollout_correction != "none":
+            _check(
+                r.compare_logprobs,
+                "algorithm.rollout_correction",
+                f"{a.rollout_correction!r} needs the engine's log-probs: set rollout.compare_logprobs=true",
+            )
         if not a.dynamic_sampling:
             _check(
                 t.gen_prompts_per_batch >= t.prompts_per_step,

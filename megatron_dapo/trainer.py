@@ -19,6 +19,7 @@ from megatron_dapo.checkpoint import PreemptionFlag
 from megatron_dapo.checkpoint import latest_checkpoint
 from megatron_dapo.config import RunConfig
 from megatron_dapo.evaluate import score_groups
+from megatron_dapo.experience import apply_rollout_correction
 from megatron_dapo.experience import build_actor_batch
 from megatron_dapo.experience import group_from_state
 from megatron_dapo.experience import group_to_state
@@ -127,6 +128,7 @@ class DAPOTrainer:
             metrics["actor/entropy"] = masked_mean(entropy, batch.response_mask)
             if batch.engine_logp is not None:
                 metrics.update(logprob_mismatch(batch.old_logp, batch.engine_logp, batch.response_mask))
+            metrics.update(apply_rollout_correction(batch, c.algorithm))  # before update: MIS changes D
             with timer("update"):
                 metrics.update(self.actor.update(batch))
             metrics["train/responses"] = float(len(batch))
