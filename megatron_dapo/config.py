@@ -192,6 +192,10 @@ class RolloutConfig:
     loopback address is refused when a server URL is not local or the job spans nodes."""
     weight_sync_master_port: int = 29600
     """Mode "server": the TCP port of that group's store on the trainer's rank-0 host (must be free there)."""
+    weight_dtype: str = "auto"
+    """Dtype of the weights sent to the engine each step: "auto" (as the actor exports them) or "fp8" (q/k/v/o and
+    gate/up/down projections quantized to float8_e4m3fn with one fp32 scale per 128 x 128 block, the block-FP8 layout
+    SGLang loads; embeddings, norms and lm_head stay as they are). Engines "transformers" and colocated "sglang"."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "rollout")
@@ -219,6 +223,14 @@ class RolloutConfig:
         _check(0.0 < self.mem_fraction < 1.0, "rollout.mem_fraction", f"must be in (0, 1), got {self.mem_fraction}")
         _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", "must be >= 1")
         _check(self.generation_timeout_minutes > 0, "rollout.generation_timeout_minutes", "must be > 0")
+        _one_of(self.weight_dtype, ("auto", "fp8"), "rollout.weight_dtype")
+        _check(
+            self.weight_dtype == "auto"
+            or self.engine == "transformers"
+            or (self.engine, self.mode) == ("sglang", "colocated"),
+            "rollout.weight_dtype",
+            f'"fp8" is implemented for engine "transformers" and colocated "sglang", not {self.engine} {self.mode}',
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -74,10 +74,16 @@ class DAPOTrainer:
             if self.rank in self.engine_ranks
             else None
         )
-        self.weight_sync = WeightSync(self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20)
+        self.weight_sync = WeightSync(
+            self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
+        )
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)
+        elif c.rollout.weight_dtype != "auto":
+            # The engine starts from the checkpoint in full precision (SGLang from dummy weights): the first rollouts
+            # must already see the weights the sync sends.
+            self.weight_sync.sync(self.actor.export_hf_weights())
         self.logger = (
             MetricsLogger(
                 self.run_dir,
