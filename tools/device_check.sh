@@ -6,7 +6,7 @@
 #   1. environment report                       (nvidia-smi, python3 / torch / triton versions)
 #   2. optional wheels carried in .whl/          (e.g. liger_kernel-*.whl, installed --no-deps into /tmp/site)
 #   3. build the CUDA C++ twins                  (python3 csrc/build.py --arch 90)
-#   4. pytest -m gpu tests/ops                   (TRITON_INTERPRET=0: compiled kernels on the GPU)
+#   4. pytest -m gpu tests/ops tests/algorithms (TRITON_INTERPRET=0: compiled kernels on the GPU, IS weights too)
 #   4b. pytest -m gpu tests/actor                (the actor on the GPU: packed THD on Transformer Engine's attention
 #                                                 or the varlen submodule, fused LM head and fused loss vs the padded
 #                                                 reference; needs megatron-core: carry its wheel in .whl/, e.g.
@@ -59,7 +59,7 @@ if [ -f build/cuda/libmegatron_dapo_cuda.so ]; then
 fi
 
 # 4. GPU tests of the ops
-timeout "${PYTEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/ops -q -rs -p no:cacheprovider \
+timeout "${PYTEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/ops tests/algorithms -q -rs -p no:cacheprovider \
     --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
 
 # 4b. GPU tests of the actor (skipped inside pytest when megatron-core is missing)

@@ -252,3 +252,23 @@ def test_config_rules():
             algorithm=AlgorithmConfig(rollout_correction="tis", overlong_penalty=False),
             rollout=RolloutConfig(compare_logprobs=False),
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+def test_reference_and_fused_agree_with_weights_on_gpu(mode, backend):
+    """The compiled kernels (Triton, and the CUDA twin when csrc was built) with IS weights folded into the mask."""
+    if backend == "cuda":
+        from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
+
+        if not _cuda_twins.available():
+            pytest.skip("the CUDA twins are not built (csrc/build.py)")
+    logp, old, engine, mask, adv = _loss_inputs(b=7, s=300, seed=4)
+    out = rollout_correction(old, engine, mask, mode=mode, level="token", is_threshold=C, mis_low=LOW, mis_high=HIGH)
+    dev = [t.cuda() for t in (old, adv, out.mask, out.weights)]
+    lp = logp.detach().cuda().requires_grad_()
+    ref = _loss_and_grad(dapo_policy_loss, lp, dev[0], dev[1], dev[2], weights=dev[3])
+    fused = _loss_and_grad(clipped_pg_loss, lp, dev[0], dev[1], dev[2], weights=dev[3], backend=backend)
+    torch.testing.assert_close(fused[0], ref[0], rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(fused[1], ref[1], rtol=1e-5, atol=2e-6)
