@@ -21,6 +21,7 @@ from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import PreemptionFlag
 from megatron_dapo.config import RunConfig
 from megatron_dapo.evaluate import score_groups
+from megatron_dapo.experience import apply_rollout_correction
 from megatron_dapo.experience import build_actor_batch
 from megatron_dapo.experience import group_from_state
 from megatron_dapo.experience import group_to_state
@@ -76,10 +77,16 @@ class DAPOTrainer:
             if self.rank in self.engine_ranks
             else None
         )
-        self.weight_sync = WeightSync(self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20)
+        self.weight_sync = WeightSync(
+            self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
+        )
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)
+        elif c.rollout.weight_dtype != "auto":
+            # The engine starts from the checkpoint in full precision (SGLang from dummy weights): the first rollouts
+            # must already see the weights the sync sends.
+            self.weight_sync.sync(self.actor.export_hf_weights())
         self.logger = (
             MetricsLogger(
                 self.run_dir,
@@ -171,6 +178,7 @@ class DAPOTrainer:
             metrics["actor/entropy"] = masked_mean(entropy, batch.response_mask)
             if batch.engine_logp is not None:
                 metrics.update(logprob_mismatch(batch.old_logp, batch.engine_logp, batch.response_mask))
+            metrics.update(apply_rollout_correction(batch, c.algorithm))  # before update: MIS changes D
             with timer("update"):
                 metrics.update(self.actor.update(batch))
             metrics["train/responses"] = float(len(batch))
