@@ -235,3 +235,12 @@ def test_engine_regions_are_resumed_before_generating_and_unknown_phases_refused
         chor.run_step({"generate": engine.generate})
     with pytest.raises(ValueError, match="actor.offload"):
         MemoryChoreographer(engine, None, offload="params")  # type: ignore[arg-type]
+
+
+def test_offload_config_field_is_checked():
+    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
+
+    assert ActorConfig().offload == "none"
+    assert ActorConfig(offload="all").offload == "all"
+    with pytest.raises(ValueError, match="actor.offload"):
+        ActorConfig(offload="cpu")
