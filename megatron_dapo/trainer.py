@@ -381,6 +381,11 @@ class DAPOTrainer:
         if self.logger is not None:
             self.logger.log(step, metrics)
 
+    def _all_gather(self, items: list) -> list:
+        """Every rank's list of picklable items, concatenated in rank order (start-up errors, checkpoint manifests),
+        over the exchange's gloo group. (Lost from main in the issue12 merge; restored here.)"""
+        return self.exchange.all_gather(items, "start-up / checkpoint")
+
     def _host_barrier(self) -> None:
         """A barrier on the gloo group of the rollout exchange (a CPU wait: no NCCL kernel on the engine's GPUs)."""
         if self.world > 1:

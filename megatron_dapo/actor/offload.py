@@ -12,7 +12,8 @@ storage's bytes to a host buffer and shrinking the storage to 0 bytes frees the 
 (param.data, param.main_grad, bucket views, the optimizer's shard views) stays the same Python object and points at
 the same storage again after the reload. Aliasing is kept: a storage belongs to the first part that names it
 (params, grads, optimizer), e.g. the main params of an fp32 model are views of the param buffer, so they move with
-"params", never twice. Host buffers are pinned on CUDA (page-locked, asynchronous copies) and reused across steps.
+"params", never twice. Each part has one host buffer of exactly its size, page-locked on CUDA (cudaHostRegister:
+asynchronous copies), reused across steps while the part's storages stay the same.
 
 On CPU there is no device memory to free: release="poison" (the CPU default) copies to the host buffer the same way,
 then overwrites the storage with 0xFF bytes (NaN in every float dtype) instead of freeing it, so a phase that runs
@@ -54,7 +55,7 @@ class ActorOffloader:
         if self.release not in ("free", "poison"):
             raise ValueError(f"ActorOffloader.release: must be 'free' or 'poison', got {self.release!r}")
         self._moved: dict[str, list[tuple[torch.UntypedStorage, Tensor]]] = {}
-        self._host: dict[int, Tensor] = {}  # storage id -> host buffer, reused across steps
+        self._host: dict[str, _HostBuffer] = {}  # part -> its host buffer, reused while the part's storages stay
 
     # --------------------------------------------------------------------------------------------- collection
     def _part_tensors(self, part: str) -> Iterator[Tensor]:
@@ -117,24 +118,25 @@ class ActorOffloader:
         if not todo:
             return 0
         current = self.storages()
-        live = {s._cdata for ss in current.values() for s in ss}  # noqa: SLF001
-        self._host = {k: v for k, v in self._host.items() if k in live}  # drop buffers of storages that are gone
-        moved = 0
         pin = self.device.type == "cuda"
+        moved = 0
         for part in todo:
-            pairs = []
-            for s in current[part]:
+            storages = [s for s in current[part] if s.nbytes() > 0]
+            key = tuple((s._cdata, s.nbytes()) for s in storages)  # noqa: SLF001
+            buf = self._host.get(part)
+            if buf is None or buf.key != key:  # first offload, or the state changed (e.g. a checkpoint load)
+                if buf is not None:
+                    buf.release()
+                buf = self._host[part] = _HostBuffer(key, pin)
+            pairs, offset = [], 0
+            for s in storages:
                 n = s.nbytes()
-                if n == 0:
-                    continue
-                host = self._host.get(s._cdata)  # noqa: SLF001
-                if host is None or host.numel() != n:
-                    host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-                    self._host[s._cdata] = host  # noqa: SLF001
-                host.copy_(_as_bytes(s), non_blocking=pin)
+                host = buf.tensor[offset : offset + n]
+                host.copy_(_as_bytes(s), non_blocking=buf.pinned)
                 pairs.append((s, host))
-                moved += n
+                offset += n
             self._moved[part] = pairs
+            moved += offset
         if pin:
             torch.cuda.synchronize(self.device)  # the copies must finish before the memory is released
         for part in todo:
@@ -149,16 +151,41 @@ class ActorOffloader:
         """Bring offloaded parts (None: all of them) back to the device, byte for byte; returns the bytes moved."""
         todo = [p for p in (_checked(parts) if parts is not None else PARTS) if p in self._moved]
         moved = 0
-        pin = self.device.type == "cuda"
         for part in todo:
+            pinned = self._host[part].pinned
             for s, host in self._moved.pop(part):
                 if s.nbytes() != host.numel():
                     s.resize_(host.numel())
-                _as_bytes(s).copy_(host, non_blocking=pin)
+                _as_bytes(s).copy_(host, non_blocking=pinned)
                 moved += host.numel()
-        if pin and todo:
+        if self.device.type == "cuda" and todo:
             torch.cuda.synchronize(self.device)  # the host buffers may be overwritten by the next offload
         return moved
+
+
+class _HostBuffer:
+    """One host buffer per part, exactly as large as the part's storages (key: their ids and sizes), page-locked on
+    CUDA with cudaHostRegister. Not torch's pinned allocator: it rounds every allocation up to a power of two
+    (CachingHostAllocator.h, PowerOf2Ceil; up to 2x the host memory for tens of GiB)."""
+
+    def __init__(self, key: tuple[tuple[int, int], ...], pin: bool) -> None:
+        self.key = key
+        self.tensor = torch.empty(sum(n for _, n in key), dtype=torch.uint8)
+        self.pinned = False
+        if pin and self.tensor.numel():
+            cudart = torch.cuda.cudart()
+            rc = cudart.cudaHostRegister(self.tensor.data_ptr(), self.tensor.numel(), 0)
+            if rc != cudart.cudaError.success:
+                raise RuntimeError(
+                    f"actor.offload: cudaHostRegister of {self.tensor.numel() / 2**30:.2f} GiB of host memory failed "
+                    f"({rc!r}); raise the locked-memory limit (ulimit -l) or set actor.offload=none"
+                )
+            self.pinned = True
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
 
 
 def _checked(parts: Iterable[str]) -> list[str]:
