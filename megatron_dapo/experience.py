@@ -113,3 +113,39 @@ def build_actor_batch(groups: Sequence[Group], algo: AlgorithmConfig, pad_token_
         advantages=torch.cat(adv),
         engine_logp=engine_logp,
     )
+
+
+def apply_rollout_correction(batch: ActorBatch, algo: AlgorithmConfig) -> dict[str, float]:
+    """Apply algorithm.rollout_correction to a batch whose old_logp is filled in, in place; returns its metrics.
+
+    Runs once on the whole batch (the same on every rank) before `MegatronActor.update`, so the MIS rejection is
+    already in loss_mask when the actor counts the global denominator D of each mini-batch: every micro-batch and
+    data-parallel rank sees the same corrected mask. Sets batch.is_weight for "tis" / "mis"; "none" leaves the batch
+    untouched. Metrics (floats, keys "rollout_corr/*") are those of `algorithms.rollout_correction.rollout_correction`;
+    a batch without engine log-probs has none, and is an error when a correction is asked for.
+    """
+    from megatron_dapo.algorithms.rollout_correction import rollout_correction  # noqa: PLC0415
+
+    if batch.engine_logp is None:
+        if algo.rollout_correction != "none":
+            raise ValueError(
+                f"algorithm.rollout_correction={algo.rollout_correction!r}: the engine returned no log-probs "
+                "(rollout.compare_logprobs must be true and the engine must support them)"
+            )
+        return {}
+    if batch.old_logp is None:
+        raise ValueError("apply_rollout_correction: batch.old_logp is None; call MegatronActor.compute_logprobs first")
+    result = rollout_correction(
+        batch.old_logp,
+        batch.engine_logp,
+        batch.loss_mask,
+        mode=algo.rollout_correction,
+        level=algo.rollout_correction_level,
+        is_threshold=algo.rollout_is_threshold,
+        mis_low=algo.rollout_mis_low,
+        mis_high=algo.rollout_mis_high,
+    )
+    if result.weights is not None:
+        batch.loss_mask = result.mask
+        batch.is_weight = result.weights
+    return {key: float(value) for key, value in result.metrics.items()}

@@ -21,6 +21,7 @@ from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import PreemptionFlag
 from megatron_dapo.config import RunConfig
 from megatron_dapo.evaluate import score_groups
+from megatron_dapo.experience import apply_rollout_correction
 from megatron_dapo.experience import build_actor_batch
 from megatron_dapo.experience import group_from_state
 from megatron_dapo.experience import group_to_state
@@ -66,7 +67,7 @@ class DAPOTrainer:
             self.rank,
             self._barrier,
             world_size=self.world,
-            gather=lambda obj: self._all_gather([obj]),
+            gather=lambda obj: self.exchange.all_gather([obj], "checkpoint"),
             log=self._notice,
         )
         resume_from = self._startup(self._resume_path)
@@ -77,12 +78,18 @@ class DAPOTrainer:
             if self.rank in self.engine_ranks
             else None
         )
-        self.weight_sync = WeightSync(self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20)
+        self.weight_sync = WeightSync(
+            self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
+        )
         # The one owner of device memory moves per step (megatron_dapo/memory.py, docs/rollout.md).
         self.memory = MemoryChoreographer(self.engine, self.actor, offload=c.actor.offload, barrier=self._host_barrier)
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)
+        elif c.rollout.weight_dtype != "auto":
+            # The engine starts from the checkpoint in full precision (SGLang from dummy weights): the first rollouts
+            # must already see the weights the sync sends.
+            self.weight_sync.sync(self.actor.export_hf_weights())
         self.logger = (
             MetricsLogger(
                 self.run_dir,
@@ -129,7 +136,7 @@ class DAPOTrainer:
             result = fn()
         except (StartupError, CheckpointError, ValueError, OSError) as err:
             error, result = str(err).splitlines()[0] if str(err) else type(err).__name__, None
-        errors = [e for e in self._all_gather([error]) if e is not None]
+        errors = [e for e in self.exchange.all_gather([error], "start-up") if e is not None]
         if errors:
             if self.lock is not None:
                 self.lock.release()
@@ -180,6 +187,7 @@ class DAPOTrainer:
                 metrics["actor/entropy"] = masked_mean(entropy, batch[0].response_mask)
                 if batch[0].engine_logp is not None:
                     metrics.update(logprob_mismatch(batch[0].old_logp, batch[0].engine_logp, batch[0].response_mask))
+                metrics.update(apply_rollout_correction(batch[0], c.algorithm))  # before update: MIS changes D
 
         def update() -> None:
             if batch:
@@ -380,11 +388,6 @@ class DAPOTrainer:
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:
             self.logger.log(step, metrics)
-
-    def _all_gather(self, items: list) -> list:
-        """Every rank's list of picklable items, concatenated in rank order (start-up errors, checkpoint manifests),
-        over the exchange's gloo group. (Lost from main in the issue12 merge; restored here.)"""
-        return self.exchange.all_gather(items, "start-up / checkpoint")
 
     def _host_barrier(self) -> None:
         """A barrier on the gloo group of the rollout exchange (a CPU wait: no NCCL kernel on the engine's GPUs)."""
