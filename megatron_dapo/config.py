@@ -276,6 +276,12 @@ class ActorConfig:
     under it. 0: trainer.micro_batch_size rows per micro-batch. Rows are balanced over data-parallel ranks by tokens
     either way."""
 
+    offload: str = "none"
+    """What of the actor leaves the GPU while the colocated engine generates, to pinned host memory
+    (megatron_dapo/memory.py): "none"; "optimizer" (fp32 main params and Adam moments, after each update);
+    "all" (also gradients, and the parameters after the weight sync). Reloaded before the next log-probs. On CPU
+    the same code path runs (the bytes are copied and restored; nothing is freed)."""
+
     allow_local_spec_on_gpu: bool = False
     """Debugging only: on GPU without Transformer Engine, build the local layer spec instead of stopping (it holds
     full attention scores per layer and has no fused kernels: long responses run out of memory)."""
@@ -299,6 +305,9 @@ class ActorConfig:
             f"must be >= 0 (0: trainer.micro_batch_size rows), got {self.max_tokens_per_microbatch}",
         )
         from megatron_dapo.actor.loss import LOGPROB_IMPLS  # noqa: PLC0415
+        from megatron_dapo.memory import OFFLOAD_MODES  # noqa: PLC0415
+
+        _one_of(self.offload, OFFLOAD_MODES, "actor.offload")
 
         _one_of(self.logprob_impl, tuple(sorted(LOGPROB_IMPLS)), "actor.logprob_impl")
 

@@ -24,6 +24,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.memory import PARTS
+from megatron_dapo.memory import PHASES
+from megatron_dapo.memory import resident_by_phase
+
 GiB = float(1 << 30)
 
 
@@ -426,7 +430,7 @@ def make_plan(
         f"{m.kv_heads}, ffn {m.ffn}, V {m.vocab}, tied {m.tied})",
     }
     phases = [ph for st in actor_stages(m, tp, pp) for ph in _stage_phases(setup, st)]
-    order = ["engine start", "generation", "log-probs", "update", "sync"]
+    order = ["engine start", *PHASES]  # the choreography's phases in its order (megatron_dapo/memory.py)
     phases.sort(key=lambda p: (order.index(p.name), p.stage))
     kv_tok = kv_bytes_per_token(m, ro.tensor_parallel, a.dtype_bytes)
     kv_tokens = min([int(p.term("engine KV cache") * GiB // kv_tok) for p in phases if p.name == "engine start"] or [0])
@@ -452,7 +456,13 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
         Term("actor grads", grads, f"{n:,} x {g_b:g} B (fp32 main grads)"),
         Term("actor optimizer", opt, f"{n:,} x {o_b:.4g} B (fp32 master + Adam m, v / dp {dp})"),
     ]
-    in_sync = {"none": state, "optimizer": state[:2], "all": [Term("actor params", params, "reloaded for the export")]}
+    # What of the actor is on the device in each phase: the choreography's own sequence, run with probes.
+    resident = resident_by_phase(s.offload)
+
+    def actor_terms(phase: str) -> list[Term]:
+        on = resident[phase]["actor"]
+        return [t if part in on else Term(t.name, 0.0, "offloaded") for part, t in zip(PARTS, state)]
+
     # -- actor phases (engine memory released: only its process runtime stays)
     per_layer = layer_activation_bytes(m, tp, s.recompute, s.b, s.sp)
     one_layer = layer_activation_bytes(m, tp, "none", s.b, s.sp) * s.tokens
@@ -478,11 +488,11 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
         f"2 x bucket {ro.weight_sync_bucket_mb} MiB (gathered + flattened)",
     )
     out = [
-        Phase("log-probs", st.index, [trainer, engine_rt, *state, *logprobs]),
-        Phase("update", st.index, [trainer, engine_rt, *state, *update]),
+        Phase("log-probs", st.index, [trainer, engine_rt, *actor_terms("log-probs"), *logprobs]),
+        Phase("update", st.index, [trainer, engine_rt, *actor_terms("update"), *update]),
     ]
     if not colocated:
-        return [*out, Phase("sync", st.index, [trainer, *in_sync[s.offload], buckets])]
+        return [*out, Phase("sync", st.index, [trainer, *actor_terms("sync"), buckets])]
     # -- engine phases: SGLang sizes weights + KV to mem_fraction of the memory free when it starts (the actor is
     # built first, trainer.py; Adam's moments do not exist yet, the fp32 master copy does), keeping the rest.
     etp = ro.tensor_parallel
@@ -503,18 +513,13 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
     max_seq = s.config.data.max_prompt_length + ro.max_response_length
     if kv * GiB < kv_tok * max_seq:
         start.error = f"KV cache holds < 1 sequence of {max_seq} tokens"
-    resident = {
-        "none": state,
-        "optimizer": [*state[:2], Term("actor optimizer", 0.0, "offloaded")],
-        "all": [Term("actor params", 0.0, "offloaded"), Term("actor grads", 0.0, "offloaded")],
-    }[s.offload]
     graphs = Term("engine CUDA graphs", a.cuda_graph_gib, "assumption cuda_graph_gib")
     work = Term("engine workspace", a.engine_workspace_gib, "assumption engine_workspace_gib")
     return [
         *out,
         start,
-        Phase("generation", st.index, [trainer, engine_rt, *resident, w_term, kv_term, graphs, work]),
-        Phase("sync", st.index, [trainer, engine_rt, *in_sync[s.offload], w_term, buckets]),
+        Phase("generation", st.index, [trainer, engine_rt, *actor_terms("generation"), w_term, kv_term, graphs, work]),
+        Phase("sync", st.index, [trainer, engine_rt, *actor_terms("sync"), w_term, buckets]),
     ]
 
 

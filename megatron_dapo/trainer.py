@@ -29,6 +29,7 @@ from megatron_dapo.experience import sampled_response_metrics
 from megatron_dapo.experience import score_group
 from megatron_dapo.launch import RunDirLock
 from megatron_dapo.launch import StartupError
+from megatron_dapo.memory import MemoryChoreographer
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.metrics import PhaseTimer
 from megatron_dapo.metrics import logprob_mismatch
@@ -80,6 +81,8 @@ class DAPOTrainer:
         self.weight_sync = WeightSync(
             self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
         )
+        # The one owner of device memory moves per step (megatron_dapo/memory.py, docs/rollout.md).
+        self.memory = MemoryChoreographer(self.engine, self.actor, offload=c.actor.offload, barrier=self._host_barrier)
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)
@@ -166,31 +169,42 @@ class DAPOTrainer:
     def train_step(self) -> dict[str, float]:
         c, timer, start = self.cfg, PhaseTimer(), time.perf_counter()
         sampled: list = []
-        self._engine_call("wake")
-        with timer("generate"):
-            kept, metrics = self.sampler.collect(lambda missing: self._generate(sampled))
-        metrics.update(sampled_response_metrics(sampled))
-        self._engine_call("sleep")
-        if kept:
-            batch = build_actor_batch(kept, c.algorithm, self.pad_id)
-            with timer("logprobs"):
-                batch.old_logp, entropy = self.actor.compute_logprobs(batch)
-            metrics["actor/entropy"] = masked_mean(entropy, batch.response_mask)
-            if batch.engine_logp is not None:
-                metrics.update(logprob_mismatch(batch.old_logp, batch.engine_logp, batch.response_mask))
-            metrics.update(apply_rollout_correction(batch, c.algorithm))  # before update: MIS changes D
-            with timer("update"):
-                metrics.update(self.actor.update(batch))
-            metrics["train/responses"] = float(len(batch))
-            metrics["train/valid_tokens"] = float(batch.loss_mask.sum())
-            tokens = self.actor.pop_token_stats()
-            metrics["train/pad_fraction"] = tokens["pad_fraction"]
-            actor_s = timer.seconds["logprobs"] + timer.seconds["update"]
-            metrics["perf/actor_tokens_per_s"] = tokens["real_tokens"] / max(actor_s, 1e-9)
-        with timer("weight_sync"):
-            self._engine_call("wake")
-            sync = self.weight_sync.sync(self.actor.export_hf_weights())
-        metrics.update(sync)
+        metrics: dict[str, float] = {}
+        batch: list = []  # the actor batch, when dynamic sampling kept any group
+
+        def generation() -> None:
+            with timer("generate"):
+                kept, collected = self.sampler.collect(lambda missing: self._generate(sampled))
+            metrics.update(collected)
+            metrics.update(sampled_response_metrics(sampled))
+            if kept:
+                batch.append(build_actor_batch(kept, c.algorithm, self.pad_id))
+
+        def log_probs() -> None:
+            if batch:
+                with timer("logprobs"):
+                    batch[0].old_logp, entropy = self.actor.compute_logprobs(batch[0])
+                metrics["actor/entropy"] = masked_mean(entropy, batch[0].response_mask)
+                if batch[0].engine_logp is not None:
+                    metrics.update(logprob_mismatch(batch[0].old_logp, batch[0].engine_logp, batch[0].response_mask))
+                metrics.update(apply_rollout_correction(batch[0], c.algorithm))  # before update: MIS changes D
+
+        def update() -> None:
+            if batch:
+                with timer("update"):
+                    metrics.update(self.actor.update(batch[0]))
+                metrics["train/responses"] = float(len(batch[0]))
+                metrics["train/valid_tokens"] = float(batch[0].loss_mask.sum())
+                tokens = self.actor.pop_token_stats()
+                metrics["train/pad_fraction"] = tokens["pad_fraction"]
+                actor_s = timer.seconds["logprobs"] + timer.seconds["update"]
+                metrics["perf/actor_tokens_per_s"] = tokens["real_tokens"] / max(actor_s, 1e-9)
+
+        def sync() -> None:
+            with timer("weight_sync"):
+                metrics.update(self.weight_sync.sync(self.actor.export_hf_weights()))
+
+        self.memory.run_step({"generation": generation, "log-probs": log_probs, "update": update, "sync": sync})
         timer.seconds["step"] = time.perf_counter() - start
         generated = sum(int(g.payload["lengths"].sum()) for g in sampled)
         metrics["perf/tokens_per_s"] = generated / max(timer.seconds["step"], 1e-9)
@@ -257,7 +271,7 @@ class DAPOTrainer:
         if not examples:
             return {}
         start = time.perf_counter()
-        self._engine_call("wake")
+        self.memory.ensure_engine_resident()
         local = []
         for ex, comps in self._sample(examples, t.eval_samples, t.eval_temperature, t.eval_top_p, seed=t.seed + 7):
             texts = self.tokenizer.batch_decode([x.response_ids for x in comps], skip_special_tokens=True)
@@ -301,13 +315,22 @@ class DAPOTrainer:
         }
 
     def save(self) -> Path:
-        return self.ckpt.save(
-            self.step,
-            self.trainer_state(),
-            self.cfg.to_dict(),
-            lambda d: self.actor.save_checkpoint(str(d)),
-            crash_hook=lambda _d: self._fault("in_save"),
-        )
+        def write() -> Path:
+            return self.ckpt.save(
+                self.step,
+                self.trainer_state(),
+                self.cfg.to_dict(),
+                lambda d: self.actor.save_checkpoint(str(d)),
+                crash_hook=lambda _d: self._fault("in_save"),
+            )
+
+        if self.cfg.actor.offload == "none":
+            return write()
+        # The actor's offloaded state comes back for the save: in the update's slot of the sequence, with the
+        # engine released (its weights are then rewritten by a sync), never on top of a resident engine.
+        return self.memory.run_step(
+            {"update": write, "sync": lambda: self.weight_sync.sync(self.actor.export_hf_weights())}
+        )["update"]
 
     def _load(self, path: Path) -> None:
         state = self.ckpt.load(path, self.cfg.to_dict(), lambda d: self.actor.load_checkpoint(str(d)))
@@ -333,6 +356,7 @@ class DAPOTrainer:
         self._barrier()
 
     def close(self) -> None:
+        self.memory.finish()  # engine released, actor parameters on the device for the export
         self.export_final_hf(self.run_dir / "hf_final")
         if self.logger is not None:
             self.logger.close()
@@ -361,13 +385,14 @@ class DAPOTrainer:
 
             print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
 
-    def _engine_call(self, method: str) -> None:
-        if self.engine is not None:
-            getattr(self.engine, method)()
-
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:
             self.logger.log(step, metrics)
+
+    def _host_barrier(self) -> None:
+        """A barrier on the gloo group of the rollout exchange (a CPU wait: no NCCL kernel on the engine's GPUs)."""
+        if self.world > 1:
+            torch.distributed.barrier(group=self.exchange.group)
 
     def _barrier(self) -> None:
         if self.world > 1:

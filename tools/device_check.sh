@@ -2,7 +2,8 @@
 # One prepared GPU check for a lent H200 (device README: python3 there already holds CUDA torch and Triton; nothing
 # can be downloaded, so nothing is pip-installed from a registry and torch is never replaced).
 #
-# Phases, each under its own timeout, ~10 minutes in all; a failing phase does not stop the later ones:
+# Phases, each under its own timeout, ~10 minutes for 1-5 (the smoke adds up to 7: under the 10-minute limit of one
+# device command run it apart with ONLY=sglang_smoke); a failing phase does not stop the later ones:
 #   1. environment report                       (nvidia-smi, python3 / torch / triton versions)
 #   2. optional wheels carried in .whl/          (e.g. liger_kernel-*.whl, installed --no-deps into /tmp/site)
 #   3. build the CUDA C++ twins                  (python3 csrc/build.py --arch 90)
@@ -12,21 +13,27 @@
 #                                                 reference; needs megatron-core: carry its wheel in .whl/, e.g.
 #                                                 pip download megatron-core==0.16.1 --no-deps -d .whl)
 #   5. python3 tools/bench_kernels.py --device cuda
-#   7. FP8 sync into colocated SGLang            (phase_sglang_fp8: the colocated-SGLang smoke, tools/sglang_smoke.py
-#                                                 from branch mem, rerun with rollout.weight_dtype=fp8 and
-#                                                 algorithm.rollout_correction=tis: SGLang serves block-FP8 linear layers
-#                                                 and takes <name> + <name>_scale_inv every step. Until that smoke
-#                                                 script is in the tree this phase logs SKIP and counts as not run,
-#                                                 never as passed. Output: $OUT/sglang_fp8/, sglang_fp8.log)
+#   6. colocated-SGLang smoke                   (phase_sglang_smoke: tools/sglang_smoke.py under torchrun, 1 GPU: a
+#                                                 tiny model trains 2 steps with SGLang in-process through the memory
+#                                                 choreography, actor offload "all", a checkpoint and the final export;
+#                                                 the device memory after every choreography action is recorded.
+#                                                 Skipped (not run), with the reason in sglang_smoke.log, when sglang or
+#                                                 megatron-core does not import there: nothing comes from a registry)
+#   7. FP8 sync into colocated SGLang            (phase_sglang_fp8: the same smoke rerun with rollout.weight_dtype=fp8
+#                                                 and algorithm.rollout_correction=tis: SGLang serves block-FP8 linear
+#                                                 layers and takes <name> + <name>_scale_inv every step. Skipped (not
+#                                                 run) like phase 6. Output: $OUT/sglang_fp8/, sglang_fp8.log)
 # Everything useful lands in $OUT: env.txt, build.log, pytest_gpu.log, pytest_gpu.xml, pytest_gpu_actor.log,
-# pytest_gpu_actor.xml, bench.log, bench_kernels.csv.
+# pytest_gpu_actor.xml, bench.log, bench_kernels.csv, sglang_smoke.log, sglang_smoke_{memory,metrics}.jsonl,
+# sglang_smoke_summary.json.
 #
 # Run from the repository root, e.g. through the device tool:
 #   bash tools/device_check.sh          (with carry [".whl"] if Liger's wheel was downloaded there)
 # Afterwards, append $OUT/bench_kernels.csv's rows to results/bench_kernels.csv and fill the GPU part of
 # docs/benchmarks.md ("Kernels" section).
-# Knobs: BENCH_CONFIGS (default: the four GPU model shapes), BENCH_TIMEOUT, PYTEST_TIMEOUT, SGLANG_FP8_TIMEOUT;
-# ONLY=sglang_fp8 runs phases 1, 2 and 7 alone.
+# Knobs: BENCH_CONFIGS (default: the four GPU model shapes), BENCH_TIMEOUT, PYTEST_TIMEOUT, SGLANG_SMOKE_TIMEOUT,
+# SGLANG_FP8_TIMEOUT; ONLY=sglang_smoke runs phases 1, 2 and 6 alone, ONLY=sglang_fp8 phases 1, 2 and 7 (each smoke
+# takes up to 7 minutes: under the 10-minute limit of one device command, run them apart).
 set -x
 set -o pipefail
 
@@ -45,7 +52,7 @@ skipped=""
 timeout 60 bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print(\"triton\", triton.__version__)'; nvcc --version" \
     >"$OUT/env.txt" 2>&1 || status=1
 
-# 2. carried wheels (optional): never from a registry
+# 2. carried wheels (optional): never from a registry (also for ONLY=sglang_smoke: megatron-core may come from here)
 if compgen -G ".whl/*.whl" >/dev/null; then
     timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl >>"$OUT/env.txt" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site" || status=1
@@ -70,6 +77,23 @@ timeout "${PYTEST_ACTOR_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/actor -q -rs
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench_kernels.py --device cuda --configs $BENCH_CONFIGS \
     --csv "$OUT/bench_kernels.csv" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+
+# 6. colocated-SGLang smoke (1 GPU, tiny model, 2 steps); the run itself goes to /tmp, only small files to $OUT
+phase_sglang_smoke() {
+    local log="$OUT/sglang_smoke.log"
+    if ! "$PY" -c 'import sglang, megatron.core' >"$log" 2>&1; then
+        echo "SKIP (not run) sglang smoke: sglang or megatron.core does not import here (error above)" | tee -a "$log"
+        skipped="$skipped sglang_smoke"
+        return 0
+    fi
+    timeout "${SGLANG_SMOKE_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+        tools/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out "$OUT" --work /tmp/mdapo_sglang_smoke \
+        >>"$log" 2>&1 || status=1
+    tail -n 60 "$log"
+}
+if [ "${ONLY:-}" = "" ] || [ "${ONLY:-}" = sglang_smoke ]; then
+    phase_sglang_smoke
 fi
 
 # 7. FP8 sync into colocated SGLang (ONLY=sglang_fp8 runs phases 1, 2 and 7 alone)

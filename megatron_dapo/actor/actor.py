@@ -28,6 +28,8 @@ import os
 import random
 from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from dataclasses import fields
 from functools import partial
@@ -54,6 +56,7 @@ from megatron_dapo.actor.loss import dapo_loss_func
 from megatron_dapo.actor.loss import get_logprob_impl
 from megatron_dapo.actor.loss import local_loss_denominator
 from megatron_dapo.actor.loss import micro_batch_logprobs
+from megatron_dapo.actor.offload import ActorOffloader
 from megatron_dapo.actor.packing import PackedLayout
 from megatron_dapo.actor.packing import balance_rows
 from megatron_dapo.actor.packing import micro_batch_rows
@@ -170,6 +173,8 @@ class MegatronActor:
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.grad_scale_func = self.optimizer.scale_loss if self.dtype == torch.float16 else None
         self._set_lr()
+        self.offloader = ActorOffloader(self.model, self.optimizer, self.device)
+        """Moves params / grads / optimizer state to host memory and back (actor.offload, megatron_dapo/memory.py)."""
 
     # ---------------------------------------------------------------------------------------------------------
     # helpers
@@ -341,6 +346,7 @@ class MegatronActor:
             (logp, entropy): [B, S] fp32 on CPU, on every rank. Position t is log p(tokens[t] | tokens[<t]);
             0 at position 0 and wherever response_mask is 0 (prompt and padding).
         """
+        self._require_resident("compute_logprobs", ("params",))
         for chunk in self.model:
             chunk.eval()
         try:
@@ -415,6 +421,7 @@ class MegatronActor:
             actor/loss, actor/grad_norm, actor/lr, actor/clipfrac_high, actor/clipfrac_low, actor/approx_kl,
             actor/ratio_max, actor/entropy; and actor/skipped_steps (count), actor/num_updates (count).
         """
+        self._require_resident("update", ("params", "grads", "optimizer"))
         if batch.old_logp is None:
             raise ValueError("MegatronActor.update: batch.old_logp is None; call compute_logprobs first")
         size = self.config.trainer.mini_batch_prompts * self.config.algorithm.group_size
@@ -551,6 +558,32 @@ class MegatronActor:
         return out
 
     # ---------------------------------------------------------------------------------------------------------
+    # offload (driven by megatron_dapo.memory.MemoryChoreographer)
+    # ---------------------------------------------------------------------------------------------------------
+    def offload_state(self, parts: Sequence[str]) -> int:
+        """Move `parts` ("params", "grads", "optimizer") to pinned host memory; returns the bytes moved (per rank)."""
+        return self.offloader.offload(parts)
+
+    def reload_state(self, parts: Sequence[str] | None = None) -> int:
+        """Bring offloaded parts (None: all) back to the device bit for bit; returns the bytes moved."""
+        return self.offloader.reload(parts)
+
+    def _require_resident(self, what: str, parts: Sequence[str]) -> None:
+        away = [p for p in parts if p in self.offloader.offloaded]
+        if away:
+            raise RuntimeError(f"MegatronActor.{what}: actor state {away} is offloaded; call reload_state() first")
+
+    @contextmanager
+    def _resident(self) -> Iterator[None]:
+        """Everything on the device for the duration (checkpoint save / load), then offloaded again as before."""
+        away = self.offloader.offloaded
+        self.offloader.reload(away)
+        try:
+            yield
+        finally:
+            self.offloader.offload(away)
+
+    # ---------------------------------------------------------------------------------------------------------
     # weights and checkpoints
     # ---------------------------------------------------------------------------------------------------------
     def export_hf_weights(self, bucket_bytes: int | None = None) -> Iterator[tuple[str, Tensor]]:
@@ -559,6 +592,7 @@ class MegatronActor:
         end (TP gathers and PP broadcasts inside); every rank receives every tensor."""
         from megatron_dapo.actor import hf_weights  # noqa: PLC0415
 
+        self._require_resident("export_hf_weights", ("params",))
         return hf_weights.export_hf_weights(self.model, self.hf_config, self.groups, bucket_bytes=bucket_bytes)
 
     def _sharded_state_dict(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
@@ -611,7 +645,8 @@ class MegatronActor:
         """
         os.makedirs(ckpt_dir, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(is_loading=False), ckpt_dir)
+        with self._resident():
+            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), ckpt_dir)
         torch.save(_rng_state(), os.path.join(ckpt_dir, f"rng_rank{dist.get_rank():05d}_of{dist.get_world_size()}.pt"))
         dist.barrier()
 
@@ -621,15 +656,16 @@ class MegatronActor:
         Weights reshard to any TP / PP / DP layout. The optimizer state uses megatron's "dp_reshardable" format: it
         loads into the same TP x PP layout (any DP size); to change TP or PP pass load_optimizer=False (weights and
         step count only; Adam moments start at zero)."""
-        sharded = self._sharded_state_dict(is_loading=True, with_optimizer=load_optimizer)
-        state = dist_checkpointing.load(sharded, ckpt_dir)
-        self._unwrapped().load_state_dict(state["model"])
-        if load_optimizer:
-            _fill_missing_common_step(state["optimizer"])
-            with torch.no_grad():
-                self.optimizer.load_state_dict(state["optimizer"])
-        else:
-            self.optimizer.reload_model_params()
+        with self._resident():
+            sharded = self._sharded_state_dict(is_loading=True, with_optimizer=load_optimizer)
+            state = dist_checkpointing.load(sharded, ckpt_dir)
+            self._unwrapped().load_state_dict(state["model"])
+            if load_optimizer:
+                _fill_missing_common_step(state["optimizer"])
+                with torch.no_grad():
+                    self.optimizer.load_state_dict(state["optimizer"])
+            else:
+                self.optimizer.reload_model_params()
         self.num_steps = int(state["actor"]["num_steps"])
         if load_optimizer:
             self._restore_adam_steps()

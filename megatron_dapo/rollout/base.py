@@ -101,6 +101,8 @@ class RolloutEngine(Protocol):
     Weight updates are a session driven by megatron_dapo.rollout.weight_sync.WeightSync:
     begin_weight_update(), then update_weights(bucket) once per size-bounded bucket of (hf_name, full tensor),
     then end_weight_update(), which checks that every parameter arrived (for a full sync) and flushes caches.
+    Device memory (colocated engines) is released and resumed by region, in the order of megatron_dapo/memory.py;
+    an update session never resumes a region by itself, except the weights if they are still released.
     """
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -108,7 +110,7 @@ class RolloutEngine(Protocol):
         ...
 
     def begin_weight_update(self) -> None:
-        """Open an update session (resume weight memory if asleep, open SGLang's session if it has one)."""
+        """Open an update session (resume the weights' memory if released, open SGLang's session if it has one)."""
         ...
 
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
@@ -119,12 +121,14 @@ class RolloutEngine(Protocol):
         """Close the session; with full=True raise WeightUpdateError unless every parameter was updated."""
         ...
 
-    def sleep(self) -> None:
-        """Release weights and KV cache memory (colocated engines, before training); no-op where meaningless."""
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """Free the device memory of regions `tags` (ENGINE_TAGS: "weights", "kv_cache", "cuda_graph"); a region's
+        contents may be lost (weights are rewritten by the next sync). Regions already released are skipped;
+        engines without such regions do nothing. Only megatron_dapo.memory.MemoryChoreographer calls it."""
         ...
 
-    def wake(self, tags: Sequence[str] | None = None) -> None:
-        """Restore what sleep() released; tags ("weights", "kv_cache") restore a part; None restores all."""
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Map released regions `tags` back (regions not released are skipped); generate() needs all of them."""
         ...
 
     def shutdown(self) -> None:

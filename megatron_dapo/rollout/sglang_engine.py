@@ -2,7 +2,8 @@
 
     colocated:  WeightSync --bucket--> flattened_bucket_payload (one uint8 tensor + metadata, CUDA IPC)
                     --Engine.update_weights_from_tensor(load_format="flattened_bucket")--> SGLang TP workers
-                sleep(): release_memory_occupation  /  wake(["weights"]) ... sync ... wake(["kv_cache"])
+                release_memory(tags) / resume_memory(tags): release_memory_occupation / resume_memory_occupation
+                (tags "weights", "kv_cache", "cuda_graph"; order: megatron_dapo/memory.py)
     server:     generate --HTTP POST /generate (input_ids, sampling_params, return_logprob)--> servers
                 WeightSync --bucket--> POST /update_weights_from_distributed (names, dtypes, shapes)
                                        + NCCL broadcast from the trainer (rank 0 of the update group)
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo.memory import ENGINE_TAGS
 from megatron_dapo.rollout.base import Completion
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
@@ -331,8 +333,7 @@ class SGLangEngine:
 
     def begin_weight_update(self) -> None:
         """Restore weight memory if released, then open SGLang's update session where it exists (>= 0.5.23)."""
-        if "weights" in self._released:
-            self.wake(["weights"])
+        self.resume_memory(["weights"])  # a no-op under the choreography (it resumes them before the sync)
         self._patch_reductions()  # SGLang's own fix so IPC handles name the GPU by UUID, not by index
         if hasattr(self._engine, "begin_weight_update"):
             _ok(self._call("begin_weight_update"), "begin_weight_update")
@@ -347,7 +348,7 @@ class SGLangEngine:
         _ok(result, "update_weights_from_tensor")
 
     def end_weight_update(self, *, full: bool = True) -> None:
-        """Close the session, flush the radix cache and restore the KV cache if it was released.
+        """Close the session and flush the radix cache (the KV cache stays released until resume_memory).
 
         SGLang cannot list which parameters a bucket covered, so `full` is not checked here; the actor's export
         covers every parameter by construction (tested with the transformers engine).
@@ -356,17 +357,23 @@ class SGLangEngine:
             _ok(self._call("end_weight_update"), "end_weight_update")
         self._session = False
         self._call("flush_cache")
-        if self._released:
-            self.wake()
 
-    def sleep(self) -> None:
-        """Release weights, KV cache and CUDA graphs (SGLang's memory saver) before training."""
-        self._call("release_memory_occupation", tags=None)
-        self._released = {"weights", "kv_cache", "cuda_graph"}
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """Engine.release_memory_occupation(tags) for the regions not released yet.
 
-    def wake(self, tags: Sequence[str] | None = None) -> None:
-        """Resume released memory: tags ("weights", "kv_cache", "cuda_graph") or None for all of it."""
-        todo = sorted(self._released if tags is None else self._released & set(tags))
+        SGLang 0.5.23 (scheduler_components/weight_updater.py) pauses each tag's torch_memory_saver region: the
+        physical memory is freed, the weights' contents are lost (no CPU backup: the next sync rewrites them), the
+        KV cache is flushed. It asserts the engine is idle, so call it between generations only.
+        """
+        todo = [t for t in ENGINE_TAGS if t in tags and t not in self._released]
+        if todo:
+            self._call("release_memory_occupation", tags=todo)
+            self._released |= set(todo)
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Engine.resume_memory_occupation(tags) for the released ones (SGLang raises KeyError on a tag that was
+        not released, so only those are sent)."""
+        todo = [t for t in ENGINE_TAGS if t in tags and t in self._released]
         if todo:
             self._call("resume_memory_occupation", tags=todo)
             self._released -= set(todo)
@@ -556,10 +563,10 @@ class SGLangServerEngine:
             self._post_all("/end_weight_update", {})
         self._post_all("/flush_cache")
 
-    def sleep(self) -> None:
+    def release_memory(self, tags: Sequence[str]) -> None:
         """No-op: the servers own their GPUs."""
 
-    def wake(self, tags: Sequence[str] | None = None) -> None:
+    def resume_memory(self, tags: Sequence[str]) -> None:
         """No-op: the servers own their GPUs."""
 
     def shutdown(self) -> None:

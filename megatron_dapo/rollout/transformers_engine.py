@@ -125,7 +125,7 @@ class TransformersEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """len(prompts) * params.n completions, grouped contiguously by prompt (see module docstring)."""
         if self._asleep:
-            raise RuntimeError("TransformersEngine.generate: the engine is asleep; call wake() first")
+            raise RuntimeError("TransformersEngine.generate: the weights are released; call resume_memory first")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"TransformersEngine.generate: prompt {i} is empty")
@@ -239,7 +239,9 @@ class TransformersEngine:
         self.parameter_names = frozenset(first_name.values())
 
     def begin_weight_update(self) -> None:
-        """Open an update session; end_weight_update() checks that every parameter arrived."""
+        """Open an update session (resuming released weights); end_weight_update() checks that every parameter
+        arrived."""
+        self.resume_memory(["weights"])
         self._received = set()
         self._fp8_pending = {}
 
@@ -320,18 +322,19 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ memory
 
-    def sleep(self) -> None:
-        """On CUDA move the weights to host memory; no-op on CPU."""
-        if self.device.type == "cuda" and not self._asleep:
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """On CUDA, "weights" moves the model to host memory (its closest equivalent; it has no persistent KV cache or
+        CUDA graphs, so the other regions are no-ops); nothing on CPU."""
+        if self.device.type == "cuda" and "weights" in tags and not self._asleep:
             self.model.to("cpu")
             torch.cuda.empty_cache()
-        self._asleep = self.device.type == "cuda"
+            self._asleep = True
 
-    def wake(self, tags: Sequence[str] | None = None) -> None:
-        """Move the weights back to the device (tags are accepted for protocol compatibility)."""
-        if self._asleep:
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """ "weights" moves the model back to the device if it was released."""
+        if self._asleep and "weights" in tags:
             self.model.to(self.device)
-        self._asleep = False
+            self._asleep = False
 
     def shutdown(self) -> None:
         """Drop the model."""

@@ -65,7 +65,7 @@ class VLLMEngine:
         with scrubbed_environ():  # its engine-core / worker processes must not inherit torchrun's variables
             self.llm = vllm.LLM(**kwargs)
         self._pending: list[tuple[str, Tensor]] | None = None
-        self._asleep = False
+        self._released: set[str] = set()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """len(prompts) * params.n completions, grouped by prompt (one vLLM request per completion)."""
@@ -102,9 +102,8 @@ class VLLMEngine:
         return Completion(prompt_ids=prompt, response_ids=ids, response_logprobs=logps, finish_reason=reason)
 
     def begin_weight_update(self) -> None:
-        """Start collecting buckets; wakes the weights if asleep."""
-        if self._asleep:
-            self.llm.wake_up(tags=["weights"])
+        """Start collecting buckets; resumes the weights' memory if released."""
+        self.resume_memory(["weights"])
         self._pending = []
 
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
@@ -120,21 +119,21 @@ class VLLMEngine:
             raise WeightUpdateError("end_weight_update: no update session is open (call begin_weight_update)")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pending})
         self.llm.reset_prefix_cache()
-        if self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._asleep = False
 
-    def sleep(self) -> None:
-        """vLLM sleep mode level 1 on GPU (weights offloaded, KV cache dropped); no-op on CPU."""
-        if torch.cuda.is_available():
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """vLLM sleep mode, its closest equivalent: LLM.sleep(level=1) offloads the weights to host memory and
+        discards the KV cache in one call (vLLM has no per-region sleep and no "cuda_graph" region: its graphs stay),
+        so asking for "weights" or "kv_cache" releases both. A no-op without CUDA (no sleep mode on CPU)."""
+        if torch.cuda.is_available() and not self._released and {"weights", "kv_cache"} & set(tags):
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._released = {"weights", "kv_cache"}
 
-    def wake(self, tags: Sequence[str] | None = None) -> None:
-        """Wake from sleep mode (tags "weights" / "kv_cache", or all)."""
-        if self._asleep:
-            self.llm.wake_up(tags=list(tags) if tags is not None else None)
-            self._asleep = tags is not None and set(tags) != {"weights", "kv_cache"}
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """LLM.wake_up(tags) for the released regions among "weights" / "kv_cache" (vLLM wakes them separately)."""
+        todo = [t for t in ("weights", "kv_cache") if t in tags and t in self._released]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._released -= set(todo)
 
     def shutdown(self) -> None:
         """Drop the LLM object (vLLM tears its workers down on garbage collection)."""

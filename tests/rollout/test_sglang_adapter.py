@@ -247,19 +247,27 @@ def _adapter(fake) -> SGLangEngine:
 
 @pytest.mark.parametrize("with_session", [True, False])
 def test_colocated_session_order(with_session):
+    """The choreography's calls (memory.py) map onto SGLang's: release all tags, resume the weights, the update
+    session (which resumes nothing itself), then the KV cache and graphs; repeated or unreleased tags are not sent
+    (SGLang's resume raises KeyError on a tag that is not released)."""
     fake = _RecordingEngine(with_session)
     eng = _adapter(fake)
-    eng.sleep()
+    eng.release_memory(["weights", "kv_cache", "cuda_graph"])
+    eng.release_memory(["kv_cache"])
+    eng.resume_memory(["weights"])
     eng.begin_weight_update()
     eng.update_weights([("w", torch.ones(3))])
     eng.end_weight_update()
+    eng.resume_memory(["kv_cache", "cuda_graph"])
+    eng.resume_memory(["kv_cache", "cuda_graph", "weights"])
     names = [c[0] for c in fake.calls]
     expected = ["release_memory_occupation", "resume_memory_occupation"]
     expected += ["begin_weight_update"] * with_session + ["update_weights_from_tensor"]
     expected += ["end_weight_update"] * with_session + ["flush_cache", "resume_memory_occupation"]
     assert names == expected
+    assert fake.calls[0][1] == {"tags": ["weights", "kv_cache", "cuda_graph"]}
     assert fake.calls[1][1] == {"tags": ["weights"]}
-    assert fake.calls[-1][1] == {"tags": ["cuda_graph", "kv_cache"]}
+    assert fake.calls[-1][1] == {"tags": ["kv_cache", "cuda_graph"]}
     upd = next(kw for n, kw in fake.calls if n == "update_weights_from_tensor")
     assert upd["load_format"] == "flattened_bucket" and upd["flush_cache"] is False
     assert len(upd["named_tensors"]) == 2 and pickle.loads(upd["named_tensors"][0])["metadata"][0]["name"] == "w"
