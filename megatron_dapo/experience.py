@@ -168,7 +168,7 @@ def rows_to_batch(
     seq_len = max((len(a) + len(b) for a, b, _ in rows), default=1)
     tokens = torch.full((num, seq_len), pad_token_id, dtype=torch.int64)
     response_mask = torch.zeros(num, seq_len)
-    with_engine = num > 0 and all(e is not None for _, _, e in rows)
+    with_engine = all(e is not None for _, _, e in rows)  # an empty batch keeps the [0, S] tensor
     engine_logp = torch.zeros(num, seq_len) if with_engine else None
     for r, (prompt, response, engine) in enumerate(rows):
         start, end = len(prompt), len(prompt) + len(response)

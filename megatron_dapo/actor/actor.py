@@ -377,7 +377,7 @@ class MegatronActor:
         try:
             if plan is not None:
                 local, _ = self._local_rows(batch, plan, "compute_logprobs")
-                out = self._local_logprobs(local, with_entropy, len(local)).cpu()
+                out = self._local_logprobs(local, with_entropy, len(local))[:, : len(local)].cpu()
             else:
                 out = self._full_logprobs(batch, with_entropy)
         finally:
