@@ -7,20 +7,31 @@
             trainer_state.pt      step, data iterator, sampler carry, metrics continuity (weights_only-safe)
             rng_rank{r}.pt        torch / python RNG states per rank
             config.yaml
+            MANIFEST.json         size and sha256 of every other file, written by rank 0 after every rank wrote
             COMPLETE
         step_00000006.partial/    an interrupted save: ignored by `latest()`, removed by the next save
 
+Integrity: `verify()` re-hashes every file named in MANIFEST.json (the ranks share the files) and reports missing,
+resized or changed files; `find_resumable()` walks the complete checkpoints newest first and returns the first that
+verifies, naming each one it skips and why. A checkpoint without MANIFEST.json (written by an older version) loads
+with a warning. Hashing costs one read of the checkpoint, split over the ranks, at save and at resume.
+
 SIGTERM / SIGUSR1 (Slurm preemption) only set a flag; the trainer checks it at step boundaries, agreeing across ranks,
-saves and exits 0.
+saves and exits 0. A step in progress runs to its end first, so the launcher must wait long enough before SIGKILL:
+checkpoint.preempt_grace_s, which `megatron-dapo launch` passes to torchrun (docs/reliability.md, Preemption).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import shutil
 import signal
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +39,9 @@ import torch
 import yaml
 
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
 PREFIX = "step_"
+_HASH_CHUNK = 8 * 2**20
 
 # Fields that may not change when resuming a run (others, e.g. total_steps or logging, may).
 INCOMPATIBLE_FIELDS = (
@@ -66,14 +79,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def check_compatible(saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]], where: str) -> None:
-    """Raise ValueError naming every field that changed in a way a resumed run cannot absorb."""
+    """Raise CheckpointError (a ValueError) naming every field that changed in a way a resumed run cannot absorb."""
     changed = [
         f"{s}.{f}: {saved.get(s, {}).get(f)!r} -> {current.get(s, {}).get(f)!r}"
         for s, f in INCOMPATIBLE_FIELDS
         if saved.get(s, {}).get(f) != current.get(s, {}).get(f)
     ]
     if changed:
-        raise ValueError(
+        raise CheckpointError(
             f"{where}: cannot resume, the config changed incompatibly ({'; '.join(changed)}); "
             f"use a new trainer.run_dir or checkpoint.resume=never"
         )
@@ -88,6 +101,52 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+def checkpoint_files(path: str | Path) -> list[str]:
+    """Relative paths of every regular file under a checkpoint directory except MANIFEST.json and COMPLETE, sorted."""
+    path = Path(path)
+    return sorted(
+        p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() and p.name not in (MANIFEST, COMPLETE)
+    )
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file (read in 8 MiB chunks; hashlib releases the GIL, so threads hash files in parallel)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {"size": bytes, "sha256": hex}} for files under root (4 threads)."""
+
+    def one(name: str) -> tuple[str, dict[str, Any]]:
+        p = root / name
+        return name, {"size": p.stat().st_size, "sha256": file_sha256(p)}
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(pool.map(one, names))
+
+
+def check_files(root: Path, expected: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
+    """Problems (one short text each) of `names` under root against the manifest entries `expected`."""
+    problems = []
+    for name in names:
+        p, want = root / name, expected[name]
+        if not p.is_file():
+            problems.append(f"{name} is missing")
+        elif p.stat().st_size != want["size"]:
+            problems.append(f"{name} has {p.stat().st_size} bytes, the manifest says {want['size']}")
+        elif file_sha256(p) != want["sha256"]:
+            problems.append(f"{name} fails its sha256 check")
+    return problems
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names it."""
+
+
 class CheckpointManager:
     """Save / find / load checkpoints under `root`. Every rank constructs one; `barrier` synchronises ranks.
 
@@ -96,13 +155,30 @@ class CheckpointManager:
         keep_last: number of complete checkpoints kept.
         rank: global rank; rank 0 owns directory creation, renames and pruning.
         barrier: a callable that blocks until every rank reaches it (torch.distributed.barrier on a group).
+        world_size: number of ranks taking part (barrier / gather).
+        gather: all-gather of one picklable object per rank, returning the list in rank order (None: one process).
+            Hashing at save and verification at load are split over the ranks with it.
+        log: receives one-line notices (a skipped checkpoint, a missing manifest); rank 0 should print them.
     """
 
-    def __init__(self, root: str | Path, keep_last: int, rank: int = 0, barrier: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        root: str | Path,
+        keep_last: int,
+        rank: int = 0,
+        barrier: Callable[[], None] = lambda: None,
+        *,
+        world_size: int = 1,
+        gather: Callable[[Any], list[Any]] | None = None,
+        log: Callable[[str], None] = lambda _line: None,
+    ):
         self.root = Path(root)
         self.keep_last = keep_last
         self.rank = rank
         self.barrier = barrier
+        self.world_size = world_size
+        self.gather = gather or (lambda obj: [obj])
+        self.log = log
 
     def save(
         self,
@@ -133,6 +209,7 @@ class CheckpointManager:
             torch.save(trainer_state, partial / "trainer_state.pt")
             (partial / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         self.barrier()
+        self._write_manifest(partial)
         if crash_hook is not None:
             crash_hook(partial)
         if self.rank == 0:
@@ -147,15 +224,85 @@ class CheckpointManager:
         self.barrier()
         return final
 
+    def _write_manifest(self, path: Path) -> None:
+        """Hash every file of the checkpoint (rank r takes files r, r + world, ...); rank 0 writes MANIFEST.json."""
+        names = checkpoint_files(path)
+        parts = self.gather(hash_files(path, names[self.rank :: self.world_size]))
+        if self.rank == 0:
+            files: dict[str, dict[str, Any]] = {}
+            for part in parts:
+                files.update(part)
+            files.update(hash_files(path, [n for n in names if n not in files]))  # a rank that saw fewer files
+            manifest = {"version": 1, "algorithm": "sha256", "files": dict(sorted(files.items()))}
+            tmp = path / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+            os.replace(tmp, path / MANIFEST)
+        self.barrier()
+
+    def verify(self, path: str | Path) -> list[str]:
+        """Problems of a checkpoint (empty: usable), the same list on every rank (collective when gather is set).
+
+        Checks the COMPLETE marker and, when MANIFEST.json exists, the size and sha256 of every file it lists (split
+        over the ranks). No manifest (an older checkpoint): no problems, a warning through `log`.
+        """
+        path = Path(path)
+        if not path.is_dir():
+            return [f"{path} does not exist"]
+        if not (path / COMPLETE).exists():
+            return [f"no {COMPLETE} marker (an interrupted save)"]
+        if not (path / MANIFEST).exists():
+            self.log(f"checkpoint {path} has no {MANIFEST} (saved by an older version): loading it unverified")
+            return []
+        try:
+            expected = json.loads((path / MANIFEST).read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return [f"{MANIFEST} is unreadable ({type(err).__name__})"]
+        names = sorted(expected)
+        found = self.gather(check_files(path, expected, names[self.rank :: self.world_size]))
+        return [p for part in found for p in part]
+
+    def find_resumable(self) -> Path | None:
+        """The newest complete checkpoint that verifies (None if there is none at all); each newer one that fails is
+        logged by name with its problems. Raises CheckpointError if checkpoints exist but none verifies."""
+        candidates = list_checkpoints(self.root)
+        if self.root.is_dir():
+            newest = int(candidates[-1].name[len(PREFIX) :]) if candidates else -1
+            for p in sorted(self.root.glob(f"{PREFIX}*")):
+                step = p.name[len(PREFIX) :].split(".")[0]
+                if p.is_dir() and p not in candidates and step.isdigit() and int(step) > newest:
+                    self.log(f"checkpoint {p} is incomplete (no {COMPLETE} marker: an interrupted save); ignored")
+        rejected = []
+        for path in reversed(candidates):
+            problems = self.verify(path)
+            if not problems:
+                if rejected:
+                    self.log(f"resuming from {path}, the newest checkpoint that verifies")
+                return path
+            rejected.append(path.name)
+            more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+            self.log(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}{more}; trying the previous one")
+        if rejected:
+            raise CheckpointError(
+                f"{self.root}: no usable checkpoint ({', '.join(rejected)} failed verification); "
+                f"set checkpoint.resume=never to start over, or point checkpoint.resume at a checkpoint"
+            )
+        return None
+
+    def check_config(self, path: str | Path, config: dict[str, Any]) -> None:
+        """CheckpointError naming every field of `config` that cannot change when resuming from `path`."""
+        saved = yaml.safe_load((Path(path) / "config.yaml").read_text())
+        check_compatible(saved, config, str(path))
+
     def load(
         self, path: str | Path, config: dict[str, Any], load_actor: Callable[[Path], None] | None = None
     ) -> dict[str, Any]:
-        """Check config compatibility, restore the actor, this rank's RNG states; return the trainer state."""
+        """Check config compatibility, restore the actor, this rank's RNG states; return the trainer state.
+
+        The caller verifies first (`verify` / `find_resumable`); a missing marker is still refused here."""
         path = Path(path)
         if not (path / COMPLETE).exists():
-            raise ValueError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
-        saved = yaml.safe_load((path / "config.yaml").read_text())
-        check_compatible(saved, config, str(path))
+            raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
+        self.check_config(path, config)
         if load_actor is not None:
             load_actor(path / "actor")
         rng_file = path / f"rng_rank{self.rank}.pt"
@@ -187,12 +334,16 @@ class PreemptionFlag:
     def __init__(self) -> None:
         self.flag = False
         self.signum: int | None = None
+        self.received_at: float | None = None
+        """time.monotonic() of the first signal (how much of the grace period a long step used)."""
 
     def install(self) -> None:
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if not self.flag:
+            self.received_at = time.monotonic()
         self.flag = True
         self.signum = signum
 

@@ -1,6 +1,8 @@
 """`megatron-dapo` (or `python -m megatron_dapo.cli`): train, eval, plot, convert.
 
 megatron-dapo train --config examples/tiny_cpu.yaml [--section.field=value ...]     (under torchrun or srun)
+megatron-dapo launch --nproc-per-node N --config X.yaml [...]                      (checks once, then torchrun)
+megatron-dapo check --config X.yaml [--world-size N] [...]                         (start-up checks only)
 megatron-dapo eval --config X.yaml [--model HF_DIR] [--section.field=value ...]     (one process, engine only)
 megatron-dapo plot RUN_DIR
 megatron-dapo convert --config X.yaml --to megatron --out DIR                     (HF actor.model_path -> dist ckpt)
@@ -13,10 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config import load_config
+from megatron_dapo.launch import StartupError
+from megatron_dapo.launch import exit_with_launcher
+from megatron_dapo.launch import launch_rank_world
+from megatron_dapo.launch import preflight
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,6 +34,16 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="avg@k / pass@k / cons@k of a HF checkpoint on data.eval_files")
     ev.add_argument("--config", required=True)
     ev.add_argument("--model", default=None, help="HF checkpoint directory (default: actor.model_path)")
+    launch = sub.add_parser("launch", help="start-up checks once, then torchrun with the preemption grace period")
+    launch.add_argument("--config", required=True)
+    launch.add_argument("--nproc-per-node", type=int, required=True)
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--node-rank", type=int, default=0)
+    launch.add_argument("--rdzv-endpoint", default=None, help="host:port of node 0 (needed when --nnodes > 1)")
+    launch.add_argument("--module", default="megatron_dapo.cli", help="workers run `python -m MODULE train ...`")
+    check = sub.add_parser("check", help="the start-up checks of train, without starting anything")
+    check.add_argument("--config", required=True)
+    check.add_argument("--world-size", type=int, default=None, help="processes the job will run (default: env)")
     plot = sub.add_parser("plot", help="draw PNG curves of a run")
     plot.add_argument("run_dir")
     conv = sub.add_parser("convert", help="HF <-> Megatron dist checkpoint")
@@ -46,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done (also after a preemption save), 2 a user error (one `error:` line, printed by rank 0)."""
     args, overrides = _parser().parse_known_args(argv)
+    rank, world = launch_rank_world()
     try:
         if args.command == "plot":
             from megatron_dapo.metrics import plot_run  # noqa: PLC0415
@@ -55,17 +74,34 @@ def main(argv: list[str] | None = None) -> int:
                 print(path)
             return 0
         config = load_config(args.config, overrides)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        if args.command == "launch":
+            world = args.nproc_per_node * args.nnodes
+        elif args.command == "check" and args.world_size is not None:
+            world = args.world_size
+        if args.command in ("train", "launch", "check"):
+            preflight(config, world)
+    except (ConfigError, StartupError, ValueError, FileNotFoundError) as err:
+        return _user_error(err, rank)
     if args.command == "plan":
         return run_plan(config, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.assume)
-    if args.command == "train":
-        if (code := preflight(config)) != 0:
+    if args.command == "check":
+        a = config.actor
+        print(f"ok: {world} processes = TP {a.tensor_parallel} x PP {a.pipeline_parallel} x DP "
+              f"{world // (a.tensor_parallel * a.pipeline_parallel)}")  # fmt: skip
+    elif args.command == "launch":
+        return launch(args, overrides, config)
+    elif args.command == "train":
+        if (code := plan_preflight(config)) != 0:
             return code
         from megatron_dapo.trainer import DAPOTrainer  # noqa: PLC0415
 
-        DAPOTrainer(config).fit()
+        exit_with_launcher(config.checkpoint.preempt_grace_s)
+        try:
+            trainer = DAPOTrainer(config)
+        except StartupError as err:
+            _destroy_process_group()
+            return _user_error(err, rank)
+        trainer.fit()
     elif args.command == "eval":
         print(json.dumps(run_eval(config, args.model), indent=1))
     elif args.command == "convert":
@@ -94,8 +130,8 @@ def run_plan(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float, assum
     return plan.exit_code
 
 
-def preflight(config) -> int:
-    """`train`'s start check on CUDA (skipped by trainer.preflight=false): plan the run on this job's layout
+def plan_preflight(config) -> int:
+    """`train`'s memory check on CUDA (skipped by trainer.preflight=false): plan the run on this job's layout
     (WORLD_SIZE / LOCAL_WORLD_SIZE under torchrun, SLURM_NTASKS / SLURM_NNODES under srun; the GPU's memory). Every
     rank gets the same answer; rank 0 prints the plan when a phase does not fit and every rank returns 2."""
     import os  # noqa: PLC0415
@@ -124,11 +160,69 @@ def preflight(config) -> int:
     return plan.exit_code
 
 
+def _user_error(err: BaseException, rank: int) -> int:
+    """Print `error: ...` on rank 0; the other ranks (which found the same error) exit a moment later, so that a
+    launcher stopping the job at the first exit cannot cut rank 0's line off."""
+    if rank == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    else:
+        import time  # noqa: PLC0415
+
+        time.sleep(3.0)
+    return 2
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(args: argparse.Namespace, overrides: list[str], config) -> int:
+    """torchrun in this process, with checkpoint.preempt_grace_s as its SIGTERM -> SIGKILL window and SIGUSR1/2
+    forwarded to the workers (Slurm's --signal); returns 0, the workers' exit code, or 128 + a signal's number."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.run import get_args_parser  # noqa: PLC0415
+    from torch.distributed.run import run  # noqa: PLC0415
+
+    grace = int(math.ceil(config.checkpoint.preempt_grace_s))
+    torchrun = [
+        f"--nproc-per-node={args.nproc_per_node}",
+        f"--shutdown-timeout={grace}",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+    ]
+    if args.nnodes == 1:
+        torchrun.append("--standalone")
+    else:
+        if not args.rdzv_endpoint:
+            return _user_error(StartupError("launch --nnodes > 1 needs --rdzv-endpoint HOST:PORT"), 0)
+        torchrun += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={args.rdzv_endpoint}"]  # fmt: skip
+    torchrun += ["-m", args.module, "train", "--config", args.config, *overrides]
+    try:
+        run(get_args_parser().parse_args(torchrun))
+    except SignalException as sig:
+        print(f"megatron-dapo launch: {sig.sigval.name}: workers had checkpoint.preempt_grace_s={grace} s to save "
+              f"and exit", file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + int(sig.sigval)
+    except ChildFailedError as failed:
+        first = failed.failures.get(0)
+        if first is not None and first.exitcode == 2:
+            return 2  # a user error, printed once by rank 0 (torchrun then stopped the other ranks)
+        ranks = ", ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(failed.failures.items()))
+        print(f"error: workers failed ({ranks}); their output is above", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def run_eval(config, model_dir: str | None) -> dict[str, float]:
     """Evaluate a HF checkpoint with the rollout engine alone (no actor, one process)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from megatron_dapo.data import PromptDataset  # noqa: PLC0415
+    from megatron_dapo.data.dataset import prompt_token_ids  # noqa: PLC0415
     from megatron_dapo.evaluate import evaluate  # noqa: PLC0415
     from megatron_dapo.reward import Verifier  # noqa: PLC0415
     from megatron_dapo.rollout import make_engine  # noqa: PLC0415
@@ -138,10 +232,7 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     examples = PromptDataset(config.data.eval_files).examples[: t.eval_max_prompts or None]
     engine = make_engine(config.rollout, model_dir, seed=t.seed)
-    prompts = []
-    for ex in examples:
-        ids = tok.apply_chat_template(ex.prompt_messages, add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    prompts = [prompt_token_ids(tok, ex.prompt_messages) for ex in examples]
     return evaluate(
         engine,
         prompts,

@@ -363,8 +363,15 @@ class CheckpointConfig:
     """"auto" (newest checkpoint in run_dir if any), "never", or a checkpoint directory."""
     load_hf_on_start: bool = True
     """Initialise from actor.model_path when no checkpoint is resumed."""
+    preempt_grace_s: float = 300.0
+    """Seconds a worker has after SIGTERM/SIGUSR1 to finish its step and save (the trainer saves at the step
+    boundary). `megatron-dapo launch` gives torchrun this --shutdown-timeout (torchrun's own default SIGKILLs after
+    30 s); under Slurm pair it with --signal=B:USR1@<at least this> (docs/reliability.md). It also bounds how long a
+    worker outlives a dead torchrun."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "checkpoint")
+        _check(self.preempt_grace_s > 0, "checkpoint.preempt_grace_s", f"must be > 0, got {self.preempt_grace_s}")
         _check(self.save_every >= 0, "checkpoint.save_every", "must be >= 0")
         _check(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
         _check(self.resume != "", "checkpoint.resume", 'must be "auto", "never" or a path')

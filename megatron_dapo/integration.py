@@ -14,6 +14,8 @@
    `sequence_logprobs_and_entropy` / `sequence_logprobs_from_hidden`: per-token log-probs and entropy from
    vocab-parallel logits or from hidden states + LM-head weight, with temperature and Megatron's padded vocab masked
    out. `get_logprob_impl(name)` is the registry behind `actor.logprob_impl` ("reference", "fused", "fused_linear").
+   `PackedLayout.build(tokens, lengths)` packs a micro-batch into one THD row (cu_seqlens for Megatron's
+   PackedSeqParams); `dapo_loss_func(..., packed=layout)` then takes the packed output and unpacks per-token values.
 3. `add_dapo_args(parser)` / `dapo_config_from_args(args)`: every AlgorithmConfig field as `--dapo-<field>`.
 
 Pieces 1 and 2 live in megatron_dapo/actor/loss.py (the actor's own loss plumbing, pure torch) and are re-exported
@@ -44,6 +46,7 @@ from megatron_dapo.actor.loss import get_logprob_impl
 from megatron_dapo.actor.loss import local_loss_denominator
 from megatron_dapo.actor.loss import sequence_logprobs_and_entropy
 from megatron_dapo.actor.loss import sequence_logprobs_from_hidden
+from megatron_dapo.actor.packing import PackedLayout
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.config import ConfigError
 from megatron_dapo.ops import linear_logprobs_and_entropy
@@ -51,6 +54,7 @@ from megatron_dapo.ops import logprobs_and_entropy
 
 __all__ = [
     "LOSS_DENOMINATOR_UNIT",
+    "PackedLayout",
     "add_dapo_args",
     "dapo_config_from_args",
     "dapo_loss_func",

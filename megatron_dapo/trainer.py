@@ -12,6 +12,8 @@ the DP rank that trains on it (all TP/PP ranks of that model-parallel group) and
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,9 @@ import torch
 from megatron_dapo.actor.packing import RowPlan
 from megatron_dapo.algorithms import DynamicSampler
 from megatron_dapo.batch import ActorBatch
+from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import PreemptionFlag
-from megatron_dapo.checkpoint import latest_checkpoint
 from megatron_dapo.config import RunConfig
 from megatron_dapo.evaluate import score_groups
 from megatron_dapo.experience import RolloutStore
@@ -37,6 +39,8 @@ from megatron_dapo.experience import rows_to_batch
 from megatron_dapo.experience import sampled_response_metrics
 from megatron_dapo.experience import score_group
 from megatron_dapo.experience import split_group
+from megatron_dapo.launch import RunDirLock
+from megatron_dapo.launch import StartupError
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.metrics import PhaseTimer
 from megatron_dapo.metrics import mismatch_from_sums
@@ -50,12 +54,8 @@ class DAPOTrainer:
     """Owns the actor, the engine, data, sampler, checkpoints and logging for one run (construct on every rank)."""
 
     def __init__(self, config: RunConfig) -> None:
-        from transformers import AutoTokenizer  # noqa: PLC0415
-
         from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
         from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-        from megatron_dapo.data import PromptDataset  # noqa: PLC0415
-        from megatron_dapo.data import PromptIterator  # noqa: PLC0415
         from megatron_dapo.reward import Verifier  # noqa: PLC0415
         from megatron_dapo.rollout import make_engine  # noqa: PLC0415
         from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
@@ -72,17 +72,20 @@ class DAPOTrainer:
         self.dp_of_rank = [int(d) for d in self.exchange.all_gather([self.groups.dp_rank], "dp ranks")]
         """Data-parallel rank of every global rank (destinations of the rollout rows)."""
         self.run_dir = Path(c.trainer.run_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(c.actor.model_path)
-        self.stop_ids = [self.tokenizer.eos_token_id]
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.lock = RunDirLock(self.run_dir, self._notice) if self.rank == 0 else None
+        self._startup(self._load_inputs)
         self.verifier = Verifier.from_config(c.reward)
-        self.train_data = PromptIterator(
-            PromptDataset(c.data.train_files).examples, seed=c.data.seed, shuffle=c.data.shuffle
-        )
-        self.eval_examples = PromptDataset(c.data.eval_files).examples if c.data.eval_files else []
         self.sampler: DynamicSampler = DynamicSampler.from_config(c.algorithm, c.trainer.prompts_per_step, self._note)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", c.checkpoint.keep_last, self.rank, self._barrier)
-        resume_from = self._resume_path()
+        self.ckpt = CheckpointManager(
+            self.run_dir / "checkpoints",
+            c.checkpoint.keep_last,
+            self.rank,
+            self._barrier,
+            world_size=self.world,
+            gather=lambda obj: self._all_gather([obj]),
+            log=self._notice,
+        )
+        resume_from = self._startup(self._resume_path)
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
         self.engine_ranks = rollout_ranks(c.rollout, self.world)
         self.engine = (
@@ -108,6 +111,45 @@ class DAPOTrainer:
         self.preempt = PreemptionFlag()
         self.preempt.install()
 
+    def _load_inputs(self) -> None:
+        """Run-dir lock (rank 0), tokenizer and data: the user-input part of start-up."""
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        from megatron_dapo.data import PromptDataset  # noqa: PLC0415
+        from megatron_dapo.data import PromptIterator  # noqa: PLC0415
+
+        c = self.cfg
+        if self.lock is not None:
+            self.lock.acquire()
+        self.tokenizer = AutoTokenizer.from_pretrained(c.actor.model_path)
+        self.stop_ids = [self.tokenizer.eos_token_id]
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        prompts = {
+            "tokenizer": self.tokenizer,
+            "max_prompt_length": c.data.max_prompt_length,
+            "filter_overlong": c.data.filter_overlong_prompts,
+            "log": self._notice,
+        }
+        self.train_data = PromptIterator(
+            PromptDataset(c.data.train_files, **prompts).examples, seed=c.data.seed, shuffle=c.data.shuffle
+        )
+        self.eval_examples = PromptDataset(c.data.eval_files, **prompts).examples if c.data.eval_files else []
+
+    def _startup(self, fn: Any) -> Any:
+        """Run a start-up step on every rank; a user error on any rank (a bad input, a held run-dir lock, no usable
+        checkpoint) becomes the same StartupError on every rank, so none is left waiting in a collective."""
+        error = None
+        try:
+            result = fn()
+        except (StartupError, CheckpointError, ValueError, OSError) as err:
+            error, result = str(err).splitlines()[0] if str(err) else type(err).__name__, None
+        errors = [e for e in self._all_gather([error]) if e is not None]
+        if errors:
+            if self.lock is not None:
+                self.lock.release()
+            raise StartupError(errors[0])
+        return result
+
     # ------------------------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
         last: dict[str, float] = {}
@@ -120,6 +162,8 @@ class DAPOTrainer:
                 last.update(self.evaluate())
             self._log(self.step, last)
             preempted = self.preempt.requested(self._all_reduce_max)
+            if preempted:
+                self._preemption_notice()
             every = self.cfg.checkpoint.save_every
             if preempted or (every and self.step % every == 0) or self.step == self.cfg.trainer.total_steps:
                 self.save()
@@ -162,14 +206,10 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ rollout
     def _render(self, example: Any) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(example.prompt_messages, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        if len(ids) > self.cfg.data.max_prompt_length:
-            raise ValueError(
-                f"data row {example.index}: prompt has {len(ids)} tokens, more than "
-                f"data.max_prompt_length={self.cfg.data.max_prompt_length}"
-            )
-        return ids
+        """Prompt token ids (lengths were checked when the data loaded)."""
+        from megatron_dapo.data.dataset import prompt_token_ids  # noqa: PLC0415
+
+        return prompt_token_ids(self.tokenizer, example.prompt_messages)
 
     def _sample(self, examples: list, n: int, temperature: float, top_p: float, seed: int) -> list:
         """Generate n responses for this rank's share of `examples` (interleaved by rank); returns
@@ -284,12 +324,30 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ state
     def _resume_path(self) -> Path | None:
+        """The checkpoint to resume from (verified, config compatible) or None; CheckpointError names a bad one."""
         resume = self.cfg.checkpoint.resume
         if resume == "never":
             return None
         if resume == "auto":
-            return latest_checkpoint(self.run_dir / "checkpoints")
-        return Path(resume)
+            path = self.ckpt.find_resumable()
+        else:
+            problems = self.ckpt.verify(resume)
+            if problems:
+                raise CheckpointError(f"checkpoint.resume={resume}: cannot use it: {'; '.join(problems[:3])}")
+            path = Path(resume)
+        if path is not None:
+            self.ckpt.check_config(path, self.cfg.to_dict())
+        return path
+
+    def _preemption_notice(self) -> None:
+        flag, grace = self.preempt, self.cfg.checkpoint.preempt_grace_s
+        if flag.received_at is None:
+            self._note("a peer rank got a preemption signal; saving at this step boundary")
+            return
+        waited = time.monotonic() - flag.received_at
+        name = signal.Signals(flag.signum).name if flag.signum else "signal"
+        late = "" if waited < grace else f" (past checkpoint.preempt_grace_s={grace:g}: the launcher may kill the save)"
+        self._note(f"{name} came {waited:.1f} s before this step boundary; saving, then exiting{late}")
 
     def trainer_state(self) -> dict[str, Any]:
         return {
@@ -329,7 +387,7 @@ class DAPOTrainer:
         self.sampler.load_state_dict({"carry": carry})
         self.weight_sync.sync(self.actor.export_hf_weights())
         if self.rank == 0:
-            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step, self._notice)
         self._barrier()
 
     def export_final_hf(self, out_dir: str | Path) -> None:
@@ -353,13 +411,13 @@ class DAPOTrainer:
             self.logger.close()
             if self.cfg.logging.plots and self.cfg.logging.jsonl:
                 plot_run(self.run_dir)
+        if self.lock is not None:
+            self.lock.release()
 
     # ------------------------------------------------------------------------------------------------ comms
     def _fault(self, where: str) -> None:
         """Fault injection for the resume tests: MEGATRON_DAPO_FAULT="after_step:N" or "in_save:N" SIGKILLs every
         rank at once (after step N's checkpoint, or halfway through writing it). Unset in real runs."""
-        import os  # noqa: PLC0415
-        import signal  # noqa: PLC0415
 
         if os.environ.get("MEGATRON_DAPO_FAULT") == f"{where}:{self.step}":
             self._barrier()  # every rank dies at the same point, before a launcher's SIGTERM can reach a survivor
@@ -367,10 +425,14 @@ class DAPOTrainer:
 
     def _note(self, line: str) -> None:
         """A one-line notice on rank 0's stderr (e.g. each extra dynamic-sampling round)."""
+        self._notice(f"step {self.step}: {line}")
+
+    def _notice(self, line: str) -> None:
+        """A one-line notice on rank 0's stderr, no step prefix (start-up and resume decisions)."""
         if self.rank == 0:
             import sys  # noqa: PLC0415
 
-            print(f"[megatron_dapo] step {self.step}: {line}", file=sys.stderr, flush=True)
+            print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
 
     def _engine_call(self, method: str) -> None:
         if self.engine is not None:
@@ -383,6 +445,11 @@ class DAPOTrainer:
     def _barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier(group=self.groups.world_group)
+
+    def _all_gather(self, items: list) -> list:
+        """Every rank's list of small picklable items, concatenated in rank order (over the gloo exchange group;
+        start-up errors and checkpoint manifests)."""
+        return self.exchange.all_gather(items, "start-up / checkpoint objects")
 
     def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
@@ -403,11 +470,25 @@ def rollout_ranks(rollout: Any, world_size: int) -> list[int]:
     return [0]
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric rows logged after the checkpoint we resume from (a crash between log and save)."""
+def _truncate_metrics(path: Path, step: int, log: Any = print) -> None:
+    """Drop metric rows logged after the checkpoint we resume from (a crash between log and save), and lines that are
+    not JSON (a torn last line from a kill in mid-write): each such line is named through `log`."""
     import json  # noqa: PLC0415
 
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row_step = int(row["step"])
+        except (ValueError, TypeError, KeyError):
+            log(f"{path} line {number}: not a metrics row (torn by a kill in mid-write?); dropped: {line[:60]!r}")
+            continue
+        if row_step <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

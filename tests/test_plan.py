@@ -350,7 +350,7 @@ def test_train_preflight_on_cuda(monkeypatch, capsys):
     import torch
 
     cfg = load_config(CFG_7B)
-    assert cli.preflight(cfg) == 0 or torch.cuda.is_available()  # no CUDA: nothing to check
+    assert cli.plan_preflight(cfg) == 0 or torch.cuda.is_available()  # no CUDA: nothing to check
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     props = types.SimpleNamespace(total_memory=40 * GiB)
@@ -360,12 +360,12 @@ def test_train_preflight_on_cuda(monkeypatch, capsys):
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_NNODES", "1")
     monkeypatch.setenv("SLURM_PROCID", "0")
-    assert cli.preflight(cfg) == 2  # 40 GiB GPUs: generation needs ~70
+    assert cli.plan_preflight(cfg) == 2  # 40 GiB GPUs: generation needs ~70
     assert "preflight: a phase does not fit" in capsys.readouterr().err
     props.total_memory = 80 * GiB
-    assert cli.preflight(cfg) == 0
+    assert cli.plan_preflight(cfg) == 0
     props.total_memory = 40 * GiB
-    assert cli.preflight(load_config(CFG_7B, ["--trainer.preflight=false"])) == 0
+    assert cli.plan_preflight(load_config(CFG_7B, ["--trainer.preflight=false"])) == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -466,7 +466,8 @@ def test_shipped_sbatch_layouts_fit(sbatch):
 
 def test_train_runs_the_preflight_first(monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "preflight", lambda config: seen.append(config.actor.model_path) or 2)
+    monkeypatch.setattr(cli, "preflight", lambda config, world: None)  # the start-up checks (model path) pass
+    monkeypatch.setattr(cli, "plan_preflight", lambda config: seen.append(config.actor.model_path) or 2)
     assert cli.main(["train", "--config", str(CFG_7B)]) == 2  # stops before building the trainer
     assert seen == ["/models/Qwen2.5-7B"]
 

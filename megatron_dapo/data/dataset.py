@@ -12,6 +12,7 @@ row (0-based, plus the 1-based line for jsonl) and the field; rows are never dro
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
@@ -19,7 +20,7 @@ from typing import Any
 
 from megatron_dapo.data.files import iter_rows
 
-__all__ = ["Example", "PromptDataset", "load_examples", "parse_row"]
+__all__ = ["Example", "PromptDataset", "check_prompt_lengths", "load_examples", "parse_row", "prompt_token_ids"]
 
 _ROLES = ("system", "user", "assistant")
 
@@ -37,6 +38,8 @@ class Example:
     data_source: str
     index: int
     extra_info: dict[str, Any] = field(default_factory=dict)
+    source: str = field(default="", compare=False)
+    """Where the row came from: "path row N (line M)" (for error messages; not part of equality)."""
 
 
 def _where(path: str, row_number: int, line_number: int | None) -> str:
@@ -103,7 +106,9 @@ def parse_row(
     if not isinstance(extra, dict):
         raise ValueError(f"{where}: field 'extra_info' must be a dict when present")
     messages = [{"role": m["role"], "content": m["content"]} for m in row[prompt_key]]
-    return Example(prompt_messages=messages, ground_truth=gt, data_source=source, index=index, extra_info=extra)
+    return Example(
+        prompt_messages=messages, ground_truth=gt, data_source=source, index=index, extra_info=extra, source=where
+    )
 
 
 def load_examples(
@@ -134,12 +139,71 @@ def load_examples(
     return examples
 
 
-class PromptDataset:
-    """Validated examples from jsonl/parquet files (DataConfig.train_files / eval_files), indexable by position."""
+def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a prompt as the engine receives it: the tokenizer's chat template with the generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def __init__(self, files: str | os.PathLike | Sequence[str | os.PathLike], *, prompt_key: str = "prompt"):
+
+def check_prompt_lengths(
+    examples: list[Example],
+    tokenizer: Any,
+    max_prompt_length: int,
+    *,
+    filter_overlong: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[Example]:
+    """The examples whose templated prompt fits in max_prompt_length tokens.
+
+    An over-long prompt raises a one-line ValueError naming its file and row, or (filter_overlong) is dropped; the
+    drop count is logged. Run at load time so that the data order, and so the iterator state in checkpoints, never
+    depends on a row found over-long in mid-run. Kept examples keep their ``index``.
+    """
+    kept, dropped = [], []
+    for ex in examples:
+        n = len(prompt_token_ids(tokenizer, ex.prompt_messages))
+        if n <= max_prompt_length:
+            kept.append(ex)
+        elif not filter_overlong:
+            raise ValueError(
+                f"{ex.source or f'row {ex.index}'}: prompt has {n} tokens with the chat template, more than "
+                f"data.max_prompt_length={max_prompt_length} (set data.filter_overlong_prompts=true to drop such rows)"
+            )
+        else:
+            dropped.append((ex, n))
+    if dropped:
+        first, n = dropped[0]
+        log(
+            f"dropped {len(dropped)} of {len(examples)} prompts longer than data.max_prompt_length="
+            f"{max_prompt_length} tokens (data.filter_overlong_prompts; first: {first.source}, {n} tokens)"
+        )
+    if not kept:
+        raise ValueError(f"no prompt fits in data.max_prompt_length={max_prompt_length} tokens")
+    return kept
+
+
+class PromptDataset:
+    """Validated examples from jsonl/parquet files (DataConfig.train_files / eval_files), indexable by position.
+
+    With a tokenizer and max_prompt_length, over-long prompts are found here, at load (see check_prompt_lengths).
+    """
+
+    def __init__(
+        self,
+        files: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        prompt_key: str = "prompt",
+        tokenizer: Any = None,
+        max_prompt_length: int | None = None,
+        filter_overlong: bool = False,
+        log: Callable[[str], None] = print,
+    ):
         self.files = [os.fspath(files)] if isinstance(files, (str, os.PathLike)) else [os.fspath(p) for p in files]
         self.examples = load_examples(self.files, prompt_key=prompt_key)
+        if tokenizer is not None and max_prompt_length is not None:
+            self.examples = check_prompt_lengths(
+                self.examples, tokenizer, max_prompt_length, filter_overlong=filter_overlong, log=log
+            )
 
     def __len__(self) -> int:
         return len(self.examples)

@@ -31,7 +31,8 @@ def file_format(path: str | os.PathLike) -> str:
 def iter_rows(path: str | os.PathLike) -> Iterator[tuple[int, int | None, Any]]:
     """Yield ``(row_number, line_number, row)`` for each data row of a jsonl or parquet file.
 
-    Raises FileNotFoundError for a missing file and ValueError naming the file and line for invalid JSON. Blank
+    Raises FileNotFoundError for a missing file and ValueError naming the file and line for invalid JSON, bytes that
+    are not UTF-8 and absurdly deep nesting. Blank
     jsonl lines are skipped. The row is returned as parsed (validation is the caller's job).
     """
     path = os.fspath(path)
@@ -46,14 +47,22 @@ def iter_rows(path: str | os.PathLike) -> Iterator[tuple[int, int | None, Any]]:
 
 def _iter_jsonl(path: str) -> Iterator[tuple[int, int | None, Any]]:
     row_number = 0
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path} line {line_number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {line_number}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise ValueError(f"{path} line {line_number}: JSON nested too deeply to be a data row") from None
             yield row_number, line_number, row
             row_number += 1
 

@@ -5,6 +5,8 @@ Before: --actor.lr=.inf (and the other fields below) was accepted; the run wrote
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from megatron_dapo.config import ConfigError
@@ -56,3 +58,23 @@ def test_new_fields_have_bounded_defaults():
     assert c.algorithm.max_gen_batches == 10 and c.trainer.max_skipped_steps == 10
     assert c.distributed.timeout_s == 1800.0
     assert load_config(None, ["--distributed.timeout_minutes=0.05"]).distributed.timeout_s == pytest.approx(3.0)
+
+
+def test_python_yaml_tag_is_an_error_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    run = tmp_path / "run.yaml"
+    run.write_text(f"actor:\n  lr: !!python/object/apply:os.makedirs ['{marker}']\n")
+    with pytest.raises(ConfigError, match="run.yaml line 2: invalid YAML"):
+        load_config(run)
+    assert not marker.exists()
+
+
+def test_billion_laughs_aliases_fail_fast(tmp_path):
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    run = tmp_path / "run.yaml"
+    run.write_text("\n".join(lines) + "\n")
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="unknown section 'a0'"):
+        load_config(run)
+    assert time.monotonic() - start < 5.0

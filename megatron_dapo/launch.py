@@ -1,0 +1,218 @@
+"""Start-up and process lifecycle of a training job: checks before any process group, the run-dir lock, exiting
+with the launcher.
+
+    megatron-dapo check / train --> preflight(config, world_size)   TP x PP vs world, heads vs TP, model path,
+                                                                     engine installed, data files (no collectives)
+                      train     --> RunDirLock(run_dir).acquire()   rank 0; one job per run_dir
+                                --> exit_with_launcher(...)         torchrun workers stop when torchrun dies
+
+A user error found here is a StartupError: the CLI prints `error: <one line>` on rank 0 only and every rank exits
+with code 2 (the config layer's convention), instead of one traceback per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import importlib.util
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+LOCK_NAME = ".lock"
+
+
+class StartupError(Exception):
+    """A problem with the run's inputs or environment, found before training starts; the message is one line."""
+
+
+def launch_rank_world() -> tuple[int, int]:
+    """(rank, world_size) from torchrun (RANK, WORLD_SIZE) or srun (SLURM_PROCID, SLURM_NTASKS); (0, 1) otherwise."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+    return 0, 1
+
+
+# ------------------------------------------------------------------------------------------------------ preflight
+def preflight(config: Any, world_size: int) -> None:
+    """Checks that need no process group and give every rank the same answer; raises StartupError.
+
+    Covers: actor.tensor_parallel x pipeline_parallel dividing the world size, the model directory and its
+    config.json (attention and KV heads divisible by TP, layers by PP), the rollout engine's package, the data files.
+    """
+    a = config.actor
+    model_parallel = a.tensor_parallel * a.pipeline_parallel
+    if world_size % model_parallel:
+        raise StartupError(
+            f"actor.tensor_parallel {a.tensor_parallel} x actor.pipeline_parallel {a.pipeline_parallel} = "
+            f"{model_parallel} does not divide the world size {world_size} (processes launched)"
+        )
+    _check_model(a.model_path, a.tensor_parallel, a.pipeline_parallel)
+    _check_engine(config.rollout)
+    if not config.data.train_files:
+        raise StartupError("data.train_files: no data files given")
+    for key in ("train_files", "eval_files"):
+        for i, path in enumerate(getattr(config.data, key)):
+            if not os.path.isfile(path):
+                raise StartupError(f"data.{key}[{i}]: {path} does not exist")
+
+
+def _check_engine(rollout: Any) -> None:
+    """The in-process engine's package must import (SGLang's server mode talks HTTP and needs none here)."""
+    engine = rollout.engine
+    if engine == "transformers" or (engine == "sglang" and rollout.mode == "server"):
+        return
+    if importlib.util.find_spec(engine) is None:
+        problem = "is not installed"
+    else:
+        try:
+            importlib.import_module(engine)
+            return
+        except Exception as err:  # noqa: BLE001  (a broken install raises anything from its imports)
+            problem = f"cannot be imported ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    raise StartupError(
+        f"rollout.engine={engine}, but the {engine} package {problem}; pip install -e .[{engine}], "
+        f"or rollout.engine=transformers"
+    )
+
+
+def _check_model(model_path: str, tp: int, pp: int) -> None:
+    if not model_path:
+        raise StartupError("actor.model_path: not set")
+    config_file = Path(model_path) / "config.json"
+    if not Path(model_path).is_dir():
+        raise StartupError(f"actor.model_path: {model_path} does not exist (or is not a directory)")
+    if not config_file.is_file():
+        raise StartupError(f"actor.model_path: {model_path} has no config.json (not a Hugging Face model directory)")
+    try:
+        hf = json.loads(config_file.read_text())
+    except ValueError as err:
+        raise StartupError(f"{config_file}: not valid JSON ({err})") from None
+    text = hf.get("text_config", hf) if isinstance(hf, dict) else {}
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    layers = text.get("num_hidden_layers")
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if isinstance(value, int) and value % tp:
+            raise StartupError(f"actor.tensor_parallel {tp} must divide the model's {name} {value} ({config_file})")
+    if isinstance(layers, int) and layers % pp:
+        raise StartupError(
+            f"actor.pipeline_parallel {pp} must divide the model's num_hidden_layers {layers} ({config_file})"
+        )
+
+
+# ------------------------------------------------------------------------------------------------------ run-dir lock
+class RunDirLock:
+    """An exclusive lock on a run directory (flock on run_dir/.lock, which records the holder's host and pid).
+
+    A second job on the same run_dir fails with the holder's host and pid. The kernel drops a flock when its process
+    dies, so a lock file left by a dead job is simply taken over (logged). Where the filesystem has no flock, the
+    recorded pid decides: a dead pid on this host is taken over, a live one or another host's is an error.
+    """
+
+    def __init__(self, run_dir: str | Path, log: Callable[[str], None] = print) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self.log = log
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StartupError(self._in_use(self._holder())) from None
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            self._acquire_without_flock(fd)
+        else:
+            previous = self._holder()
+            if previous:
+                self.log(
+                    f"{self.path}: taking over the lock left by host {previous.get('host')} pid {previous.get('pid')} "
+                    f"(that process no longer holds it)"
+                )
+        self._fd = fd
+        self._write(fd)
+
+    def _acquire_without_flock(self, fd: int) -> None:
+        holder = self._holder()
+        if holder:
+            same_host = holder.get("host") == socket.gethostname()
+            if not same_host or _alive(int(holder.get("pid", -1))):
+                os.close(fd)
+                raise StartupError(self._in_use(holder) + " (no flock on this filesystem: delete the file if stale)")
+            self.log(f"{self.path}: taking over the stale lock of pid {holder.get('pid')} on this host (it is dead)")
+
+    def _in_use(self, holder: dict[str, Any]) -> str:
+        who = f"host {holder.get('host', '?')} pid {holder.get('pid', '?')}, since {holder.get('since', '?')}"
+        return f"{self.path.parent} is in use by another job ({who}; lock {self.path})"
+
+    def _holder(self) -> dict[str, Any]:
+        try:
+            holder = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+        return holder if isinstance(holder, dict) else {}
+
+    def _write(self, fd: int) -> None:
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------ launcher death
+def exit_with_launcher(grace_s: float, poll_s: float = 1.0) -> threading.Thread | None:
+    """Under torchrun, stop this worker when its launcher dies (e.g. kill -9 of torchrun, which starts workers in
+    their own session, so they would train on alone).
+
+    A daemon thread polls os.getppid(): once the parent is gone it sends this process SIGTERM (the trainer's
+    preemption flag: save at the step boundary, exit) and, if the process still runs grace_s later (a peer gone, a
+    collective stuck), SIGKILL. Polling is used rather than prctl(PR_SET_PDEATHSIG), which fires when the parent
+    *thread* that forked us exits. Returns the thread, or None outside torchrun (a plain or nohup run keeps going).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="exit_with_launcher", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,75 @@
+"""The run-dir lock (issue 12, item 5: nothing stopped two jobs writing one run_dir). Fast cases; the job-level
+ones (a second job refused, the next job after kill -9 taking the lock over) are in test_run_faults.py."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.launch import RunDirLock
+from megatron_dapo.launch import StartupError
+
+ROOT = Path(__file__).resolve().parents[2]
+HOLD = "import sys, time; from megatron_dapo.launch import RunDirLock; RunDirLock(sys.argv[1]).acquire(); " \
+       "print('held', flush=True); time.sleep(120)"  # fmt: skip
+
+
+@pytest.fixture
+def holder(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_second_job_is_refused_naming_the_holder(tmp_path, holder):
+    with pytest.raises(StartupError) as err:
+        RunDirLock(tmp_path).acquire()
+    message = str(err.value)
+    assert f"{tmp_path} is in use by another job (host {socket.gethostname()} pid {holder.pid}, since " in message
+    assert "\n" not in message
+
+
+def test_lock_of_a_killed_job_is_taken_over_and_logged(tmp_path, holder):
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    lines: list[str] = []
+    lock = RunDirLock(tmp_path, lines.append)
+    lock.acquire()
+    assert len(lines) == 1 and f"pid {holder.pid}" in lines[0] and "taking over" in lines[0]
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    lock.release()
+    RunDirLock(tmp_path, lines.append).acquire()  # a clean release leaves nothing to take over
+    assert len(lines) == 1
+
+
+def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
+    def no_flock(fd, op):  # noqa: ARG001
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    lock_file = tmp_path / ".lock"
+    lock_file.write_text(json.dumps({"host": host, "pid": os.getppid()}))  # alive
+    with pytest.raises(StartupError, match=f"host {host} pid {os.getppid()}.*no flock on this filesystem"):
+        RunDirLock(tmp_path).acquire()
+    lock_file.write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    with pytest.raises(StartupError, match="host elsewhere pid 1"):
+        RunDirLock(tmp_path).acquire()
+    lock_file.write_text(json.dumps({"host": host, "pid": int(dead.stdout)}))
+    lines: list[str] = []
+    RunDirLock(tmp_path, lines.append).acquire()
+    assert len(lines) == 1 and f"stale lock of pid {int(dead.stdout)} on this host" in lines[0]
