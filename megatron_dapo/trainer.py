@@ -58,6 +58,7 @@ class DAPOTrainer:
         from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
         from megatron_dapo.reward import Verifier  # noqa: PLC0415
         from megatron_dapo.rollout import make_engine  # noqa: PLC0415
+        from megatron_dapo.rollout.factory import weight_update_target  # noqa: PLC0415
         from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
 
         self.cfg = c = config
@@ -93,7 +94,9 @@ class DAPOTrainer:
             if self.rank in self.engine_ranks
             else None
         )
-        self.weight_sync = WeightSync(self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20)
+        # Colocated SGLang with rollout TP > 1: every rank of an engine's group hands SGLang its own GPU's copy.
+        target = weight_update_target(c.rollout, self.engine, self.rank, self.world)
+        self.weight_sync = WeightSync(target, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20)
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)
