@@ -85,6 +85,27 @@ def main() -> None:
     trainer._route = recording_route
     trainer.step = 1
     trainer.train_step()
+    # Surplus groups (keep_surplus) stay summaries in the sampler, their rows with the rank that generated them;
+    # a checkpoint's trainer state gathers them back into full groups.
+    carry = trainer.sampler.state_dict()["carry"]
+    rec["carry_owned"] = sorted(g.payload["key"] for g in carry if g.payload["owner"] == rank)
+    rec["store_keys"] = sorted(trainer.rollouts.rows)
+    rec["carry_state"] = [
+        {
+            "index": s["payload"]["index"],
+            "prompt_ids": s["payload"]["prompt_ids"],
+            "responses": s["payload"]["responses"],
+        }
+        for s in trainer.trainer_state()["sampler"]
+    ]
+    rec["carry_generated"] = {
+        str(g.payload["index"]): {
+            "prompt_ids": trainer.rollouts.rows[g.payload["key"]]["prompt_ids"].tolist(),
+            "responses": [r.tolist() for r in trainer.rollouts.rows[g.payload["key"]]["responses"]],
+        }
+        for g in carry
+        if g.payload["owner"] == rank
+    }
 
     # The final export: count what the export iterator hands this rank, and the resident-set peak around it.
     export = trainer.actor.export_hf_weights

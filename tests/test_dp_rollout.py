@@ -46,6 +46,8 @@ def ranks(tmp_path_factory) -> list[dict]:
         f"--trainer.run_dir={root / 'run'}",
         "--actor.tensor_parallel=1",
         "--algorithm.dynamic_sampling=false",  # every group is trained on, whatever the random model answers
+        "--algorithm.keep_surplus=true",
+        "--trainer.gen_prompts_per_batch=6",  # 6 groups: 4 trained on, 2 carried to the next step
         "--actor.logprob_impl=reference",  # no Triton interpreter (tests/conftest.py sets it) on a 512-wide model
         "--trainer.eval_every=0",
         "--logging.tensorboard=false",
@@ -73,6 +75,18 @@ def test_rollout_rows_reach_only_their_dp_rank(ranks: list[dict]) -> None:
     # A rank receives only its rows: fewer bytes than all ranks sent in total.
     total_sent = sum(r["bytes_sent"] for r in ranks)
     assert all(0 < r["bytes_received"] < total_sent for r in ranks), [(r["bytes_received"], total_sent) for r in ranks]
+
+
+def test_carried_groups_stay_with_their_owner_and_checkpoint_in_full(ranks: list[dict]) -> None:
+    for r in ranks:  # only the carried groups' rows are still stored, on the rank that generated them
+        assert r["store_keys"] == r["carry_owned"], r["rank"]
+    generated = {k: v for r in ranks for k, v in r["carry_generated"].items()}
+    assert len(generated) == 2
+    for r in ranks:  # the trainer state (what rank 0 writes) holds the full groups on every rank
+        state = {str(s["index"]): s for s in r["carry_state"]}
+        assert set(state) == set(generated)
+        for k, g in generated.items():
+            assert state[k]["prompt_ids"] == g["prompt_ids"] and state[k]["responses"] == g["responses"]
 
 
 def test_final_export_gathers_only_on_the_writer(ranks: list[dict]) -> None:
