@@ -26,7 +26,10 @@ class ActorBatch:
     response_mask: [B, S] float32, 1 on every response token (for entropy/length metrics even when filtered).
     advantages: [B] float32, constant over a response's tokens.
     old_logp: [B, S] float32 or None until the actor fills it.
-    engine_logp: [B, S] float32 or None; the rollout engine's sampling log-probs (mismatch metric only).
+    engine_logp: [B, S] float32 or None; the rollout engine's sampling log-probs (mismatch metrics; the input of
+        the rollout correction).
+    is_weight: [B, S] float32 or None; rollout-correction importance weights multiplying each token's policy loss
+        (algorithm.rollout_correction "tis" / "mis", set by the trainer before the update; None: no correction).
     """
 
     tokens: Tensor
@@ -35,10 +38,11 @@ class ActorBatch:
     advantages: Tensor
     old_logp: Tensor | None = None
     engine_logp: Tensor | None = None
+    is_weight: Tensor | None = None
 
     def __post_init__(self) -> None:
         b, s = self.tokens.shape
-        for name in ("loss_mask", "response_mask", "old_logp", "engine_logp"):
+        for name in ("loss_mask", "response_mask", "old_logp", "engine_logp", "is_weight"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, s):
                 raise ValueError(f"ActorBatch.{name}: expected shape {(b, s)}, got {tuple(value.shape)}")

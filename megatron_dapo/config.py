@@ -87,10 +87,26 @@ class AlgorithmConfig:
     """Length of the penalty ramp (L_cache), in tokens."""
     overlong_penalty_factor: float = 1.0
     """Penalty at the cap (the paper's ramp ends at -1)."""
+    rollout_correction: str = "none"
+    """Train/inference mismatch correction from the engine's log-probs (docs/rollout_correction.md): "none", "tis"
+    (truncated importance weights min(pi_old / pi_engine, rollout_is_threshold) on each token's loss) or "mis" (masked
+    importance sampling: tokens / responses whose ratio leaves [rollout_mis_low, rollout_mis_high] leave the loss and
+    its denominator, the others are weighted by the ratio). Needs rollout.compare_logprobs."""
+    rollout_correction_level: str = "token"
+    """Ratio the correction uses: "token" (per token) or "sequence" (product over the response's tokens, the same
+    weight / decision for the whole response)."""
+    rollout_is_threshold: float = 2.0
+    """TIS truncation C > 0 of the importance weight."""
+    rollout_mis_low: float = 0.5
+    """MIS: lowest ratio kept, in (0, 1]."""
+    rollout_mis_high: float = 2.0
+    """MIS: highest ratio kept, >= 1."""
 
     def __post_init__(self) -> None:
         from megatron_dapo.algorithms import LOSS_AGG_MODES  # noqa: PLC0415
         from megatron_dapo.algorithms import POLICY_LOSSES  # noqa: PLC0415
+        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS  # noqa: PLC0415
+        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTIONS  # noqa: PLC0415
 
         _check_finite(self, "algorithm")
         _one_of(self.policy_loss, tuple(sorted(POLICY_LOSSES)), "algorithm.policy_loss")
@@ -109,6 +125,13 @@ class AlgorithmConfig:
         _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
         _check(self.overlong_buffer > 0, "algorithm.overlong_buffer", f"must be > 0, got {self.overlong_buffer}")
         _check(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0")
+        _one_of(self.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
+        _one_of(self.rollout_correction_level, ROLLOUT_CORRECTION_LEVELS, "algorithm.rollout_correction_level")
+        _check(self.rollout_is_threshold > 0, "algorithm.rollout_is_threshold", "must be > 0")
+        _check(
+            0 < self.rollout_mis_low <= 1, "algorithm.rollout_mis_low", f"must be in (0, 1], got {self.rollout_mis_low}"
+        )
+        _check(self.rollout_mis_high >= 1, "algorithm.rollout_mis_high", f"must be >= 1, got {self.rollout_mis_high}")
 
     @property
     def effective_eps_high(self) -> float:
@@ -169,6 +192,10 @@ class RolloutConfig:
     loopback address is refused when a server URL is not local or the job spans nodes."""
     weight_sync_master_port: int = 29600
     """Mode "server": the TCP port of that group's store on the trainer's rank-0 host (must be free there)."""
+    weight_dtype: str = "auto"
+    """Dtype of the weights sent to the engine each step: "auto" (as the actor exports them) or "fp8" (q/k/v/o and
+    gate/up/down projections quantized to float8_e4m3fn with one fp32 scale per 128 x 128 block, the block-FP8 layout
+    SGLang loads; embeddings, norms and lm_head stay as they are). Engines "transformers" and colocated "sglang"."""
 
     def __post_init__(self) -> None:
         _check_finite(self, "rollout")
@@ -196,6 +223,14 @@ class RolloutConfig:
         _check(0.0 < self.mem_fraction < 1.0, "rollout.mem_fraction", f"must be in (0, 1), got {self.mem_fraction}")
         _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", "must be >= 1")
         _check(self.generation_timeout_minutes > 0, "rollout.generation_timeout_minutes", "must be > 0")
+        _one_of(self.weight_dtype, ("auto", "fp8"), "rollout.weight_dtype")
+        _check(
+            self.weight_dtype == "auto"
+            or self.engine == "transformers"
+            or (self.engine, self.mode) == ("sglang", "colocated"),
+            "rollout.weight_dtype",
+            f'"fp8" is implemented for engine "transformers" and colocated "sglang", not {self.engine} {self.mode}',
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -462,6 +497,12 @@ class RunConfig:
             f"{t.micro_batch_size} must divide the responses per mini-batch "
             f"(mini_batch_prompts {t.mini_batch_prompts} x group_size {a.group_size})",
         )
+        if a.rollout_correction != "none":
+            _check(
+                r.compare_logprobs,
+                "algorithm.rollout_correction",
+                f"{a.rollout_correction!r} needs the engine's log-probs: set rollout.compare_logprobs=true",
+            )
         if not a.dynamic_sampling:
             _check(
                 t.gen_prompts_per_batch >= t.prompts_per_step,

@@ -209,3 +209,81 @@ def build_actor_batch(groups: Sequence[Group], algo: AlgorithmConfig, pad_token_
             rows.append((p["prompt_ids"], response, None if p["engine_logp"] is None else p["engine_logp"][i]))
     advantages, keep = batch_advantages(groups, algo)
     return rows_to_batch(rows, advantages, keep, pad_token_id)
+
+
+def apply_rollout_correction(batch: ActorBatch, algo: AlgorithmConfig) -> dict[str, float]:
+    """Apply algorithm.rollout_correction to a batch whose old_logp is filled in, in place; returns its metrics.
+
+    Runs once on the whole batch (the same on every rank) before `MegatronActor.update`, so the MIS rejection is
+    already in loss_mask when the actor counts the global denominator D of each mini-batch: every micro-batch and
+    data-parallel rank sees the same corrected mask. Sets batch.is_weight for "tis" / "mis"; "none" leaves the batch
+    untouched. Metrics (floats, keys "rollout_corr/*") are those of `algorithms.rollout_correction.rollout_correction`;
+    a batch without engine log-probs has none, and is an error when a correction is asked for.
+    """
+    from megatron_dapo.algorithms.rollout_correction import rollout_correction  # noqa: PLC0415
+
+    if batch.engine_logp is None:
+        if algo.rollout_correction != "none":
+            raise ValueError(
+                f"algorithm.rollout_correction={algo.rollout_correction!r}: the engine returned no log-probs "
+                "(rollout.compare_logprobs must be true and the engine must support them)"
+            )
+        return {}
+    if batch.old_logp is None:
+        raise ValueError("apply_rollout_correction: batch.old_logp is None; call MegatronActor.compute_logprobs first")
+    result = rollout_correction(
+        batch.old_logp,
+        batch.engine_logp,
+        batch.loss_mask,
+        mode=algo.rollout_correction,
+        level=algo.rollout_correction_level,
+        is_threshold=algo.rollout_is_threshold,
+        mis_low=algo.rollout_mis_low,
+        mis_high=algo.rollout_mis_high,
+    )
+    if result.weights is not None:
+        batch.loss_mask = result.mask
+        batch.is_weight = result.weights
+    return {key: float(value) for key, value in result.metrics.items()}
+
+
+# How each "rollout_corr/*" metric of one batch combines over data-parallel ranks: the weight of its mean (valid
+# tokens of the loss mask before correction, responses with one, tokens kept after it) or "max".
+ROLLOUT_CORR_COMBINE = {
+    "rollout_corr/kl_k1": "tokens",
+    "rollout_corr/kl_k3": "tokens",
+    "rollout_corr/truncated_fraction": "tokens",
+    "rollout_corr/masked_fraction": "tokens",
+    "rollout_corr/log_ppl_diff": "rows",
+    "rollout_corr/log_ppl_abs_diff": "rows",
+    "rollout_corr/masked_seq_fraction": "rows",
+    "rollout_corr/is_weight_mean": "kept",
+    "rollout_corr/ratio_max": "max",
+    "rollout_corr/is_weight_max": "max",
+}
+
+
+def rollout_correction_parts(batch: ActorBatch, algo: AlgorithmConfig) -> tuple[dict[str, float], dict[str, float]]:
+    """`apply_rollout_correction` on one rank's rows (in place: the correction is per row, so each row gets what the
+    whole batch would give it) -> (its metrics, their weights {"tokens", "rows", "kept"}) for
+    `combine_rollout_correction`."""
+    valid = batch.loss_mask != 0
+    weights = {"tokens": float(valid.sum()), "rows": float(valid.any(dim=-1).sum())}
+    metrics = apply_rollout_correction(batch, algo)
+    weights["kept"] = float((batch.loss_mask != 0).sum())
+    return metrics, weights
+
+
+def combine_rollout_correction(parts: Sequence[tuple[dict[str, float], dict[str, float]]]) -> dict[str, float]:
+    """The batch's rollout-correction metrics from every DP rank's `rollout_correction_parts`: weighted means
+    (ROLLOUT_CORR_COMBINE) and maxima, equal to the metrics of the whole batch at once."""
+    out: dict[str, float] = {}
+    for key in sorted({k for metrics, _ in parts for k in metrics}):
+        kind = ROLLOUT_CORR_COMBINE.get(key, "tokens")
+        values = [(metrics[key], weights) for metrics, weights in parts if key in metrics]
+        if kind == "max":
+            out[key] = max(v for v, _ in values)
+        else:
+            total = sum(w[kind] for _, w in values)
+            out[key] = sum(v * w[kind] for v, w in values) / total if total > 0 else 0.0
+    return out

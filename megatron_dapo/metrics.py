@@ -229,6 +229,7 @@ PLOTS: Sequence[tuple[str, Sequence[str]]] = (
     ("length", ("response/length_mean", "response/length_max")),
     ("truncation", ("response/truncation_rate",)),
     ("prompts_per_useful", ("sampling/prompts_per_useful",)),
+    ("rollout_mismatch", ("rollout_corr/kl_k3", "rollout_corr/log_ppl_abs_diff")),
     (
         "eval_accuracy",
         (

@@ -30,9 +30,11 @@ from megatron_dapo.config import RunConfig
 from megatron_dapo.evaluate import score_groups
 from megatron_dapo.experience import RolloutStore
 from megatron_dapo.experience import batch_advantages
+from megatron_dapo.experience import combine_rollout_correction
 from megatron_dapo.experience import group_from_state
 from megatron_dapo.experience import group_to_state
 from megatron_dapo.experience import join_group
+from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
 from megatron_dapo.experience import row_lengths
 from megatron_dapo.experience import rows_to_batch
@@ -83,7 +85,7 @@ class DAPOTrainer:
             self.rank,
             self._barrier,
             world_size=self.world,
-            gather=lambda obj: self._all_gather([obj]),
+            gather=lambda obj: self.exchange.all_gather([obj], "checkpoint"),
             log=self._notice,
         )
         resume_from = self._startup(self._resume_path)
@@ -96,10 +98,16 @@ class DAPOTrainer:
         )
         # Colocated SGLang with rollout TP > 1: every rank of an engine's group hands SGLang its own GPU's copy.
         target = weight_update_target(c.rollout, self.engine, self.rank, self.world)
-        self.weight_sync = WeightSync(target, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20)
+        self.weight_sync = WeightSync(
+            target, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
+        )
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)
+        elif c.rollout.weight_dtype != "auto":
+            # The engine starts from the checkpoint in full precision (SGLang from dummy weights): the first rollouts
+            # must already see the weights the sync sends.
+            self.weight_sync.sync(self.actor.export_hf_weights())
         self.logger = (
             MetricsLogger(
                 self.run_dir,
@@ -146,7 +154,7 @@ class DAPOTrainer:
             result = fn()
         except (StartupError, CheckpointError, ValueError, OSError) as err:
             error, result = str(err).splitlines()[0] if str(err) else type(err).__name__, None
-        errors = [e for e in self._all_gather([error]) if e is not None]
+        errors = [e for e in self.exchange.all_gather([error], "start-up") if e is not None]
         if errors:
             if self.lock is not None:
                 self.lock.release()
@@ -188,7 +196,9 @@ class DAPOTrainer:
             batch, plan = self._route(kept)
             with timer("logprobs"):
                 batch.old_logp, entropy = self.actor.compute_logprobs(batch, plan=plan)
-            metrics.update(self._batch_metrics(batch, entropy))
+            # Per row, so the local rows get exactly what the whole batch would; MIS changes D, so before update.
+            correction = rollout_correction_parts(batch, self.cfg.algorithm)
+            metrics.update(self._batch_metrics(batch, entropy, correction))
             with timer("update"):
                 metrics.update(self.actor.update(batch, plan=plan))
             metrics["train/responses"] = float(plan.num_rows)
@@ -292,9 +302,12 @@ class DAPOTrainer:
         """Global row ids this rank received in the last step (tests read it)."""
         return batch, plan
 
-    def _batch_metrics(self, batch: ActorBatch, entropy: torch.Tensor | None) -> dict[str, float]:
-        """Entropy, valid-token count and engine/actor log-prob mismatch over the whole batch: each DP rank's sums
-        (one rank per model-parallel group contributes) combined over the gloo exchange."""
+    def _batch_metrics(
+        self, batch: ActorBatch, entropy: torch.Tensor | None, correction: tuple[dict, dict]
+    ) -> dict[str, float]:
+        """Entropy, valid-token count (after rollout correction), engine/actor log-prob mismatch and the rollout
+        correction's metrics over the whole batch: each DP rank's sums (one rank per model-parallel group
+        contributes) combined over the gloo exchange."""
         mask = batch.response_mask
         local = torch.zeros(3, dtype=torch.float64)
         if entropy is not None:
@@ -303,11 +316,12 @@ class DAPOTrainer:
         local[2] = float(batch.loss_mask.sum())
         mism = None if batch.engine_logp is None else mismatch_sums(batch.old_logp, batch.engine_logp, mask)
         first = self.rank == min(self.groups.mp_ranks)
-        parts = self.exchange.all_gather([(local, mism)] if first else [], "batch metrics")
+        parts = self.exchange.all_gather([(local, mism, correction)] if first else [], "batch metrics")
         sums = sum(p[0] for p in parts)
         out = {"actor/entropy": float(sums[0] / max(float(sums[1]), 1.0)), "train/valid_tokens": float(sums[2])}
         if all(p[1] is not None for p in parts):
             out.update(mismatch_from_sums([p[1] for p in parts]))
+        out.update(combine_rollout_correction([p[2] for p in parts]))
         return out
 
     def evaluate(self) -> dict[str, float]:
@@ -448,11 +462,6 @@ class DAPOTrainer:
     def _barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier(group=self.groups.world_group)
-
-    def _all_gather(self, items: list) -> list:
-        """Every rank's list of small picklable items, concatenated in rank order (over the gloo exchange group;
-        start-up errors and checkpoint manifests)."""
-        return self.exchange.all_gather(items, "start-up / checkpoint objects")
 
     def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_dapo.actor.packing import RowPlan
@@ -10,9 +11,12 @@ from megatron_dapo.actor.packing import sequence_lengths
 from megatron_dapo.algorithms import Group
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.experience import RolloutStore
+from megatron_dapo.experience import apply_rollout_correction
 from megatron_dapo.experience import batch_advantages
 from megatron_dapo.experience import build_actor_batch
+from megatron_dapo.experience import combine_rollout_correction
 from megatron_dapo.experience import join_group
+from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
 from megatron_dapo.experience import row_lengths
 from megatron_dapo.experience import rows_to_batch
@@ -95,3 +99,24 @@ def test_summaries_plus_routed_rows_give_the_full_batch_rows():
 def test_empty_local_batch_keeps_its_shape():
     batch = rows_to_batch([], torch.zeros(0), torch.zeros(0), pad_token_id=0)
     assert batch.tokens.shape == (0, 1) and batch.engine_logp is not None and len(batch) == 0
+
+
+@pytest.mark.parametrize("mode,level", [("mis", "token"), ("mis", "sequence"), ("tis", "token"), ("none", "token")])
+def test_rollout_correction_on_dp_shards_equals_the_whole_batch(mode, level):
+    algo = AlgorithmConfig(
+        group_size=4, rollout_correction=mode, rollout_correction_level=level, rollout_mis_low=0.9, rollout_mis_high=1.1
+    )
+    groups = [_group(k, 3 + k, [3 + k, 1, 5, 2], ["stop"] * 4, seed=10 + k) for k in range(3)]
+    whole = build_actor_batch(groups, algo, pad_token_id=0)
+    whole.old_logp = whole.engine_logp + 0.2 * torch.randn(whole.engine_logp.shape) * whole.response_mask
+    shards = [whole.select(torch.tensor(rows)) for rows in ([0, 3, 4, 9, 11], [1, 2, 5, 6, 7, 8, 10])]
+    expected = apply_rollout_correction(whole, algo)
+    parts = [rollout_correction_parts(shard, algo) for shard in shards]
+    got = combine_rollout_correction(parts)
+    assert got.keys() == expected.keys() and len(got) >= 4
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for shard, rows in zip(shards, ([0, 3, 4, 9, 11], [1, 2, 5, 6, 7, 8, 10]), strict=True):  # per-row masks/weights
+        torch.testing.assert_close(shard.loss_mask, whole.loss_mask[torch.tensor(rows)], rtol=0, atol=0)
+        if whole.is_weight is not None:
+            torch.testing.assert_close(shard.is_weight, whole.is_weight[torch.tensor(rows)], rtol=0, atol=0)

@@ -6,12 +6,18 @@
 #   1. environment report                       (nvidia-smi, python3 / torch / triton versions)
 #   2. optional wheels carried in .whl/          (e.g. liger_kernel-*.whl, installed --no-deps into /tmp/site)
 #   3. build the CUDA C++ twins                  (python3 csrc/build.py --arch 90)
-#   4. pytest -m gpu tests/ops                   (TRITON_INTERPRET=0: compiled kernels on the GPU)
+#   4. pytest -m gpu tests/ops tests/algorithms (TRITON_INTERPRET=0: compiled kernels on the GPU, IS weights too)
 #   4b. pytest -m gpu tests/actor                (the actor on the GPU: packed THD on Transformer Engine's attention
 #                                                 or the varlen submodule, fused LM head and fused loss vs the padded
 #                                                 reference; needs megatron-core: carry its wheel in .whl/, e.g.
 #                                                 pip download megatron-core==0.16.1 --no-deps -d .whl)
 #   5. python3 tools/bench_kernels.py --device cuda
+#   7. FP8 sync into colocated SGLang            (phase_sglang_fp8: the colocated-SGLang smoke, tools/sglang_smoke.py
+#                                                 from branch mem, rerun with rollout.weight_dtype=fp8 and
+#                                                 algorithm.rollout_correction=tis: SGLang serves block-FP8 linear layers
+#                                                 and takes <name> + <name>_scale_inv every step. Until that smoke
+#                                                 script is in the tree this phase logs SKIP and counts as not run,
+#                                                 never as passed. Output: $OUT/sglang_fp8/, sglang_fp8.log)
 # Everything useful lands in $OUT: env.txt, build.log, pytest_gpu.log, pytest_gpu.xml, pytest_gpu_actor.log,
 # pytest_gpu_actor.xml, bench.log, bench_kernels.csv.
 #
@@ -19,7 +25,8 @@
 #   bash tools/device_check.sh          (with carry [".whl"] if Liger's wheel was downloaded there)
 # Afterwards, append $OUT/bench_kernels.csv's rows to results/bench_kernels.csv and fill the GPU part of
 # docs/benchmarks.md ("Kernels" section).
-# Knobs: BENCH_CONFIGS (default: the four GPU model shapes), BENCH_TIMEOUT, PYTEST_TIMEOUT.
+# Knobs: BENCH_CONFIGS (default: the four GPU model shapes), BENCH_TIMEOUT, PYTEST_TIMEOUT, SGLANG_FP8_TIMEOUT;
+# ONLY=sglang_fp8 runs phases 1, 2 and 7 alone.
 set -x
 set -o pipefail
 
@@ -32,6 +39,7 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/mdapo_inductor}"
 PY="${PYTHON:-python3}"
 BENCH_CONFIGS="${BENCH_CONFIGS:-smollm2-135m qwen2.5-7b llama-3-8b qwen2.5-32b}"
 status=0
+skipped=""
 
 # 1. environment
 timeout 60 bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print(\"triton\", triton.__version__)'; nvcc --version" \
@@ -43,6 +51,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         .whl/*.whl >>"$OUT/env.txt" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site" || status=1
 fi
 
+if [ "${ONLY:-}" = "" ]; then
 # 3. CUDA twins
 timeout 300 "$PY" csrc/build.py --out build/cuda --arch 90 >"$OUT/build.log" 2>&1 || status=1
 if [ -f build/cuda/libmegatron_dapo_cuda.so ]; then
@@ -50,7 +59,7 @@ if [ -f build/cuda/libmegatron_dapo_cuda.so ]; then
 fi
 
 # 4. GPU tests of the ops
-timeout "${PYTEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/ops -q -rs -p no:cacheprovider \
+timeout "${PYTEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/ops tests/algorithms -q -rs -p no:cacheprovider \
     --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
 
 # 4b. GPU tests of the actor (skipped inside pytest when megatron-core is missing)
@@ -61,6 +70,31 @@ timeout "${PYTEST_ACTOR_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/actor -q -rs
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench_kernels.py --device cuda --configs $BENCH_CONFIGS \
     --csv "$OUT/bench_kernels.csv" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
 
-echo "device_check: status=$status (0 = every phase passed)"
+# 7. FP8 sync into colocated SGLang (ONLY=sglang_fp8 runs phases 1, 2 and 7 alone)
+phase_sglang_fp8() {
+    local log="$OUT/sglang_fp8.log"
+    if [ ! -f tools/sglang_smoke.py ]; then
+        echo "SKIP (not run) sglang fp8: needs tools/sglang_smoke.py, the colocated-SGLang smoke of branch mem" | tee "$log"
+        skipped="$skipped sglang_fp8"
+        return 0
+    fi
+    if ! "$PY" -c 'import sglang, megatron.core' >"$log" 2>&1; then
+        echo "SKIP (not run) sglang fp8: sglang or megatron.core does not import here (error above)" | tee -a "$log"
+        skipped="$skipped sglang_fp8"
+        return 0
+    fi
+    mkdir -p "$OUT/sglang_fp8"
+    timeout "${SGLANG_FP8_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+        tools/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out "$OUT/sglang_fp8" \
+        --work /tmp/mdapo_sglang_fp8 --rollout.weight_dtype=fp8 --algorithm.rollout_correction=tis \
+        >>"$log" 2>&1 || status=1
+    tail -n 60 "$log"
+}
+if [ "${ONLY:-}" = "" ] || [ "${ONLY:-}" = sglang_fp8 ]; then
+    phase_sglang_fp8
+fi
+
+echo "device_check: status=$status (0 = every phase that ran passed); not run:${skipped:- none}"
 exit $status

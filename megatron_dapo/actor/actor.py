@@ -578,6 +578,7 @@ class MegatronActor:
             output_weight=self._output_weight(),
             packed=mb.layout.to(self.device) if mb.layout is not None else None,
             fused_loss=self.logprob_impl.fused_loss,
+            is_weight=batch.is_weight,
         )
 
     def _reduce_metrics(self, store: list[dict[str, Tensor]]) -> dict[str, float]:

@@ -293,6 +293,7 @@ def dapo_loss_func(
     output_weight: Tensor | None = None,
     packed: PackedLayout | None = None,
     fused_loss: bool = False,
+    is_weight: Tensor | None = None,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
     """Build the `loss_func(output_tensor)` of one micro-batch for a Megatron forward_step_func.
 
@@ -322,6 +323,10 @@ def dapo_loss_func(
             loss, its aggregation and the metrics are the padded path's.
         fused_loss: use the policy loss's fused kernel (`get_policy_loss(..., fused=True)`; ops.clipped_pg_loss for
             "dapo", which falls back to the reference on CPU without the Triton interpreter).
+        is_weight: [B, S] float or None, rollout-correction importance weights (ActorBatch.is_weight, filled by
+            `algorithms.rollout_correction`); passed to the policy loss as `weights` only when given, so
+            algorithm.rollout_correction "none" runs exactly the uncorrected call. Rejected tokens (MIS) are already
+            out of loss_mask, hence out of D.
     Returns:
         loss_func(output_tensor) -> (loss, metrics). output_tensor is [B, S, V_local] logits, [B, S, H] hidden
         states (with output_weight) or [B, S] fp32 log-probs aligned with the tokens. loss: 0-dim fp32,
@@ -336,6 +341,7 @@ def dapo_loss_func(
     mask = loss_mask.to(torch.float32)
     scale = float(num_microbatches * dp_size)
     kwargs = dict(temperature=temperature, tp_group=tp_group, vocab_size=vocab_size, logprob_fn=logprob_fn)
+    extra = {} if is_weight is None else {"weights": is_weight.to(torch.float32)}
 
     def loss_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         entropy = None
@@ -360,6 +366,7 @@ def dapo_loss_func(
             clip_ratio_c=alg.clip_ratio_c,
             num_tokens=num_tokens,
             loss_agg_mode=alg.loss_agg_mode,
+            **extra,
         )
         count = mask.sum()
         denom = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss.device).clamp_min(1.0)

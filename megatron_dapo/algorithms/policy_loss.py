@@ -30,6 +30,7 @@ class PolicyLossFn(Protocol):
         clip_ratio_c: float | None,
         num_tokens: float | Tensor | None,
         loss_agg_mode: str,
+        weights: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
@@ -202,6 +203,7 @@ def dapo_policy_loss(
     clip_ratio_c: float | None = None,
     num_tokens: float | Tensor | None = None,
     loss_agg_mode: str = "token-mean",
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO's clipped surrogate with Clip-Higher and token-level aggregation.
 
@@ -212,19 +214,25 @@ def dapo_policy_loss(
     gradient, and log-ratios are clamped to +-LOG_RATIO_CLAMP before exp, so the loss and its gradient stay finite
     for any finite inputs (verl clamps the same way). `loss_agg_mode` (config algorithm.loss_agg_mode) swaps the
     token-level mean for GRPO's sequence mean in ablations; `num_tokens` is then the global number of sequences
-    (see `agg_loss`).
+    (see `agg_loss`). `weights` (rollout correction, algorithm/rollout_correction.py) multiply each token's loss
+    before the aggregation, l -> w * l, leaving D and the metrics' token counts as they are; None changes nothing.
 
     Args:
         logp: [B, T] float, current policy log-probs of the response tokens (differentiable).
         old_logp: [B, T] float, log-probs of the policy that generated the data (no gradient).
         advantages: [B] or [B, T] float.
         mask: [B, T] bool/float, 1 for valid (trained) response tokens.
+        weights: [B, T] float or None, per-token importance weights (no gradient; > 0 where mask is non-zero).
     Returns:
         loss: 0-dim fp32. metrics: 0-dim fp32 tensors clipfrac_high, clipfrac_low, approx_kl, ratio_max.
     """
     token_loss, ratio, adv, log_ratio = clipped_token_loss(
         logp, old_logp.detach(), advantages, eps_low, eps_high, clip_ratio_c, mask
     )
+    if weights is not None:
+        # where(): a weight off the mask (padding) never reaches the loss or, as 0 * nan, the gradient.
+        w = weights.detach().to(torch.float32)
+        token_loss = token_loss * torch.where(mask != 0, w, torch.zeros_like(w))
     loss = agg_loss(token_loss, mask, loss_agg_mode, num_tokens)
     with torch.no_grad():
         metrics = policy_metrics(ratio, log_ratio, adv, mask, ClipBounds.make(eps_low, eps_high, clip_ratio_c))
@@ -243,6 +251,7 @@ def dapo_policy_loss_fused(
     clip_ratio_c: float | None = None,
     num_tokens: float | Tensor | None = None,
     loss_agg_mode: str = "token-mean",
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`dapo_policy_loss` through the fused kernel `ops.clipped_pg_loss` (Triton / CUDA twin on GPU, the Triton
     interpreter under TRITON_INTERPRET=1, this module's reference otherwise). Same arguments and results."""
@@ -258,6 +267,7 @@ def dapo_policy_loss_fused(
         clip_ratio_c=clip_ratio_c,
         num_tokens=num_tokens,
         loss_agg_mode=loss_agg_mode,
+        weights=weights,
     )
 
 

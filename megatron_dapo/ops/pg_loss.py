@@ -326,6 +326,7 @@ def clipped_pg_loss(
     num_tokens: float | Tensor | None = None,
     loss_agg_mode: str = "token-mean",
     backend: str | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Fused DAPO clipped surrogate; same arguments, loss and metrics as `dapo_policy_loss` (to fp32 rounding).
 
@@ -345,6 +346,9 @@ def clipped_pg_loss(
             kernel computes sum(l * w) / D; the sequence means are that sum with per-token weights
             w = mask / tokens of its sequence (token-mean within a sequence) or w = mask, and D = sequences.
         backend: "triton" or "cuda" for CUDA tensors; default env MEGATRON_DAPO_KERNEL_BACKEND or "triton".
+        weights: [B, T] float or None, per-token importance weights (rollout correction) multiplying each token's
+            loss, l -> w * l. They are folded into the kernel's float mask weights (mask * w), so they must be > 0
+            wherever mask is non-zero for the metrics to count the same tokens; D is unchanged.
     Returns:
         loss: 0-dim fp32. metrics: 0-dim fp32 tensors clipfrac_high, clipfrac_low, approx_kl, ratio_max (over the
         valid tokens of this call; 0 when there are none).
@@ -364,9 +368,18 @@ def clipped_pg_loss(
             clip_ratio_c=clip_ratio_c,
             num_tokens=num_tokens,
             loss_agg_mode=loss_agg_mode,
+            weights=weights,
         )
     if loss_agg_mode != "token-mean":
         mask, num_tokens = _sequence_mean_weights(mask, num_tokens, loss_agg_mode)
+    if weights is not None:
+        if weights.shape != logp.shape:
+            raise ValueError(f"clipped_pg_loss: weights shape {tuple(weights.shape)} != logp {tuple(logp.shape)}")
+        # sum(l * mask * w) / D: the kernel's float mask weight carries the IS weight (zero stays zero).
+        m = mask.to(torch.float32)
+        if num_tokens is None:
+            num_tokens = m.sum()  # D stays the mask's, not the sum of the weights folded in below
+        mask = torch.where(m != 0, m * weights.detach().to(torch.float32), torch.zeros_like(m))
     if not logp.is_cuda:
         chosen = "triton"  # the interpreter; the CUDA twin needs a GPU
     if mask.dtype == torch.bool:

@@ -83,6 +83,7 @@ def make_engine(
             base_gpu_id=base_gpu_id,
             seed=seed,
             deterministic_inference=rollout.deterministic_inference,
+            weight_dtype=rollout.weight_dtype,
             engine_kwargs=engine_kwargs,
         )
     if rollout.engine == "vllm":

@@ -87,6 +87,8 @@ SGLANG_API: tuple[ApiUse, ...] = (
             "base_gpu_id",
             "random_seed",
             "enable_deterministic_inference",
+            "json_model_override_args",
+            "load_format",
         ),
     ),
     ApiUse(
@@ -374,6 +376,7 @@ class SGLangEngine:
     export and hands them to SGLang through CUDA IPC (no copy). SGLang's load_weights shards them for its TP.
     deterministic_inference: SGLang's enable_deterministic_inference (batch-invariant kernels, pytorch sampler);
     only with it does SGLang 0.5.23 honour each request's sampling_seed (SamplingBatchInfo ignores it otherwise).
+    weight_dtype: rollout.weight_dtype; "fp8" serves block-FP8 linear layers (see rollout/fp8.py).
     """
 
     def __init__(
@@ -386,6 +389,7 @@ class SGLangEngine:
         base_gpu_id: int = 0,
         seed: int = 0,
         deterministic_inference: bool = False,
+        weight_dtype: str = "auto",
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         import sglang  # noqa: PLC0415
@@ -405,6 +409,16 @@ class SGLangEngine:
         }
         if deterministic_inference:  # per-request sampling_seed is ignored without it (docs/rollout.md)
             args["enable_deterministic_inference"] = True
+        if weight_dtype == "fp8":
+            # Block-FP8 linear layers (weight float8_e4m3fn + weight_scale_inv per 128x128 block) need the served
+            # config to carry this quantization_config; the bf16 checkpoint cannot fill FP8 parameters, so the engine
+            # starts from dummy weights and the trainer syncs before the first rollout (rollout/fp8.py).
+            import json  # noqa: PLC0415
+
+            from megatron_dapo.rollout.fp8 import SGLANG_FP8_QUANTIZATION_CONFIG  # noqa: PLC0415
+
+            args["json_model_override_args"] = json.dumps({"quantization_config": SGLANG_FP8_QUANTIZATION_CONFIG})
+            args["load_format"] = "dummy"
         # SGLang spawns its scheduler processes with this process's environment; under torchrun they would inherit
         # TORCHELASTIC_USE_AGENT_STORE and hang in their tcp:// rendezvous (launch_env.py).
         with scrubbed_environ():

@@ -117,6 +117,7 @@ class TransformersEngine:
         self._asleep = False
         self._index_parameters()
         self._received: set[str] | None = None
+        self._fp8_pending: dict[str, dict[str, Tensor]] = {}  # FP8 weights waiting for their scale (or vice versa)
 
     # ------------------------------------------------------------------ generation
 
@@ -240,16 +241,26 @@ class TransformersEngine:
     def begin_weight_update(self) -> None:
         """Open an update session; end_weight_update() checks that every parameter arrived."""
         self._received = set()
+        self._fp8_pending = {}
 
     @torch.no_grad()
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
         """Copy full HF-named tensors into the parameters in place (cast to the engine dtype).
 
-        bucket: (hf_name, tensor) pairs; each tensor has the parameter's full shape, any float dtype/device.
+        bucket: (hf_name, tensor) pairs; each tensor has the parameter's full shape, any float dtype/device. The FP8
+        payload of rollout.weight_dtype "fp8" (rollout/fp8.py) is accepted too: a float8_e4m3fn `name` and its fp32
+        `name + "_scale_inv"` (128 x 128 blocks) are dequantized into the parameter once both have arrived, in
+        whatever order or bucket.
         Raises WeightUpdateError naming the tensor on an unknown name or a shape mismatch.
         """
+        from megatron_dapo.rollout.fp8 import SCALE_SUFFIX  # noqa: PLC0415
+
         cls = type(self.model).__name__
         for name, tensor in bucket:
+            base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+            if base is not None and base in self._params:
+                self._fp8_part(base, "scale_inv", tensor)
+                continue
             target = self._params.get(name)
             if target is None:
                 raise WeightUpdateError(f"update_weights: unknown tensor {name!r} (not a parameter of {cls})")
@@ -258,15 +269,42 @@ class TransformersEngine:
                     f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, {cls} expects "
                     f"{tuple(target.shape)}"
                 )
-            target.copy_(tensor)
-            if self._received is not None:
-                self._received.add(self._canonical[name])
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                self._fp8_part(name, "q", tensor)
+                continue
+            self._copy_in(name, tensor)
+
+    def _copy_in(self, name: str, tensor: Tensor) -> None:
+        self._params[name].copy_(tensor)
+        if self._received is not None:
+            self._received.add(self._canonical[name])
+
+    def _fp8_part(self, name: str, part: str, tensor: Tensor) -> None:
+        """Hold one half of an FP8 weight (q or scale_inv); dequantize into the parameter when both are here."""
+        from megatron_dapo.rollout.fp8 import dequantize_block_fp8  # noqa: PLC0415
+
+        pending = self._fp8_pending.setdefault(name, {})
+        pending[part] = tensor
+        if len(pending) == 2:
+            del self._fp8_pending[name]
+            try:
+                weight = dequantize_block_fp8(pending["q"], pending["scale_inv"], self._params[name].dtype)
+            except ValueError as err:
+                raise WeightUpdateError(f"update_weights: tensor {name!r}: {err}") from None
+            self._copy_in(name, weight)
 
     def end_weight_update(self, *, full: bool = True) -> None:
         """Close the session; with full=True every parameter (tied aliases counted once) must have arrived."""
         received, self._received = self._received, None
         if received is None:
             raise WeightUpdateError("end_weight_update: no update session is open (call begin_weight_update)")
+        if self._fp8_pending:
+            name, parts = next(iter(self._fp8_pending.items()))
+            self._fp8_pending = {}
+            raise WeightUpdateError(
+                f"end_weight_update: FP8 tensor {name!r} got its {next(iter(parts))} but not its "
+                f"{'scale_inv' if 'q' in parts else 'fp8 weight'}"
+            )
         missing = sorted(self.parameter_names - received)
         if full and missing:
             raise WeightUpdateError(

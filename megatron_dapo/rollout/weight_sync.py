@@ -1,6 +1,7 @@
 """Per-step weight sync: full HF-named tensors from the actor, in size-bounded buckets, into a rollout engine.
 
     MegatronActor.export_hf_weights() --(hf_name, full tensor)*--> WeightSync.sync
+        [rollout.weight_dtype "fp8": fp8.quantize_named_tensors, linear weights -> e4m3 + 128x128 scale_inv]
         --bucket_named_tensors (<= bucket_bytes each)--> engine.begin_weight_update()
                                                          engine.update_weights(bucket) per bucket
                                                          engine.end_weight_update(full=True)
@@ -57,17 +58,25 @@ class WeightSync:
     bucket_bytes: size bound of one bucket (RolloutConfig.weight_sync_bucket_mb MiB).
     """
 
-    def __init__(self, engine: RolloutEngine | None, bucket_bytes: int = 512 * MiB) -> None:
+    def __init__(self, engine: RolloutEngine | None, bucket_bytes: int = 512 * MiB, weight_dtype: str = "auto") -> None:
+        from megatron_dapo.rollout.fp8 import WEIGHT_DTYPES  # noqa: PLC0415
+
         if bucket_bytes < 1:
             raise ValueError(f"WeightSync.bucket_bytes: must be >= 1, got {bucket_bytes}")
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"rollout.weight_dtype: unknown {weight_dtype!r}; choose one of {list(WEIGHT_DTYPES)}")
         self.engine = engine
         self.bucket_bytes = bucket_bytes
+        self.weight_dtype = weight_dtype
+        """"auto": tensors as exported; "fp8": linear weights quantized per 128 x 128 block (rollout/fp8.py)."""
 
     def sync(self, named_tensors: Iterable[tuple[str, Tensor]], *, full: bool = True) -> dict[str, float]:
         """Send every (hf_name, full tensor) to the engine; returns metrics.
 
         named_tensors: e.g. MegatronActor.export_hf_weights(); tensors are full (un-sharded) HF-layout weights.
         full: the update must cover every engine parameter (checked by the engine at the end).
+        With weight_dtype "fp8" the linear weights travel as float8_e4m3fn plus fp32 block scales, and the bytes
+        metric counts what was sent (about half of bf16, a quarter of fp32, for the linear layers).
         Returns {"weight_sync/bytes", "weight_sync/seconds", "weight_sync/gb_per_s", "weight_sync/num_buckets",
         "weight_sync/num_tensors"} (GB = 1e9 bytes; seconds include the export time of the iterator).
         """
@@ -76,6 +85,11 @@ class WeightSync:
         num_buckets = 0
         num_tensors = 0
         engine = self.engine
+        if self.weight_dtype == "fp8":
+            from megatron_dapo.rollout.fp8 import quantize_named_tensors  # noqa: PLC0415
+
+            # Every rank walks the export (collective); only engine ranks need the quantized tensors.
+            named_tensors = quantize_named_tensors(named_tensors) if engine is not None else named_tensors
         if engine is not None:
             engine.begin_weight_update()
         for bucket in bucket_named_tensors(named_tensors, self.bucket_bytes):

@@ -2,7 +2,8 @@
 
 One 2-process launch (~20-30 s, mostly imports). After one DAPO update the actor's weights differ from the
 checkpoint; after the sync the engine's sampling log-probs of its own completions equal the actor's
-compute_logprobs of the same sequences (fp32, 1e-4). The same export, packed as SGLang flattened-bucket payloads
+compute_logprobs of the same sequences (fp32, 1e-4); synced as FP8 (rollout.weight_dtype) they differ by a
+measured amount. The same export, packed as SGLang flattened-bucket payloads
 and rebuilt with SGLang's own tensor_bucket.py, loads into a second transformers model with identical logits.
 """
 
@@ -139,6 +140,20 @@ def _sync_worker(hf_dir: str) -> dict:
             second.end_weight_update(full=True)
             with torch.no_grad():
                 out["sglang_payload_logits"] = second.model(input_ids=probe).logits
+    # The same weights as FP8 (rollout.weight_dtype "fp8"): the engine now samples from a slightly different policy.
+    fp8_engine = TransformersEngine(load_hf(hf_dir), batch_size=8) if rank == 0 else None
+    WeightSync(fp8_engine, bucket_bytes=64 * 1024, weight_dtype="fp8").sync(exported)
+    shared = [fp8_engine.generate(PROMPTS, params) if fp8_engine is not None else None]
+    dist.broadcast_object_list(shared, src=0)
+    fp8_logp, _ = actor.compute_logprobs(_as_batch(shared[0]), with_entropy=False)
+    if fp8_engine is not None:
+        out["fp8_diff"] = torch.cat(
+            [
+                torch.tensor(c.response_logprobs)
+                - fp8_logp[i, len(c.prompt_ids) : len(c.prompt_ids) + len(c.response_ids)]
+                for i, c in enumerate(shared[0])
+            ]
+        )
     destroy_distributed()
     return out
 
@@ -152,5 +167,9 @@ def test_actor_update_sync_then_engine_logprobs_equal_actor_logprobs():
     assert res["metrics"]["weight_sync/num_buckets"] > 1
     for engine_lp, actor_lp in zip(res["engine_logp"], res["actor_logp"]):
         torch.testing.assert_close(engine_lp, actor_lp, rtol=0, atol=1e-4)
+    # FP8 weights: a measured, reported gap (docs/rollout_correction.md), far above the fp32 path's 1e-4.
+    fp8 = res["fp8_diff"].abs()
+    print(f"fp8 engine vs actor |d logp|: mean {float(fp8.mean()):.4f} max {float(fp8.max()):.4f} (n={fp8.numel()})")
+    assert 1e-3 < float(fp8.mean()) < 0.5
     if "sglang_payload_logits" in res:
         torch.testing.assert_close(res["sglang_payload_logits"], res["logits_after"], rtol=0, atol=0)

@@ -1,0 +1,198 @@
+"""Issue 13 item 3: the SmolLM2 CPU job in three arms, same seed and steps, one after another.
+
+    fp32     rollout.weight_dtype=auto  algorithm.rollout_correction=none   (today's run)
+    fp8      rollout.weight_dtype=fp8   algorithm.rollout_correction=none   (FP8 rollout weights, uncorrected)
+    fp8_tis  rollout.weight_dtype=fp8   algorithm.rollout_correction=tis    (FP8 rollout weights, TIS C=2)
+
+    python tools/rollout_mismatch_experiment.py run --steps 10 [--out runs/rollout_mismatch] [-- --extra.override=1]
+    python tools/rollout_mismatch_experiment.py report [--out runs/rollout_mismatch] [--img docs/img]
+    python tools/rollout_mismatch_experiment.py run --dry-run            (print the commands only)
+
+"run" launches examples/run_smollm2_cpu.sh once per arm (torchrun, 2 ranks; it prepares the model and data on first
+use) with the arm's overrides, the same trainer.seed, total_steps and a held-out evaluation at the last step; an arm
+whose metrics.jsonl already holds the final step is skipped, so an interrupted session can resume. Cost on 2 CPU
+cores: roughly the main job's per-step time (docs/cpu_job.md) x steps x 3, FP8 adds the quantization of the sync.
+"report" reads the three metrics.jsonl files and prints a markdown table (per arm: mean / last k3 KL, log-ppl abs
+diff, actor-engine |d logp|, TIS truncated share, reward accuracy, held-out avg@k) for docs/results.md, and draws one
+PNG per curve with the three arms overlaid (rollout_mismatch_{kl_k3,log_ppl,logprob_mismatch,acc}.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS: dict[str, tuple[str, ...]] = {
+    "fp32": ("--rollout.weight_dtype=auto", "--algorithm.rollout_correction=none"),
+    "fp8": ("--rollout.weight_dtype=fp8", "--algorithm.rollout_correction=none"),
+    "fp8_tis": ("--rollout.weight_dtype=fp8", "--algorithm.rollout_correction=tis"),
+}
+CURVES = {
+    "kl_k3": ("rollout_corr/kl_k3", "k3 KL(engine || actor)"),
+    "log_ppl": ("rollout_corr/log_ppl_abs_diff", "|log ppl_actor - log ppl_engine|"),
+    "logprob_mismatch": ("rollout/logprob_mismatch", "mean |actor - engine| log-prob"),
+    "acc": ("reward/acc", "training reward accuracy"),
+}
+
+
+def arm_command(arm: str, out: Path, steps: int, seed: int, extra: list[str]) -> list[str]:
+    """The command line of one arm: the main job's launcher with the arm's switches and a shared schedule."""
+    return [
+        "bash",
+        str(ROOT / "examples" / "run_smollm2_cpu.sh"),
+        f"--trainer.run_dir={out / arm}",
+        f"--trainer.total_steps={steps}",
+        f"--trainer.seed={seed}",
+        f"--trainer.eval_every={steps}",
+        f"--checkpoint.save_every={steps}",
+        "--rollout.compare_logprobs=true",
+        *ARMS[arm],
+        *extra,
+    ]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _done(run_dir: Path, steps: int) -> bool:
+    return any(r.get("step") == steps for r in _rows(run_dir))
+
+
+def run(args: argparse.Namespace) -> int:
+    for arm in args.arms:
+        cmd = arm_command(arm, args.out, args.steps, args.seed, args.extra)
+        if args.dry_run:
+            print(" ".join(cmd))
+            continue
+        if _done(args.out / arm, args.steps):
+            print(f"[{arm}] already has step {args.steps}: skipped", flush=True)
+            continue
+        print(f"[{arm}] {' '.join(cmd)}", flush=True)
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        if rc != 0:
+            print(f"[{arm}] exited {rc}; stopping", file=sys.stderr)
+            return rc
+    return 0
+
+
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(out: Path) -> list[dict]:
+    """One dict per arm found under out: means over the training steps and the last held-out evaluation."""
+    table = []
+    for arm in ARMS:
+        rows = _rows(out / arm)
+        train = [r for r in rows if "reward/acc" in r]
+        if not train:
+            continue
+        evals = [r for r in rows if any(k.startswith("eval/avg@") for k in r)]
+        last_eval = evals[-1] if evals else {}
+        avg_key = next((k for k in last_eval if k.startswith("eval/avg@")), None)
+        table.append(
+            {
+                "arm": arm,
+                "steps": len(train),
+                "kl_k3_mean": _mean([r.get("rollout_corr/kl_k3") for r in train]),
+                "kl_k3_last": train[-1].get("rollout_corr/kl_k3", float("nan")),
+                "log_ppl_abs_diff_mean": _mean([r.get("rollout_corr/log_ppl_abs_diff") for r in train]),
+                "logprob_mismatch_mean": _mean([r.get("rollout/logprob_mismatch") for r in train]),
+                "truncated_fraction_mean": _mean([r.get("rollout_corr/truncated_fraction") for r in train]),
+                "reward_acc_mean": _mean([r.get("reward/acc") for r in train]),
+                "heldout": (avg_key, last_eval.get(avg_key, float("nan"))) if avg_key else (None, float("nan")),
+                "sync_bytes": train[-1].get("weight_sync/bytes", float("nan")),
+            }
+        )
+    return table
+
+
+def markdown(table: list[dict]) -> str:
+    head = (
+        "| arm | steps | k3 KL mean (last) | log-ppl abs diff | mean abs d logp | TIS truncated | train acc | "
+        "held-out | sync MB |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for t in table:
+        key, value = t["heldout"]
+        lines.append(
+            f"| {t['arm']} | {t['steps']} | {t['kl_k3_mean']:.2e} ({t['kl_k3_last']:.2e}) | "
+            f"{t['log_ppl_abs_diff_mean']:.2e} | {t['logprob_mismatch_mean']:.2e} | "
+            f"{t['truncated_fraction_mean']:.3f} | {t['reward_acc_mean']:.3f} | "
+            f"{key or '-'} {value:.3f} | {t['sync_bytes'] / 1e6:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(out: Path, img: Path) -> list[Path]:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    img.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (key, title) in CURVES.items():
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        drawn = False
+        for arm in ARMS:
+            points = [(r["step"], r[key]) for r in _rows(out / arm) if r.get(key) is not None]
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=arm)
+                drawn = True
+        if drawn:
+            ax.set_xlabel("step")
+            ax.set_title(title, fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            path = img / f"rollout_mismatch_{name}.png"
+            fig.savefig(path, dpi=100)
+            written.append(path)
+        plt.close(fig)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--steps", type=int, default=10)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    r.add_argument("--dry-run", action="store_true")
+    p = sub.add_parser("report")
+    p.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
+    for s in (r, p):
+        s.add_argument("--out", type=Path, default=ROOT / "runs" / "rollout_mismatch")
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        extra = argv[argv.index("--") + 1 :]
+        argv = argv[: argv.index("--")]
+    args = parser.parse_args(argv)
+    args.extra = extra
+    if args.command == "run":
+        return run(args)
+    table = summarize(args.out)
+    if not table:
+        print(f"no arm has metrics under {args.out}", file=sys.stderr)
+        return 1
+    print(markdown(table))
+    for path in plot(args.out, args.img):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
