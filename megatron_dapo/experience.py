@@ -216,9 +216,10 @@ def apply_rollout_correction(batch: ActorBatch, algo: AlgorithmConfig) -> dict[s
 
     Runs before `MegatronActor.update` (in the trainer on each DP rank's rows: weights and masks are per row), so the
     MIS rejection is already in loss_mask when the actor counts the global denominator D of each mini-batch: every
-    micro-batch and data-parallel rank sees the same corrected mask. Sets batch.is_weight for "tis" / "mis"; "none" leaves the batch
-    untouched. Metrics (floats, keys "rollout_corr/*") are those of `algorithms.rollout_correction.rollout_correction`;
-    a batch without engine log-probs has none, and is an error when a correction is asked for.
+    micro-batch and data-parallel rank sees the same corrected mask. Sets batch.is_weight for "tis" / "mis"; "none"
+    leaves the batch untouched. Metrics (floats, keys "rollout_corr/*") are those of
+    `algorithms.rollout_correction.rollout_correction`; a batch without engine log-probs has none, and is an error
+    when a correction is asked for.
     """
     from megatron_dapo.algorithms.rollout_correction import rollout_correction  # noqa: PLC0415
 
