@@ -89,6 +89,29 @@ def logprob_mismatch(actor_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> d
     }
 
 
+def mismatch_sums(actor_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> Tensor:
+    """The parts of `logprob_mismatch` that combine over ranks: [sum |d|, max |d|, sum exp(d), count] fp64,
+    d = actor - engine over response tokens. actor_logp, engine_logp, mask: [B, S] float."""
+    valid = mask.bool()
+    diff = (actor_logp.float() - engine_logp.float())[valid].double()
+    if diff.numel() == 0:
+        return torch.tensor([0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    return torch.stack([diff.abs().sum(), diff.abs().max(), diff.exp().sum(), torch.tensor(float(diff.numel()))])
+
+
+def mismatch_from_sums(parts: list[Tensor]) -> dict[str, float]:
+    """`logprob_mismatch` of the union of the ranks whose `mismatch_sums` are `parts`."""
+    total = torch.stack(parts)
+    count = float(total[:, 3].sum())
+    if count == 0:
+        return {"rollout/logprob_mismatch": 0.0, "rollout/logprob_mismatch_max": 0.0}
+    return {
+        "rollout/logprob_mismatch": float(total[:, 0].sum() / count),
+        "rollout/logprob_mismatch_max": float(total[:, 1].max()),
+        "rollout/actor_engine_ratio_mean": float(total[:, 2].sum() / count),
+    }
+
+
 class PhaseTimer:
     """Wall-clock seconds per named phase: `with timer("generate"): ...` -> {"time/generate": s}."""
 

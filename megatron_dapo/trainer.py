@@ -3,6 +3,11 @@
 One step: prompts -> generate G each (engine on every rank, prompts sharded) -> verify + overlong shaping ->
 dynamic sampling (refill) -> advantages -> actor log-probs -> mini-batch updates -> weight sync -> metrics ->
 periodic eval and checkpoint. All ranks run the same code; rank 0 logs.
+
+Rollout data flow (docs/rollout.md): each engine rank keeps the token rows of the groups it generated and sends
+every rank only a per-group summary (accs, rewards, lengths); dynamic sampling, advantages and the row plan
+(packing.RowPlan, from lengths) run on the summaries, identically on every rank; then each row goes to the ranks of
+the DP rank that trains on it (all TP/PP ranks of that model-parallel group) and nowhere else.
 """
 
 from __future__ import annotations
@@ -15,25 +20,34 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.actor.packing import RowPlan
 from megatron_dapo.algorithms import DynamicSampler
+from megatron_dapo.batch import ActorBatch
 from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import PreemptionFlag
 from megatron_dapo.config import RunConfig
 from megatron_dapo.evaluate import score_groups
-from megatron_dapo.experience import apply_rollout_correction
-from megatron_dapo.experience import build_actor_batch
+from megatron_dapo.experience import RolloutStore
+from megatron_dapo.experience import batch_advantages
+from megatron_dapo.experience import combine_rollout_correction
 from megatron_dapo.experience import group_from_state
 from megatron_dapo.experience import group_to_state
+from megatron_dapo.experience import join_group
+from megatron_dapo.experience import rollout_correction_parts
+from megatron_dapo.experience import row_index
+from megatron_dapo.experience import row_lengths
+from megatron_dapo.experience import rows_to_batch
 from megatron_dapo.experience import sampled_response_metrics
 from megatron_dapo.experience import score_group
+from megatron_dapo.experience import split_group
 from megatron_dapo.launch import RunDirLock
 from megatron_dapo.launch import StartupError
 from megatron_dapo.memory import MemoryChoreographer
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.metrics import PhaseTimer
-from megatron_dapo.metrics import logprob_mismatch
-from megatron_dapo.metrics import masked_mean
+from megatron_dapo.metrics import mismatch_from_sums
+from megatron_dapo.metrics import mismatch_sums
 from megatron_dapo.metrics import plot_run
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.exchange import RolloutExchange
@@ -47,6 +61,7 @@ class DAPOTrainer:
         from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
         from megatron_dapo.reward import Verifier  # noqa: PLC0415
         from megatron_dapo.rollout import make_engine  # noqa: PLC0415
+        from megatron_dapo.rollout.factory import weight_update_target  # noqa: PLC0415
         from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
 
         self.cfg = c = config
@@ -56,6 +71,10 @@ class DAPOTrainer:
         self.rank, self.world = self.groups.rank, self.groups.world_size
         # Generation waits and rollout objects go over gloo (CPU), bounded by the generation timeout, not NCCL.
         self.exchange = RolloutExchange(self.world, timeout_s=c.rollout.generation_timeout_minutes * 60.0)
+        self.rollouts = RolloutStore(self.rank)
+        """Token rows of the groups this rank generated, until routed to the DP rank that trains on them."""
+        self.dp_of_rank = [int(d) for d in self.exchange.all_gather([self.groups.dp_rank], "dp ranks")]
+        """Data-parallel rank of every global rank (destinations of the rollout rows)."""
         self.run_dir = Path(c.trainer.run_dir)
         self.lock = RunDirLock(self.run_dir, self._notice) if self.rank == 0 else None
         self._startup(self._load_inputs)
@@ -78,8 +97,10 @@ class DAPOTrainer:
             if self.rank in self.engine_ranks
             else None
         )
+        # Colocated SGLang with rollout TP > 1: every rank of an engine's group hands SGLang its own GPU's copy.
+        target = weight_update_target(c.rollout, self.engine, self.rank, self.world)
         self.weight_sync = WeightSync(
-            self.engine, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
+            target, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
         )
         # The one owner of device memory moves per step (megatron_dapo/memory.py, docs/rollout.md).
         self.memory = MemoryChoreographer(self.engine, self.actor, offload=c.actor.offload, barrier=self._host_barrier)
@@ -167,10 +188,10 @@ class DAPOTrainer:
         return last
 
     def train_step(self) -> dict[str, float]:
-        c, timer, start = self.cfg, PhaseTimer(), time.perf_counter()
+        timer, start = PhaseTimer(), time.perf_counter()
         sampled: list = []
         metrics: dict[str, float] = {}
-        batch: list = []  # the actor batch, when dynamic sampling kept any group
+        routed: list = []  # [(this DP rank's rows, RowPlan)] when dynamic sampling kept any group
 
         def generation() -> None:
             with timer("generate"):
@@ -178,23 +199,23 @@ class DAPOTrainer:
             metrics.update(collected)
             metrics.update(sampled_response_metrics(sampled))
             if kept:
-                batch.append(build_actor_batch(kept, c.algorithm, self.pad_id))
+                routed.append(self._route(kept))
 
         def log_probs() -> None:
-            if batch:
+            if routed:
+                batch, plan = routed[0]
                 with timer("logprobs"):
-                    batch[0].old_logp, entropy = self.actor.compute_logprobs(batch[0])
-                metrics["actor/entropy"] = masked_mean(entropy, batch[0].response_mask)
-                if batch[0].engine_logp is not None:
-                    metrics.update(logprob_mismatch(batch[0].old_logp, batch[0].engine_logp, batch[0].response_mask))
-                metrics.update(apply_rollout_correction(batch[0], c.algorithm))  # before update: MIS changes D
+                    batch.old_logp, entropy = self.actor.compute_logprobs(batch, plan=plan)
+                # Per row, so the local rows get exactly what the whole batch would; MIS changes D, so before update.
+                correction = rollout_correction_parts(batch, self.cfg.algorithm)
+                metrics.update(self._batch_metrics(batch, entropy, correction))
 
         def update() -> None:
-            if batch:
+            if routed:
+                batch, plan = routed[0]
                 with timer("update"):
-                    metrics.update(self.actor.update(batch[0]))
-                metrics["train/responses"] = float(len(batch[0]))
-                metrics["train/valid_tokens"] = float(batch[0].loss_mask.sum())
+                    metrics.update(self.actor.update(batch, plan=plan))
+                metrics["train/responses"] = float(plan.num_rows)
                 tokens = self.actor.pop_token_stats()
                 metrics["train/pad_fraction"] = tokens["pad_fraction"]
                 actor_s = timer.seconds["logprobs"] + timer.seconds["update"]
@@ -205,6 +226,7 @@ class DAPOTrainer:
                 metrics.update(self.weight_sync.sync(self.actor.export_hf_weights()))
 
         self.memory.run_step({"generation": generation, "log-probs": log_probs, "update": update, "sync": sync})
+        self.rollouts.retain(self.sampler.state_dict()["carry"])
         timer.seconds["step"] = time.perf_counter() - start
         generated = sum(int(g.payload["lengths"].sum()) for g in sampled)
         metrics["perf/tokens_per_s"] = generated / max(timer.seconds["step"], 1e-9)
@@ -245,25 +267,78 @@ class DAPOTrainer:
         local = []
         for ex, comps in self._sample(examples, c.algorithm.group_size, c.rollout.temperature, c.rollout.top_p, seed):
             texts = self.tokenizer.batch_decode([x.response_ids for x in comps], skip_special_tokens=True)
-            local.append(
-                group_to_state(
-                    score_group(
-                        comps[0].prompt_ids,
-                        comps,
-                        ex.ground_truth,
-                        texts,
-                        self.verifier,
-                        c.algorithm,
-                        c.rollout.max_response_length,
-                        ex.index,
-                    )
-                )
+            group = score_group(
+                comps[0].prompt_ids,
+                comps,
+                ex.ground_truth,
+                texts,
+                self.verifier,
+                c.algorithm,
+                c.rollout.max_response_length,
+                ex.index,
             )
+            local.append(group_to_state(self.rollouts.add(group)))  # rows stay here; every rank gets the summary
         order = {ex.index: i for i, ex in enumerate(examples)}
         gathered = self.exchange.all_gather(local)
         groups = sorted((group_from_state(s) for s in gathered), key=lambda g: order[g.payload["index"]])
         sampled.extend(groups)
         return groups
+
+    def _route(self, kept: list) -> tuple[ActorBatch, RowPlan]:
+        """This DP rank's rows of the training batch made of `kept` (group summaries, same on every rank).
+
+        Every rank builds the same RowPlan from the summaries' lengths; each owner (the rank that generated a group)
+        sends each row to the ranks whose DP rank trains on it (an all_to_all over gloo: a rank receives only its
+        DP rank's rows, prompts once per group). Returns (local batch: plan.rows_of(dp_rank) in that order, plan).
+        """
+        c = self.cfg
+        index = row_index(kept)
+        plan = RowPlan.build(
+            row_lengths(kept), self.groups.dp_size, c.trainer.mini_batch_prompts * c.algorithm.group_size
+        )
+        outgoing: list[list] = [[] for _ in range(self.world)]
+        wanted = [plan.rows_of(d) for d in range(self.groups.dp_size)]
+        for dst in range(self.world):
+            for row in wanted[self.dp_of_rank[dst]]:
+                g, i = index[row]
+                p = kept[g].payload
+                if p["owner"] == self.rank:
+                    stored = self.rollouts.rows[p["key"]]
+                    engine = None if stored["engine_logp"] is None else stored["engine_logp"][i]
+                    outgoing[dst].append((row, stored["prompt_ids"], stored["responses"][i], engine))
+        received = {row: rest for row, *rest in self.exchange.all_to_all(outgoing, "rollout rows")}
+        mine = plan.rows_of(self.groups.dp_rank)
+        missing = [r for r in mine if r not in received]
+        if missing:
+            raise RuntimeError(f"rollout routing: rank {self.rank} did not receive rows {missing[:5]} of its plan")
+        advantages, keep = batch_advantages(kept, c.algorithm)
+        rows = torch.tensor(mine, dtype=torch.int64)
+        batch = rows_to_batch([received[r] for r in mine], advantages[rows], keep[rows], self.pad_id)
+        self.routed_rows = mine
+        """Global row ids this rank received in the last step (tests read it)."""
+        return batch, plan
+
+    def _batch_metrics(
+        self, batch: ActorBatch, entropy: torch.Tensor | None, correction: tuple[dict, dict]
+    ) -> dict[str, float]:
+        """Entropy, valid-token count (after rollout correction), engine/actor log-prob mismatch and the rollout
+        correction's metrics over the whole batch: each DP rank's sums (one rank per model-parallel group
+        contributes) combined over the gloo exchange."""
+        mask = batch.response_mask
+        local = torch.zeros(3, dtype=torch.float64)
+        if entropy is not None:
+            local[0] = float((entropy * mask).sum())
+        local[1] = float(mask.sum())
+        local[2] = float(batch.loss_mask.sum())
+        mism = None if batch.engine_logp is None else mismatch_sums(batch.old_logp, batch.engine_logp, mask)
+        first = self.rank == min(self.groups.mp_ranks)
+        parts = self.exchange.all_gather([(local, mism, correction)] if first else [], "batch metrics")
+        sums = sum(p[0] for p in parts)
+        out = {"actor/entropy": float(sums[0] / max(float(sums[1]), 1.0)), "train/valid_tokens": float(sums[2])}
+        if all(p[1] is not None for p in parts):
+            out.update(mismatch_from_sums([p[1] for p in parts]))
+        out.update(combine_rollout_correction([p[2] for p in parts]))
+        return out
 
     def evaluate(self) -> dict[str, float]:
         t = self.cfg.trainer
@@ -311,8 +386,17 @@ class DAPOTrainer:
         return {
             "step": self.step,
             "data": self.train_data.state_dict(),
-            "sampler": [group_to_state(g) for g in self.sampler.state_dict()["carry"]],
+            "sampler": [group_to_state(g) for g in self._carried_groups()],
         }
+
+    def _carried_groups(self) -> list:
+        """The sampler's carried-over groups in full (their rows gathered from the ranks that hold them); collective."""
+        carry = self.sampler.state_dict()["carry"]
+        mine = [
+            (g.payload["key"], self.rollouts.rows[g.payload["key"]]) for g in carry if g.payload["owner"] == self.rank
+        ]
+        rows = dict(self.exchange.all_gather(mine, "sampler carry"))
+        return [join_group(g, rows[g.payload["key"]]) for g in carry]
 
     def save(self) -> Path:
         def write() -> Path:
@@ -336,17 +420,25 @@ class DAPOTrainer:
         state = self.ckpt.load(path, self.cfg.to_dict(), lambda d: self.actor.load_checkpoint(str(d)))
         self.step = int(state["step"])
         self.train_data.load_state_dict(state["data"])
-        self.sampler.load_state_dict({"carry": [group_from_state(s) for s in state["sampler"]]})
+        carry = []
+        for k, full in enumerate(group_from_state(s) for s in state["sampler"]):
+            summary, rows = split_group(full, owner=k % self.world, key=f"carry:{k}")
+            if summary.payload["owner"] == self.rank:
+                self.rollouts.rows[summary.payload["key"]] = rows
+            carry.append(summary)
+        self.sampler.load_state_dict({"carry": carry})
         self.weight_sync.sync(self.actor.export_hf_weights())
         if self.rank == 0:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step, self._notice)
         self._barrier()
 
     def export_final_hf(self, out_dir: str | Path) -> None:
-        """Write the actor's weights as a Hugging Face checkpoint (rank 0 writes; every rank must call)."""
+        """Write the actor's weights as a Hugging Face checkpoint (rank 0 writes; every rank must call). Only rank 0
+        receives the full tensors: the other ranks of its model-parallel group send their shards, the other
+        data-parallel replicas do nothing, so no other rank holds a full-model copy."""
         from safetensors.torch import save_file  # noqa: PLC0415
 
-        tensors = {name: t.detach().cpu().contiguous() for name, t in self.actor.export_hf_weights()}
+        tensors = {name: t.detach().cpu().contiguous() for name, t in self.actor.export_hf_weights(dst_rank=0)}
         if self.rank == 0:
             out = Path(out_dir)
             out.mkdir(parents=True, exist_ok=True)

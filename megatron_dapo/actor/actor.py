@@ -1,11 +1,13 @@
 """MegatronActor: the DAPO policy on Megatron-Core (log-probs, updates, weight export, checkpoint state).
 
-    ActorBatch (full batch, same on every rank)
-        |-- compute_logprobs --> rows split over DP --> forward-only pipeline schedule --> logp/entropy on the last
-        |                        PP stage --> broadcast over PP --> all-gather over DP --> [B, S] fp32 on every rank
-        '-- update ------------> mini-batches (mini_batch_prompts x group_size responses) x ppo_epochs;
-                                 each mini-batch: rows split over DP, micro-batches through get_forward_backward_func,
-                                 DAPO loss / global D, finite check, Megatron optimizer step (clip, warm-up lr)
+    ActorBatch: the full batch (same on every rank), or only this DP rank's rows with their RowPlan (plan=...)
+        |   row_plan / packing.RowPlan: mini-batches (mini_batch_prompts x group_size rows), each split over DP by
+        |   tokens; DP rank d holds plan.rows_of(d) for BOTH passes (the trainer sends each DP rank only those rows)
+        |-- compute_logprobs --> this rank's rows --> forward-only pipeline schedule --> logp/entropy on the last
+        |                        PP stage --> broadcast over PP --> [B_local, S] (plan) or all-gather over DP [B, S]
+        '-- update ------------> per mini-batch x ppo_epochs: this rank's rows of it, micro-batches through
+                                 get_forward_backward_func, DAPO loss / global D (all-reduced over DP), finite check,
+                                 Megatron optimizer step (clip, warm-up lr)
 
 Gradient scaling (why the loss is multiplied): a micro-batch's loss is sum(l * mask) / D with D the valid-token
 count of the whole mini-batch all-reduced over data parallel (`actor.loss.dapo_loss_func`). Megatron's schedule
@@ -58,7 +60,7 @@ from megatron_dapo.actor.loss import local_loss_denominator
 from megatron_dapo.actor.loss import micro_batch_logprobs
 from megatron_dapo.actor.offload import ActorOffloader
 from megatron_dapo.actor.packing import PackedLayout
-from megatron_dapo.actor.packing import balance_rows
+from megatron_dapo.actor.packing import RowPlan
 from megatron_dapo.actor.packing import micro_batch_rows
 from megatron_dapo.actor.packing import sequence_lengths
 from megatron_dapo.batch import ActorBatch
@@ -268,21 +270,45 @@ class MegatronActor:
             forward_only=forward_only,
         )
 
-    def _plan(self, batch: ActorBatch) -> tuple[list[list[int]], list[_MicroBatch]]:
-        """Place the rows of a pass: every DP rank's rows (balanced by tokens, `packing.balance_rows`) and this rank's
-        micro-batches (actor.max_tokens_per_microbatch, else trainer.micro_batch_size rows; packed when
-        actor.packing). A rank without rows runs one dummy micro-batch (zero masks) so its pipeline and the
-        gradient all-reduce still happen. Token counts of the pass go to `pop_token_stats`."""
+    def row_plan(self, batch: ActorBatch) -> RowPlan:
+        """The placement of a full batch's rows over DP ranks (`packing.RowPlan`): mini-batches of
+        trainer.mini_batch_prompts * algorithm.group_size rows, each balanced by tokens. The trainer builds the same
+        plan from response lengths (`RowPlan.build`) to send each DP rank only its rows."""
+        lengths = sequence_lengths(batch.response_mask).tolist()
+        return RowPlan.build(lengths, self.groups.dp_size, self._mini_batch_size())
+
+    def _mini_batch_size(self) -> int:
+        return self.config.trainer.mini_batch_prompts * self.config.algorithm.group_size
+
+    def _local_rows(self, batch: ActorBatch, plan: RowPlan | None, where: str) -> tuple[ActorBatch, RowPlan]:
+        """(this DP rank's rows, the plan): selected from a full batch (plan None) or checked (batch already local)."""
+        if plan is None:
+            plan = self.row_plan(batch)
+            return batch.select(torch.tensor(plan.rows_of(self.groups.dp_rank), dtype=torch.int64)), plan
+        if plan.dp_size != self.groups.dp_size:
+            raise ValueError(
+                f"MegatronActor.{where}: plan is for dp_size {plan.dp_size}, actor has {self.groups.dp_size}"
+            )
+        expected = len(plan.rows_of(self.groups.dp_rank))
+        if len(batch) != expected:
+            raise ValueError(
+                f"MegatronActor.{where}: with plan=..., batch must hold this DP rank's {expected} rows "
+                f"(plan.rows_of({self.groups.dp_rank})), got {len(batch)}"
+            )
+        return batch, plan
+
+    def _micro_batches(self, batch: ActorBatch) -> list[_MicroBatch]:
+        """Cut this rank's rows (all of `batch`) into micro-batches (actor.max_tokens_per_microbatch, else
+        trainer.micro_batch_size rows; packed when actor.packing). Without rows, one dummy micro-batch (zero masks)
+        so the pipeline and the gradient all-reduce still happen. Token counts go to `pop_token_stats`."""
         a = self.config.actor
         lengths = sequence_lengths(batch.response_mask).tolist()
-        parts = balance_rows(lengths, self.groups.dp_size)
-        mine = parts[self.groups.dp_rank]
         # Under sequence parallel the sequence is split over TP ranks: packed lengths / widths are multiples of tp.
         multiple = self.groups.tp_size if self.tf_config.sequence_parallel else 1
         micro = []
         for rows in micro_batch_rows(
             lengths,
-            mine,
+            list(range(len(batch))),
             max_tokens=a.max_tokens_per_microbatch,
             rows_per_micro_batch=self.config.trainer.micro_batch_size,
             packed=a.packing,
@@ -295,19 +321,19 @@ class MegatronActor:
             self._tokens[0] += int(lens.sum())
         if not micro:
             width = -(-2 // multiple) * multiple
-            dummy = _cut_columns(batch.select(slice(0, 1)), width)
+            zeros = torch.zeros(1, width)
             dummy = ActorBatch(
-                tokens=torch.zeros_like(dummy.tokens),
-                loss_mask=torch.zeros_like(dummy.loss_mask),
-                response_mask=torch.zeros_like(dummy.response_mask),
-                advantages=torch.zeros_like(dummy.advantages),
-                old_logp=None if dummy.old_logp is None else torch.zeros_like(dummy.old_logp),
+                tokens=torch.zeros(1, width, dtype=torch.int64),
+                loss_mask=zeros,
+                response_mask=zeros.clone(),
+                advantages=torch.zeros(1),
+                old_logp=None if batch.old_logp is None else zeros.clone(),
             )
             lens = torch.tensor([width], dtype=torch.int64)
             layout = PackedLayout.build(dummy.tokens, lens, multiple) if a.packing else None
             micro.append(_MicroBatch(rows=[], batch=dummy, layout=layout))
         self._tokens[1] += sum(m.computed_tokens for m in micro)
-        return parts, micro
+        return micro
 
     def pop_token_stats(self) -> dict[str, float]:
         """Tokens the actor's passes held (real: prompt + response tokens of the rows) and computed (with padding)
@@ -332,45 +358,62 @@ class MegatronActor:
     # log-probs
     # ---------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, batch: ActorBatch, *, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    def compute_logprobs(
+        self, batch: ActorBatch, *, plan: RowPlan | None = None, with_entropy: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (and entropies) of the batch's tokens under the current weights.
 
-        Forward only, through the pipeline schedule, micro-batched by trainer.micro_batch_size; rows are split over
-        data-parallel ranks (any B: the batch is padded internally) and gathered back. Temperature is
-        rollout.temperature; padded vocab columns do not count.
+        Forward only, through the pipeline schedule, micro-batched (see `_micro_batches`); rows are placed on
+        data-parallel ranks by `row_plan`. Temperature is rollout.temperature; padded vocab columns do not count.
 
         Args:
-            batch: ActorBatch, the same on every rank (tokens [B, S], response_mask [B, S] are read).
+            batch: plan None: the full ActorBatch, the same on every rank; each DP rank computes its rows and the
+                results are all-gathered over DP. With a plan: only this DP rank's rows, `plan.rows_of(dp_rank)` in
+                that order (the same on the TP/PP ranks of its model-parallel group); nothing is gathered.
+                tokens [B, S] and response_mask [B, S] are read.
+            plan: the RowPlan of the full batch (`RowPlan.build` from its lengths), or None.
             with_entropy: also return the entropies (else None).
         Returns:
-            (logp, entropy): [B, S] fp32 on CPU, on every rank. Position t is log p(tokens[t] | tokens[<t]);
-            0 at position 0 and wherever response_mask is 0 (prompt and padding).
+            (logp, entropy): [B, S] fp32 on CPU (B = the rows passed in), on every rank. Position t is
+            log p(tokens[t] | tokens[<t]); 0 at position 0 and wherever response_mask is 0 (prompt and padding).
         """
         self._require_resident("compute_logprobs", ("params",))
         for chunk in self.model:
             chunk.eval()
         try:
-            logp, ent = self._logprobs(batch, with_entropy)
+            if plan is not None:
+                local, _ = self._local_rows(batch, plan, "compute_logprobs")
+                out = self._local_logprobs(local, with_entropy, len(local))[:, : len(local)].cpu()
+            else:
+                out = self._full_logprobs(batch, with_entropy)
         finally:
             for chunk in self.model:
                 chunk.train()
-        return logp, ent
+        out = out * batch.response_mask.to(torch.float32)
+        return out[0], (out[1] if with_entropy else None)
 
-    def _logprobs(self, batch: ActorBatch, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        b, s = batch.tokens.shape
-        parts, micro = self._plan(batch)
+    def _local_logprobs(self, batch: ActorBatch, with_entropy: bool, num_rows: int) -> Tensor:
+        """[1 or 2, max(num_rows, 1), S] fp32 on self.device, on every PP stage: log-probs (and entropies) of this
+        rank's rows (all of `batch`, B <= num_rows) in rows 0..B-1, zeros elsewhere."""
+        s = batch.tokens.shape[1]
+        micro = self._micro_batches(batch)
         store = self._run_schedule(micro, self._collect_logprobs, forward_only=True)
-        n_max = max(len(p) for p in parts)
-        out = torch.zeros(2, max(n_max, 1), s, dtype=torch.float32, device=self.device)
+        out = torch.zeros(2, max(num_rows, 1), s, dtype=torch.float32, device=self.device)
         if self.groups.is_last_stage:
-            position = {row: k for k, row in enumerate(parts[self.groups.dp_rank])}
             for mb, d in zip(micro, store, strict=True):
                 if mb.rows:
-                    idx = torch.tensor([position[r] for r in mb.rows], device=self.device)
+                    idx = torch.tensor(mb.rows, device=self.device)
                     width = min(d["logp"].shape[1], s)
                     out[0, idx, :width] = d["logp"][:, :width]
                     out[1, idx, :width] = d["entropy"][:, :width]
-        out = self._from_last_stage(out if with_entropy else out[:1].contiguous())
+        return self._from_last_stage(out if with_entropy else out[:1].contiguous())
+
+    def _full_logprobs(self, batch: ActorBatch, with_entropy: bool) -> Tensor:
+        """[1 or 2, B, S] fp32 on CPU for a full batch: each DP rank computes its rows, then an all-gather over DP."""
+        b, s = batch.tokens.shape
+        local, plan = self._local_rows(batch, None, "compute_logprobs")
+        parts = [plan.rows_of(d) for d in range(self.groups.dp_size)]
+        out = self._local_logprobs(local, with_entropy, max(len(p) for p in parts))
         if self.groups.dp_size > 1:
             gathered = [torch.empty_like(out) for _ in range(self.groups.dp_size)]
             dist.all_gather(gathered, out, group=self.groups.dp_group)
@@ -380,8 +423,7 @@ class MegatronActor:
         for rows, part in zip(parts, gathered, strict=True):
             if rows:
                 full[:, torch.tensor(rows)] = part[:, : len(rows)].cpu()
-        full = full * batch.response_mask.to(torch.float32)
-        return full[0], (full[1] if with_entropy else None)
+        return full
 
     def _collect_logprobs(self, mb: _MicroBatch) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
         weight = self._output_weight()
@@ -405,17 +447,19 @@ class MegatronActor:
     # ---------------------------------------------------------------------------------------------------------
     # update
     # ---------------------------------------------------------------------------------------------------------
-    def update(self, batch: ActorBatch) -> dict[str, float]:
-        """DAPO policy update on a full training batch (old_logp filled in).
+    def update(self, batch: ActorBatch, *, plan: RowPlan | None = None) -> dict[str, float]:
+        """DAPO policy update on a training batch (old_logp filled in).
 
-        The batch is cut into mini-batches of trainer.mini_batch_prompts * algorithm.group_size responses (the last
-        may be smaller), each is one optimizer step, repeated trainer.ppo_epochs times. Each mini-batch is split over
-        data-parallel ranks (its size must be divisible by dp_size) and then into micro-batches of
-        trainer.micro_batch_size. A step whose loss or gradient is not finite is skipped: gradients are zeroed and
-        the weights stay unchanged.
+        The full batch is cut into mini-batches of trainer.mini_batch_prompts * algorithm.group_size responses (the
+        last may be smaller), each is one optimizer step, repeated trainer.ppo_epochs times. Each mini-batch is split
+        over data-parallel ranks by `row_plan` (balanced by tokens) and then into micro-batches. The loss divides by
+        the mini-batch's valid-token count all-reduced over DP, so the split does not change the gradient. A step
+        whose loss or gradient is not finite is skipped: gradients are zeroed and the weights stay unchanged.
 
         Args:
-            batch: ActorBatch, the same on every rank, with old_logp [B, S].
+            batch: plan None: the full ActorBatch, the same on every rank, with old_logp [B, S]. With a plan: only
+                this DP rank's rows, `plan.rows_of(dp_rank)` in that order, with their old_logp.
+            plan: the RowPlan of the full batch, or None.
         Returns:
             plain floats, identical on every rank, averaged over the optimizer steps (skipped steps excluded):
             actor/loss, actor/grad_norm, actor/lr, actor/clipfrac_high, actor/clipfrac_low, actor/approx_kl,
@@ -424,11 +468,11 @@ class MegatronActor:
         self._require_resident("update", ("params", "grads", "optimizer"))
         if batch.old_logp is None:
             raise ValueError("MegatronActor.update: batch.old_logp is None; call compute_logprobs first")
-        size = self.config.trainer.mini_batch_prompts * self.config.algorithm.group_size
+        local, plan = self._local_rows(batch, plan, "update")
         results = []
         for _ in range(self.config.trainer.ppo_epochs):
-            for start in range(0, len(batch), size):
-                results.append(self._train_mini_batch(batch.select(slice(start, start + size))))
+            for rows in plan.local_mini_batches(self.groups.dp_rank):
+                results.append(self._train_mini_batch(local.select(rows)))
         return self._average(results)
 
     @staticmethod
@@ -442,14 +486,18 @@ class MegatronActor:
         out["actor/num_updates"] = float(len(results))
         return out
 
-    def _forward_backward(self, mini: ActorBatch) -> dict[str, float]:
-        """Zero the grads, run forward/backward on this rank's rows of one mini-batch (`_plan`); gradients end up
-        reduced over data parallel in the DDP buffers (param.main_grad). Returns the mini-batch's metrics (all
-        ranks). The denominator D is the whole mini-batch's (all DP ranks), so the split does not change the loss."""
-        parts, micro = self._plan(mini)
-        mine = parts[self.groups.dp_rank]
-        local_mask = mini.loss_mask[torch.tensor(mine, dtype=torch.int64)] if mine else mini.loss_mask[:0]
-        denom = local_loss_denominator(local_mask, self.config.algorithm.loss_agg_mode).to(self.device)
+    def _forward_backward(self, mini: ActorBatch, *, local: bool = False) -> dict[str, float]:
+        """Zero the grads, run forward/backward on this rank's rows of one mini-batch; gradients end up reduced over
+        data parallel in the DDP buffers (param.main_grad). Returns the mini-batch's metrics (all ranks). The
+        denominator D is the whole mini-batch's (all DP ranks), so the split does not change the loss.
+
+        mini: the whole mini-batch (same on every rank; this rank's rows are picked by `balance_rows`), or with
+        local=True only this rank's rows of it."""
+        if not local:
+            plan = RowPlan.build(sequence_lengths(mini.response_mask).tolist(), self.groups.dp_size, max(len(mini), 1))
+            mini = mini.select(torch.tensor(plan.rows_of(self.groups.dp_rank), dtype=torch.int64))
+        micro = self._micro_batches(mini)
+        denom = local_loss_denominator(mini.loss_mask, self.config.algorithm.loss_agg_mode).to(self.device)
         dist.all_reduce(denom, group=self.groups.dp_group)
         make_loss = partial(self._dapo_loss, denom=denom, num_microbatches=len(micro))
         for chunk in self.model:
@@ -460,7 +508,7 @@ class MegatronActor:
 
     def _train_mini_batch(self, local: ActorBatch) -> dict[str, float]:
         """One optimizer step on this rank's rows of one mini-batch (skipped when loss or gradient is not finite)."""
-        stats = self._forward_backward(local)
+        stats = self._forward_backward(local, local=True)
         stats["lr"] = self._set_lr()
         stepped = False
         if math.isfinite(stats["loss"]):
@@ -586,14 +634,19 @@ class MegatronActor:
     # ---------------------------------------------------------------------------------------------------------
     # weights and checkpoints
     # ---------------------------------------------------------------------------------------------------------
-    def export_hf_weights(self, bucket_bytes: int | None = None) -> Iterator[tuple[str, Tensor]]:
+    def export_hf_weights(
+        self, bucket_bytes: int | None = None, *, dst_rank: int | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
         """Full (un-sharded) HF-named tensors of the current weights, (name, tensor) in HF checkpoint order, in the
         HF config's dtype; see `actor.hf_weights.export_hf_weights`. Collective: EVERY rank must iterate it to the
-        end (TP gathers and PP broadcasts inside); every rank receives every tensor."""
+        end (TP gathers and PP broadcasts inside). dst_rank None: every rank receives every tensor; dst_rank = r:
+        only rank r does (the others only send their shards and yield nothing)."""
         from megatron_dapo.actor import hf_weights  # noqa: PLC0415
 
         self._require_resident("export_hf_weights", ("params",))
-        return hf_weights.export_hf_weights(self.model, self.hf_config, self.groups, bucket_bytes=bucket_bytes)
+        return hf_weights.export_hf_weights(
+            self.model, self.hf_config, self.groups, bucket_bytes=bucket_bytes, dst_rank=dst_rank
+        )
 
     def _sharded_state_dict(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
         model_sd = self._unwrapped().sharded_state_dict()

@@ -2,7 +2,7 @@
 
 API:
     load_hf_into_model(model_chunks, hf_dir, hf_config, groups) -> None
-    export_hf_weights(model_chunks, hf_config, groups, *, bucket_bytes=None, dtype=None)
+    export_hf_weights(model_chunks, hf_config, groups, *, bucket_bytes=None, dtype=None, dst_rank=None)
         -> Iterator[tuple[str, Tensor]]
     hf_state_dict_keys(hf_config) -> list[str]     the names export yields, in order (= HF safetensors keys)
 
@@ -21,14 +21,16 @@ Pipeline stage s holds layers [s*L/pp, (s+1)*L/pp) under local indices j = i - s
 (tie_word_embeddings) have no lm_head.weight; with pp > 1 the last stage's output_layer.weight is a second copy
 of the embedding and is loaded from model.embed_tokens.weight.
 
-Export: EVERY rank of every model-parallel group yields EVERY tensor, in the same order (hf_state_dict_keys):
-the stage that owns a bucket gathers it over tp_group (all_gather), then broadcasts it over pp_group from
-that stage. Data-parallel replicas do the same independently, so a caller that pushes weights to an engine
-usually consumes the iterator on all ranks (they must all iterate: the gathers are collectives) and sends from
-one rank (e.g. groups.rank == 0). A bucket is one transformer layer (or the embedding, or final norm + lm_head)
-when bucket_bytes is None, else consecutive tensors of one stage up to bucket_bytes; only one bucket of
-gathered tensors is held at a time. Tensors are in HF's dtype (hf_config.dtype / torch_dtype) unless `dtype`
-is given, with the vocab padding stripped.
+Export (dst_rank=None): EVERY rank of every model-parallel group yields EVERY tensor, in the same order
+(hf_state_dict_keys): the stage that owns a bucket gathers it over tp_group (all_gather), then broadcasts it over
+pp_group from that stage. Data-parallel replicas do the same independently, so a caller that pushes weights to an
+engine usually consumes the iterator on all ranks (they must all iterate: the gathers are collectives) and sends
+from one rank (e.g. groups.rank == 0). A bucket is one transformer layer (or the embedding, or final norm +
+lm_head) when bucket_bytes is None, else consecutive tensors of one stage up to bucket_bytes; only one bucket of
+gathered tensors is held at a time. Tensors are in HF's dtype (hf_config.dtype / torch_dtype) unless `dtype` is
+given, with the vocab padding stripped. Export with dst_rank=r (an HF checkpoint written by rank r): only r
+yields; the ranks of r's model-parallel group gather each bucket's TP shards to the rank of that stage in r's
+pipeline, which sends it to r when the stage is not r's; other data-parallel replicas do nothing.
 """
 
 from __future__ import annotations
@@ -358,21 +360,32 @@ def export_hf_weights(
     *,
     bucket_bytes: int | None = None,
     dtype: torch.dtype | None = None,
+    dst_rank: int | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
-    """Yield (hf_name, full tensor) for the whole model on every rank of the model-parallel group.
+    """Yield (hf_name, full tensor) for the whole model.
 
-    All ranks must consume the iterator to the end (it runs collectives over tp_group and pp_group).
-    Tensors: full HF shapes (vocab padding stripped), dtype = `dtype` or the HF config's dtype, on
-    groups.device. They may alias the live parameters (pp_size == 1, same dtype) or a shared bucket buffer:
-    send or copy each tensor before advancing the iterator / stepping the optimizer.
+    dst_rank None: on every rank of every model-parallel group; all ranks must consume the iterator to the end (it
+    runs collectives over tp_group and pp_group). dst_rank = a global rank: only that rank yields (the writer of an
+    HF checkpoint). The other ranks of its model-parallel group must still consume the iterator (they yield nothing,
+    only send: per bucket a gather of the TP shards to the stage rank in dst's pipeline, then a point-to-point send
+    to dst when the bucket's stage is not dst's); ranks of other data-parallel replicas return at once. So no rank but
+    dst ever holds more than its own shards and one bucket.
+
+    Tensors: full HF shapes (vocab padding stripped), dtype = `dtype` or the HF config's dtype, on groups.device.
+    They may alias the live parameters (pp_size == 1, same dtype) or a shared bucket buffer: send or copy each
+    tensor before advancing the iterator / stepping the optimizer.
     """
     d = _dims(hf_config)
     model = _stage_model(model_chunks, d, groups)
     params = dict(model.named_parameters())
     out_dtype = dtype or _export_dtype(hf_config, next(iter(params.values())).dtype)
     itemsize = torch.empty((), dtype=out_dtype).element_size()
+    buckets = _buckets(_plan(d, groups.pp_size), bucket_bytes, itemsize)
+    if dst_rank is not None:
+        yield from _export_to_rank(buckets, params, d, groups, out_dtype, dst_rank)
+        return
     with torch.no_grad():
-        for bucket in _buckets(_plan(d, groups.pp_size), bucket_bytes, itemsize):
+        for bucket in buckets:
             stage = bucket[0].stage
             names = [n for u in bucket for n in u.hf_names]
             shapes = [s for u in bucket for s in u.hf_shapes]
@@ -387,4 +400,54 @@ def export_hf_weights(
                 dist.broadcast(flat, src=groups.pp_ranks[stage], group=groups.pp_group)
                 tensors = [p.view(s) for p, s in zip(flat.split(numels), shapes)]
             yield from zip(names, tensors)
+            del tensors
+
+
+def _export_to_rank(
+    buckets: list[list[_Unit]],
+    params: dict[str, Tensor],
+    d: _Dims,
+    groups: ParallelGroups,
+    out_dtype: torch.dtype,
+    dst_rank: int,
+) -> Iterator[tuple[str, Tensor]]:
+    """`export_hf_weights(dst_rank=...)`: full tensors on dst_rank only (see there)."""
+    if dst_rank not in groups.mp_ranks:
+        return  # another data-parallel replica holds the same weights: nothing to send
+    # (tp, pp) of every rank of the model-parallel group, to find the rank of each stage in dst's pipeline.
+    coords = torch.tensor([groups.tp_rank, groups.pp_rank], dtype=torch.int64, device=groups.device)
+    table = [torch.empty_like(coords) for _ in groups.mp_ranks]
+    dist.all_gather(table, coords, group=groups.mp_group)
+    where = {rank: (int(t[0]), int(t[1])) for rank, t in zip(groups.mp_ranks, table)}
+    dst_tp, dst_pp = where[dst_rank]
+    # The rank holding stage s in dst's pipeline (the same TP rank as dst): it gathers stage s's shards.
+    leader = {pp: rank for rank, (tp, pp) in where.items() if tp == dst_tp}
+    with torch.no_grad():
+        for bucket in buckets:
+            stage = bucket[0].stage
+            names = [n for u in bucket for n in u.hf_names]
+            shapes = [s for u in bucket for s in u.hf_shapes]
+            tensors: list[Tensor] = []
+            if groups.pp_rank == stage:
+                for unit in bucket:
+                    local = _find_param(params, unit).detach()
+                    if unit.kind == "replicated" or groups.tp_size == 1:
+                        shards = [local]
+                    else:
+                        local = local.contiguous()
+                        is_leader = groups.rank == leader[stage]
+                        shards = [torch.empty_like(local) for _ in range(groups.tp_size)] if is_leader else None
+                        dist.gather(local, shards, dst=leader[stage], group=groups.tp_group)
+                    if groups.rank == leader[stage]:
+                        tensors.extend(t.to(out_dtype) for t in _unshard(unit.kind, shards, d))
+            if stage != dst_pp and groups.rank in (leader[stage], dst_rank):
+                numels = [int(torch.Size(s).numel()) for s in shapes]
+                if groups.rank == dst_rank:
+                    flat = torch.empty(sum(numels), dtype=out_dtype, device=groups.device)
+                    dist.recv(flat, src=leader[stage], group=groups.pp_group)
+                    tensors = [p.view(s) for p, s in zip(flat.split(numels), shapes)]
+                else:
+                    dist.send(torch.cat([t.reshape(-1) for t in tensors]), dst=dst_rank, group=groups.pp_group)
+            if groups.rank == dst_rank:
+                yield from zip(names, tensors)
             del tensors

@@ -26,6 +26,7 @@ from torch import Tensor
 
 __all__ = [
     "PackedLayout",
+    "RowPlan",
     "balance_rows",
     "micro_batch_cost",
     "micro_batch_rows",
@@ -69,6 +70,65 @@ def balance_rows(lengths: list[int], parts: int) -> list[list[int]]:
         out[p].append(i)
         load[p] += lengths[i]
     return [sorted(rows) for rows in out]
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Which rows of a training batch each data-parallel rank holds, for both actor passes (log-probs and update).
+
+    The batch's B rows are cut into consecutive mini-batches of `mini_batch_size` rows (the update's optimizer
+    steps; the last may be smaller); each mini-batch is split over DP ranks by `balance_rows`. DP rank d holds
+    `rows_of(d)`: its rows of mini-batch 0, then of mini-batch 1, ... (ascending global ids within each), and it
+    runs both passes on exactly those rows, so it needs no other row's tokens. Built from lengths alone, so every
+    rank (and the trainer, before any token is sent) computes the same plan.
+
+        B = 8, mini_batch_size = 4, dp = 2:  mini-batch 0 = rows 0-3 -> dp0 {0, 3}  dp1 {1, 2}
+                                             mini-batch 1 = rows 4-7 -> dp0 {5, 6}  dp1 {4, 7}
+                                             rows_of(0) = [0, 3, 5, 6]; local_mini_batches(0) = [0:2, 2:4]
+
+    Attributes:
+        lengths: per global row, prompt + response tokens (`sequence_lengths`).
+        parts: parts[m][d] = ascending global row ids of mini-batch m held by DP rank d.
+    """
+
+    lengths: tuple[int, ...]
+    parts: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @classmethod
+    def build(cls, lengths: list[int], dp_size: int, mini_batch_size: int) -> RowPlan:
+        """Plan B = len(lengths) rows over `dp_size` ranks in mini-batches of `mini_batch_size` rows (>= 1)."""
+        if mini_batch_size < 1:
+            raise ValueError(f"RowPlan.build: mini_batch_size must be >= 1, got {mini_batch_size}")
+        lengths = [int(x) for x in lengths]
+        parts = []
+        for start in range(0, len(lengths), mini_batch_size):
+            chunk = lengths[start : start + mini_batch_size]
+            parts.append(tuple(tuple(start + i for i in rows) for rows in balance_rows(chunk, dp_size)))
+        return cls(lengths=tuple(lengths), parts=tuple(parts))
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.parts[0]) if self.parts else 1
+
+    def rows_of(self, dp_rank: int) -> list[int]:
+        """Global row ids DP rank `dp_rank` holds, in its local order."""
+        return [r for mini in self.parts for r in mini[dp_rank]]
+
+    def local_mini_batches(self, dp_rank: int) -> list[slice]:
+        """Per mini-batch, the slice of this rank's local rows (`rows_of(dp_rank)`) that belongs to it."""
+        out, start = [], 0
+        for mini in self.parts:
+            out.append(slice(start, start + len(mini[dp_rank])))
+            start += len(mini[dp_rank])
+        return out
+
+    def tokens_of(self, dp_rank: int) -> int:
+        """Sum of the lengths of `rows_of(dp_rank)` (the balance the plan achieves)."""
+        return sum(self.lengths[r] for r in self.rows_of(dp_rank))
 
 
 def micro_batch_cost(lengths: list[int], rows: list[int], packed: bool) -> int:

@@ -16,7 +16,8 @@ sampled token):
 and the per-token policy loss l_t becomes w_t * l_t, aggregated as before (docs/rollout_correction.md). These are
 verl's rollout-correction definitions (rollout_corr_helper: IS weights exp(clamp(log-ratio, +-20)) truncated at the
 threshold; rejection of tokens / sequences whose ratio leaves [lower, upper], removed from the response mask). Pure
-torch, no megatron import: the trainer applies it to the whole batch once, before the actor computes D.
+torch, no megatron import: the trainer applies it to each data-parallel rank's rows (everything here is per row),
+before the actor computes D.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Rollout object exchange between ranks on a host (gloo) group with an explicit generation timeout.
 
-    engine ranks:     generate (minutes) ----------------------------> all_gather(local groups) --> every group
-    ranks without:    all_gather([]) ... wait in gloo, on the CPU ...-^
+    engine ranks:     generate (minutes) ----------------------------> all_gather(small per-group scalars)
+    ranks without:    all_gather([]) ... wait in gloo, on the CPU ...-^          (accs, rewards, lengths: every rank)
+    after sampling:   all_to_all(token rows) -> each rank receives only the rows its DP rank trains on
 
 Ranks without an engine (and engine ranks that finish early) wait inside this gather for the whole generation
 round. On the default NCCL group that wait is a GPU kernel spinning on the GPUs SGLang is decoding on, and it ends
@@ -12,9 +13,11 @@ is a blocking socket read in gloo, pickled objects never touch a GPU, and the gr
 
 from __future__ import annotations
 
+import pickle
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -33,6 +36,8 @@ class RolloutExchange:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1 else None
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     def all_gather(self, items: list[Any], what: str = "rollouts") -> list[Any]:
         """Concatenate every rank's list of picklable items in rank order (the same result on every rank).
@@ -45,15 +50,52 @@ class RolloutExchange:
         try:
             dist.all_gather_object(out, items, group=self.group)
         except RuntimeError as err:
-            text = str(err)
-            if "timed out" not in text.lower() and "timeout" not in text.lower():
-                raise
-            raise ExchangeTimeout(
-                f"rollout exchange ({what}): not every rank arrived within rollout.generation_timeout_minutes="
-                f"{self.timeout_s / 60:g} (a rank's generation ran longer, or a rank died: see its log); "
-                f"gloo: {text.splitlines()[0][:200]}"
-            ) from None
+            raise self._timeout(err, what) from None
         return [x for part in out for x in part]
+
+    def all_to_all(self, per_rank: list[list[Any]], what: str = "rollout rows") -> list[Any]:
+        """Send per_rank[r] (a list of picklable items) to rank r; return what every rank sent to this one,
+        concatenated in source-rank order. Only the bytes addressed to a rank reach it (two gloo all_to_all_single
+        calls: sizes, then pickled bytes); `bytes_received` / `bytes_sent` hold the last call's totals.
+
+        Raises ExchangeTimeout (one line) when some rank has not arrived within timeout_s.
+        """
+        if len(per_rank) != self.world_size:
+            raise ValueError(f"RolloutExchange.all_to_all: expected {self.world_size} lists, got {len(per_rank)}")
+        if self.group is None:
+            self.bytes_sent = self.bytes_received = 0
+            return list(per_rank[0])
+        blobs = [pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) for items in per_rank]
+        send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+        recv_sizes = torch.empty(self.world_size, dtype=torch.int64)
+        try:
+            dist.all_to_all_single(recv_sizes, send_sizes, group=self.group)
+            send = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)
+            recv = torch.empty(max(int(recv_sizes.sum()), 1), dtype=torch.uint8)
+            dist.all_to_all_single(
+                recv[: int(recv_sizes.sum())] if int(recv_sizes.sum()) else recv[:0],
+                send[: int(send_sizes.sum())] if int(send_sizes.sum()) else send[:0],
+                output_split_sizes=recv_sizes.tolist(),
+                input_split_sizes=send_sizes.tolist(),
+                group=self.group,
+            )
+        except RuntimeError as err:
+            raise self._timeout(err, what) from None
+        self.bytes_sent, self.bytes_received = int(send_sizes.sum()), int(recv_sizes.sum())
+        out: list[Any] = []
+        for part in recv[: self.bytes_received].split(recv_sizes.tolist()):
+            out.extend(pickle.loads(part.numpy().tobytes()))
+        return out
+
+    def _timeout(self, err: RuntimeError, what: str) -> Exception:
+        text = str(err)
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            return err
+        return ExchangeTimeout(
+            f"rollout exchange ({what}): not every rank arrived within rollout.generation_timeout_minutes="
+            f"{self.timeout_s / 60:g} (a rank's generation ran longer, or a rank died: see its log); "
+            f"gloo: {text.splitlines()[0][:200]}"
+        )
 
     def close(self) -> None:
         """Destroy the group (optional; the default group's destruction also ends it)."""

@@ -100,3 +100,15 @@ def make_engine(
             llm_kwargs=engine_kwargs,
         )
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")
+
+
+def weight_update_target(rollout: RolloutConfig, engine: RolloutEngine | None, rank: int, world_size: int) -> Any:
+    """What WeightSync drives on this rank: the engine itself (None on ranks without one), or, for colocated SGLang
+    with rollout.tensor_parallel > 1, a ColocatedWeightUpdate on EVERY rank of the engine's group, so SGLang TP
+    worker i reads its bucket from the GPU it shares with actor rank r + i. Collective in that case (it creates one
+    gloo group per engine): call it on every rank, after the engines are built."""
+    if rollout.engine == "sglang" and rollout.mode == "colocated" and rollout.tensor_parallel > 1:
+        from megatron_dapo.rollout.sglang_engine import colocated_weight_update  # noqa: PLC0415
+
+        return colocated_weight_update(engine, rank, world_size, rollout.tensor_parallel)
+    return engine

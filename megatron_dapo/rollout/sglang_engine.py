@@ -1,7 +1,9 @@
 """SGLang rollout engines: colocated (offline sglang.Engine in the training processes) and server mode (HTTP).
 
-    colocated:  WeightSync --bucket--> flattened_bucket_payload (one uint8 tensor + metadata, CUDA IPC)
-                    --Engine.update_weights_from_tensor(load_format="flattened_bucket")--> SGLang TP workers
+    colocated:  WeightSync --bucket--> ColocatedWeightUpdate on each rank r+i of the engine's group: the bucket
+                    flattened per dtype on GPU i (uint8 tensor + metadata) -> CUDA IPC payload --gather (gloo)-->
+                    Engine.update_weights_from_tensor([payload_0 .. payload_t-1], "flattened_bucket") on rank r;
+                    SGLang TP worker i reads payload i: the GPU it shares with actor rank r+i
                 release_memory(tags) / resume_memory(tags): release_memory_occupation / resume_memory_occupation
                 (tags "weights", "kv_cache", "cuda_graph"; order: megatron_dapo/memory.py)
     server:     generate --HTTP POST /generate (input_ids, sampling_params, return_logprob)--> servers
@@ -230,13 +232,22 @@ def flatten_bucket(bucket: Sequence[tuple[str, Tensor]], align: int = 16) -> tup
     return flat, metadata
 
 
+def split_by_dtype(bucket: Sequence[tuple[str, Tensor]]) -> list[list[tuple[str, Tensor]]]:
+    """The bucket's (name, tensor) pairs grouped by dtype (groups in order of first appearance, pairs in order)."""
+    groups: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+    for name, t in bucket:
+        groups.setdefault(t.dtype, []).append((name, t))
+    return list(groups.values())
+
+
 def flattened_bucket_payloads(
     bucket: Sequence[tuple[str, Tensor]],
     tp_size: int,
     metadata_cls: Callable[..., Any],
     serialize: Callable[[Any], bytes],
 ) -> list[bytes]:
-    """The named_tensors argument of Engine.update_weights_from_tensor(load_format="flattened_bucket").
+    """The named_tensors argument of Engine.update_weights_from_tensor(load_format="flattened_bucket") when one
+    process holds every tensor (all TP workers read this process's GPU).
 
     One serialized {"flattened_tensor": uint8 tensor, "metadata": [metadata_cls]} per SGLang TP rank (each rank
     deserializes its own copy). metadata_cls is sglang's FlattenedTensorMetadata; serialize is
@@ -245,6 +256,111 @@ def flattened_bucket_payloads(
     flat, metadata = flatten_bucket(bucket)
     payload = {"flattened_tensor": flat, "metadata": [metadata_cls(**m) for m in metadata]}
     return [serialize(payload) for _ in range(tp_size)]
+
+
+def local_ipc_payloads(
+    bucket: Sequence[tuple[str, Tensor]], metadata_cls: Callable[..., Any], serialize: Callable[[Any], bytes]
+) -> tuple[list[bytes], list[Tensor]]:
+    """This rank's share of a colocated update: its copy of the bucket flattened per dtype, on its own GPU.
+
+    Returns (payloads, flats): payloads[k] = serialize({"flattened_tensor": flats[k], "metadata": [...]}) for the
+    k-th dtype group of `split_by_dtype(bucket)` (flats[k] uint8 [bytes of the group], on the tensors' device).
+    The caller keeps `flats` alive until SGLang has loaded them (a CUDA IPC handle does not own the memory).
+    """
+    payloads, flats = [], []
+    for group in split_by_dtype(bucket):
+        flat, metadata = flatten_bucket(group)
+        payloads.append(serialize({"flattened_tensor": flat, "metadata": [metadata_cls(**m) for m in metadata]}))
+        flats.append(flat)
+    return payloads, flats
+
+
+class ColocatedWeightUpdate:
+    """Weight updates of one colocated SGLang engine with tensor_parallel = t, on EVERY rank of its rollout group.
+
+        actor ranks r .. r+t-1 (GPU i = SGLang TP worker i's GPU), each holding the full exported bucket:
+            flatten per dtype on its own GPU -> serialize (CUDA IPC handle, no copy) --gather (gloo)--> rank r
+        rank r: Engine.update_weights_from_tensor(named_tensors=[payload of r, of r+1, ...], "flattened_bucket")
+            SGLang TP worker i deserializes entry i (tp_worker.deserialize_own_rank) and reads GPU i only
+        barrier (gloo): every worker has loaded; each rank frees its flattened copy
+
+    Without it every TP worker reads the engine rank's GPU (one GPU serves t readers over NVLink). Use it as the
+    `engine` of WeightSync on every rank of the group: engine is the SGLangEngine on rank r, None on the others.
+
+    Args:
+        engine: SGLangEngine on the group's first rank, else None.
+        group: gloo group of the t ranks (None when t == 1); leader: the global rank holding the engine.
+        metadata_cls, serialize, patch_reductions: SGLang's FlattenedTensorMetadata, MultiprocessingSerializer.
+            serialize and monkey_patch_torch_reductions (IPC handles name the GPU by UUID), or test doubles.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        group: Any,
+        leader: int,
+        *,
+        metadata_cls: Callable[..., Any],
+        serialize: Callable[[Any], bytes],
+        patch_reductions: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.engine = engine
+        self.group = group
+        self.leader = leader
+        self._metadata_cls = metadata_cls
+        self._serialize = serialize
+        self._patch_reductions = patch_reductions
+
+    def begin_weight_update(self) -> None:
+        self._patch_reductions()  # before any serialize on this rank
+        if self.engine is not None:
+            self.engine.begin_weight_update()
+
+    def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
+        """Hand this rank's copy of `bucket` to the TP worker on its GPU (collective over the group)."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        payloads, flats = local_ipc_payloads(bucket, self._metadata_cls, self._serialize)
+        if self.group is None:
+            per_rank = [payloads]
+        else:
+            per_rank = [None] * dist.get_world_size(self.group) if self.engine is not None else None
+            dist.gather_object(payloads, per_rank, dst=self.leader, group=self.group)
+        if self.engine is not None:
+            for k in range(len(payloads)):  # one call per dtype group; entry i is TP worker i's own GPU
+                self.engine.update_weights_from_payloads([p[k] for p in per_rank])
+        if self.group is not None:
+            dist.barrier(group=self.group)  # every TP worker has copied from every GPU
+        del flats
+
+    def end_weight_update(self, *, full: bool = True) -> None:
+        if self.engine is not None:
+            self.engine.end_weight_update(full=full)
+
+
+def colocated_weight_update(engine: Any, rank: int, world_size: int, tensor_parallel: int) -> ColocatedWeightUpdate:
+    """The ColocatedWeightUpdate of this rank: builds one gloo group per engine (ranks r .. r+t-1 for every
+    r % t == 0; collective: every rank must call it, in the same order) and returns this rank's."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from sglang.srt.utils.common import MultiprocessingSerializer  # noqa: PLC0415
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # noqa: PLC0415
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata  # noqa: PLC0415
+
+    t = tensor_parallel
+    mine = None
+    if t > 1:
+        for start in range(0, world_size, t):
+            group = dist.new_group(list(range(start, start + t)), backend="gloo")
+            if start <= rank < start + t:
+                mine = group
+    return ColocatedWeightUpdate(
+        engine,
+        mine,
+        rank - rank % t,
+        metadata_cls=FlattenedTensorMetadata,
+        serialize=MultiprocessingSerializer.serialize,
+        patch_reductions=monkey_patch_torch_reductions,
+    )
 
 
 def _ok(result: Any, what: str) -> None:
@@ -340,10 +456,25 @@ class SGLangEngine:
         self._session = True
 
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
-        """Send one bucket as a flattened CUDA-IPC payload; SGLang copies it into its sharded weights."""
-        payloads = flattened_bucket_payloads(bucket, self.tp_size, self._metadata_cls, self._serialize)
+        """Send one bucket, flattened per dtype, as CUDA-IPC payloads of this process's GPU (every TP worker reads
+        it); SGLang copies it into its sharded weights. With tensor_parallel > 1 prefer ColocatedWeightUpdate, where
+        each TP worker reads the GPU it shares with its actor rank."""
+        for group in split_by_dtype(bucket):
+            self.update_weights_from_payloads(
+                flattened_bucket_payloads(group, self.tp_size, self._metadata_cls, self._serialize)
+            )
+
+    def update_weights_from_payloads(self, payloads: Sequence[bytes]) -> None:
+        """One Engine.update_weights_from_tensor(load_format="flattened_bucket") call: payloads[i] (a serialized
+        {"flattened_tensor", "metadata"} dict) is what SGLang TP worker i deserializes (tp_worker.deserialize_own_rank
+        indexes the list by its tp_rank)."""
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"SGLangEngine: {len(payloads)} payloads for rollout.tensor_parallel={self.tp_size}")
         result = self._call(
-            "update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
+            "update_weights_from_tensor",
+            named_tensors=list(payloads),
+            load_format="flattened_bucket",
+            flush_cache=False,
         )
         _ok(result, "update_weights_from_tensor")
 

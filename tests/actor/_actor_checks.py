@@ -72,6 +72,16 @@ def _check_model(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int, pp: i
     # A small bucket bound must give the same tensors in the same order.
     small = [(n, t.clone()) for n, t in export_hf_weights([model], hf_config, groups, bucket_bytes=4096)]
     mismatched = sorted(k for k in original if k in exported and not torch.equal(original[k], exported[k]))
+    # dst_rank=r: rank r gets exactly the full export, every other rank nothing.
+    dst_ok = []
+    for dst in range(groups.world_size):
+        got = [
+            (n, t.clone()) for n, t in export_hf_weights([model], hf_config, groups, bucket_bytes=4096, dst_rank=dst)
+        ]
+        if groups.rank == dst:
+            dst_ok.append([n for n, _ in got] == list(exported) and all(torch.equal(t, exported[n]) for n, t in got))
+        else:
+            dst_ok.append(got == [])
     return {
         "logits": logits,
         "export_keys": list(exported),
@@ -81,6 +91,7 @@ def _check_model(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int, pp: i
         "small_bucket_same": [n for n, _ in small] == list(exported)
         and all(torch.equal(t, exported[n]) for n, t in small),
         "exported": exported if groups.rank == 0 else None,
+        "dst_ok": dst_ok,
     }
 
 

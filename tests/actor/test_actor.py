@@ -175,6 +175,12 @@ def _training_worker(hf_dir: str, batch: ActorBatch, ckpt_dir: str) -> dict:
     actor = MegatronActor(cfg, groups, hf_dir=hf_dir)
     batch.old_logp, _ = actor.compute_logprobs(batch, with_entropy=False)
     res: dict = {"lr": [], "loss": []}
+    # The trainer's path: only this DP rank's rows of the plan go in, the same log-probs come out.
+    plan = actor.row_plan(batch)
+    mine = torch.tensor(plan.rows_of(groups.dp_rank))
+    local_logp, _ = actor.compute_logprobs(batch.select(mine), plan=plan, with_entropy=False)
+    res["local_rows"] = plan.rows_of(groups.dp_rank)
+    res["local_logp_equal"] = torch.equal(local_logp, batch.old_logp[mine])
     for _ in range(4):
         metrics = actor.update(batch)
         res["lr"].append(metrics["actor/lr"])
@@ -194,7 +200,7 @@ def _training_worker(hf_dir: str, batch: ActorBatch, ckpt_dir: str) -> dict:
     after_first = _snapshot(actor)
     actor.load_checkpoint(ckpt_dir)
     res["steps_after_load"] = actor.num_steps
-    actor.update(batch)
+    actor.update(batch.select(mine), plan=plan)  # this DP rank's rows only: the same step as the full batch
     res["resume_identical"] = all(torch.equal(a, b) for a, b in zip(after_first, _snapshot(actor)))
     # The same checkpoint's weights into another layout (TP=2, DP=1), without HF weights: same log-probs.
     groups = init_distributed(2, 1)
@@ -220,4 +226,6 @@ def test_update_lowers_loss_skips_nan_and_checkpoints(tiny_dirs: dict[str, str],
     assert r0["nan_unchanged"] and ranks[1]["nan_unchanged"]
     assert r0["steps_after_load"] == 4 and r0["reshard_steps"] == 4
     assert r0["resume_identical"] and ranks[1]["resume_identical"]
+    assert r0["local_logp_equal"] and ranks[1]["local_logp_equal"]
+    assert sorted(r0["local_rows"] + ranks[1]["local_rows"]) == list(range(len(batch)))
     assert r0["reshard_logp_err"] < 1e-5

@@ -38,6 +38,7 @@ def test_roundtrip_bit_exact_on_every_rank(world, tp, pp, model):
         assert out["mismatched"] == [], rank
         assert out["dtypes"] == ["torch.float32"], rank
         assert out["small_bucket_same"], rank
+        assert out["dst_ok"] == [True] * world, (rank, out["dst_ok"])  # export_hf_weights(dst_rank=r)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
