@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noise", type=float, default=0.05, help="perturbation scale when --weights is not given")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tol", type=float, default=None, help="log-prob max abs tolerance (default by dtype)")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="run vLLM's compiled mode (enforce_eager=False): reproduces the stale weights after an update",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the measurements here")
     args = p.parse_args(argv)
     tol = args.tol if args.tol is not None else (2e-3 if args.dtype == "float32" else 0.15)
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "dtype": args.dtype,
+        "compiled": args.compiled,
         "group": args.group,
         "prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
@@ -164,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts, eos = encode_prompts(args.model, args.prompts)
     t0 = time.perf_counter()
-    engine = VLLMEngine(str(args.model), dtype=args.dtype, seed=0, llm_kwargs={"max_model_len": 512})
+    llm_kwargs = {"max_model_len": 512, **({"enforce_eager": False} if args.compiled else {})}
+    engine = VLLMEngine(str(args.model), dtype=args.dtype, seed=0, llm_kwargs=llm_kwargs)
     results["engine_start_s"] = time.perf_counter() - t0
     params = SamplingParams(
         n=args.group,
