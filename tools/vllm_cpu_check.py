@@ -14,6 +14,8 @@ What it checks (each a line "[check] name: PASS/FAIL ..."; exit status 1 if any 
                  Gaussian noise of --noise x each tensor's std): the engine's log-probs on its new samples match
                  transformers on the NEW weights (<= --tol) and not on the old ones (the update took effect)
     restore      syncing the original weights back reproduces the first generation token for token
+    stop         a response that stopped ends with the EOS token (kept, as the project's contract says); one cut
+                 at the cap has exactly max_new_tokens tokens
 Measured: generation tokens/s (G x prompts completions, one engine call), weight-sync seconds.
 
 The model is SmolLM2-135M-Instruct as prepared by tools/prepare_smollm2.py (head_dim 64; tied embeddings).
@@ -209,6 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         same(first, again) and lp_same <= 1e-6 and not same(first, other) and distinct > 1,
         f"(repeat identical={same(first, again)}, repeat logprob max diff={lp_same:.2e}, "
         f"other seed differs={not same(first, other)}, min distinct samples per group={distinct}/{args.group})",
+    )
+
+    stops = [c for c in first if c.finish_reason == "stop"]
+    check(
+        "stop",
+        all(c.response_ids[-1] == eos for c in stops)
+        and all(c.response_length == args.max_new_tokens for c in first if c.finish_reason == "length"),
+        f"({len(stops)} of {len(first)} ended on EOS {eos}, the EOS kept as the last response token; the others "
+        f"have exactly {args.max_new_tokens} tokens)",
     )
 
     ref = Reference(args.model)

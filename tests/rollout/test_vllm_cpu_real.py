@@ -48,5 +48,5 @@ def test_vllm_cpu_engine_against_transformers(tmp_path):
     sys.stdout.write(proc.stdout[-4000:])
     assert proc.returncode in (0, 1), f"vllm_cpu_check.py crashed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     res = json.loads(out.read_text())
-    assert res["checks"] == {"seeded": True, "logprobs": True, "update": True, "restore": True}, res
+    assert res["checks"] == {"seeded": True, "stop": True, "logprobs": True, "update": True, "restore": True}, res
     assert res["logprobs_base"]["tokens"] > 0 and res["logprobs_updated"]["max_abs"] <= res["tol"]
