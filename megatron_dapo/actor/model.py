@@ -129,6 +129,12 @@ def use_transformer_engine(actor_config: ActorConfig, *, on_cpu: bool) -> bool:
     )
 
 
+def sequence_parallel_on(actor_config: ActorConfig, *, use_te: bool) -> bool:
+    """Megatron sequence parallel: actor.sequence_parallel at TP > 1 with the Transformer Engine spec only (CPU has
+    no TE and gloo no reduce-scatter; the local spec has no sequence-parallel norm)."""
+    return bool(actor_config.sequence_parallel and actor_config.tensor_parallel > 1 and use_te)
+
+
 def _check_hf_config(hf_config: Any, arch: str, pipeline_parallel: int) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
@@ -187,7 +193,7 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         # Sequence parallel (norms, dropout and residuals split over TP along the sequence) needs reduce-scatter /
         # all-gather of tensors, which gloo lacks: GPU only. Passes pad their sequences to a multiple of tp for it.
         # The local spec (CPU, or GPU with allow_local_spec_on_gpu) has no sequence-parallel norm: TE only.
-        sequence_parallel=bool(actor_config.sequence_parallel and tp > 1 and use_te),
+        sequence_parallel=sequence_parallel_on(actor_config, use_te=use_te),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
