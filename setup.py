@@ -34,6 +34,7 @@ EXTRAS = {
         "accelerate",
         "tensorboard",
         "matplotlib",
+        "trl==1.16.0",  # tests/test_side_by_side_tools.py runs tools/compare_trl.py's TRL arm on the tiny model
     ],
     # SGLang has no CPU wheel; on GPU nodes install the pinned version (see docs/rollout.md).
     "sglang": ["sglang==0.5.23"],
@@ -43,8 +44,9 @@ EXTRAS = {
     "modelopt": ["nvidia-modelopt"],
     "data": ["reasoning-gym==0.1.25"],
     "smollm2": ["gguf", "accelerate"],
-    # Comparison provider in tools/bench_kernels.py (install torch first so pip keeps it).
-    "bench": ["liger-kernel==0.8.5"],
+    # Comparison providers: Liger in tools/bench_kernels.py, TRL's GRPOTrainer in tools/compare_trl.py (install torch
+    # first so pip keeps it).
+    "bench": ["liger-kernel==0.8.5", "trl==1.16.0"],
 }
 
 

@@ -20,13 +20,19 @@ PNG per curve with the three arms overlaid (rollout_mismatch_{kl_k3,log_ppl,logp
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from experiment_arms import ROOT  # noqa: E402
+from experiment_arms import last_eval  # noqa: E402
+from experiment_arms import main_job_command  # noqa: E402
+from experiment_arms import mean  # noqa: E402
+from experiment_arms import overlay_plots  # noqa: E402
+from experiment_arms import read_metrics  # noqa: E402
+from experiment_arms import run_arms  # noqa: E402
+from experiment_arms import train_rows  # noqa: E402
+
 ARMS: dict[str, tuple[str, ...]] = {
     "fp32": ("--rollout.weight_dtype=auto", "--algorithm.rollout_correction=none"),
     "fp8": ("--rollout.weight_dtype=fp8", "--algorithm.rollout_correction=none"),
@@ -38,79 +44,38 @@ CURVES = {
     "logprob_mismatch": ("rollout/logprob_mismatch", "mean |actor - engine| log-prob"),
     "acc": ("reward/acc", "training reward accuracy"),
 }
+COMMON = ("--rollout.compare_logprobs=true",)
 
 
 def arm_command(arm: str, out: Path, steps: int, seed: int, extra: list[str]) -> list[str]:
     """The command line of one arm: the main job's launcher with the arm's switches and a shared schedule."""
-    return [
-        "bash",
-        str(ROOT / "examples" / "run_smollm2_cpu.sh"),
-        f"--trainer.run_dir={out / arm}",
-        f"--trainer.total_steps={steps}",
-        f"--trainer.seed={seed}",
-        f"--trainer.eval_every={steps}",
-        f"--checkpoint.save_every={steps}",
-        "--rollout.compare_logprobs=true",
-        *ARMS[arm],
-        *extra,
-    ]
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _done(run_dir: Path, steps: int) -> bool:
-    return any(r.get("step") == steps for r in _rows(run_dir))
+    return main_job_command(out / arm, steps, seed, [*COMMON, *ARMS[arm], *extra])
 
 
 def run(args: argparse.Namespace) -> int:
-    for arm in args.arms:
-        cmd = arm_command(arm, args.out, args.steps, args.seed, args.extra)
-        if args.dry_run:
-            print(" ".join(cmd))
-            continue
-        if _done(args.out / arm, args.steps):
-            print(f"[{arm}] already has step {args.steps}: skipped", flush=True)
-            continue
-        print(f"[{arm}] {' '.join(cmd)}", flush=True)
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
-        if rc != 0:
-            print(f"[{arm}] exited {rc}; stopping", file=sys.stderr)
-            return rc
-    return 0
-
-
-def _mean(values: list[float]) -> float:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(values) / len(values) if values else float("nan")
+    arms = {arm: (*COMMON, *ARMS[arm], *args.extra) for arm in ARMS}
+    return run_arms(arms, args.arms, args.out, args.steps, args.seed, dry_run=args.dry_run)
 
 
 def summarize(out: Path) -> list[dict]:
     """One dict per arm found under out: means over the training steps and the last held-out evaluation."""
     table = []
     for arm in ARMS:
-        rows = _rows(out / arm)
-        train = [r for r in rows if "reward/acc" in r]
+        rows = read_metrics(out / arm)
+        train = train_rows(rows)
         if not train:
             continue
-        evals = [r for r in rows if any(k.startswith("eval/avg@") for k in r)]
-        last_eval = evals[-1] if evals else {}
-        avg_key = next((k for k in last_eval if k.startswith("eval/avg@")), None)
         table.append(
             {
                 "arm": arm,
                 "steps": len(train),
-                "kl_k3_mean": _mean([r.get("rollout_corr/kl_k3") for r in train]),
+                "kl_k3_mean": mean(r.get("rollout_corr/kl_k3") for r in train),
                 "kl_k3_last": train[-1].get("rollout_corr/kl_k3", float("nan")),
-                "log_ppl_abs_diff_mean": _mean([r.get("rollout_corr/log_ppl_abs_diff") for r in train]),
-                "logprob_mismatch_mean": _mean([r.get("rollout/logprob_mismatch") for r in train]),
-                "truncated_fraction_mean": _mean([r.get("rollout_corr/truncated_fraction") for r in train]),
-                "reward_acc_mean": _mean([r.get("reward/acc") for r in train]),
-                "heldout": (avg_key, last_eval.get(avg_key, float("nan"))) if avg_key else (None, float("nan")),
+                "log_ppl_abs_diff_mean": mean(r.get("rollout_corr/log_ppl_abs_diff") for r in train),
+                "logprob_mismatch_mean": mean(r.get("rollout/logprob_mismatch") for r in train),
+                "truncated_fraction_mean": mean(r.get("rollout_corr/truncated_fraction") for r in train),
+                "reward_acc_mean": mean(r.get("reward/acc") for r in train),
+                "heldout": last_eval(rows),
                 "sync_bytes": train[-1].get("weight_sync/bytes", float("nan")),
             }
         )
@@ -135,32 +100,7 @@ def markdown(table: list[dict]) -> str:
 
 
 def plot(out: Path, img: Path) -> list[Path]:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    img.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, (key, title) in CURVES.items():
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        drawn = False
-        for arm in ARMS:
-            points = [(r["step"], r[key]) for r in _rows(out / arm) if r.get(key) is not None]
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=arm)
-                drawn = True
-        if drawn:
-            ax.set_xlabel("step")
-            ax.set_title(title, fontsize=9)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            path = img / f"rollout_mismatch_{name}.png"
-            fig.savefig(path, dpi=100)
-            written.append(path)
-        plt.close(fig)
-    return written
+    return overlay_plots({arm: out / arm for arm in ARMS}, CURVES, img, "rollout_mismatch")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,123 @@
+"""Shared by the CPU experiments in tools/ (rollout_mismatch_experiment.py, paper_ablations.py, compare_trl.py): run
+the main job (examples/run_smollm2_cpu.sh) once per arm with the same seed and number of steps, read each arm's
+metrics.jsonl, summarize and draw one overlay plot per curve.
+
+An arm is a name and the config overrides that make it differ from the main job. Every arm gets the same schedule:
+trainer.total_steps, trainer.seed, a held-out evaluation at step 0 and at the last step (trainer.eval_every = steps)
+and one checkpoint at the end. An arm whose metrics.jsonl already holds the last step is skipped, so an interrupted
+session resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN_JOB = ROOT / "examples" / "run_smollm2_cpu.sh"
+
+
+def main_job_command(run_dir: Path, steps: int, seed: int, overrides: Sequence[str]) -> list[str]:
+    """The main job's launcher with an arm's overrides and the shared schedule (later overrides win)."""
+    return [
+        "bash",
+        str(MAIN_JOB),
+        f"--trainer.run_dir={run_dir}",
+        f"--trainer.total_steps={steps}",
+        f"--trainer.seed={seed}",
+        f"--trainer.eval_every={steps}",
+        f"--checkpoint.save_every={steps}",
+        *overrides,
+    ]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of run_dir/metrics.jsonl ([] when the arm has not run)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    return any(r.get("step") == steps for r in read_metrics(run_dir))
+
+
+def run_arms(
+    arms: Mapping[str, Sequence[str]], names: Iterable[str], out: Path, steps: int, seed: int, *, dry_run: bool = False
+) -> int:
+    """Run the named arms one after another (the main job, torchrun with 2 ranks); stops at the first failure."""
+    for name in names:
+        cmd = main_job_command(out / name, steps, seed, arms[name])
+        if dry_run:
+            print(" ".join(cmd))
+            continue
+        if finished(out / name, steps):
+            print(f"[{name}] already has step {steps}: skipped", flush=True)
+            continue
+        print(f"[{name}] {' '.join(cmd)}", flush=True)
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        if rc != 0:
+            print(f"[{name}] exited {rc}; stopping", file=sys.stderr)
+            return rc
+    return 0
+
+
+def mean(values: Iterable[float | None]) -> float:
+    """Mean of the finite values (nan when there are none)."""
+    kept = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(kept) / len(kept) if kept else float("nan")
+
+
+def train_rows(rows: list[dict]) -> list[dict]:
+    """The training steps' rows (step >= 1 with training metrics), without the step-0 evaluation row."""
+    return [r for r in rows if r.get("step", 0) >= 1 and "reward/acc" in r]
+
+
+def last_eval(rows: list[dict]) -> tuple[str | None, float]:
+    """(avg@k key, value) of the last held-out evaluation in rows, (None, nan) when there is none."""
+    evals = [r for r in rows if any(k.startswith("eval/avg@") for k in r)]
+    if not evals:
+        return None, float("nan")
+    key = next(k for k in evals[-1] if k.startswith("eval/avg@"))
+    return key, float(evals[-1][key])
+
+
+def overlay_plots(
+    runs: Mapping[str, Path], curves: Mapping[str, tuple[str, str]], img: Path, prefix: str
+) -> list[Path]:
+    """One PNG per curve (name -> (metric key, title)) with every arm's per-step values overlaid; returns the paths
+    written (a curve no arm logged is skipped)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    img.mkdir(parents=True, exist_ok=True)
+    written = []
+    rows = {arm: read_metrics(path) for arm, path in runs.items()}
+    for name, (key, title) in curves.items():
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        drawn = False
+        for arm, arm_rows in rows.items():
+            points = [(r["step"], r[key]) for r in arm_rows if r.get(key) is not None]
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=arm)
+                drawn = True
+        if drawn:
+            ax.set_xlabel("step")
+            ax.set_title(title, fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            path = img / f"{prefix}_{name}.png"
+            fig.savefig(path, dpi=100)
+            written.append(path)
+        plt.close(fig)
+    return written
