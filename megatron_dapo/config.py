@@ -268,6 +268,13 @@ class ActorConfig:
     packing: bool = True
     """Pack each micro-batch's responses into one row (THD, cu_seqlens; attention and RoPE restart per sequence):
     no padding is computed. False: rows padded to the micro-batch's longest."""
+    shared_prefix: bool = False
+    """Compute each prompt once per micro-batch for the rows that share it (the G responses of a group): a
+    micro-batch is one row holding each prompt group as prefix + one branch per response, with a prefix/branch
+    attention mask and per-token RoPE positions (actor/packing.py SharedPrefixLayout); micro-batches keep groups
+    together (their budget counts the tokens computed). Exact (same log-probs and gradients as without it). Needs
+    actor.packing and the local layer spec (CPU, or actor.allow_local_spec_on_gpu): Transformer Engine's attention
+    takes no such mask."""
     sequence_parallel: bool = True
     """Megatron sequence parallelism when tensor_parallel > 1 on GPU (activation memory / tp outside attention and
     MLP); always off on CPU (gloo has no reduce-scatter)."""
@@ -303,6 +310,11 @@ class ActorConfig:
             self.max_tokens_per_microbatch >= 0,
             "actor.max_tokens_per_microbatch",
             f"must be >= 0 (0: trainer.micro_batch_size rows), got {self.max_tokens_per_microbatch}",
+        )
+        _check(
+            self.packing or not self.shared_prefix,
+            "actor.shared_prefix",
+            "needs actor.packing=true (the shared micro-batch is one packed row)",
         )
         from megatron_dapo.actor.loss import LOGPROB_IMPLS  # noqa: PLC0415
         from megatron_dapo.memory import OFFLOAD_MODES  # noqa: PLC0415

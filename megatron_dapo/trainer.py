@@ -218,6 +218,8 @@ class DAPOTrainer:
                 metrics["train/responses"] = float(plan.num_rows)
                 tokens = self.actor.pop_token_stats()
                 metrics["train/pad_fraction"] = tokens["pad_fraction"]
+                metrics["train/computed_tokens"] = tokens["computed_tokens"]
+                metrics["train/shared_fraction"] = tokens["shared_fraction"]
                 actor_s = timer.seconds["logprobs"] + timer.seconds["update"]
                 metrics["perf/actor_tokens_per_s"] = tokens["real_tokens"] / max(actor_s, 1e-9)
 

@@ -61,8 +61,12 @@ from megatron_dapo.actor.loss import micro_batch_logprobs
 from megatron_dapo.actor.offload import ActorOffloader
 from megatron_dapo.actor.packing import PackedLayout
 from megatron_dapo.actor.packing import RowPlan
+from megatron_dapo.actor.packing import SharedPrefixLayout
 from megatron_dapo.actor.packing import micro_batch_rows
+from megatron_dapo.actor.packing import prompt_groups
+from megatron_dapo.actor.packing import prompt_lengths
 from megatron_dapo.actor.packing import sequence_lengths
+from megatron_dapo.actor.packing import shared_prefix_micro_batches
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.config import RunConfig
 
@@ -72,11 +76,12 @@ _TWO_PART = ("loss", "clipfrac_high", "clipfrac_low", "approx_kl", "entropy")
 @dataclass
 class _MicroBatch:
     """One micro-batch of a pass: its rows (ids into the pass's batch), the rows cut to their longest length
-    (width rounded up to `multiple`), and the packed layout when actor.packing is on."""
+    (width rounded up to `multiple`), and the packed layout when actor.packing is on (a SharedPrefixLayout when
+    actor.shared_prefix is also on)."""
 
     rows: list[int]
     batch: ActorBatch
-    layout: PackedLayout | None
+    layout: PackedLayout | SharedPrefixLayout | None
 
     @property
     def computed_tokens(self) -> int:
@@ -113,6 +118,7 @@ class MegatronActor:
         from transformers import AutoConfig  # noqa: PLC0415
 
         from megatron_dapo.actor.model import build_gpt_model  # noqa: PLC0415
+        from megatron_dapo.actor.model import use_transformer_engine  # noqa: PLC0415
 
         self.config = config
         self.groups = groups
@@ -127,12 +133,17 @@ class MegatronActor:
         self.temperature = float(config.rollout.temperature)
         self.num_steps = 0
         """Successful optimizer steps so far (drives the warm-up)."""
-        self._tokens = [0, 0]  # real / computed tokens of the passes since pop_token_stats
+        self._tokens = [0, 0, 0]  # rows' / computed / held (computed minus padding) tokens since pop_token_stats
         self.num_skipped = 0
         """Steps skipped because the loss or a gradient was not finite."""
         self.consecutive_skipped = 0
         """Steps skipped in a row (a successful step resets it); trainer.max_skipped_steps bounds it."""
 
+        if config.actor.shared_prefix and use_transformer_engine(config.actor, on_cpu=groups.device.type == "cpu"):
+            raise ValueError(
+                "actor.shared_prefix: needs the local layer spec (CPU, or actor.allow_local_spec_on_gpu=true); "
+                "Transformer Engine's attention takes no prefix/branch mask"
+            )
         model = build_gpt_model(
             self.hf_config,
             config.actor,
@@ -217,11 +228,20 @@ class MegatronActor:
         """Megatron forward_step_func. Padded: [b, S] tokens -> on the last stage logits [b, S, V_local] (or hidden
         states [b, S, H] for a hidden-input log-prob implementation). Packed: one [1, T] row with cu_seqlens
         (PackedSeqParams, qkv_format "thd": attention and RoPE restart per sequence) -> [1, T, V_local] / [1, T, H].
-        On other stages the stage's output [S, b, H] ([T, 1, H] packed)."""
+        Shared prefix: one [1, T] row in BSHD form with the layout's attention mask [1, 1, T, T] and RoPE positions,
+        same outputs as packed. On other stages the stage's output [S, b, H] ([T, 1, H] packed / shared)."""
         mb = next(data_iterator)
         layout = mb.layout
         kwargs: dict[str, Any] = {"fp32_output": False} if self.dtype != torch.float32 else {}
-        if layout is not None:
+        attention_mask = None
+        shared = isinstance(layout, SharedPrefixLayout)
+        if shared:
+            # One BSHD row (batch 1, no packed_seq_params): the prefix/branch structure goes in as the attention
+            # mask (VarlenDotProductAttention) and RoPE is taken at the layout's per-token positions.
+            layout = layout.to(self.device)
+            tokens, position_ids = layout.tokens, layout.position_ids
+            attention_mask = layout.attention_mask()
+        elif layout is not None:
             layout = layout.to(self.device)
             tokens, position_ids = layout.tokens, layout.position_ids
             cu = layout.cu_seqlens.to(torch.int32)
@@ -238,10 +258,12 @@ class MegatronActor:
         hidden_out = self.logprob_impl.takes_hidden and self.groups.is_last_stage
         gpt = self._unwrapped()
         gpt.return_hidden = hidden_out  # scoped to this call: any other forward of the model returns logits
+        gpt.rope_from_position_ids = shared
         try:
-            output = model(tokens, position_ids, None, **kwargs)
+            output = model(tokens, position_ids, attention_mask, **kwargs)
         finally:
             gpt.return_hidden = False
+            gpt.rope_from_position_ids = False
         if hidden_out:
             if self.tf_config.sequence_parallel and self.groups.tp_size > 1:
                 # [S/tp, b, H] -> [S, b, H]. The fused op already all-reduces d(hidden) over tp_group (every rank
@@ -299,25 +321,35 @@ class MegatronActor:
 
     def _micro_batches(self, batch: ActorBatch) -> list[_MicroBatch]:
         """Cut this rank's rows (all of `batch`) into micro-batches (actor.max_tokens_per_microbatch, else
-        trainer.micro_batch_size rows; packed when actor.packing). Without rows, one dummy micro-batch (zero masks)
-        so the pipeline and the gradient all-reduce still happen. Token counts go to `pop_token_stats`."""
+        trainer.micro_batch_size rows; packed when actor.packing; prompt groups kept together and laid out with a
+        shared prefix when actor.shared_prefix). Without rows, one dummy micro-batch (zero masks) so the pipeline
+        and the gradient all-reduce still happen. Token counts go to `pop_token_stats`."""
         a = self.config.actor
         lengths = sequence_lengths(batch.response_mask).tolist()
         # Under sequence parallel the sequence is split over TP ranks: packed lengths / widths are multiples of tp.
         multiple = self.groups.tp_size if self.tf_config.sequence_parallel else 1
+        shared = a.packing and a.shared_prefix
+        rows_per_mb = self.config.trainer.micro_batch_size
+        if shared:
+            prompts = prompt_lengths(batch.response_mask, lengths)
+            groups = prompt_groups(batch.tokens, prompts, list(range(len(batch))))
+            cut = shared_prefix_micro_batches(
+                lengths, prompts, groups, max_tokens=a.max_tokens_per_microbatch, rows_per_micro_batch=rows_per_mb
+            )
+        else:
+            cut = micro_batch_rows(
+                lengths,
+                list(range(len(batch))),
+                max_tokens=a.max_tokens_per_microbatch,
+                rows_per_micro_batch=rows_per_mb,
+                packed=a.packing,
+            )
         micro = []
-        for rows in micro_batch_rows(
-            lengths,
-            list(range(len(batch))),
-            max_tokens=a.max_tokens_per_microbatch,
-            rows_per_micro_batch=self.config.trainer.micro_batch_size,
-            packed=a.packing,
-        ):
+        for rows in cut:
             width = max(lengths[i] for i in rows)
             sub = _cut_columns(batch.select(torch.tensor(rows)), -(-width // multiple) * multiple)
             lens = torch.tensor([lengths[i] for i in rows], dtype=torch.int64)
-            layout = PackedLayout.build(sub.tokens, lens, multiple) if a.packing else None
-            micro.append(_MicroBatch(rows=rows, batch=sub, layout=layout))
+            micro.append(_MicroBatch(rows=rows, batch=sub, layout=self._layout(sub, lens, multiple)))
             self._tokens[0] += int(lens.sum())
         if not micro:
             width = -(-2 // multiple) * multiple
@@ -330,23 +362,44 @@ class MegatronActor:
                 old_logp=None if batch.old_logp is None else zeros.clone(),
             )
             lens = torch.tensor([width], dtype=torch.int64)
-            layout = PackedLayout.build(dummy.tokens, lens, multiple) if a.packing else None
-            micro.append(_MicroBatch(rows=[], batch=dummy, layout=layout))
-        self._tokens[1] += sum(m.computed_tokens for m in micro)
+            micro.append(_MicroBatch(rows=[], batch=dummy, layout=self._layout(dummy, lens, multiple)))
+        for m in micro:
+            self._tokens[1] += m.computed_tokens
+            if isinstance(m.layout, SharedPrefixLayout):
+                self._tokens[2] += m.layout.num_real
+            elif m.rows:
+                self._tokens[2] += int(sequence_lengths(m.batch.response_mask).sum())
         return micro
 
+    def _layout(self, sub: ActorBatch, lens: Tensor, multiple: int) -> PackedLayout | SharedPrefixLayout | None:
+        """The micro-batch's layout: None (padded), PackedLayout (actor.packing) or SharedPrefixLayout."""
+        if not self.config.actor.packing:
+            return None
+        if self.config.actor.shared_prefix:
+            return SharedPrefixLayout.build(sub.tokens, lens, prompt_lengths(sub.response_mask, lens), multiple)
+        return PackedLayout.build(sub.tokens, lens, multiple)
+
     def pop_token_stats(self) -> dict[str, float]:
-        """Tokens the actor's passes held (real: prompt + response tokens of the rows) and computed (with padding)
-        since the last call, summed over data-parallel ranks; resets the counters. Collective over dp_group.
+        """Token counts of the actor's passes since the last call, summed over data-parallel ranks; resets them.
+        Collective over dp_group.
 
         Returns:
-            {"real_tokens", "computed_tokens", "pad_fraction"} with pad_fraction = 1 - real / computed.
+            {"real_tokens": the rows' prompt + response tokens (each row counted whole), "computed_tokens": the
+            tokens the model ran (with padding; with actor.shared_prefix each prompt once per micro-batch),
+            "pad_fraction": 1 - held / computed where held = computed tokens that are not padding,
+            "shared_fraction": 1 - held / real, the share of the rows' tokens not recomputed thanks to
+            actor.shared_prefix (0 without it)}.
         """
         counts = torch.tensor(self._tokens, dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=self.groups.dp_group)
-        self._tokens = [0, 0]
-        real, computed = float(counts[0]), float(counts[1])
-        return {"real_tokens": real, "computed_tokens": computed, "pad_fraction": 1.0 - real / max(computed, 1.0)}
+        self._tokens = [0, 0, 0]
+        real, computed, held = float(counts[0]), float(counts[1]), float(counts[2])
+        return {
+            "real_tokens": real,
+            "computed_tokens": computed,
+            "pad_fraction": 1.0 - held / max(computed, 1.0),
+            "shared_fraction": 1.0 - held / max(real, 1.0),
+        }
 
     def _from_last_stage(self, tensor: Tensor) -> Tensor:
         """Broadcast a tensor (same shape on every stage) from the last pipeline stage to the others."""

@@ -225,6 +225,19 @@ def hidden_output_gpt_class() -> type:
 
     class HiddenOutputGPTModel(GPTModel):
         return_hidden: bool = False
+        rope_from_position_ids: bool = False
+        """When True (actor.shared_prefix, scoped to one call like return_hidden): the input is one BSHD row
+        (batch 1, no packed_seq_params) and RoPE is taken at `position_ids` per token instead of 0..S-1."""
+
+        def _preprocess(self, input_ids: Tensor, position_ids: Tensor, *args: Any, **kwargs: Any) -> tuple:
+            out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+            if not self.rope_from_position_ids:
+                return out
+            if kwargs.get("packed_seq_params") is not None or position_ids is None or position_ids.shape[0] != 1:
+                raise ValueError("rope_from_position_ids: needs position_ids [1, S] and no packed_seq_params")
+            if out[1] is None or self.position_embedding_type != "rope":
+                raise ValueError("rope_from_position_ids: the model must use plain RoPE (no flash decode, no mrope)")
+            return (out[0], rope_at_positions(self.rotary_pos_emb, position_ids[0]), *out[2:])
 
         def _postprocess(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
             if self.return_hidden and self.post_process:
@@ -236,12 +249,26 @@ def hidden_output_gpt_class() -> type:
     return HiddenOutputGPTModel
 
 
+def rope_at_positions(rotary_pos_emb: torch.nn.Module, positions: Tensor) -> Tensor:
+    """megatron's RoPE table (RotaryEmbedding.forward(max_seq_len): rotary base, scaling and interpolation as
+    built) gathered at per-token positions: [S, 1, 1, D] fp32, what its BSHD rope (`_apply_rotary_pos_emb_bshd`,
+    freqs indexed by sequence position) expects.
+
+    Args:
+        rotary_pos_emb: the model's RotaryEmbedding.
+        positions: [S] int64 RoPE positions (>= 0).
+    """
+    table = rotary_pos_emb(int(positions.max()) + 1 if positions.numel() else 1)
+    return table[positions.to(table.device)]
+
+
 @functools.cache
 def varlen_attention_class() -> type:
     """megatron's local DotProductAttention plus packed sequences: with `packed_seq_params` (qkv_format "thd",
     cu_seqlens) it runs causal attention within each sequence, in plain torch (scaled_dot_product_attention per
-    sequence, grouped-query heads repeated); without, it is DotProductAttention unchanged. A small reference path
-    for CPU and debugging: on GPU the Transformer Engine spec is used instead."""
+    sequence, grouped-query heads repeated); with an attention_mask [1, 1, S, S] and no packed_seq_params (one BSHD
+    row of actor.shared_prefix) it runs `masked_block_attention`; with neither, it is DotProductAttention unchanged.
+    A small reference path for CPU and debugging: on GPU the Transformer Engine spec is used instead."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: PLC0415
 
     class VarlenDotProductAttention(DotProductAttention):
@@ -255,6 +282,17 @@ def varlen_attention_class() -> type:
             attention_bias: Tensor | None = None,
             packed_seq_params: Any = None,
         ) -> Tensor:
+            if packed_seq_params is None and attention_mask is not None and attention_bias is None:
+                # actor.shared_prefix: one BSHD row [S, 1, heads, D] with a [1, 1, S, S] mask (True = masked out)
+                if query.shape[1] != 1 or tuple(attention_mask.shape) != (1, 1, query.shape[0], key.shape[0]):
+                    raise ValueError(
+                        f"VarlenDotProductAttention: a mask needs batch 1 and [1, 1, S, S], got query "
+                        f"{tuple(query.shape)} and mask {tuple(attention_mask.shape)}"
+                    )
+                out = masked_block_attention(
+                    query[:, 0], key[:, 0], value[:, 0], attention_mask[0, 0], scale=self._effective_scale()
+                )
+                return out.unsqueeze(1)
             if packed_seq_params is None:
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
             if packed_seq_params.qkv_format != "thd" or attention_bias is not None:
@@ -296,6 +334,48 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
         k = key[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
         v = value[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out.append(o.transpose(0, 1).reshape(b - a, heads * dim))
+    return torch.cat(out) if out else query.new_zeros(0, heads * dim)
+
+
+def _mask_blocks(masked: Tensor) -> list[int]:
+    """Boundaries 0 = c_0 < c_1 < ... < c_n = S of independent diagonal blocks of a causal mask [S, S] (True =
+    masked out): at c no query >= c sees a key < c. A mask that is not causal is one block."""
+    s = masked.shape[0]
+    allowed = ~masked
+    if s == 0:
+        return [0]
+    if torch.triu(allowed, diagonal=1).any():
+        return [0, s]
+    cols = torch.arange(s, device=masked.device).expand(s, s)
+    first = torch.where(allowed, cols, torch.full_like(cols, s)).amin(dim=1)  # first key each query sees
+    suffix_min = torch.flip(torch.cummin(torch.flip(first, [0]), 0).values, [0])
+    starts = (suffix_min == torch.arange(s, device=masked.device)).nonzero().flatten().tolist()
+    return sorted(set(starts) | {0}) + [s]
+
+
+def masked_block_attention(query: Tensor, key: Tensor, value: Tensor, masked: Tensor, *, scale: float) -> Tensor:
+    """Attention of one packed row under an explicit mask, block by block (actor.shared_prefix).
+
+    The mask is cut into independent diagonal blocks (`_mask_blocks`: for the shared-prefix layout, one per prompt
+    group), each run with scaled_dot_product_attention and its slice of the mask; grouped-query heads are repeated.
+
+    Args:
+        query: [S, heads, D]; key, value: [S, kv_heads, D] with heads a multiple of kv_heads.
+        masked: [S, S] bool, True = query may not see key (megatron's convention); every query sees itself.
+        scale: softmax scale applied to q.k.
+    Returns:
+        [S, heads * D] in query's dtype.
+    """
+    s, heads, dim = query.shape
+    group = heads // key.shape[1]
+    bounds = _mask_blocks(masked)
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        q = query[a:b].transpose(0, 1)  # [heads, L, D]
+        k = key[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
+        v = value[a:b].transpose(0, 1).repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked[a:b, a:b], scale=scale)
         out.append(o.transpose(0, 1).reshape(b - a, heads * dim))
     return torch.cat(out) if out else query.new_zeros(0, heads * dim)
 

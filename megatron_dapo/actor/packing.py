@@ -27,10 +27,15 @@ from torch import Tensor
 __all__ = [
     "PackedLayout",
     "RowPlan",
+    "SharedPrefixLayout",
     "balance_rows",
     "micro_batch_cost",
     "micro_batch_rows",
+    "prompt_groups",
+    "prompt_lengths",
     "sequence_lengths",
+    "shared_prefix_cost",
+    "shared_prefix_micro_batches",
 ]
 
 
@@ -233,5 +238,231 @@ class PackedLayout:
         """Packed per-token values [1, T] (aligned with `tokens`: position p predicted from p - 1) -> [b, S_mb], 0
         at column 0 of every row, past each row's length, and wherever the prediction would cross a sequence
         boundary. Differentiable (a gather)."""
+        flat = values.reshape(-1)
+        return torch.where(self.valid, flat[self.index], flat.new_zeros(()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared prompt prefix (actor.shared_prefix)
+# ---------------------------------------------------------------------------------------------------------------
+def prompt_lengths(response_mask: Tensor, lengths: Tensor | list[int]) -> list[int]:
+    """Per row, P = the column of its first response token (its prompt is tokens[:P]); a row without response tokens
+    counts as all prompt (P = its length). Clamped to [1, length]: column 0 is never predicted.
+
+    Args:
+        response_mask: [B, S] float/bool, 1 on response tokens.
+        lengths: [B] the rows' `sequence_lengths`.
+    Returns:
+        B ints.
+    """
+    mask = response_mask.bool().cpu()
+    has = mask.any(dim=1).tolist()
+    first = mask.to(torch.int8).argmax(dim=1).tolist()
+    out = []
+    for f, h, n in zip(first, has, [int(x) for x in lengths], strict=True):
+        out.append(min(max(f if h else n, 1), n))
+    return out
+
+
+def prompt_groups(tokens: Tensor, prompts: list[int], rows: list[int]) -> list[list[int]]:
+    """`rows` grouped by identical prompt (same P and the same tokens[:P]), groups in order of first appearance.
+
+    Args:
+        tokens: [B, S] int64.
+        prompts: B ints, `prompt_lengths`.
+        rows: the row ids to group.
+    Returns:
+        lists of row ids (each in the order of `rows`) covering `rows` exactly once.
+    """
+    cpu = tokens.cpu()
+    found: dict[tuple[int, ...], list[int]] = {}
+    for r in rows:
+        found.setdefault(tuple(cpu[r, : prompts[r]].tolist()), []).append(r)
+    return list(found.values())
+
+
+def shared_prefix_cost(lengths: list[int], prompts: list[int], rows: list[int]) -> int:
+    """Tokens a set of rows with one prompt computes in `SharedPrefixLayout`: the prefix (P - 1 tokens) once, plus
+    per row its branch (the last prompt token and the response: length - P + 1)."""
+    if not rows:
+        return 0
+    return prompts[rows[0]] - 1 + sum(lengths[r] - prompts[r] + 1 for r in rows)
+
+
+def shared_prefix_micro_batches(
+    lengths: list[int],
+    prompts: list[int],
+    groups: list[list[int]],
+    *,
+    max_tokens: int = 0,
+    rows_per_micro_batch: int = 1,
+) -> list[list[int]]:
+    """Cut one rank's rows into micro-batches that keep each prompt group together, so it can share its prefix.
+
+    Budget per micro-batch: max_tokens > 0, its `shared_prefix_cost` summed over the groups in it; else
+    `rows_per_micro_batch` rows. A group over the budget alone is first split into chunks (rows by decreasing
+    length, a chunk closes when the next row would exceed the budget; each chunk then computes its own copy of the
+    prefix; a row over the budget alone is a chunk alone). Groups and chunks are then binned first-fit decreasing
+    by cost. Sharing happens only among the rows one data-parallel rank holds: RowPlan balances rows by length over
+    DP and may put rows of one group on different ranks, which stays exact and just shares less.
+
+    Args:
+        lengths, prompts: per row of the rank, `sequence_lengths` and `prompt_lengths`.
+        groups: `prompt_groups` of the rank's rows.
+    Returns:
+        non-empty lists of row ids, deterministic; [] when there are no rows.
+    """
+    by_rows = max_tokens <= 0
+    budget = max(1, rows_per_micro_batch) if by_rows else max_tokens
+
+    def cost(rows: list[int]) -> int:
+        return len(rows) if by_rows else shared_prefix_cost(lengths, prompts, rows)
+
+    items: list[list[int]] = []
+    for group in groups:
+        order = sorted(group, key=lambda i: (-lengths[i], i))
+        chunk: list[int] = []
+        for r in order:
+            if chunk and cost([*chunk, r]) > budget:
+                items.append(chunk)
+                chunk = []
+            chunk.append(r)
+        if chunk:
+            items.append(chunk)
+    items.sort(key=lambda c: (-cost(c), c[0]))
+    bins: list[list[list[int]]] = []
+    loads: list[int] = []
+    for item in items:
+        c = cost(item)
+        for k, b in enumerate(bins):
+            if loads[k] + c <= budget:
+                b.append(item)
+                loads[k] += c
+                break
+        else:
+            bins.append([item])
+            loads.append(c)
+    return [[r for item in b for r in item] for b in bins]
+
+
+@dataclass
+class SharedPrefixLayout:
+    """One micro-batch packed into a single row with each prompt computed once (actor.shared_prefix).
+
+    Rows with the same prompt (P tokens) form a group, packed as the prefix prompt[:P-1] followed by one branch per
+    row, [prompt[P-1], response...]. Duplicating the last prompt token into every branch keeps the packed convention
+    of `PackedLayout`: the value at packed position q is the prediction of token q from q - 1, and every response
+    token's predecessor lies in its own branch. Groups follow each other, then the alignment pad.
+
+        rows r0, r1 with prompt [a b c] and responses [x y], [z]; row r2 alone with prompt [d e], response [w]:
+        tokens     [a b | c x y | c z | d | e w | _]
+        position   [0 1 | 2 3 4 | 2 3 | 0 | 1 2 | 0]      (prefix 0..P-2, each branch P-1, P, ...)
+        r0 -> packed [0, 1, 2, 3, 4]; r1 -> [0, 1, 5, 6]; valid False at column 0 and at column P - 1 (its packed
+        predecessor is not the row's), so the prompt's last token gets no value (response_mask is 0 there anyway).
+
+    Attention (`attention_mask`): a prefix token sees the prefix causally; a branch token sees the whole prefix of
+    its group and its own branch causally; nothing crosses groups. Positions feed RoPE per token (the micro-batch
+    runs as one BSHD row, not THD, whose RoPE restarts per sequence and cannot take offsets).
+
+    Attributes:
+        tokens: [1, T] int64 packed tokens (pad id 0).
+        position_ids: [1, T] int64 RoPE positions.
+        segment: [T] int64, group id per packed token (the pad is its own segment).
+        branch: [T] int64, -1 on prefix and pad tokens, else the branch id (unique over the micro-batch).
+        index: [b, S_mb] int64, packed position of (row, column) (0 where invalid).
+        valid: [b, S_mb] bool.
+        num_real: packed tokens without the alignment pad.
+    """
+
+    tokens: Tensor
+    position_ids: Tensor
+    segment: Tensor
+    branch: Tensor
+    index: Tensor
+    valid: Tensor
+    num_real: int
+
+    @classmethod
+    def build(cls, tokens: Tensor, lengths: Tensor, prompts: list[int], multiple: int = 1) -> SharedPrefixLayout:
+        """Lay out the rows of `tokens` [b, S_mb] (int64) with `lengths` [b] (<= S_mb) and prompt lengths `prompts`
+        (b ints, `prompt_lengths`); rows with identical prompts share them. The packed length is rounded up to
+        `multiple`."""
+        b, s = tokens.shape
+        cpu = tokens.cpu()
+        lens = [int(x) for x in lengths]
+        if len(prompts) != b or any(not 1 <= p <= n for p, n in zip(prompts, lens, strict=True)):
+            raise ValueError(f"SharedPrefixLayout.build: prompts {prompts} must be b={b} ints in [1, length {lens}]")
+        packed: list[Tensor] = []
+        pos: list[Tensor] = []
+        seg: list[int] = []
+        br: list[int] = []
+        index = torch.zeros(b, s, dtype=torch.int64)
+        start = 0
+        for gid, group in enumerate(prompt_groups(cpu, prompts, list(range(b)))):
+            p = prompts[group[0]]
+            prefix = start
+            packed.append(cpu[group[0], : p - 1])
+            pos.append(torch.arange(p - 1, dtype=torch.int64))
+            seg += [gid] * (p - 1)
+            br += [-1] * (p - 1)
+            start += p - 1
+            for r in group:
+                n = lens[r] - p + 1
+                packed.append(cpu[r, p - 1 : lens[r]])
+                pos.append(torch.arange(p - 1, lens[r], dtype=torch.int64))
+                seg += [gid] * n
+                br += [r] * n
+                index[r, : p - 1] = torch.arange(prefix, prefix + p - 1)
+                index[r, p - 1 : lens[r]] = torch.arange(start, start + n)
+                start += n
+        total = start
+        padded = -(-total // multiple) * multiple
+        if padded > total:
+            packed.append(torch.zeros(padded - total, dtype=torch.int64))
+            pos.append(torch.zeros(padded - total, dtype=torch.int64))
+            seg += [len(set(seg))] * (padded - total)
+            br += [-1] * (padded - total)
+        cols = torch.arange(s, dtype=torch.int64).expand(b, s)
+        lens_t = torch.tensor(lens, dtype=torch.int64).unsqueeze(1)
+        last_prompt = torch.tensor(prompts, dtype=torch.int64).unsqueeze(1) - 1
+        valid = (cols >= 1) & (cols < lens_t) & (cols != last_prompt)
+        return cls(
+            tokens=torch.cat(packed).unsqueeze(0) if packed else torch.zeros(1, 0, dtype=torch.int64),
+            position_ids=torch.cat(pos).unsqueeze(0) if pos else torch.zeros(1, 0, dtype=torch.int64),
+            segment=torch.tensor(seg, dtype=torch.int64),
+            branch=torch.tensor(br, dtype=torch.int64),
+            index=torch.where(valid | (cols < lens_t), index, torch.zeros_like(index)),
+            valid=valid,
+            num_real=total,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the packed length (real tokens plus the alignment pad)."""
+        return int(self.tokens.shape[1])
+
+    def to(self, device: torch.device | str) -> SharedPrefixLayout:
+        return SharedPrefixLayout(
+            tokens=self.tokens.to(device),
+            position_ids=self.position_ids.to(device),
+            segment=self.segment.to(device),
+            branch=self.branch.to(device),
+            index=self.index.to(device),
+            valid=self.valid.to(device),
+            num_real=self.num_real,
+        )
+
+    def attention_mask(self) -> Tensor:
+        """[1, 1, T, T] bool, True = masked out (megatron's convention): query q may see key k iff same segment,
+        k <= q, and k is a prefix token or in q's branch."""
+        q = torch.arange(self.num_tokens, device=self.segment.device)
+        same = self.segment.unsqueeze(1) == self.segment.unsqueeze(0)
+        causal = q.unsqueeze(1) >= q.unsqueeze(0)
+        branch_ok = (self.branch.unsqueeze(0) < 0) | (self.branch.unsqueeze(1) == self.branch.unsqueeze(0))
+        return ~(same & causal & branch_ok).view(1, 1, self.num_tokens, self.num_tokens)
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """Packed per-token values [1, T] (position q predicted from q - 1) -> [b, S_mb], 0 where not `valid`.
+        Differentiable (a gather)."""
         flat = values.reshape(-1)
         return torch.where(self.valid, flat[self.index], flat.new_zeros(()))
