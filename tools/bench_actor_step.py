@@ -40,7 +40,8 @@ ARMS = {
     "padded": {"packing": False, "logprob_impl": "fused"},
     "packed_logits": {"packing": True, "logprob_impl": "fused"},
     "packed": {"packing": True, "logprob_impl": "fused_linear"},
-}
+}  # every arm runs with actor.shared_prefix=false (the batch's rows have distinct prompts; for sharing see
+# tools/profile_actor_step.py)
 
 
 def main_job_batch(rows: int, vocab: int, seed: int = 0):  # noqa: ANN201
@@ -80,6 +81,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
     for rep in range(args.reps):
         for arm in sorted(ARMS, reverse=rep % 2 == 1):  # alternate the order: no arm always goes first
             actor.config.actor.packing = ARMS[arm]["packing"]
+            actor.config.actor.shared_prefix = False
             actor.logprob_impl = get_logprob_impl(ARMS[arm]["logprob_impl"])
             actor.pop_token_stats()
             torch.distributed.barrier()

@@ -492,6 +492,7 @@ class MegatronActor:
                 tp_group=self.groups.tp_group,
                 vocab_size=self.vocab_size,
                 logprob_fn=self.logprob_impl.fn,
+                needed=mb.batch.response_mask.to(output.device) > 0,  # packed: LM head on response predictions only
             )
             return output.new_zeros((), dtype=torch.float32), {"logp": logp.detach(), "entropy": ent.detach()}
 

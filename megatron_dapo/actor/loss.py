@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_dapo.actor.packing import PackedLayout
+from megatron_dapo.actor.packing import SharedPrefixLayout
 from megatron_dapo.algorithms import get_policy_loss
 from megatron_dapo.config import AlgorithmConfig
 
@@ -217,12 +218,13 @@ def micro_batch_logprobs(
     output: Tensor,
     tokens: Tensor,
     *,
-    packed: PackedLayout | None = None,
+    packed: PackedLayout | SharedPrefixLayout | None = None,
     output_weight: Tensor | None = None,
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     logprob_fn: LogProbFn = _fused,
+    needed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-row log-probs and entropies [b, S] of one micro-batch from the model's last-stage output.
 
@@ -233,11 +235,18 @@ def micro_batch_logprobs(
         packed: the micro-batch's PackedLayout (actor.packing), or None for padded rows.
         output_weight: [V_local, H] LM-head weight for hidden-state input (a hidden-input `logprob_fn`).
         temperature, tp_group, vocab_size, logprob_fn: as in `sequence_logprobs_and_entropy`.
+        needed: [b, S] bool/float or None; packed only: the LM head and log-prob op run only on the packed
+            positions that predict these (row, column) tokens (e.g. the response), every other value is 0. The
+            prompt's predictions are most of a packed row and nobody reads them.
     Returns:
         (logp, entropy): [b, S] fp32, token-aligned (position t: log p(tokens[t] | tokens[<t])), 0 at column 0; when
-        packed also 0 past each row's length. Differentiable w.r.t. output (and output_weight).
+        packed also 0 past each row's length (and outside `needed`). Differentiable w.r.t. output (and
+        output_weight).
     """
     kwargs = dict(temperature=temperature, tp_group=tp_group, vocab_size=vocab_size, logprob_fn=logprob_fn)
+    select = None if packed is None or needed is None else needed.bool() & packed.valid
+    if select is not None and bool(select.any()):  # (none: a dummy micro-batch, computed whole as before)
+        return _packed_logprobs_at(output, packed, select, output_weight, **kwargs)
     source = packed.tokens if packed is not None else tokens
     if output_weight is not None:
         logp, ent = sequence_logprobs_from_hidden(output, output_weight, source, **kwargs)
@@ -246,6 +255,31 @@ def micro_batch_logprobs(
     if packed is not None:
         return packed.unpack(logp), packed.unpack(ent)
     return logp, ent
+
+
+def _packed_logprobs_at(
+    output: Tensor,
+    packed: PackedLayout | SharedPrefixLayout,
+    select: Tensor,
+    output_weight: Tensor | None,
+    *,
+    logprob_fn: LogProbFn,
+    **kwargs: object,
+) -> tuple[Tensor, Tensor]:
+    """`micro_batch_logprobs` of a packed micro-batch at the (row, column) positions `select` [b, S] bool only:
+    the packed target positions q = index[select] are predicted from output[q - 1] (logits or hidden states) with
+    labels tokens[q]; the n values are scattered back into [b, S] fp32 zeros (row-major, as `select` is read)."""
+    if output.dim() != 3 or output.shape[0] != 1 or output.shape[1] != packed.num_tokens:
+        raise ValueError(f"micro_batch_logprobs: packed output must be [1, {packed.num_tokens}, *], got {output.shape}")
+    q = packed.index[select]
+    src = output[0, q - 1]
+    labels = packed.tokens[0, q]
+    if output_weight is not None:
+        logp, ent = logprob_fn(src, output_weight, labels, **kwargs)
+    else:
+        logp, ent = logprob_fn(src, labels, **kwargs)
+    zeros = torch.zeros(select.shape, dtype=torch.float32, device=output.device)
+    return zeros.masked_scatter(select, logp.float()), zeros.masked_scatter(select, ent.float())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -291,7 +325,7 @@ def dapo_loss_func(
     dp_size: int = 1,
     logprob_fn: LogProbFn = _fused,
     output_weight: Tensor | None = None,
-    packed: PackedLayout | None = None,
+    packed: PackedLayout | SharedPrefixLayout | None = None,
     fused_loss: bool = False,
     is_weight: Tensor | None = None,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
@@ -320,7 +354,8 @@ def dapo_loss_func(
             hidden states [B, S, H] and log-probs come from `sequence_logprobs_from_hidden` (no logits).
         packed: the micro-batch packed into one row (actor/packing.py): output_tensor is then [1, T, V_local] (or
             [1, T, H]) for the packed tokens and the per-token values are unpacked to [B, S] before the loss, so the
-            loss, its aggregation and the metrics are the padded path's.
+            loss, its aggregation and the metrics are the padded path's; the LM head runs only on the positions
+            that predict response tokens (response_mask or loss_mask).
         fused_loss: use the policy loss's fused kernel (`get_policy_loss(..., fused=True)`; ops.clipped_pg_loss for
             "dapo", which falls back to the reference on CPU without the Triton interpreter).
         is_weight: [B, S] float or None, rollout-correction importance weights (ActorBatch.is_weight, filled by
@@ -342,12 +377,13 @@ def dapo_loss_func(
     scale = float(num_microbatches * dp_size)
     kwargs = dict(temperature=temperature, tp_group=tp_group, vocab_size=vocab_size, logprob_fn=logprob_fn)
     extra = {} if is_weight is None else {"weights": is_weight.to(torch.float32)}
+    needed = (resp > 0) | (mask > 0)  # packed: the LM head runs on these predictions only
 
     def loss_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         entropy = None
         if output_weight is not None or output_tensor.dim() == 3:
             logp, entropy = micro_batch_logprobs(
-                output_tensor, tokens, packed=packed, output_weight=output_weight, **kwargs
+                output_tensor, tokens, packed=packed, output_weight=output_weight, needed=needed, **kwargs
             )
         elif tuple(output_tensor.shape) == tuple(tokens.shape):
             logp = output_tensor.float()

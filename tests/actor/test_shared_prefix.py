@@ -178,3 +178,36 @@ def test_rope_at_positions_equals_megatron_table(monkeypatch: pytest.MonkeyPatch
     assert got.shape == (9, 1, 1, 16)
     for i, p in enumerate(positions.tolist()):
         assert torch.equal(got[i], table[p])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_packed_logprobs_only_at_needed_positions(shared: bool) -> None:
+    """micro_batch_logprobs(needed=...) runs the log-prob op on the needed predictions only, with the same values and
+    gradient there as the whole-row computation, and 0 elsewhere."""
+    from megatron_dapo.actor.loss import get_logprob_impl  # noqa: PLC0415
+    from megatron_dapo.actor.loss import micro_batch_logprobs  # noqa: PLC0415
+    from megatron_dapo.actor.packing import PackedLayout  # noqa: PLC0415
+
+    tokens, mask = _group_rows(7)
+    lengths = sequence_lengths(mask)
+    if shared:
+        layout = SharedPrefixLayout.build(tokens, lengths, prompt_lengths(mask, lengths), multiple=2)
+    else:
+        layout = PackedLayout.build(tokens, lengths, multiple=2)
+    fn = get_logprob_impl("reference").fn
+    rows_seen = []
+
+    def spy(logits: torch.Tensor, labels: torch.Tensor, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+        rows_seen.append(labels.numel())
+        return fn(logits, labels, **kw)
+
+    logits = torch.randn(1, layout.num_tokens, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    kw = dict(packed=layout, temperature=0.7, vocab_size=60, logprob_fn=spy)
+    full_lp, full_ent = micro_batch_logprobs(logits, tokens, **kw)
+    (full_grad,) = torch.autograd.grad(((full_lp + full_ent) * mask).sum(), logits)
+    lp, ent = micro_batch_logprobs(logits, tokens, needed=mask > 0, **kw)
+    (grad,) = torch.autograd.grad(((lp + ent) * mask).sum(), logits)
+    assert rows_seen == [layout.num_tokens - 1, int(mask.sum())]
+    torch.testing.assert_close(lp, full_lp * mask, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, full_ent * mask, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grad, full_grad, rtol=0, atol=1e-6)
