@@ -140,6 +140,12 @@ def test_validation_rules(override, message):
     assert message in text and "\n" not in text
 
 
+def test_shared_prefix_needs_packing():
+    with pytest.raises(ConfigError, match="actor.shared_prefix: needs actor.packing=true"):
+        load_config(None, ["--actor.shared_prefix=true", "--actor.packing=false"])
+    assert load_config(None, ["--actor.shared_prefix=true"]).actor.shared_prefix
+
+
 def test_dynamic_sampling_off_needs_a_full_generation_batch():
     with pytest.raises(ConfigError, match="trainer.gen_prompts_per_batch"):
         load_config(None, ["--algorithm.dynamic_sampling=false", "--trainer.gen_prompts_per_batch=8"])

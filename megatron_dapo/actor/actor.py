@@ -118,7 +118,7 @@ class MegatronActor:
         from transformers import AutoConfig  # noqa: PLC0415
 
         from megatron_dapo.actor.model import build_gpt_model  # noqa: PLC0415
-        from megatron_dapo.actor.model import use_transformer_engine  # noqa: PLC0415
+        from megatron_dapo.actor.model import check_shared_prefix  # noqa: PLC0415
 
         self.config = config
         self.groups = groups
@@ -139,11 +139,7 @@ class MegatronActor:
         self.consecutive_skipped = 0
         """Steps skipped in a row (a successful step resets it); trainer.max_skipped_steps bounds it."""
 
-        if config.actor.shared_prefix and use_transformer_engine(config.actor, on_cpu=groups.device.type == "cpu"):
-            raise ValueError(
-                "actor.shared_prefix: needs the local layer spec (CPU, or actor.allow_local_spec_on_gpu=true); "
-                "Transformer Engine's attention takes no prefix/branch mask"
-            )
+        check_shared_prefix(config.actor, on_cpu=groups.device.type == "cpu")
         model = build_gpt_model(
             self.hf_config,
             config.actor,

@@ -232,7 +232,8 @@ def micro_batch_logprobs(
         output: logits [b, S, V_local], or hidden states [b, S, H] when `output_weight` is given; packed: the same
             for the one packed row, [1, T, V_local] / [1, T, H].
         tokens: [b, S] int64, the micro-batch's rows (the layout's source rows when packed).
-        packed: the micro-batch's PackedLayout (actor.packing), or None for padded rows.
+        packed: the micro-batch's PackedLayout (actor.packing) or SharedPrefixLayout (actor.shared_prefix), or None
+            for padded rows.
         output_weight: [V_local, H] LM-head weight for hidden-state input (a hidden-input `logprob_fn`).
         temperature, tp_group, vocab_size, logprob_fn: as in `sequence_logprobs_and_entropy`.
         needed: [b, S] bool/float or None; packed only: the LM head and log-prob op run only on the packed

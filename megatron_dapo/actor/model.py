@@ -6,9 +6,12 @@ API:
     padded_vocab_size(vocab, tp, divisible_by=128) -> int
     to_transformer_config(hf_config, actor_config, *, on_cpu) -> TransformerConfig
     use_transformer_engine(actor_config, *, on_cpu) -> bool   (GPU without TE: RuntimeError naming the fix)
+    check_shared_prefix(actor_config, *, on_cpu) -> None      (actor.shared_prefix needs the local spec)
     build_gpt_model(hf_config, actor_config, groups, *, pre_process=None, post_process=None) -> GPTModel
         (a GPTModel subclass whose last stage returns the final hidden states [S, B, H] instead of logits while
-        its `return_hidden` attribute is True; the output layer and the tied-embedding machinery stay as built)
+        its `return_hidden` attribute is True, and takes RoPE at per-token position_ids while its
+        `rope_from_position_ids` is True; the output layer and the tied-embedding machinery stay as built)
+    masked_block_attention(q, k, v, masked, *, scale) -> Tensor   (one row under an explicit [S, S] mask)
     forward_logits(model_chunks, tokens, groups) -> Tensor | None   (test/debug helper, forward-only schedule)
 
 `to_transformer_config` is the only place that translates HF fields to megatron's. On CPU: fp32, local spec
@@ -127,6 +130,16 @@ def use_transformer_engine(actor_config: ActorConfig, *, on_cpu: bool) -> bool:
         "attention scores; install it (pip install -e .[te], i.e. transformer-engine[pytorch]) or set "
         "actor.allow_local_spec_on_gpu=true to debug with the local spec"
     )
+
+
+def check_shared_prefix(actor_config: ActorConfig, *, on_cpu: bool) -> None:
+    """actor.shared_prefix needs the local layer spec (its attention takes the prefix/branch mask; Transformer
+    Engine's does not): CPU, or a GPU without TE with actor.allow_local_spec_on_gpu. One-line ValueError otherwise."""
+    if actor_config.shared_prefix and use_transformer_engine(actor_config, on_cpu=on_cpu):
+        raise ValueError(
+            "actor.shared_prefix: needs the local layer spec (CPU, or a GPU without Transformer Engine and "
+            "actor.allow_local_spec_on_gpu=true); Transformer Engine's attention takes no prefix/branch mask"
+        )
 
 
 def sequence_parallel_on(actor_config: ActorConfig, *, use_te: bool) -> bool:

@@ -6,6 +6,10 @@ Pure torch, no megatron import; deterministic (every rank computes every rank's 
         --balance_rows(L, dp)--> each DP rank's rows, sums of L as equal as LPT makes them
         --micro_batch_rows(L, rows, budget | rows_per_mb, packed)--> micro-batches (lists of row ids)
         --PackedLayout.build(tokens, L, rows)--> one packed row [1, T] + cu_seqlens (qkv_format "thd")
+    actor.shared_prefix instead:
+        --prompt_groups / shared_prefix_micro_batches--> micro-batches of whole prompt groups
+        --SharedPrefixLayout.build(tokens, L, P)--> one row [1, T]: per group the prompt once + one branch per row,
+                                                   per-token RoPE positions, attention_mask [1, 1, T, T]
 
 Packed layout of a micro-batch with rows r0, r1, r2 (lengths 4, 2, 3), padded to a multiple of 2 (sequence parallel):
 

@@ -211,3 +211,17 @@ def test_packed_logprobs_only_at_needed_positions(shared: bool) -> None:
     torch.testing.assert_close(lp, full_lp * mask, rtol=0, atol=1e-6)
     torch.testing.assert_close(ent, full_ent * mask, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad, full_grad, rtol=0, atol=1e-6)
+
+
+def test_shared_prefix_refuses_the_transformer_engine_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_dapo.actor import model  # noqa: PLC0415
+    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
+
+    on = ActorConfig(shared_prefix=True)
+    model.check_shared_prefix(on, on_cpu=True)  # CPU: the local spec
+    model.check_shared_prefix(ActorConfig(), on_cpu=False)  # off: nothing to check
+    monkeypatch.setattr(model, "_have_te", lambda: True)
+    with pytest.raises(ValueError, match="actor.shared_prefix: needs the local layer spec"):
+        model.check_shared_prefix(on, on_cpu=False)
+    monkeypatch.setattr(model, "_have_te", lambda: False)
+    model.check_shared_prefix(ActorConfig(shared_prefix=True, allow_local_spec_on_gpu=True), on_cpu=False)
