@@ -74,6 +74,10 @@ def summarize(out: Path) -> list[dict]:
                 "log_ppl_abs_diff_mean": mean(r.get("rollout_corr/log_ppl_abs_diff") for r in train),
                 "logprob_mismatch_mean": mean(r.get("rollout/logprob_mismatch") for r in train),
                 "truncated_fraction_mean": mean(r.get("rollout_corr/truncated_fraction") for r in train),
+                "is_weight_mean": mean(r.get("rollout_corr/is_weight_mean") for r in train),
+                "is_weight_max": max(
+                    (r.get("rollout_corr/is_weight_max", float("nan")) for r in train), default=float("nan")
+                ),
                 "reward_acc_mean": mean(r.get("reward/acc") for r in train),
                 "heldout": last_eval(rows),
                 "sync_bytes": train[-1].get("weight_sync/bytes", float("nan")),
@@ -84,8 +88,8 @@ def summarize(out: Path) -> list[dict]:
 
 def markdown(table: list[dict]) -> str:
     head = (
-        "| arm | steps | k3 KL mean (last) | log-ppl abs diff | mean abs d logp | TIS truncated | train acc | "
-        "held-out | sync MB |\n|---|---|---|---|---|---|---|---|---|"
+        "| arm | steps | k3 KL mean (last) | log-ppl abs diff | mean abs d logp | IS weight mean (max) | "
+        "TIS truncated | train acc | held-out | sync MB |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for t in table:
@@ -93,7 +97,8 @@ def markdown(table: list[dict]) -> str:
         lines.append(
             f"| {t['arm']} | {t['steps']} | {t['kl_k3_mean']:.2e} ({t['kl_k3_last']:.2e}) | "
             f"{t['log_ppl_abs_diff_mean']:.2e} | {t['logprob_mismatch_mean']:.2e} | "
-            f"{t['truncated_fraction_mean']:.3f} | {t['reward_acc_mean']:.3f} | "
+            f"{t['is_weight_mean']:.3f} ({t['is_weight_max']:.2f}) | {t['truncated_fraction_mean']:.3f} | "
+            f"{t['reward_acc_mean']:.3f} | "
             f"{key or '-'} {value:.3f} | {t['sync_bytes'] / 1e6:.1f} |"
         )
     return "\n".join(lines)
