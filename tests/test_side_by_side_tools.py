@@ -118,6 +118,18 @@ def test_rss_sampler_sees_the_child_processes_memory():
     assert 0.38 < result["peak_rss_gib"] < 0.6, result
 
 
+def test_rss_sampler_counts_forked_copy_on_write_pages_once():
+    # the parent touches 300 MB, then forks a child that keeps them (copy-on-write) for a while: the job holds ~300 MB,
+    # a plain RSS sum would report ~600 MB
+    code = (
+        "import os, time; x = bytearray(300 * 2**20); x[::4096] = b'1' * len(x[::4096]); pid = os.fork(); "
+        "time.sleep(1.5); os._exit(0) if pid == 0 else os.waitpid(pid, 0)"
+    )
+    result = compare.run_sampled([sys.executable, "-c", code], period_s=0.1)
+    assert result["rc"] == 0
+    assert 0.28 < result["peak_rss_gib"] < 0.45, result
+
+
 def test_dry_run_lists_every_arm(tmp_path, capsys):
     assert compare.main(["run", "--dry-run", "--steps", "2", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
