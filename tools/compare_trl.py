@@ -42,9 +42,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from experiment_arms import ROOT  # noqa: E402
 from experiment_arms import finished  # noqa: E402
-from experiment_arms import last_eval  # noqa: E402
+from experiment_arms import heldout  # noqa: E402
 from experiment_arms import main_job_command  # noqa: E402
+from experiment_arms import make_parser  # noqa: E402
 from experiment_arms import mean  # noqa: E402
+from experiment_arms import parse_with_overrides  # noqa: E402
+from experiment_arms import print_report  # noqa: E402
 from experiment_arms import read_metrics  # noqa: E402
 from experiment_arms import train_rows  # noqa: E402
 
@@ -387,8 +390,6 @@ def summarize(out: Path) -> list[dict]:
         train = train_rows(rows)
         if not train:
             continue
-        first = [r for r in rows if r.get("step") == 0 and any(k.startswith("eval/avg@") for k in r)]
-        key, value = last_eval(rows)
 
         def median(key_: str, train_: list[dict] = train) -> float:
             values = [r[key_] for r in train_ if key_ in r]
@@ -406,9 +407,7 @@ def summarize(out: Path) -> list[dict]:
                 "gen_tok_s": median("perf/gen_tokens_per_s"),
                 "peak_rss_gib": runs.get(arm, {}).get("peak_rss_gib", float("nan")),
                 "train_acc": mean(r.get("reward/acc") for r in train),
-                "heldout_key": key,
-                "heldout_0": float(first[0][key]) if first and key in first[0] else float("nan"),
-                "heldout_n": value,
+                **heldout(rows),
             }
         )
     return table
@@ -416,7 +415,7 @@ def summarize(out: Path) -> list[dict]:
 
 def markdown(table: list[dict]) -> str:
     lines = [
-        "| arm | steps | s/step (median) | generate | log-probs | update | weight sync | gen tok/s | peak RSS GiB | "
+        "| arm | steps | s/step (median) | generate | log-probs | update | weight sync | gen tok/s | peak memory GiB | "
         "train acc | held-out step 0 -> N |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -430,37 +429,21 @@ def markdown(table: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--steps", type=int, default=4)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process (ours: 2 ranks x 1)")
-    r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    r.add_argument("--dry-run", action="store_true")
-    p = sub.add_parser("report")
+    parser, sub = make_parser(__doc__, ARMS, steps=4, out=ROOT / "runs" / "side_by_side", img=False)
+    run_parser = sub.choices["run"]
+    run_parser.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process (ours: 2 x 1)")
     q = sub.add_parser("_trl", help="(internal) the TRL arm, run by 'run' in its own process")
     q.add_argument("--steps", type=int, required=True)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--threads", type=int, default=2)
-    for s in (r, p, q):
-        s.add_argument("--out", type=Path, default=ROOT / "runs" / "side_by_side")
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:  # config overrides for every arm (e.g. a smaller job for a smoke test)
-        extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
-    args = parser.parse_args(argv)
-    args.extra = extra
+    q.add_argument("--out", type=Path, default=ROOT / "runs" / "side_by_side")
+    args = parse_with_overrides(parser, argv)
     if args.command == "_trl":
-        return trl_arm(args.out, args.steps, args.seed, args.threads, extra)
+        return trl_arm(args.out, args.steps, args.seed, args.threads, args.extra)
     if args.command == "run":
         return run(args)
     table = summarize(args.out)
-    if not table:
-        print(f"no arm has metrics under {args.out}", file=sys.stderr)
-        return 1
-    print(markdown(table))
-    return 0
+    return print_report(args.out, table, markdown(table) if table else "")
 
 
 if __name__ == "__main__":

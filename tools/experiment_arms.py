@@ -121,3 +121,53 @@ def overlay_plots(
             written.append(path)
         plt.close(fig)
     return written
+
+
+def heldout(rows: list[dict]) -> dict[str, object]:
+    """The held-out avg@k at step 0 and at the last evaluation: {"heldout_key", "heldout_0", "heldout_n"}."""
+    key, value = last_eval(rows)
+    first = [r for r in rows if r.get("step") == 0 and key in r]
+    return {"heldout_key": key, "heldout_0": float(first[0][key]) if first else float("nan"), "heldout_n": value}
+
+
+def make_parser(doc: str, arms: Iterable[str], steps: int, out: Path, img: bool = True):  # noqa: ANN201
+    """The experiment tools' command line: `run` (--steps, --seed, --arms, --dry-run) and `report` (--img when the
+    tool draws plots), both with --out. Returns (parser, subparsers) so a tool can add its own commands."""
+    import argparse  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--steps", type=int, default=steps)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--arms", nargs="+", default=list(arms), choices=list(arms))
+    r.add_argument("--dry-run", action="store_true")
+    p = sub.add_parser("report")
+    if img:
+        p.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
+    for s in (r, p):
+        s.add_argument("--out", type=Path, default=out)
+    return parser, sub
+
+
+def parse_with_overrides(parser, argv: list[str] | None):  # noqa: ANN001, ANN201
+    """parser.parse_args on the arguments before "--"; what follows "--" (config overrides for every arm, e.g. a
+    smaller job for a smoke test) becomes args.extra."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra: list[str] = []
+    if "--" in argv:
+        extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
+    args = parser.parse_args(argv)
+    args.extra = extra
+    return args
+
+
+def print_report(out: Path, table: list[dict], markdown: str, plots: Iterable[Path] = ()) -> int:
+    """Print a report's markdown table and the plots written; 1 when no arm has metrics under out."""
+    if not table:
+        print(f"no arm has metrics under {out}", file=sys.stderr)
+        return 1
+    print(markdown)
+    for path in plots:
+        print(path)
+    return 0

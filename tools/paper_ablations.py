@@ -18,15 +18,17 @@ arms of those names when both tools use the same --out, --steps and --seed: an a
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from experiment_arms import ROOT  # noqa: E402
-from experiment_arms import last_eval  # noqa: E402
+from experiment_arms import heldout  # noqa: E402
+from experiment_arms import make_parser  # noqa: E402
 from experiment_arms import mean  # noqa: E402
 from experiment_arms import overlay_plots  # noqa: E402
+from experiment_arms import parse_with_overrides  # noqa: E402
+from experiment_arms import print_report  # noqa: E402
 from experiment_arms import read_metrics  # noqa: E402
 from experiment_arms import run_arms  # noqa: E402
 from experiment_arms import train_rows  # noqa: E402
@@ -87,8 +89,6 @@ def summarize(out: Path) -> list[dict]:
         train = train_rows(rows)
         if not train:
             continue
-        key, value = last_eval(rows)
-        first = [r for r in rows if r.get("step") == 0 and key in r]
         table.append(
             {
                 "arm": arm,
@@ -101,9 +101,7 @@ def summarize(out: Path) -> list[dict]:
                 "sampled": mean(r.get("sampling/prompts_sampled") for r in train),
                 "length": mean(r.get("response/length_mean") for r in train),
                 "acc": mean(r.get("reward/acc") for r in train),
-                "heldout_key": key,
-                "heldout_0": float(first[0][key]) if first else float("nan"),
-                "heldout_n": value,
+                **heldout(rows),
             }
         )
     return table
@@ -142,33 +140,13 @@ def plot(out: Path, img: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--steps", type=int, default=4)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    r.add_argument("--dry-run", action="store_true")
-    p = sub.add_parser("report")
-    p.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
-    for s in (r, p):
-        s.add_argument("--out", type=Path, default=ROOT / "runs" / "side_by_side")
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
-    args = parser.parse_args(argv)
+    parser, _ = make_parser(__doc__, ARMS, steps=4, out=ROOT / "runs" / "side_by_side")
+    args = parse_with_overrides(parser, argv)
     if args.command == "run":
-        arms = {name: (*switches, *extra) for name, switches in ARMS.items()}
+        arms = {name: (*switches, *args.extra) for name, switches in ARMS.items()}
         return run_arms(arms, args.arms, args.out, args.steps, args.seed, dry_run=args.dry_run)
     table = summarize(args.out)
-    if not table:
-        print(f"no arm has metrics under {args.out}", file=sys.stderr)
-        return 1
-    print(markdown(table))
-    for path in plot(args.out, args.img):
-        print(path)
-    return 0
+    return print_report(args.out, table, markdown(table) if table else "", plot(args.out, args.img) if table else ())
 
 
 if __name__ == "__main__":

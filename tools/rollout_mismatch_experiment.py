@@ -25,10 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from experiment_arms import ROOT  # noqa: E402
-from experiment_arms import last_eval  # noqa: E402
+from experiment_arms import heldout  # noqa: E402
 from experiment_arms import main_job_command  # noqa: E402
+from experiment_arms import make_parser  # noqa: E402
 from experiment_arms import mean  # noqa: E402
 from experiment_arms import overlay_plots  # noqa: E402
+from experiment_arms import parse_with_overrides  # noqa: E402
+from experiment_arms import print_report  # noqa: E402
 from experiment_arms import read_metrics  # noqa: E402
 from experiment_arms import run_arms  # noqa: E402
 from experiment_arms import train_rows  # noqa: E402
@@ -79,7 +82,7 @@ def summarize(out: Path) -> list[dict]:
                     (r.get("rollout_corr/is_weight_max", float("nan")) for r in train), default=float("nan")
                 ),
                 "reward_acc_mean": mean(r.get("reward/acc") for r in train),
-                "heldout": last_eval(rows),
+                **heldout(rows),
                 "sync_bytes": train[-1].get("weight_sync/bytes", float("nan")),
             }
         )
@@ -93,7 +96,7 @@ def markdown(table: list[dict]) -> str:
     )
     lines = [head]
     for t in table:
-        key, value = t["heldout"]
+        key, value = t["heldout_key"], t["heldout_n"]
         lines.append(
             f"| {t['arm']} | {t['steps']} | {t['kl_k3_mean']:.2e} ({t['kl_k3_last']:.2e}) | "
             f"{t['log_ppl_abs_diff_mean']:.2e} | {t['logprob_mismatch_mean']:.2e} | "
@@ -109,34 +112,12 @@ def plot(out: Path, img: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--steps", type=int, default=10)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    r.add_argument("--dry-run", action="store_true")
-    p = sub.add_parser("report")
-    p.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
-    for s in (r, p):
-        s.add_argument("--out", type=Path, default=ROOT / "runs" / "rollout_mismatch")
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        extra = argv[argv.index("--") + 1 :]
-        argv = argv[: argv.index("--")]
-    args = parser.parse_args(argv)
-    args.extra = extra
+    parser, _ = make_parser(__doc__, ARMS, steps=10, out=ROOT / "runs" / "rollout_mismatch")
+    args = parse_with_overrides(parser, argv)
     if args.command == "run":
         return run(args)
     table = summarize(args.out)
-    if not table:
-        print(f"no arm has metrics under {args.out}", file=sys.stderr)
-        return 1
-    print(markdown(table))
-    for path in plot(args.out, args.img):
-        print(path)
-    return 0
+    return print_report(args.out, table, markdown(table) if table else "", plot(args.out, args.img) if table else ())
 
 
 if __name__ == "__main__":
