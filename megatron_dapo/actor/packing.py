@@ -23,6 +23,7 @@ x the longest row (the micro-batch is cut to that width).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -176,8 +177,33 @@ def micro_batch_rows(
     return bins
 
 
+class _PackedRow:
+    """What both packed layouts share: `tokens` [1, T], `index` / `valid` [b, S_mb] and the gather back to rows."""
+
+    tokens: Tensor
+    index: Tensor
+    valid: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the packed length (real tokens plus the alignment pad)."""
+        return int(self.tokens.shape[1])
+
+    def to(self, device: torch.device | str):  # noqa: ANN201
+        """A copy with every tensor field on `device` (other fields unchanged)."""
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in moved.items() if isinstance(v, Tensor)})
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """Packed per-token values [1, T] (aligned with `tokens`: position q predicted from q - 1) -> [b, S_mb], 0
+        wherever `valid` is False (column 0 of every row, past each row's length, and wherever the prediction would
+        come from another sequence or branch). Differentiable (a gather)."""
+        flat = values.reshape(-1)
+        return torch.where(self.valid, flat[self.index], flat.new_zeros(()))
+
+
 @dataclass
-class PackedLayout:
+class PackedLayout(_PackedRow):
     """One micro-batch packed into a single row (Megatron `PackedSeqParams(qkv_format="thd")`).
 
     Attributes:
@@ -222,28 +248,6 @@ class PackedLayout:
             index=index,
             valid=inside & (cols >= 1),
         )
-
-    @property
-    def num_tokens(self) -> int:
-        """T, the packed length (real tokens plus the alignment pad)."""
-        return int(self.tokens.shape[1])
-
-    def to(self, device: torch.device | str) -> PackedLayout:
-        return PackedLayout(
-            tokens=self.tokens.to(device),
-            position_ids=self.position_ids.to(device),
-            cu_seqlens=self.cu_seqlens.to(device),
-            max_seqlen=self.max_seqlen,
-            index=self.index.to(device),
-            valid=self.valid.to(device),
-        )
-
-    def unpack(self, values: Tensor) -> Tensor:
-        """Packed per-token values [1, T] (aligned with `tokens`: position p predicted from p - 1) -> [b, S_mb], 0
-        at column 0 of every row, past each row's length, and wherever the prediction would cross a sequence
-        boundary. Differentiable (a gather)."""
-        flat = values.reshape(-1)
-        return torch.where(self.valid, flat[self.index], flat.new_zeros(()))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -350,7 +354,7 @@ def shared_prefix_micro_batches(
 
 
 @dataclass
-class SharedPrefixLayout:
+class SharedPrefixLayout(_PackedRow):
     """One micro-batch packed into a single row with each prompt computed once (actor.shared_prefix).
 
     Rows with the same prompt (P tokens) form a group, packed as the prefix prompt[:P-1] followed by one branch per
@@ -440,22 +444,6 @@ class SharedPrefixLayout:
             num_real=total,
         )
 
-    @property
-    def num_tokens(self) -> int:
-        """T, the packed length (real tokens plus the alignment pad)."""
-        return int(self.tokens.shape[1])
-
-    def to(self, device: torch.device | str) -> SharedPrefixLayout:
-        return SharedPrefixLayout(
-            tokens=self.tokens.to(device),
-            position_ids=self.position_ids.to(device),
-            segment=self.segment.to(device),
-            branch=self.branch.to(device),
-            index=self.index.to(device),
-            valid=self.valid.to(device),
-            num_real=self.num_real,
-        )
-
     def attention_mask(self) -> Tensor:
         """[1, 1, T, T] bool, True = masked out (megatron's convention): query q may see key k iff same segment,
         k <= q, and k is a prefix token or in q's branch."""
@@ -464,9 +452,3 @@ class SharedPrefixLayout:
         causal = q.unsqueeze(1) >= q.unsqueeze(0)
         branch_ok = (self.branch.unsqueeze(0) < 0) | (self.branch.unsqueeze(1) == self.branch.unsqueeze(0))
         return ~(same & causal & branch_ok).view(1, 1, self.num_tokens, self.num_tokens)
-
-    def unpack(self, values: Tensor) -> Tensor:
-        """Packed per-token values [1, T] (position q predicted from q - 1) -> [b, S_mb], 0 where not `valid`.
-        Differentiable (a gather)."""
-        flat = values.reshape(-1)
-        return torch.where(self.valid, flat[self.index], flat.new_zeros(()))
