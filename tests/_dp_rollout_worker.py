@@ -84,7 +84,9 @@ def main() -> None:
 
     trainer._route = recording_route
     trainer.step = 1
-    trainer.train_step()
+    metrics = trainer.train_step()
+    rec["shared_fraction"] = metrics.get("train/shared_fraction")
+    rec["loss"] = metrics.get("actor/loss")
     # Surplus groups (keep_surplus) stay summaries in the sampler, their rows with the rank that generated them;
     # a checkpoint's trainer state gathers them back into full groups.
     carry = trainer.sampler.state_dict()["carry"]

@@ -1,9 +1,11 @@
 """Rollouts reach only the data-parallel ranks that train on them, and the final HF export gathers only on the
-writer: one DAPO step of the trainer at DP=2 (TP=1) under torchrun --rdzv-backend c10d on CPU (tiny model)."""
+writer: one DAPO step of the trainer at DP=2 (TP=1) under torchrun --rdzv-backend c10d on CPU (tiny model), with
+actor.shared_prefix on as in the main CPU job."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,6 +51,7 @@ def ranks(tmp_path_factory) -> list[dict]:
         "--algorithm.keep_surplus=true",
         "--trainer.gen_prompts_per_batch=6",  # 6 groups: 4 trained on, 2 carried to the next step
         "--actor.logprob_impl=reference",  # no Triton interpreter (tests/conftest.py sets it) on a 512-wide model
+        "--actor.shared_prefix=true",  # as the main CPU job: groups split over DP ranks share within a rank
         "--trainer.eval_every=0",
         "--logging.tensorboard=false",
     ]
@@ -75,6 +78,13 @@ def test_rollout_rows_reach_only_their_dp_rank(ranks: list[dict]) -> None:
     # A rank receives only its rows: fewer bytes than all ranks sent in total.
     total_sent = sum(r["bytes_sent"] for r in ranks)
     assert all(0 < r["bytes_received"] < total_sent for r in ranks), [(r["bytes_received"], total_sent) for r in ranks]
+
+
+def test_shared_prefix_trains_under_torchrun(ranks: list[dict]) -> None:
+    # 8 rows of 4 groups on each DP rank: some group has >= 2 rows on a rank, so its prompt is computed once there
+    for r in ranks:
+        assert r["shared_fraction"] is not None and r["shared_fraction"] > 0, r["shared_fraction"]
+        assert r["loss"] is not None and math.isfinite(r["loss"])
 
 
 def test_carried_groups_stay_with_their_owner_and_checkpoint_in_full(ranks: list[dict]) -> None:
