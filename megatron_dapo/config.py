@@ -192,6 +192,19 @@ class RolloutConfig:
     loopback address is refused when a server URL is not local or the job spans nodes."""
     weight_sync_master_port: int = 29600
     """Mode "server": the TCP port of that group's store on the trainer's rank-0 host (must be free there)."""
+    max_running_requests: int = 0
+    """Responses one engine decodes at once (SGLang's server argument of this name; the transformers engine's KV
+    slots, rounded up to 8). 0: the engine's default (transformers: 32; SGLang: what its KV pool holds)."""
+    max_inflight_prompts: int = 0
+    """How far the prompt queue runs ahead of dynamic sampling's decisions: a prompt at queue position p is handed to
+    an engine only when p < (positions decided so far) + max_inflight_prompts, so at most this many prompts are being
+    generated or wait to be decided (over-sampling, as slime's over_sampling_batch_size / AReaL's
+    max_concurrent_rollouts bound it). 0: trainer.gen_prompts_per_batch."""
+    partial: bool = False
+    """Partial rollouts. When the step's target of kept groups is reached, work still in flight is aborted (false:
+    its tokens are counted as wasted and its prompts return to the queue) or carried into the next step (true: the
+    unfinished responses keep their tokens, engine log-probs and weight versions and are continued after the weight
+    sync; finished groups beyond the cut are decided first in the next step). docs/rollout.md, "The stream"."""
     weight_dtype: str = "auto"
     """Dtype of the weights sent to the engine each step: "auto" (as the actor exports them) or "fp8" (q/k/v/o and
     gate/up/down projections quantized to float8_e4m3fn with one fp32 scale per 128 x 128 block, the block-FP8 layout
@@ -223,6 +236,8 @@ class RolloutConfig:
         _check(0.0 < self.mem_fraction < 1.0, "rollout.mem_fraction", f"must be in (0, 1), got {self.mem_fraction}")
         _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", "must be >= 1")
         _check(self.generation_timeout_minutes > 0, "rollout.generation_timeout_minutes", "must be > 0")
+        _check(self.max_running_requests >= 0, "rollout.max_running_requests", "must be >= 0 (0: engine default)")
+        _check(self.max_inflight_prompts >= 0, "rollout.max_inflight_prompts", "must be >= 0 (0: gen_prompts_per_batch)")
         _one_of(self.weight_dtype, ("auto", "fp8"), "rollout.weight_dtype")
         _check(
             self.weight_dtype == "auto"

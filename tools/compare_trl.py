@@ -132,7 +132,7 @@ def _heldout(cfg, model, tokenizer, ranks: int = 2) -> dict[str, float]:  # noqa
     t = cfg.trainer
     examples = PromptDataset(cfg.data.eval_files, tokenizer=tokenizer, max_prompt_length=cfg.data.max_prompt_length)
     examples = examples.examples[: t.eval_max_prompts or None]
-    engine = TransformersEngine(model, batch_size=32)
+    engine = TransformersEngine(model, max_running=32)
     verifier = Verifier.from_config(cfg.reward)
     scored = []
     for r in range(ranks):

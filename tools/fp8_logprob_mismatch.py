@@ -48,7 +48,7 @@ def main() -> None:
         n=1, max_new_tokens=args.tokens, temperature=args.temperature, seed=args.seed, stop_token_ids=(2,)
     )
     start = time.perf_counter()
-    full = TransformersEngine(reference, batch_size=len(prompts))
+    full = TransformersEngine(reference, max_running=len(prompts))
     completions = full.generate(prompts, params)
     gen_s = time.perf_counter() - start
 

@@ -3,19 +3,27 @@
 SGLang and vLLM are imported only when their engine is built (megatron_dapo.rollout.sglang_engine / vllm_engine).
 """
 
-from megatron_dapo.rollout.base import Completion
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.factory import make_engine
 from megatron_dapo.rollout.factory import sampling_params
 from megatron_dapo.rollout.transformers_engine import TransformersEngine
+from megatron_dapo.rollout.types import FinishReason
+from megatron_dapo.rollout.types import GenerationRequest
+from megatron_dapo.rollout.types import GroupSummary
+from megatron_dapo.rollout.types import Rollout
+from megatron_dapo.rollout.types import RolloutGroup
 from megatron_dapo.rollout.weight_sync import WeightSync
 from megatron_dapo.rollout.weight_sync import bucket_named_tensors
 
 __all__ = [
-    "Completion",
+    "FinishReason",
+    "GenerationRequest",
+    "GroupSummary",
+    "Rollout",
     "RolloutEngine",
+    "RolloutGroup",
     "SamplingParams",
     "TransformersEngine",
     "WeightSync",

@@ -1,13 +1,16 @@
-"""The rollout engine contract: sampling parameters, completions and the weight-update session.
+"""The rollout engine contract: sampling parameters, streaming and blocking generation, the weight-update session.
 
-    prompts [[ids]] x SamplingParams(n=G) --generate--> [Completion] * (len(prompts) * G), grouped by prompt
+    GenerationRequest* --submit--> engine --step()--> (key, Rollout) of each request as it finishes (streaming)
+                                          --abort()--> (key, unfinished Rollout) of everything in flight
+    prompts [[ids]] x SamplingParams(n=G) --generate--> [Rollout] * (len(prompts) * G), grouped by prompt (blocking)
     WeightSync --begin_weight_update / update_weights(bucket)* / end_weight_update--> engine
 
 Conventions shared by every engine (DESIGN.md):
-- response_ids holds the generated tokens INCLUDING the stop/EOS token that ended the response; a response
-  cut at max_new_tokens has finish_reason "length" and exactly max_new_tokens tokens.
-- response_logprobs[t] = log_softmax(logits_t / temperature)[response_ids[t]] over the full vocabulary: the
+- Records are rollout/types.py's: response_ids holds the generated tokens INCLUDING the stop/EOS token that ended
+  the response; a response cut at max_new_tokens has finish LENGTH and exactly max_new_tokens tokens.
+- engine_logp[t] = log_softmax(logits_t / temperature)[response_ids[t]] over the full vocabulary: the
   tempered distribution before top-k/top-p truncation (what the actor computes with the same temperature).
+- Every token is stamped with the engine's weight_version (Rollout.segments).
 - Weights arrive as full (un-sharded) Hugging Face-named tensors; an engine shards them for its own TP.
 """
 
@@ -15,14 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from dataclasses import field
+from typing import Any
 from typing import Protocol
 from typing import runtime_checkable
 
+import torch
 from torch import Tensor
 
-FINISH_REASONS = ("stop", "length")
-
+from megatron_dapo.rollout.types import FinishReason
+from megatron_dapo.rollout.types import GenerationRequest
+from megatron_dapo.rollout.types import Rollout
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -59,35 +64,82 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
-@dataclass(slots=True)
-class Completion:
-    """One sampled response.
+_MASK64 = (1 << 64) - 1
 
-    prompt_ids: the prompt token ids as given.
-    response_ids: generated token ids, the stop token included when finish_reason is "stop".
-    response_logprobs: float log-probs, one per response token, or None when not requested.
-    finish_reason: "stop" (a stop/EOS token was generated) or "length" (max_new_tokens reached).
-    """
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_logprobs: list[float] | None
-    finish_reason: str
-    extra: dict = field(default_factory=dict)
+def completion_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit generator seed for completion `sample_index` of prompt `prompt_index` (splitmix64 mixing)."""
+    x = (seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9 + sample_index * 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
-    def __post_init__(self) -> None:
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"Completion.finish_reason: must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
-        if self.response_logprobs is not None and len(self.response_logprobs) != len(self.response_ids):
-            raise ValueError(
-                f"Completion.response_logprobs: {len(self.response_logprobs)} values for "
-                f"{len(self.response_ids)} response tokens"
-            )
+
+def requests_for(prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[GenerationRequest]:
+    """The requests of a blocking generate(prompts, params): key (i, k) and seed completion_seed(params.seed, i, k)
+    for sample k of prompt i, i-major (params.seed None draws one from torch's global RNG)."""
+    base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+    return [
+        GenerationRequest((i, k), list(prompt), completion_seed(base, i, k))
+        for i, prompt in enumerate(prompts)
+        for k in range(params.n)
+    ]
+
+
+def request_result(
+    request: GenerationRequest,
+    ids: Sequence[int] | Tensor,
+    logps: Sequence[float] | Tensor | None,
+    finish: FinishReason,
+    version: int,
+) -> Rollout:
+    """The Rollout of `request` after this run generated `ids` (engine log-probs `logps`, or None) under weight
+    `version`: its prefix (if any) continued, in a new segment when the version changed."""
+    prefix = request.prefix or Rollout(request.prompt_ids, [], None if logps is None else [], FinishReason.ABORT)
+    out = prefix.extend(ids, logps, version)
+    out.finish = finish
+    return out
+
+
+class BlockingStream:
+    """The streaming half of the engine contract for engines that generate only in blocking calls (vLLM's LLM):
+    step() runs everything submitted since the last step as one call of `run_requests` and returns all of it;
+    abort() can only return what has not started (as empty ABORT rollouts, prefixes kept). Subclasses implement
+    run_requests(requests, params) -> [Rollout] in request order and generate() with it."""
+
+    weight_version: int = 0
+
+    def run_requests(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        raise NotImplementedError
 
     @property
-    def response_length(self) -> int:
-        """Generated tokens, the stop token included."""
-        return len(self.response_ids)
+    def _pending(self) -> list[tuple[GenerationRequest, SamplingParams]]:
+        if "_pending_requests" not in self.__dict__:
+            self._pending_requests: list[tuple[GenerationRequest, SamplingParams]] = []
+        return self._pending_requests
+
+    def submit(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> None:
+        self._pending.extend((r, params) for r in requests)
+
+    def step(self) -> list[tuple[Any, Rollout]]:
+        pending = list(self._pending)
+        self._pending.clear()
+        out: list[tuple[Any, Rollout]] = []
+        for params in {id(p): p for _, p in pending}.values():
+            batch = [r for r, p in pending if p is params]
+            out.extend((r.key, x) for r, x in zip(batch, self.run_requests(batch, params), strict=True))
+        return out
+
+    def abort(self) -> list[tuple[Any, Rollout]]:
+        pending = list(self._pending)
+        self._pending.clear()
+        return [(r.key, r.prefix or Rollout(r.prompt_ids, [], None, FinishReason.ABORT)) for r, _ in pending]
+
+    def free_slots(self) -> int:
+        return 1 << 30
+
+    def num_unfinished(self) -> int:
+        return len(self._pending)
 
 
 class WeightUpdateError(RuntimeError):
@@ -105,8 +157,33 @@ class RolloutEngine(Protocol):
     an update session never resumes a region by itself, except the weights if they are still released.
     """
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """len(prompts) * params.n completions; completions of prompt i are rows i*n .. i*n+n-1."""
+    weight_version: int
+    """Stamped on every token generated from now on (the trainer sets it to the step after each sync)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """len(prompts) * params.n finished Rollouts; those of prompt i are rows i*n .. i*n+n-1 (blocking)."""
+        ...
+
+    def submit(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> None:
+        """Start requests (one response each; params.n is ignored). A request with a prefix continues it."""
+        ...
+
+    def step(self) -> list[tuple[Any, Rollout]]:
+        """Make progress (the embedded engine: one decode step; remote engines: wait briefly) and return the
+        (request key, finished Rollout) of each request that finished since the last call."""
+        ...
+
+    def abort(self) -> list[tuple[Any, Rollout]]:
+        """Stop everything in flight; return (key, Rollout with finish ABORT holding the tokens generated so far)
+        for every request submitted and not yet returned. Nothing is left in flight afterwards."""
+        ...
+
+    def free_slots(self) -> int:
+        """How many more requests would run at once now (negative: that many wait for a slot)."""
+        ...
+
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet returned by step() or abort()."""
         ...
 
     def begin_weight_update(self) -> None:

@@ -11,6 +11,9 @@ from megatron_dapo.config import RolloutConfig
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.base import SamplingParams
 
+TRANSFORMERS_MAX_RUNNING = 32
+"""Rows the embedded engine decodes at once when rollout.max_running_requests is 0."""
+
 
 def sampling_params(
     rollout: RolloutConfig, n: int, *, seed: int | None = None, stop_token_ids: Sequence[int] = ()
@@ -36,7 +39,7 @@ def make_engine(
     dtype: str | None = None,
     seed: int = 0,
     base_gpu_id: int = 0,
-    batch_size: int = 32,
+    max_context: int | None = None,
     master_address: str | None = None,
     master_port: int | None = None,
     engine_kwargs: dict[str, Any] | None = None,
@@ -46,6 +49,7 @@ def make_engine(
     model_path: HF checkpoint directory (the actor's starting point; later weights arrive through WeightSync).
     device / dtype: defaults "cuda" + "bfloat16" when a GPU is visible, else "cpu" + "float32".
     base_gpu_id: first GPU of a colocated SGLang engine (the local rank that holds it).
+    max_context: the transformers engine's KV capacity per row (prompt + response tokens; None: sized on first use).
     master_address / master_port: this rank's endpoint for SGLang server mode's NCCL weight-update group; None takes
         rollout.weight_sync_master_address (detected when empty) / rollout.weight_sync_master_port. A loopback
         address is refused when a server is remote or the job spans nodes (launch_env.weight_sync_master_address).
@@ -57,7 +61,13 @@ def make_engine(
     if rollout.engine == "transformers":
         from megatron_dapo.rollout.transformers_engine import TransformersEngine  # noqa: PLC0415
 
-        return TransformersEngine(model_path, dtype=getattr(torch, dtype), device=device, batch_size=batch_size)
+        return TransformersEngine(
+            model_path,
+            dtype=getattr(torch, dtype),
+            device=device,
+            max_running=rollout.max_running_requests or TRANSFORMERS_MAX_RUNNING,
+            max_context=max_context,
+        )
     if rollout.engine == "sglang" and rollout.mode == "server":
         from megatron_dapo.rollout.launch_env import num_nodes  # noqa: PLC0415
         from megatron_dapo.rollout.launch_env import weight_sync_master_address  # noqa: PLC0415

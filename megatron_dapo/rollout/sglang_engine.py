@@ -33,12 +33,16 @@ import torch
 from torch import Tensor
 
 from megatron_dapo.memory import ENGINE_TAGS
-from megatron_dapo.rollout.base import Completion
+from megatron_dapo.rollout.base import BlockingStream
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
+from megatron_dapo.rollout.base import request_result
+from megatron_dapo.rollout.base import requests_for
 from megatron_dapo.rollout.launch_env import rendezvous_store
 from megatron_dapo.rollout.launch_env import scrubbed_environ
-from megatron_dapo.rollout.transformers_engine import completion_seed
+from megatron_dapo.rollout.types import FinishReason
+from megatron_dapo.rollout.types import GenerationRequest
+from megatron_dapo.rollout.types import Rollout
 
 SGLANG_VERSIONS = ("0.5.15", "0.5.23")
 """Oldest and newest SGLang release whose source was checked against SGLANG_API (CI pins the newest)."""
@@ -157,38 +161,47 @@ def _checked(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def sampling_params_dicts(prompts: Sequence[Sequence[int]], params: SamplingParams, base_seed: int) -> list[dict]:
-    """One SGLang sampling-params dict per completion row (prompt i, sample k), rows ordered i-major.
+def request_input_ids(request: GenerationRequest) -> list[int]:
+    """What SGLang is asked to continue: the prompt, then the tokens a carried (partial) response already has."""
+    ids = request.prompt_ids.tolist()
+    return ids if request.prefix is None else ids + request.prefix.response_ids.tolist()
 
-    top_k 0 (disabled) becomes SGLang's -1; each row gets its own sampling_seed so the n samples differ and the
-    same seed reproduces them; no_stop_trim keeps the stop token in the output ids.
+
+def sampling_params_dicts(requests: Sequence[GenerationRequest], params: SamplingParams) -> list[dict]:
+    """One SGLang sampling-params dict per request.
+
+    top_k 0 (disabled) becomes SGLang's -1; each request gets its own sampling_seed (honoured under deterministic
+    inference only, docs/rollout.md); max_new_tokens is what the cap leaves after a carried prefix; no_stop_trim
+    keeps the stop token in the output ids.
     """
     rows = []
-    for i in range(len(prompts)):
-        for k in range(params.n):
-            row = {
-                "max_new_tokens": params.max_new_tokens,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k if params.top_k > 0 else -1,
-                "stop_token_ids": list(params.stop_token_ids),
-                "no_stop_trim": True,
-                "sampling_seed": completion_seed(base_seed, i, k),
-            }
-            rows.append(_checked("SamplingParams", row))
+    for req in requests:
+        row = {
+            "max_new_tokens": params.max_new_tokens - (0 if req.prefix is None else len(req.prefix)),
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "stop_token_ids": list(params.stop_token_ids),
+            "no_stop_trim": True,
+            "sampling_seed": req.seed,
+        }
+        rows.append(_checked("SamplingParams", row))
     return rows
 
 
-def parse_sglang_output(out: dict, prompt_ids: list[int], want_logprobs: bool) -> Completion:
-    """One SGLang generate result (a dict with "output_ids" and "meta_info") -> Completion.
+def parse_sglang_output(
+    out: dict, request: GenerationRequest, want_logprobs: bool, version: int, *, allow_abort: bool = False
+) -> Rollout:
+    """One SGLang generate result (a dict with "output_ids" and "meta_info") -> the request's Rollout.
 
     meta_info.output_token_logprobs is a list of (logprob, token_id, text) over every generated token;
-    meta_info.finish_reason is {"type": "stop" | "length" | "abort", "matched": ...}. An abort is an error.
+    meta_info.finish_reason is {"type": "stop" | "length" | "abort", "matched": ...}. An abort is an error unless
+    allow_abort (the stream aborted it: the tokens so far come back unfinished).
     """
     meta = out.get("meta_info", {})
     reason = meta.get("finish_reason") or {}
     kind = reason.get("type") if isinstance(reason, dict) else reason
-    if kind not in ("stop", "length"):
+    if kind not in ("stop", "length") and not (allow_abort and kind == "abort"):
         raise RuntimeError(f"sglang: generation ended with finish_reason {reason!r}")
     token_logprobs = meta.get("output_token_logprobs")
     if token_logprobs:
@@ -199,12 +212,9 @@ def parse_sglang_output(out: dict, prompt_ids: list[int], want_logprobs: bool) -
     matched = reason.get("matched") if isinstance(reason, dict) else None
     if kind == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
         raise RuntimeError(f"sglang: response does not end with its stop token {matched} (set no_stop_trim)")
-    return Completion(
-        prompt_ids=list(prompt_ids),
-        response_ids=ids,
-        response_logprobs=logps if want_logprobs else None,
-        finish_reason=kind,
-    )
+    if want_logprobs and logps is None and ids:
+        raise RuntimeError("sglang: no output_token_logprobs in the result (return_logprob was set)")
+    return request_result(request, ids, logps if want_logprobs else None, FinishReason(kind), version)
 
 
 def flatten_bucket(bucket: Sequence[tuple[str, Tensor]], align: int = 16) -> tuple[Tensor, list[dict]]:
@@ -371,7 +381,7 @@ def _ok(result: Any, what: str) -> None:
         raise WeightUpdateError(f"sglang {what} failed: {result.get('message')}")
 
 
-class SGLangEngine:
+class SGLangEngine(BlockingStream):
     """Colocated SGLang: an offline sglang.Engine on this process's GPUs (base_gpu_id .. + tensor_parallel).
 
     Create it on the first rank of each rollout group; that rank receives the full HF tensors from the actor
@@ -435,17 +445,20 @@ class SGLangEngine:
     def _call(self, method: str, **kwargs: Any) -> Any:
         return getattr(self._engine, method)(**_checked(f"Engine.{method}", kwargs))
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """len(prompts) * params.n completions, grouped by prompt (one SGLang request per completion)."""
-        base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        rows = [list(p) for p in prompts for _ in range(params.n)]
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """len(prompts) * params.n Rollouts, grouped by prompt (one SGLang request per response)."""
+        return self.run_requests(requests_for(prompts, params), params)
+
+    def run_requests(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        """One blocking Engine.generate call over `requests` (BlockingStream)."""
         outs = self._call(
             "generate",
-            input_ids=rows,
-            sampling_params=sampling_params_dicts(prompts, params, base_seed),
+            input_ids=[request_input_ids(r) for r in requests],
+            sampling_params=sampling_params_dicts(requests, params),
             return_logprob=True,
         )
-        return [parse_sglang_output(o, r, params.return_logprobs) for o, r in zip(outs, rows)]
+        version = self.weight_version
+        return [parse_sglang_output(o, r, params.return_logprobs, version) for o, r in zip(outs, requests)]
 
     def begin_weight_update(self) -> None:
         """Restore weight memory if released, then open SGLang's update session where it exists (>= 0.5.23)."""
@@ -552,7 +565,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class SGLangServerEngine:
+class SGLangServerEngine(BlockingStream):
     """Disaggregated SGLang: HTTP servers on other nodes; weights by NCCL broadcast from this trainer rank.
 
     server_urls: base URLs; server_tp: tensor-parallel size of each server (for the update group's world size).
@@ -607,11 +620,14 @@ class SGLangServerEngine:
         with ThreadPoolExecutor(len(self.urls)) as pool:
             return list(pool.map(lambda u: self._post(u, route, body), self.urls))
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Split the completion rows into contiguous chunks, one per server, sent concurrently."""
-        base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        rows = [list(p) for p in prompts for _ in range(params.n)]
-        sampling = sampling_params_dicts(prompts, params, base_seed)
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """len(prompts) * params.n Rollouts, grouped by prompt."""
+        return self.run_requests(requests_for(prompts, params), params)
+
+    def run_requests(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        """Split the requests into contiguous chunks, one per server, sent concurrently."""
+        rows = [request_input_ids(r) for r in requests]
+        sampling = sampling_params_dicts(requests, params)
         per = -(-len(rows) // len(self.urls))
         chunks = [(u, slice(j * per, (j + 1) * per)) for j, u in enumerate(self.urls) if j * per < len(rows)]
 
@@ -622,7 +638,8 @@ class SGLangServerEngine:
 
         with ThreadPoolExecutor(len(chunks)) as pool:
             outs = [o for part in pool.map(run, chunks) for o in part]
-        return [parse_sglang_output(o, r, params.return_logprobs) for o, r in zip(outs, rows)]
+        version = self.weight_version
+        return [parse_sglang_output(o, r, params.return_logprobs, version) for o, r in zip(outs, requests)]
 
     def begin_weight_update(self) -> None:
         """Create the NCCL update group on first use (servers join concurrently), then open server sessions."""

@@ -1,13 +1,17 @@
-"""Embedded rollout engine on a transformers causal LM: own sampling loop with a KV cache (CPU and small GPU runs).
+"""Embedded rollout engine on a transformers causal LM: continuous batching over KV slots (CPU and small GPU runs).
 
-    prompts x n --rows--> micro-batches of batch_size rows, left-padded
-        prefill (DynamicCache) -> loop: logits/T -> log_softmax (returned log-prob)
-                                         -> top-k / top-p filter -> per-row torch.Generator sample
-                                         -> finished rows leave the batch (cache.batch_select_indices)
+    submit(GenerationRequest*) -> waiting --a slot frees--> prefill (one context at a time, shared by the requests
+        of one prompt) -> first token sampled -> running rows in slots 0..n-1 (rollout/slot_cache.py)
+    step(): admit, then one decode step of every running row: logits/T -> log_softmax (returned log-prob)
+        -> top-k / top-p filter -> per-row torch.Generator sample; a finished row returns its Rollout at once and
+        its slot takes the next waiting request (no batch waits for its longest row)
+    abort(): every request in flight comes back unfinished (tokens so far) -- partial rollouts continue them later
+    generate(prompts, params): the same, blocking, for a fixed list (evaluation, tools)
 
 Why not model.generate: it cannot draw each row from its own generator, and its default top_k=50 silently
-truncates. Here completion k of prompt i is drawn from a generator seeded by (seed, i, k), so its tokens do not
-depend on batch_size or on the other rows of its micro-batch (up to float rounding of padded batches).
+truncates. Here request (prompt i, sample k) is drawn from a generator seeded by completion_seed(seed, i, k), and
+its numerics do not depend on which rows share its decode steps (batch invariance, slot_cache.py): the same
+request gives the same tokens and log-probs bit for bit whatever else runs, whenever it starts.
 
 Returned log-probs are of the tempered full-vocabulary distribution, log_softmax(logits / T), before top-k /
 top-p truncation, in fp32 -- the quantity the actor recomputes (DESIGN.md).
@@ -16,26 +20,29 @@ top-p truncation, in fp32 -- the quantity the actor recomputes (DESIGN.md).
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from megatron_dapo.rollout.base import Completion
 from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.base import request_result
+from megatron_dapo.rollout.base import requests_for
 from megatron_dapo.rollout.base import WeightUpdateError
-
-_MASK64 = (1 << 64) - 1
-
-
-def completion_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """A 63-bit generator seed for completion `sample_index` of prompt `prompt_index` (splitmix64 mixing)."""
-    x = (seed * 0x9E3779B97F4A7C15 + prompt_index * 0xBF58476D1CE4E5B9 + sample_index * 0x94D049BB133111EB) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) & ((1 << 63) - 1)
-
+from megatron_dapo.rollout.slot_cache import ATTENTION_NAME
+from megatron_dapo.rollout.slot_cache import ROW_BLOCK
+from megatron_dapo.rollout.slot_cache import PrefillCache
+from megatron_dapo.rollout.slot_cache import SlotCache
+from megatron_dapo.rollout.slot_cache import causal_mask
+from megatron_dapo.rollout.slot_cache import register_attention
+from megatron_dapo.rollout.types import FinishReason
+from megatron_dapo.rollout.types import GenerationRequest
+from megatron_dapo.rollout.types import Rollout
 
 def filter_logits(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
     """Mask logits outside top-k / the top-p nucleus with -inf.
@@ -66,14 +73,41 @@ def _as_id_list(value: object) -> list[int]:
     return [int(v) for v in value]  # type: ignore[union-attr]
 
 
-class TransformersEngine:
-    """A transformers causal LM as a RolloutEngine.
+@dataclass(eq=False)
+class _Row:
+    """A running request: its generator, the tokens / log-probs of this run, how many it may generate, and the
+    position its last token is written at by the next decode step."""
 
-    model: a PreTrainedModel or a checkpoint directory (config.json + safetensors).
+    request: GenerationRequest
+    gen: torch.Generator
+    limit: int
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    position: int = 0
+
+
+def _check_full_attention(config: Any) -> None:
+    """The slot cache applies one causal mask to every layer: refuse sliding-window layers."""
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        raise ValueError(
+            f"TransformersEngine: layer types {sorted(kinds)} (sliding window): only full-attention models are supported"
+        )
+
+
+class TransformersEngine:
+    """A transformers causal LM as a RolloutEngine with continuous batching.
+
+    model: a PreTrainedModel or a checkpoint directory (config.json + safetensors). The engine sets its attention
+        implementation to slot_cache.ATTENTION_NAME (grouped eager attention; ordinary forwards still work).
     dtype: parameter dtype (torch.float32 on CPU). device: "cpu" or "cuda[:i]".
     eos_token_ids: ids that end a response; default the model's generation_config / config EOS ids.
-    pad_token_id: filler for left padding; default the model's pad id, else the first EOS id.
-    batch_size: rows (completions) per forward micro-batch.
+    pad_token_id: filler of unused decode rows; default the model's pad id, else the first EOS id.
+    max_running: rows decoded together (KV slots), rounded up to a multiple of slot_cache.ROW_BLOCK.
+    max_context: KV capacity of a slot (prompt + response tokens). Fixed capacity keeps rows batch-invariant across
+        a run: the trainer passes the longest prompt of its data plus rollout.max_response_length. None sizes it from
+        the first requests (rounded up to 64) and grows it when the engine is idle.
+    weight_version: the version stamped on tokens generated from now on (the trainer sets it after each sync).
     """
 
     def __init__(
@@ -84,17 +118,31 @@ class TransformersEngine:
         device: str | torch.device = "cpu",
         eos_token_ids: Sequence[int] | None = None,
         pad_token_id: int | None = None,
-        batch_size: int = 32,
+        max_running: int = 32,
+        max_context: int | None = None,
     ) -> None:
         if isinstance(model, (str, Path)):
             from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
-        if batch_size < 1:
-            raise ValueError(f"TransformersEngine.batch_size: must be >= 1, got {batch_size}")
+        if max_running < 1:
+            raise ValueError(f"TransformersEngine.max_running: must be >= 1, got {max_running}")
+        if max_context is not None and max_context < 2:
+            raise ValueError(f"TransformersEngine.max_context: must be >= 2, got {max_context}")
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=dtype).eval()
-        self.batch_size = batch_size
+        _check_full_attention(self.model.config)
+        register_attention()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        self.max_running = -(-max_running // ROW_BLOCK) * ROW_BLOCK
+        self.max_context = max_context
+        self.weight_version = 0
+        self._sampling: SamplingParams | None = None
+        self._cache: SlotCache | None = None
+        self._live: list[_Row] = []
+        self._waiting: deque[GenerationRequest] = deque()
+        self._prefills: dict[tuple[int, ...], tuple[list[Tensor], list[Tensor], Tensor]] = {}
+        self._prefill_refs: dict[tuple[int, ...], int] = {}
         config = self.model.config
         gen_config = getattr(self.model, "generation_config", None)
         if eos_token_ids is None:
@@ -112,7 +160,7 @@ class TransformersEngine:
         # transformers 5.24 renamed the forward's past_key_values argument to cache.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
-        # Prefill needs the last position's logits only ([B, V] instead of [B, S, V]).
+        # Prefill needs the last position's logits only ([1, V] instead of [1, P, V]).
         self._prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         self._asleep = False
         self._index_parameters()
@@ -121,109 +169,196 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ generation
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """len(prompts) * params.n completions, grouped contiguously by prompt (see module docstring)."""
+    def submit(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> None:
+        """Queue requests; they start as slots free up (`step`). Every request in flight shares one SamplingParams
+        (n is ignored: one response per request). Raises ValueError (naming the request) for a context that does
+        not fit max_context."""
         if self._asleep:
-            raise RuntimeError("TransformersEngine.generate: the weights are released; call resume_memory first")
+            raise RuntimeError("TransformersEngine.submit: the weights are released; call resume_memory first")
+        if not requests:
+            return
+        if self._sampling is not None and params != self._sampling and self.num_unfinished():
+            raise ValueError("TransformersEngine.submit: requests in flight use other SamplingParams")
+        self._sampling = params
+        for req in requests:
+            done = 0 if req.prefix is None else len(req.prefix)
+            need = int(req.prompt_ids.numel()) + done + params.max_new_tokens
+            if need > self._ensure_cache(need).capacity:
+                raise ValueError(
+                    f"TransformersEngine: request {req.key!r} needs {need} positions (prompt {req.prompt_ids.numel()}"
+                    f" + generated {done} + cap {params.max_new_tokens}); the KV slots hold {self._cache.capacity} "
+                    "(max_context)"
+                )
+            self._waiting.append(req)
+            key = self._context_key(req)
+            self._prefill_refs[key] = self._prefill_refs.get(key, 0) + 1
+
+    def free_slots(self) -> int:
+        """Row slots not taken by running or queued requests (negative when requests wait for a slot)."""
+        return self.max_running - len(self._live) - len(self._waiting)
+
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet returned by `step` or `abort`."""
+        return len(self._live) + len(self._waiting)
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[Any, Rollout]]:
+        """Admit waiting requests into free slots (prefill), then one decode step of every running row; returns the
+        (key, Rollout) of each request that finished (STOP or LENGTH), in no particular order."""
+        finished: list[tuple[Any, Rollout]] = []
+        self._admit(finished)
+        if self._live:
+            self._decode(finished)
+        return finished
+
+    def abort(self) -> list[tuple[Any, Rollout]]:
+        """Stop every request in flight; returns (key, Rollout with finish ABORT and the tokens generated so far,
+        prefix included) for each, running or queued. Nothing is left in flight."""
+        out = [(row.request.key, self._result(row, FinishReason.ABORT)) for row in self._live]
+        for req in self._waiting:
+            out.append((req.key, request_result(req, [], [] if self._want_logp() else None, FinishReason.ABORT, 0)))
+        self._live, self._waiting, self._prefills, self._prefill_refs = [], deque(), {}, {}
+        return out
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """len(prompts) * params.n finished Rollouts, grouped contiguously by prompt (rows i*n .. i*n+n-1): a
+        blocking run of the same continuous batching, response k of prompt i seeded by completion_seed(seed, i, k)."""
+        if self.num_unfinished():
+            raise RuntimeError("TransformersEngine.generate: requests of a stream are still in flight")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"TransformersEngine.generate: prompt {i} is empty")
-        base_seed = params.seed
-        if base_seed is None:
-            base_seed = int(torch.randint(0, 2**62, (1,)).item())
-        rows = [(i, k) for i in range(len(prompts)) for k in range(params.n)]
-        out: list[Completion] = []
-        for start in range(0, len(rows), self.batch_size):
-            chunk = rows[start : start + self.batch_size]
-            seeds = [completion_seed(base_seed, i, k) for i, k in chunk]
-            results = self._generate_rows([prompts[i] for i, _ in chunk], seeds, params)
-            for (i, _), (ids, logps, reason) in zip(chunk, results):
-                out.append(
-                    Completion(
-                        prompt_ids=list(prompts[i]),
-                        response_ids=ids,
-                        response_logprobs=logps if params.return_logprobs else None,
-                        finish_reason=reason,
-                    )
-                )
+        requests = requests_for(prompts, params)
+        self.submit(requests, params)
+        done: dict[Any, Rollout] = {}
+        while self.num_unfinished():
+            done.update(self.step())
+        return [done[r.key] for r in requests]
+
+    # internals of the continuous batch
+    def _want_logp(self) -> bool:
+        return self._sampling is not None and self._sampling.return_logprobs
+
+    @staticmethod
+    def _context_key(req: GenerationRequest) -> tuple[int, ...]:
+        ids = req.prompt_ids if req.prefix is None else torch.cat([req.prompt_ids, req.prefix.response_ids])
+        return tuple(ids.tolist())
+
+    def _ensure_cache(self, need: int) -> SlotCache:
+        """The slot cache, allocated on first use (capacity max_context, else `need` rounded up to 64, reallocated
+        larger only while no row runs)."""
+        capacity = self.max_context or -(-need // 64) * 64
+        if self._cache is None or (self.max_context is None and capacity > self._cache.capacity and not self._live):
+            cfg = self.model.config
+            heads = cfg.num_attention_heads
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+            self._cache = SlotCache(
+                cfg.num_hidden_layers,
+                self.max_running,
+                capacity,
+                getattr(cfg, "num_key_value_heads", None) or heads,
+                head_dim,
+                self.model.dtype,
+                self.device,
+            )
+        return self._cache
+
+    def _prefill(self, key: tuple[int, ...]) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """(per layer keys / values [Hkv, P, D], last-position logits [V] fp32) of one context, computed alone."""
+        hit = self._prefills.get(key)
+        if hit is not None:
+            return hit
+        n = len(key)
+        cache = PrefillCache(self.model.config.num_hidden_layers)
+        logits = self.model(
+            input_ids=torch.tensor([key], device=self.device),
+            attention_mask=causal_mask(n, self.model.dtype, self.device),
+            position_ids=torch.arange(n, device=self.device)[None],
+            use_cache=True,
+            **{self._cache_arg: cache},
+            **self._prefill_kwargs,
+        ).logits[0, -1].float()
+        out = ([k[0] for k in cache.keys], [v[0] for v in cache.values], logits)
+        self._prefills[key] = out
         return out
 
-    def _left_pad(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-            mask[b, width - len(r) :] = 1
-        return ids.to(self.device), mask.to(self.device)
+    def _admit(self, finished: list) -> None:
+        """Move waiting requests into free slots: prefill (shared by the requests of one context), write the slot,
+        sample the first token."""
+        params = self._sampling
+        while self._waiting and len(self._live) < self.max_running:
+            req = self._waiting.popleft()
+            key = self._context_key(req)
+            keys, values, logits = self._prefill(key)
+            self._prefill_refs[key] -= 1
+            if self._prefill_refs[key] == 0:
+                del self._prefill_refs[key], self._prefills[key]
+            done = 0 if req.prefix is None else len(req.prefix)
+            row = _Row(req, torch.Generator(device=self.device).manual_seed(req.seed), params.max_new_tokens - done)
+            row.position = len(key)
+            if row.limit <= 0:  # a carried response already at the cap
+                finished.append((req.key, self._result(row, FinishReason.LENGTH)))
+                continue
+            slot = len(self._live)
+            self._cache.write(slot, keys, values)
+            self._live.append(row)
+            self._take_tokens([row], logits[None], [slot], finished)
+
+    def _decode(self, finished: list) -> None:
+        """One token for every running row: the model on slots [0, M), M = rows rounded up to ROW_BLOCK."""
+        cache = self._cache
+        n = len(self._live)
+        m = min(-(-n // ROW_BLOCK) * ROW_BLOCK, cache.num_slots)
+        ids = torch.full((m, 1), self.pad_token_id, dtype=torch.long, device=self.device)
+        positions = torch.zeros(m, dtype=torch.long, device=self.device)
+        ids[:n, 0] = torch.tensor([row.tokens[-1] for row in self._live], device=self.device)
+        positions[:n] = torch.tensor([row.position for row in self._live], device=self.device)
+        cache.bind_decode(m, positions)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=cache.decode_mask(m, positions, self.model.dtype),
+            position_ids=positions[:, None],
+            use_cache=True,
+            **{self._cache_arg: cache},
+        ).logits[:n, -1].float()
+        for row in self._live:
+            row.position += 1
+        self._take_tokens(list(self._live), logits, list(range(n)), finished)
+
+    def _take_tokens(self, rows: list[_Row], logits: Tensor, slots: list[int], finished: list) -> None:
+        """Sample one token per row from logits [len(rows), V] fp32; finished rows leave their slot (the last live
+        row moves into it, so live rows stay in slots 0..n-1)."""
+        params = self._sampling
+        stop = set(self.eos_token_ids) | set(params.stop_token_ids)
+        scaled = logits / params.temperature
+        token = self._sample(scaled, [row.gen for row in rows], params)
+        token_logp = torch.log_softmax(scaled, dim=-1).gather(1, token[:, None])[:, 0]
+        leaving = []
+        for row, slot, t, lp in zip(rows, slots, token.tolist(), token_logp.tolist(), strict=True):
+            row.tokens.append(t)
+            row.logps.append(lp)
+            if t in stop:
+                leaving.append((slot, FinishReason.STOP))
+            elif len(row.tokens) >= row.limit:
+                leaving.append((slot, FinishReason.LENGTH))
+        for slot, reason in sorted(leaving, reverse=True):
+            row = self._live[slot]
+            finished.append((row.request.key, self._result(row, reason)))
+            last = len(self._live) - 1
+            if slot != last:
+                self._cache.move(last, slot)
+                self._live[slot] = self._live[last]
+            self._live.pop()
+
+    def _result(self, row: _Row, finish: FinishReason) -> Rollout:
+        logps = row.logps if self._sampling.return_logprobs else None
+        return request_result(row.request, row.tokens, logps, finish, self.weight_version)
 
     def _sample(self, scaled: Tensor, gens: list[torch.Generator], params: SamplingParams) -> Tensor:
         """One token per row: scaled [B, V] fp32 tempered logits -> [B] int64, row b drawn with gens[b]."""
         probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
         return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(gens)])
-
-    def _generate_rows(
-        self, rows: list[list[int]], seeds: list[int], params: SamplingParams
-    ) -> list[tuple[list[int], list[float], str]]:
-        """Sample one completion per row; returns (response_ids, logprobs, finish_reason) per row."""
-        from transformers import DynamicCache  # noqa: PLC0415
-
-        stop = set(self.eos_token_ids) | set(params.stop_token_ids)
-        gens = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
-        # Shared prefill: each distinct prompt (the n samples of a group) runs through the model once; its KV cache
-        # rows are then repeated, which halves CPU generation time for few-shot prompts at G = 8.
-        unique: dict[tuple[int, ...], int] = {}
-        expand = torch.tensor([unique.setdefault(tuple(r), len(unique)) for r in rows], device=self.device)
-        ids, mask = self._left_pad([list(r) for r in unique])
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_arg: cache},
-            **self._prefill_kwargs,
-        ).logits[:, -1]
-        if len(unique) < len(rows):
-            cache.batch_select_indices(expand)
-        logits, mask, positions = logits[expand], mask[expand], positions[expand]
-        next_pos = positions[:, -1] + 1
-        active = list(range(len(rows)))  # original row index of each batch row
-        tokens: list[list[int]] = [[] for _ in rows]
-        logps: list[list[float]] = [[] for _ in rows]
-        reasons: list[str] = ["length"] * len(rows)
-        for _ in range(params.max_new_tokens):
-            scaled = logits.float() / params.temperature
-            token = self._sample(scaled, [gens[r] for r in active], params)
-            token_logp = torch.log_softmax(scaled, dim=-1).gather(1, token[:, None])[:, 0]
-            keep: list[int] = []
-            for b, r in enumerate(active):
-                t = int(token[b])
-                tokens[r].append(t)
-                logps[r].append(float(token_logp[b]))
-                if t in stop:
-                    reasons[r] = "stop"
-                elif len(tokens[r]) < params.max_new_tokens:
-                    keep.append(b)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                sel = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(sel)
-                token, mask, next_pos = token[sel], mask[sel], next_pos[sel]
-                active = [active[b] for b in keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            logits = self.model(
-                input_ids=token[:, None],
-                attention_mask=mask,
-                position_ids=next_pos[:, None],
-                use_cache=True,
-                **{self._cache_arg: cache},
-            ).logits[:, -1]
-            next_pos = next_pos + 1
-        return list(zip(tokens, logps, reasons))
 
     # ------------------------------------------------------------------ weights
 
@@ -323,8 +458,12 @@ class TransformersEngine:
     # ------------------------------------------------------------------ memory
 
     def release_memory(self, tags: Sequence[str]) -> None:
-        """On CUDA, "weights" moves the model to host memory (its closest equivalent; it has no persistent KV cache or
-        CUDA graphs, so the other regions are no-ops); nothing on CPU."""
+        """"kv_cache" frees the KV slots (no request may be in flight; they are reallocated by the next submit). On
+        CUDA, "weights" moves the model to host memory (its closest equivalent); nothing else ("cuda_graph": none)."""
+        if "kv_cache" in tags and self._cache is not None:
+            if self.num_unfinished():
+                raise RuntimeError("TransformersEngine.release_memory: requests are in flight (abort them first)")
+            self._cache = None
         if self.device.type == "cuda" and "weights" in tags and not self._asleep:
             self.model.to("cpu")
             torch.cuda.empty_cache()

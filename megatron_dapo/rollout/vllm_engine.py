@@ -41,11 +41,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatron_dapo.rollout.base import Completion
+from megatron_dapo.rollout.base import BlockingStream
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
+from megatron_dapo.rollout.base import request_result
+from megatron_dapo.rollout.base import requests_for
 from megatron_dapo.rollout.launch_env import scrubbed_environ
-from megatron_dapo.rollout.transformers_engine import completion_seed
+from megatron_dapo.rollout.types import FinishReason
+from megatron_dapo.rollout.types import GenerationRequest
+from megatron_dapo.rollout.types import Rollout
 
 
 def checkpoint_shapes(model_path: str | os.PathLike) -> dict[str, tuple[int, ...]] | None:
@@ -130,7 +134,7 @@ def staging_root(need_bytes: int) -> str:
     return tempfile.gettempdir()
 
 
-class VLLMEngine:
+class VLLMEngine(BlockingStream):
     """vllm.LLM as a RolloutEngine.
 
     model_path: HF checkpoint directory; tensor_parallel: vLLM TP size; mem_fraction: gpu_memory_utilization;
@@ -171,31 +175,33 @@ class VLLMEngine:
         self._staged: list[str] = []
         self._received: set[str] = set()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """len(prompts) * params.n completions, grouped by prompt (one vLLM request per completion)."""
-        base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        rows, sampling = [], []
-        for i, prompt in enumerate(prompts):
-            for k in range(params.n):
-                rows.append(list(prompt))
-                sampling.append(
-                    self._vllm.SamplingParams(
-                        n=1,
-                        max_tokens=params.max_new_tokens,
-                        temperature=params.temperature,
-                        top_p=params.top_p,
-                        top_k=params.top_k if params.top_k > 0 else -1,
-                        stop_token_ids=list(params.stop_token_ids),
-                        seed=completion_seed(base_seed, i, k) % (2**31),
-                        logprobs=0 if params.return_logprobs else None,
-                        detokenize=False,
-                    )
-                )
-        outs = self.llm.generate([{"prompt_token_ids": r} for r in rows], sampling, use_tqdm=False)
-        return [self._completion(o.outputs[0], r, params.return_logprobs) for o, r in zip(outs, rows)]
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """len(prompts) * params.n Rollouts, grouped by prompt (one vLLM request per response)."""
+        return self.run_requests(requests_for(prompts, params), params)
 
-    @staticmethod
-    def _completion(out: Any, prompt: list[int], want_logprobs: bool) -> Completion:
+    def run_requests(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Rollout]:
+        """One blocking llm.generate call over `requests` (BlockingStream; a carried prefix is continued)."""
+        rows, sampling = [], []
+        for req in requests:
+            done = 0 if req.prefix is None else len(req.prefix)
+            rows.append(req.prompt_ids.tolist() + ([] if req.prefix is None else req.prefix.response_ids.tolist()))
+            sampling.append(
+                self._vllm.SamplingParams(
+                    n=1,
+                    max_tokens=params.max_new_tokens - done,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k if params.top_k > 0 else -1,
+                    stop_token_ids=list(params.stop_token_ids),
+                    seed=req.seed % (2**31),
+                    logprobs=0 if params.return_logprobs else None,
+                    detokenize=False,
+                )
+            )
+        outs = self.llm.generate([{"prompt_token_ids": r} for r in rows], sampling, use_tqdm=False)
+        return [self._rollout(o.outputs[0], r, params.return_logprobs) for o, r in zip(outs, requests)]
+
+    def _rollout(self, out: Any, request: GenerationRequest, want_logprobs: bool) -> Rollout:
         ids = [int(t) for t in out.token_ids]
         logps = None
         if want_logprobs and out.logprobs is not None:
@@ -203,7 +209,7 @@ class VLLMEngine:
         reason = out.finish_reason
         if reason not in ("stop", "length"):
             raise RuntimeError(f"vllm: generation ended with finish_reason {reason!r}")
-        return Completion(prompt_ids=prompt, response_ids=ids, response_logprobs=logps, finish_reason=reason)
+        return request_result(request, ids, logps, FinishReason(reason), self.weight_version)
 
     def begin_weight_update(self) -> None:
         """Open an update session (a fresh staging folder); resumes the weights' memory if released."""

@@ -100,7 +100,7 @@ def _sync_worker(hf_dir: str) -> dict:
     batch.old_logp, _ = actor.compute_logprobs(batch, with_entropy=False)
     actor.update(batch)
     rank = dist.get_rank()
-    engine = TransformersEngine(load_hf(hf_dir), batch_size=8) if rank == 0 else None
+    engine = TransformersEngine(load_hf(hf_dir), max_running=8) if rank == 0 else None
     out: dict = {}
     probe = torch.tensor([[3, 40, 80, 120, 160, 199]])
     if engine is not None:
@@ -141,7 +141,7 @@ def _sync_worker(hf_dir: str) -> dict:
             with torch.no_grad():
                 out["sglang_payload_logits"] = second.model(input_ids=probe).logits
     # The same weights as FP8 (rollout.weight_dtype "fp8"): the engine now samples from a slightly different policy.
-    fp8_engine = TransformersEngine(load_hf(hf_dir), batch_size=8) if rank == 0 else None
+    fp8_engine = TransformersEngine(load_hf(hf_dir), max_running=8) if rank == 0 else None
     WeightSync(fp8_engine, bucket_bytes=64 * 1024, weight_dtype="fp8").sync(exported)
     shared = [fp8_engine.generate(PROMPTS, params) if fp8_engine is not None else None]
     dist.broadcast_object_list(shared, src=0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.rollout import Completion
+from megatron_dapo.rollout import FinishReason
+from megatron_dapo.rollout import Rollout
 from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout import TransformersEngine
 from megatron_dapo.rollout.transformers_engine import filter_logits
@@ -17,11 +18,11 @@ PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 3, 4, 8, 20, 40, 33]]
 
 @pytest.fixture(scope="module")
 def engine():
-    return TransformersEngine(tiny_model("qwen2"), batch_size=8)
+    return TransformersEngine(tiny_model("qwen2"), max_running=8)
 
 
-def _teacher_forced_logprobs(model, c: Completion, temperature: float) -> torch.Tensor:
-    ids = torch.tensor([c.prompt_ids + c.response_ids])
+def _teacher_forced_logprobs(model, c: Rollout, temperature: float) -> torch.Tensor:
+    ids = torch.cat([c.prompt_ids, c.response_ids]).long()[None]
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
@@ -34,43 +35,46 @@ def test_groups_of_n_contiguous_by_prompt(engine):
     out = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=5, seed=0))
     assert len(out) == 9
     for j, c in enumerate(out):
-        assert c.prompt_ids == PROMPTS[j // 3]
-        assert 1 <= c.response_length <= 5
-        assert c.response_logprobs is not None and len(c.response_logprobs) == c.response_length
+        assert c.prompt_ids.tolist() == PROMPTS[j // 3]
+        assert 1 <= len(c) <= 5
+        assert c.engine_logp is not None and c.engine_logp.numel() == len(c)
+        assert c.segments == ((0, 0),)
     # The n samples of one prompt differ (distinct generators).
-    assert len({tuple(c.response_ids) for c in out[:3]}) > 1
+    assert len({tuple(c.response_ids.tolist()) for c in out[:3]}) > 1
 
 
 def test_length_finish_has_exactly_max_new_tokens():
-    eng = TransformersEngine(tiny_model("qwen2"), eos_token_ids=(), batch_size=4)
+    eng = TransformersEngine(tiny_model("qwen2"), eos_token_ids=(), max_running=4)
     out = eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=6, seed=3))
-    assert all(c.finish_reason == "length" and c.response_length == 6 for c in out)
+    assert all(c.finish is FinishReason.LENGTH and len(c) == 6 for c in out)
 
 
 def test_stop_token_ends_response_and_is_included(engine):
     params = SamplingParams(n=2, max_new_tokens=12, seed=11)
-    free = TransformersEngine(engine.model, eos_token_ids=(), batch_size=8).generate(PROMPTS, params)
-    stop_tok = free[0].response_ids[3]
+    free = TransformersEngine(engine.model, eos_token_ids=(), max_running=8).generate(PROMPTS, params)
+    stop_tok = int(free[0].response_ids[3])
     stopped = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=12, seed=11, stop_token_ids=(stop_tok,)))
     for f, s in zip(free, stopped):
-        ends = [i for i, t in enumerate(f.response_ids) if t in (stop_tok, EOS)]
+        f_ids, s_ids = f.response_ids.tolist(), s.response_ids.tolist()
+        ends = [i for i, t in enumerate(f_ids) if t in (stop_tok, EOS)]
         if ends:
-            assert s.finish_reason == "stop"
-            assert s.response_ids == f.response_ids[: ends[0] + 1]
-            assert s.response_ids[-1] in (stop_tok, EOS)
+            assert s.finish is FinishReason.STOP
+            assert s_ids == f_ids[: ends[0] + 1]
+            assert s_ids[-1] in (stop_tok, EOS)
         else:
-            assert s.finish_reason == "length" and s.response_ids == f.response_ids
-    assert stopped[0].finish_reason == "stop" and stopped[0].response_length <= 4
+            assert s.finish is FinishReason.LENGTH and s_ids == f_ids
+    assert stopped[0].finish is FinishReason.STOP and len(stopped[0]) <= 4
 
 
 def test_same_seed_same_completions_independent_of_batching(engine):
     params = SamplingParams(n=4, max_new_tokens=8, temperature=0.9, top_p=0.95, seed=1234)
     a = engine.generate(PROMPTS, params)
     b = engine.generate(PROMPTS, params)
-    c = TransformersEngine(engine.model, batch_size=1).generate(PROMPTS, params)
-    assert [x.response_ids for x in a] == [x.response_ids for x in b] == [x.response_ids for x in c]
+    c = TransformersEngine(engine.model, max_running=1).generate(PROMPTS, params)
+    ids = lambda out: [x.response_ids.tolist() for x in out]  # noqa: E731
+    assert ids(a) == ids(b) == ids(c)
     d = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=8, temperature=0.9, top_p=0.95, seed=1235))
-    assert [x.response_ids for x in a] != [x.response_ids for x in d]
+    assert ids(a) != ids(d)
 
 
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5)])
@@ -78,7 +82,7 @@ def test_logprobs_equal_teacher_forced_tempered_forward(engine, temperature, top
     params = SamplingParams(n=2, max_new_tokens=7, temperature=temperature, top_p=top_p, top_k=top_k, seed=5)
     for c in engine.generate(PROMPTS, params):
         ref = _teacher_forced_logprobs(engine.model, c, temperature)
-        torch.testing.assert_close(torch.tensor(c.response_logprobs), ref, rtol=0, atol=1e-4)
+        torch.testing.assert_close(c.engine_logp, ref, rtol=0, atol=1e-4)
 
 
 def test_top_k_one_is_greedy(engine):
@@ -86,16 +90,16 @@ def test_top_k_one_is_greedy(engine):
     ids = torch.tensor([PROMPTS[0]])
     greedy = []
     with torch.no_grad():
-        for _ in range(out[0].response_length):
+        for _ in range(len(out[0])):
             nxt = int(engine.model(input_ids=ids).logits[0, -1].argmax())
             greedy.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    assert out[0].response_ids == greedy == out[1].response_ids
+    assert out[0].response_ids.tolist() == greedy == out[1].response_ids.tolist()
 
 
 def test_return_logprobs_false(engine):
     out = engine.generate(PROMPTS[:1], SamplingParams(n=1, max_new_tokens=3, seed=0, return_logprobs=False))
-    assert out[0].response_logprobs is None
+    assert out[0].engine_logp is None
 
 
 def test_filter_logits_top_p_keeps_the_nucleus():
@@ -114,12 +118,14 @@ def test_bad_params_one_line_errors():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="SamplingParams.n"):
         SamplingParams(n=0)
-    with pytest.raises(ValueError, match="finish_reason"):
-        Completion([1], [2], None, "abort")
+    with pytest.raises(ValueError, match="'done' is not a valid FinishReason"):
+        Rollout([1], [2], None, "done")
+    with pytest.raises(ValueError, match="engine_logp: 1 values for 2 tokens"):
+        Rollout([1], [2, 3], [0.0], FinishReason.STOP)
 
 
 def test_loads_from_checkpoint_dir(tiny_qwen2_dir):
-    eng = TransformersEngine(tiny_qwen2_dir, batch_size=2)
+    eng = TransformersEngine(tiny_qwen2_dir, max_running=2)
     assert eng.eos_token_ids == (EOS,) and eng.pad_token_id == 0
     out = eng.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=3, seed=0))
     assert len(out) == 2
@@ -131,10 +137,13 @@ def test_make_engine_and_sampling_params_from_config(tiny_qwen2_dir):
     from megatron_dapo.rollout import make_engine
     from megatron_dapo.rollout import sampling_params
 
-    cfg = RolloutConfig(engine="transformers", max_response_length=4, temperature=0.8, top_p=0.9)
-    eng = make_engine(cfg, str(tiny_qwen2_dir), batch_size=4)
+    cfg = RolloutConfig(
+        engine="transformers", max_response_length=4, temperature=0.8, top_p=0.9, max_running_requests=5
+    )
+    eng = make_engine(cfg, str(tiny_qwen2_dir), max_context=64)
+    assert (eng.max_running, eng.max_context) == (8, 64)  # rounded up to whole row blocks
     assert isinstance(eng, TransformersEngine) and isinstance(eng, RolloutEngine)
     params = sampling_params(cfg, n=2, seed=3)
     assert (params.max_new_tokens, params.temperature, params.top_p, params.top_k) == (4, 0.8, 0.9, 0)
     out = eng.generate([[1, 2]], params)
-    assert len(out) == 2 and all(c.response_length <= 4 for c in out)
+    assert len(out) == 2 and all(len(c) <= 4 for c in out)

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout import WeightSync
 from megatron_dapo.rollout import WeightUpdateError
-from megatron_dapo.rollout.transformers_engine import completion_seed
+from megatron_dapo.rollout.base import completion_seed
 from megatron_dapo.rollout.vllm_engine import VLLMEngine
 from megatron_dapo.rollout.vllm_engine import checkpoint_shapes
 from megatron_dapo.rollout.vllm_engine import reload_from_safetensors

@@ -1,0 +1,230 @@
+"""The records that travel from a rollout engine to the trainer: `Rollout`, `RolloutGroup`, `GroupSummary`.
+
+    GenerationRequest --engine--> Rollout (one response: tokens, engine log-probs, finish, weight-version segments)
+    G Rollouts of one prompt --score--> RolloutGroup (prompt index, rollouts, rewards, accs) on the generating rank
+    RolloutGroup.summary(owner) --> GroupSummary (no tokens): what every rank needs for dynamic sampling, advantages,
+                                   metrics and the row plan; the token rows stay with their owner until routed
+
+No string-keyed payloads: a field read later is a field here. Checkpoints are `weights_only` (plain containers and
+tensors), so each record has `to_state()` / `from_state()` and nothing else pickles them into a checkpoint.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class FinishReason(enum.Enum):
+    """Why a response ended. STOP: a stop/EOS token was generated (and is the last token); LENGTH: the generation
+    cap was reached (exactly max_new_tokens tokens); ABORT: the engine stopped it (the step reached its target and
+    rollout.partial is off, or the response is carried to the next step and is not finished yet)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+    @property
+    def finished(self) -> bool:
+        """True for STOP and LENGTH: the response is complete and can be scored."""
+        return self is not FinishReason.ABORT
+
+
+def _ids(values: Sequence[int] | Tensor) -> Tensor:
+    return torch.as_tensor(values, dtype=torch.int32).reshape(-1).cpu()
+
+
+def _logps(values: Sequence[float] | Tensor | None) -> Tensor | None:
+    return None if values is None else torch.as_tensor(values, dtype=torch.float32).reshape(-1).cpu()
+
+
+@dataclass(slots=True, eq=False)
+class Rollout:
+    """One sampled response (possibly unfinished: finish ABORT).
+
+    prompt_ids: [P] int32, the prompt as given to the engine.
+    response_ids: [L] int32, generated tokens, the stop token included when finish is STOP.
+    engine_logp: [L] fp32 or None; log_softmax(logits / T)[token] under the weights that generated each token
+        (the tempered full-vocabulary distribution, before top-k/top-p), None when not requested.
+    finish: FinishReason.
+    segments: ((start, version), ...) in increasing start, first start 0: tokens [start_i, start_{i+1}) were generated
+        with weight version `version` (the trainer step whose sync produced the weights; a response carried over a
+        step boundary by partial rollouts has two or more segments). Empty for a response with no token yet.
+    """
+
+    prompt_ids: Tensor
+    response_ids: Tensor
+    engine_logp: Tensor | None
+    finish: FinishReason
+    segments: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _ids(self.prompt_ids)
+        self.response_ids = _ids(self.response_ids)
+        self.engine_logp = _logps(self.engine_logp)
+        if not isinstance(self.finish, FinishReason):
+            self.finish = FinishReason(self.finish)
+        if self.engine_logp is not None and self.engine_logp.numel() != self.response_ids.numel():
+            raise ValueError(
+                f"Rollout.engine_logp: {self.engine_logp.numel()} values for {self.response_ids.numel()} tokens"
+            )
+        self.segments = tuple((int(s), int(v)) for s, v in self.segments)
+        starts = [s for s, _ in self.segments]
+        if starts and (starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] > len(self)):
+            raise ValueError(f"Rollout.segments: starts must be 0 < ... <= {len(self)}, got {starts}")
+
+    def __len__(self) -> int:
+        """Generated tokens, the stop token included."""
+        return int(self.response_ids.numel())
+
+    @property
+    def oldest_version(self) -> int | None:
+        """Weight version of the first segment (None before the first token)."""
+        return self.segments[0][1] if self.segments else None
+
+    def extend(self, ids: Sequence[int] | Tensor, logps: Sequence[float] | Tensor | None, version: int) -> Rollout:
+        """This response continued by `ids` (engine log-probs `logps`) generated under weight `version`; a new
+        segment starts unless the version is the last one's. Finish is left ABORT (the caller sets it)."""
+        ids_t = _ids(ids)
+        segments = self.segments
+        if ids_t.numel() and (not segments or segments[-1][1] != version):
+            segments = (*segments, (len(self), int(version)))
+        logp = None
+        if self.engine_logp is not None and logps is not None:
+            logp = torch.cat([self.engine_logp, _logps(logps)])
+        return Rollout(self.prompt_ids, torch.cat([self.response_ids, ids_t]), logp, FinishReason.ABORT, segments)
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain containers and tensors (weights_only checkpoints)."""
+        return {
+            "prompt_ids": self.prompt_ids,
+            "response_ids": self.response_ids,
+            "engine_logp": self.engine_logp,
+            "finish": self.finish.value,
+            "segments": [list(s) for s in self.segments],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Rollout:
+        return cls(
+            state["prompt_ids"],
+            state["response_ids"],
+            state["engine_logp"],
+            FinishReason(state["finish"]),
+            tuple(tuple(s) for s in state["segments"]),
+        )
+
+
+@dataclass(slots=True, eq=False)
+class GenerationRequest:
+    """One response for an engine to generate (or continue).
+
+    key: the caller's id, returned with the result (the stream uses (queue position, sample)).
+    prompt_ids: [P] int32.
+    seed: the generator seed of this response in this step (`completion_seed(base, prompt index, sample)`).
+    prefix: an unfinished Rollout of this request to continue (partial rollouts), or None to start afresh. The cap
+        (SamplingParams.max_new_tokens) counts the prefix's tokens: the continuation generates at most cap - len.
+    """
+
+    key: Any
+    prompt_ids: Tensor
+    seed: int
+    prefix: Rollout | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _ids(self.prompt_ids)
+        if self.prompt_ids.numel() == 0:
+            raise ValueError(f"GenerationRequest {self.key!r}: the prompt is empty")
+
+
+@dataclass(slots=True, eq=False)
+class RolloutGroup:
+    """One prompt with its G scored responses, on the rank that generated them.
+
+    index: the prompt's example index in the training data (its identity: seeds and logs use it).
+    position: its place in the step's prompt queue (dynamic sampling decides groups in this order).
+    truth: the ground-truth answer the rewards were scored against.
+    rollouts: G finished Rollouts of the same prompt.
+    accs: [G] bool, the verifier's correctness (dynamic sampling admits on it, never on the shaped reward).
+    rewards: [G] fp32, +1/-1 plus the overlong penalty.
+    penalties: [G] fp32, the overlong penalty alone (0 without it).
+    """
+
+    index: int
+    position: int
+    truth: str
+    rollouts: list[Rollout]
+    accs: Tensor
+    rewards: Tensor
+    penalties: Tensor
+
+    @property
+    def prompt_ids(self) -> Tensor:
+        return self.rollouts[0].prompt_ids
+
+    def summary(self, owner: int) -> GroupSummary:
+        """The token-free record every rank receives; `owner` is the rank that keeps this group's rows."""
+        return GroupSummary(
+            index=self.index,
+            position=self.position,
+            owner=int(owner),
+            prompt_len=int(self.prompt_ids.numel()),
+            accs=self.accs,
+            rewards=self.rewards,
+            penalties=self.penalties,
+            lengths=torch.tensor([len(r) for r in self.rollouts], dtype=torch.int64),
+            finish=tuple(r.finish for r in self.rollouts),
+            oldest_versions=tuple(r.oldest_version if r.oldest_version is not None else -1 for r in self.rollouts),
+        )
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "position": self.position,
+            "truth": self.truth,
+            "rollouts": [r.to_state() for r in self.rollouts],
+            "accs": self.accs,
+            "rewards": self.rewards,
+            "penalties": self.penalties,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> RolloutGroup:
+        return cls(
+            index=int(state["index"]),
+            position=int(state["position"]),
+            truth=str(state["truth"]),
+            rollouts=[Rollout.from_state(r) for r in state["rollouts"]],
+            accs=state["accs"],
+            rewards=state["rewards"],
+            penalties=state["penalties"],
+        )
+
+
+@dataclass(slots=True, eq=False)
+class GroupSummary:
+    """A scored group without its tokens (all_gathered to every rank; the sampler, advantages, metrics and the row
+    plan read only this). Fields as in RolloutGroup, plus owner (the rank holding the rows), prompt_len, lengths [G]
+    int64 (response tokens, EOS included), finish (G FinishReasons) and oldest_versions (G ints: the weight version
+    of each response's first token)."""
+
+    index: int
+    position: int
+    owner: int
+    prompt_len: int
+    accs: Tensor
+    rewards: Tensor
+    penalties: Tensor
+    lengths: Tensor
+    finish: tuple[FinishReason, ...]
+    oldest_versions: tuple[int, ...] = field(default=())
+
+    @property
+    def group_size(self) -> int:
+        return int(self.lengths.numel())
