@@ -17,6 +17,7 @@ import torch
 
 from megatron_dapo.algorithms import DynamicSampler
 from megatron_dapo.algorithms import Group
+from megatron_dapo.algorithms.dynamic_sampling import sample_step
 from megatron_dapo.algorithms import dapo_policy_loss
 from megatron_dapo.algorithms import group_normalized_advantages
 from megatron_dapo.algorithms import soft_overlong_penalty
@@ -48,31 +49,30 @@ def _responses(answer: int, correct: torch.Tensor, gen: torch.Generator) -> list
 def simulate(cfg: SimConfig) -> list[dict[str, float]]:
     """Run the simulation; returns one metrics dict per step."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    sampler: DynamicSampler = DynamicSampler(
-        target_prompts=cfg.prompts_per_step, max_gen_batches=cfg.max_gen_batches, on_max_gen_batches="partial"
+    sampler = DynamicSampler(
+        target_prompts=cfg.prompts_per_step,
+        max_sampled_prompts=cfg.max_gen_batches * cfg.gen_prompts_per_batch,
+        on_cap="partial",
     )
     rows = []
     for step in range(cfg.steps):
         skill = cfg.skill_start + (cfg.skill_end - cfg.skill_start) * step / max(cfg.steps - 1, 1)
 
-        def generate(_missing: int, skill: float = skill) -> list[Group]:
-            groups = []
-            for _ in range(cfg.gen_prompts_per_batch):
-                difficulty = float(torch.randn((), generator=gen)) * 1.5
-                answer = int(torch.randint(0, 1000, (1,), generator=gen))
-                p = 1.0 / (1.0 + math.exp(-(skill - difficulty)))
-                correct = torch.rand(cfg.group_size, generator=gen) < p
-                texts = _responses(answer, correct, gen)
-                scores = [compute_score(t, answer) for t in texts]
-                lengths = torch.randint(32, cfg.max_response_length + 1, (cfg.group_size,), generator=gen)
-                reward = torch.tensor([s["score"] for s in scores]) + soft_overlong_penalty(
-                    lengths, max_response_length=cfg.max_response_length, overlong_buffer=cfg.overlong_buffer
-                )
-                accs = torch.tensor([s["acc"] for s in scores])
-                groups.append(Group(accs=accs, payload=(reward, lengths)))
-            return groups
+        def generate(_position: int, skill: float = skill) -> Group:
+            difficulty = float(torch.randn((), generator=gen)) * 1.5
+            answer = int(torch.randint(0, 1000, (1,), generator=gen))
+            p = 1.0 / (1.0 + math.exp(-(skill - difficulty)))
+            correct = torch.rand(cfg.group_size, generator=gen) < p
+            texts = _responses(answer, correct, gen)
+            scores = [compute_score(t, answer) for t in texts]
+            lengths = torch.randint(32, cfg.max_response_length + 1, (cfg.group_size,), generator=gen)
+            reward = torch.tensor([s["score"] for s in scores]) + soft_overlong_penalty(
+                lengths, max_response_length=cfg.max_response_length, overlong_buffer=cfg.overlong_buffer
+            )
+            accs = torch.tensor([s["acc"] for s in scores])
+            return Group(accs=accs, payload=(reward, lengths))
 
-        batch, metrics = sampler.collect(generate)
+        batch, metrics = sample_step(sampler, generate)
         metrics = {"step": float(step), "skill": skill, **metrics}
         if batch:
             rewards = torch.cat([grp.payload[0] for grp in batch])
@@ -93,14 +93,13 @@ def simulate(cfg: SimConfig) -> list[dict[str, float]]:
 
 def format_table(rows: list[dict[str, float]]) -> str:
     head = (
-        f"{'step':>4} {'skill':>6} {'gen_batches':>11} {'sampled':>8} {'kept':>5} {'all_correct':>11} "
+        f"{'step':>4} {'skill':>6} {'sampled':>8} {'kept':>5} {'all_correct':>11} "
         f"{'all_wrong':>9} {'per_useful':>10} {'batch_acc':>9}"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{int(r['step']):>4} {r['skill']:>6.2f} {int(r['sampling/gen_batches']):>11} "
-            f"{int(r['sampling/prompts_sampled']):>8} {int(r['sampling/prompts_kept']):>5} "
+            f"{int(r['step']):>4} {r['skill']:>6.2f} {int(r['sampling/prompts_sampled']):>8} {int(r['sampling/prompts_kept']):>5} "
             f"{int(r['sampling/groups_all_correct']):>11} {int(r['sampling/groups_all_wrong']):>9} "
             f"{r['sampling/prompts_per_useful']:>10.2f} {r.get('train/acc', float('nan')):>9.3f}"
         )

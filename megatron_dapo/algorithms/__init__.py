@@ -4,6 +4,7 @@ from megatron_dapo.algorithms.advantages import group_normalized_advantages
 from megatron_dapo.algorithms.dynamic_sampling import DynamicSampler
 from megatron_dapo.algorithms.dynamic_sampling import DynamicSamplingError
 from megatron_dapo.algorithms.dynamic_sampling import Group
+from megatron_dapo.algorithms.dynamic_sampling import StepSampling
 from megatron_dapo.algorithms.dynamic_sampling import group_is_informative
 from megatron_dapo.algorithms.overlong import overlong_filter_mask
 from megatron_dapo.algorithms.overlong import soft_overlong_penalty
@@ -20,6 +21,7 @@ __all__ = [
     "DynamicSampler",
     "DynamicSamplingError",
     "Group",
+    "StepSampling",
     "agg_loss",
     "dapo_policy_loss",
     "get_policy_loss",

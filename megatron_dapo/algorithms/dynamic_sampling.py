@@ -1,31 +1,31 @@
-r"""Dynamic Sampling (DAPO section 3.2): train only on prompt groups with 0 < accuracy < 1, refilling the batch.
+r"""Dynamic Sampling (DAPO section 3.2): train only on prompt groups with 0 < accuracy < 1, sampling until enough.
 
-    gen batch 1 --groups--> admit (0<acc<1) --kept--> [ accumulator ] --target reached--> train batch
-    gen batch 2 --groups--> admit            --kept-->       ^                 \--surplus--> dropped or carried
-    ...                  (all-correct / all-wrong groups counted, then dropped)
+    prompt queue (positions 0, 1, 2, ... of one step) --engines, any order--> finished groups
+        offer(position, group) ---> decided in queue order: position p is decided once 0..p-1 are
+                                    admit (0 < acc < 1) -> kept        all-correct / all-wrong -> counted, dropped
+        done when `target_prompts` groups are kept, or when every position below the cap is decided
 
-The admission rule looks at the verifier's accuracy, never at the shaped (overlong-penalised) score.
+Which groups are kept depends only on the groups at each queue position, never on the order in which engines
+finish them: the first `target_prompts` useful groups in queue order (`decided` is the cut; positions after it
+are the stream's to abort or carry). The admission rule looks at the verifier's accuracy, never at the shaped
+(overlong-penalised) score.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 from typing import Generic
+from typing import Protocol
 from typing import TypeVar
 
 import torch
 from torch import Tensor
 
-P = TypeVar("P")
-
-_log = logging.getLogger(__name__)
-
-ON_MAX_GEN_BATCHES = ("error", "partial")
+ON_CAP = ("error", "partial")
+"""What happens when the cap of sampled prompts is reached before the target (algorithm.on_max_gen_batches)."""
 
 
 def group_is_informative(accs: Tensor) -> bool:
@@ -40,9 +40,18 @@ def group_is_informative(accs: Tensor) -> bool:
     return 0.0 < mean < 1.0
 
 
+class Scored(Protocol):
+    """Anything with the verifier's per-response accuracy: accs [G] bool (a GroupSummary, a Group)."""
+
+    accs: Tensor
+
+
+P = TypeVar("P")
+
+
 @dataclass
 class Group(Generic[P]):
-    """One prompt with its G responses. `accs` [G] bool; `payload` is whatever the trainer needs later."""
+    """A minimal scored group for callers without rollout records (simulate.py, tests): accs [G] bool + payload."""
 
     accs: Tensor
     payload: P
@@ -53,131 +62,125 @@ class DynamicSamplingError(RuntimeError):
 
 
 @dataclass
-class _Counts:
-    gen_batches: int = 0
-    prompts_sampled: int = 0
-    prompts_admitted: int = 0
-    all_correct: int = 0
-    all_wrong: int = 0
-    carried_in: int = 0
-
-
-@dataclass
-class DynamicSampler(Generic[P]):
-    """Accumulates informative groups across generation batches until `target_prompts` are held.
+class DynamicSampler:
+    """The admission rule and its stopping point; `start()` opens one step's queue-order decision.
 
     Args:
-        target_prompts: prompts per training batch (DAPO: 512).
-        enabled: False reproduces plain GRPO batching: one generation batch, every group kept.
-        max_gen_batches: stop after this many generation batches in one step (default 10, as the DAPO recipe; 0 =
-            unlimited: the loop then ends only when the target is met or the generator returns no groups, and spins
-            for as long as every group is all-correct or all-wrong).
-        on_max_gen_batches: "error" raises DynamicSamplingError stating the counts; "partial" trains on what was kept.
-        keep_surplus: admitted groups beyond the target are kept for the next step (default: dropped, as DAPO does).
-        log: receives one line per extra generation round (the second and later of a step); default: this module's
-            logger at INFO.
+        target_prompts: groups per training batch (DAPO: 512).
+        enabled: False reproduces plain GRPO batching: every group is kept, the first target_prompts positions.
+        max_sampled_prompts: queue positions a step may use (the stream hands out no position at or past it);
+            0 = unlimited (the step then ends only at the target).
+        on_cap: "error" raises DynamicSamplingError stating the counts; "partial" trains on what was kept.
+        cap_name: how the cap is spelled in the error (the config fields it comes from).
     """
 
     target_prompts: int
     enabled: bool = True
-    max_gen_batches: int = 10
-    on_max_gen_batches: str = "error"
-    keep_surplus: bool = False
-    log: Callable[[str], None] | None = None
-    _carry: list[Group[P]] = field(default_factory=list, init=False, repr=False)
+    max_sampled_prompts: int = 0
+    on_cap: str = "error"
+    cap_name: str = "max_sampled_prompts"
 
     def __post_init__(self) -> None:
         if self.target_prompts < 1:
             raise ValueError(f"target_prompts must be >= 1, got {self.target_prompts}")
-        if self.max_gen_batches < 0:
-            raise ValueError(f"max_gen_batches must be >= 0 (0 = unlimited), got {self.max_gen_batches}")
-        if self.on_max_gen_batches not in ON_MAX_GEN_BATCHES:
-            raise ValueError(f"on_max_gen_batches must be one of {ON_MAX_GEN_BATCHES}, got {self.on_max_gen_batches!r}")
+        if self.max_sampled_prompts < 0:
+            raise ValueError(f"max_sampled_prompts must be >= 0 (0 = unlimited), got {self.max_sampled_prompts}")
+        if self.on_cap not in ON_CAP:
+            raise ValueError(f"on_cap must be one of {ON_CAP}, got {self.on_cap!r}")
 
     @classmethod
-    def from_config(
-        cls, algorithm: Any, target_prompts: int, log: Callable[[str], None] | None = None
-    ) -> DynamicSampler:
-        """A sampler for the `algorithm` config section (dynamic_sampling, max_gen_batches, on_max_gen_batches,
-        keep_surplus are read)."""
+    def from_config(cls, algorithm: Any, trainer: Any) -> DynamicSampler:
+        """A sampler for the `algorithm` and `trainer` config sections: target trainer.prompts_per_step, cap
+        algorithm.max_gen_batches x trainer.gen_prompts_per_batch prompts (the bound the generation rounds had;
+        0 batches = unlimited), on_cap algorithm.on_max_gen_batches."""
+        cap = algorithm.max_gen_batches * trainer.gen_prompts_per_batch
         return cls(
-            target_prompts=target_prompts,
+            target_prompts=trainer.prompts_per_step,
             enabled=algorithm.dynamic_sampling,
-            max_gen_batches=algorithm.max_gen_batches,
-            on_max_gen_batches=algorithm.on_max_gen_batches,
-            keep_surplus=algorithm.keep_surplus,
-            log=log,
+            max_sampled_prompts=cap,
+            on_cap=algorithm.on_max_gen_batches,
+            cap_name=(
+                f"algorithm.max_gen_batches={algorithm.max_gen_batches} x "
+                f"trainer.gen_prompts_per_batch={trainer.gen_prompts_per_batch}"
+            ),
         )
 
-    def collect(self, generate: Callable[[int], Sequence[Group[P]]]) -> tuple[list[Group[P]], dict[str, float]]:
-        """Run one step's sampling.
+    def start(self) -> StepSampling:
+        """A fresh decision for one step."""
+        return StepSampling(self)
 
-        Args:
-            generate: called with the number of prompts still missing; returns one generation batch of groups (the
-                trainer decides its size, e.g. always the full prompt batch as DAPO does). An empty result means the
-                data source is exhausted.
-        Returns:
-            (groups for training, at most target_prompts of them; metrics of this step).
-        """
-        kept: list[Group[P]] = list(self._carry)
-        self._carry = []
-        counts = _Counts(carried_in=len(kept))
-        while len(kept) < self.target_prompts:
-            if self.max_gen_batches and counts.gen_batches >= self.max_gen_batches:
-                if self.on_max_gen_batches == "error":
-                    raise DynamicSamplingError(
-                        f"dynamic sampling reached max_gen_batches={self.max_gen_batches}: kept {len(kept)} of "
-                        f"{self.target_prompts} prompts after sampling {counts.prompts_sampled} "
-                        f"({counts.all_correct} all-correct, {counts.all_wrong} all-wrong groups); raise "
-                        f"algorithm.max_gen_batches or set algorithm.on_max_gen_batches=partial"
-                    )
-                break
-            if counts.gen_batches >= 1:
-                cap = self.max_gen_batches or "unlimited"
-                (self.log or _log.info)(
-                    f"dynamic sampling: generation round {counts.gen_batches + 1} (of at most {cap}): kept "
-                    f"{len(kept)} of {self.target_prompts} prompts after {counts.prompts_sampled} sampled "
-                    f"({counts.all_correct} all-correct, {counts.all_wrong} all-wrong groups)"
-                )
-            groups = list(generate(self.target_prompts - len(kept)))
-            if not groups:
-                break
-            counts.gen_batches += 1
-            kept.extend(self._admit(groups, counts))
-            if not self.enabled:
-                break
-        batch, surplus = kept[: self.target_prompts], kept[self.target_prompts :]
-        if self.keep_surplus:
-            self._carry = surplus
-        return batch, self._metrics(counts, len(batch), len(surplus))
 
-    def _admit(self, groups: list[Group[P]], counts: _Counts) -> list[Group[P]]:
-        admitted = []
-        for group in groups:
-            counts.prompts_sampled += 1
-            acc = group.accs.to(torch.float32).mean().item() if group.accs.numel() else 0.0
-            counts.all_correct += int(group.accs.numel() > 0 and acc == 1.0)
-            counts.all_wrong += int(acc == 0.0)
-            if not self.enabled or group_is_informative(group.accs):
-                counts.prompts_admitted += 1
-                admitted.append(group)
-        return admitted
+@dataclass
+class StepSampling:
+    """One step's decision in queue order (`DynamicSampler.start()`).
 
-    def _metrics(self, counts: _Counts, num_kept: int, num_surplus: int) -> dict[str, float]:
-        return {
-            "sampling/gen_batches": float(counts.gen_batches),
-            "sampling/prompts_sampled": float(counts.prompts_sampled),
-            "sampling/prompts_kept": float(num_kept),
-            "sampling/groups_all_correct": float(counts.all_correct),
-            "sampling/groups_all_wrong": float(counts.all_wrong),
-            "sampling/prompts_per_useful": counts.prompts_sampled / max(counts.prompts_admitted, 1),
-            "sampling/carried_in": float(counts.carried_in),
-            "sampling/surplus": float(num_surplus),
+    offer(position, group) in any order; `decided` positions (0..decided-1) are decided; `done` once the target is
+    kept or the cap reached; `result()` returns the kept groups in queue order and the step's metrics.
+    """
+
+    rule: DynamicSampler
+    decided: int = 0
+    kept: list[tuple[int, Scored]] = field(default_factory=list)
+    all_correct: int = 0
+    all_wrong: int = 0
+    _pending: dict[int, Scored] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        cap = self.rule.max_sampled_prompts
+        return len(self.kept) >= self.rule.target_prompts or (cap > 0 and self.decided >= cap)
+
+    def offer(self, position: int, group: Scored) -> None:
+        """A finished group at queue `position` (each position offered at most once); decides as far as it can."""
+        if position < self.decided or position in self._pending:
+            raise ValueError(f"dynamic sampling: queue position {position} offered twice")
+        self._pending[position] = group
+        while not self.done and self.decided in self._pending:
+            self._decide(self.decided, self._pending.pop(self.decided))
+            self.decided += 1
+
+    def _decide(self, position: int, group: Scored) -> None:
+        accs = group.accs
+        acc = accs.to(torch.float32).mean().item() if accs.numel() else 0.0
+        self.all_correct += int(accs.numel() > 0 and acc == 1.0)
+        self.all_wrong += int(acc == 0.0)
+        if not self.rule.enabled or group_is_informative(accs):
+            self.kept.append((position, group))
+
+    def undecided(self) -> list[tuple[int, Scored]]:
+        """Offered groups past the cut (finished after the decision point), in queue order."""
+        return sorted(self._pending.items())
+
+    def result(self) -> tuple[list[Scored], dict[str, float]]:
+        """(kept groups in queue order, metrics). Raises DynamicSamplingError when the cap stopped the step short
+        of the target and on_cap is "error"."""
+        if not self.done:
+            raise RuntimeError("dynamic sampling: result() before the step's decision is done")
+        kept = len(self.kept)
+        if kept < self.rule.target_prompts and self.rule.on_cap == "error":
+            raise DynamicSamplingError(
+                f"dynamic sampling reached its cap of {self.rule.max_sampled_prompts} sampled prompts "
+                f"({self.rule.cap_name}): kept {kept} of {self.rule.target_prompts} prompts after sampling "
+                f"{self.decided} ({self.all_correct} all-correct, {self.all_wrong} all-wrong groups); raise "
+                "algorithm.max_gen_batches or set algorithm.on_max_gen_batches=partial"
+            )
+        return [g for _, g in self.kept], {
+            "sampling/prompts_sampled": float(self.decided),
+            "sampling/prompts_kept": float(kept),
+            "sampling/groups_all_correct": float(self.all_correct),
+            "sampling/groups_all_wrong": float(self.all_wrong),
+            "sampling/prompts_per_useful": self.decided / max(kept, 1),
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """Carried-over groups (only with keep_surplus); payloads must be picklable for checkpoints."""
-        return {"carry": list(self._carry)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._carry = list(state["carry"])
+def sample_step(rule: DynamicSampler, generate: Callable[[int], Scored]) -> tuple[list[Scored], dict[str, float]]:
+    """A whole step in one process, positions generated in order: `generate(position)` -> group (callers without
+    engines: simulate.py). The rule must have a cap (an unlimited one could spin forever)."""
+    if rule.max_sampled_prompts == 0:
+        raise ValueError("sample_step: the rule needs max_sampled_prompts > 0")
+    step = rule.start()
+    position = 0
+    while not step.done:
+        step.offer(position, generate(position))
+        position += 1
+    return step.result()

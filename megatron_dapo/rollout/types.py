@@ -168,12 +168,13 @@ class RolloutGroup:
     def prompt_ids(self) -> Tensor:
         return self.rollouts[0].prompt_ids
 
-    def summary(self, owner: int) -> GroupSummary:
-        """The token-free record every rank receives; `owner` is the rank that keeps this group's rows."""
+    def summary(self, owner: int, key: str) -> GroupSummary:
+        """The token-free record every rank receives; `owner` is the rank that keeps this group's rows under `key`."""
         return GroupSummary(
             index=self.index,
             position=self.position,
             owner=int(owner),
+            key=str(key),
             prompt_len=int(self.prompt_ids.numel()),
             accs=self.accs,
             rewards=self.rewards,
@@ -209,14 +210,15 @@ class RolloutGroup:
 
 @dataclass(slots=True, eq=False)
 class GroupSummary:
-    """A scored group without its tokens (all_gathered to every rank; the sampler, advantages, metrics and the row
-    plan read only this). Fields as in RolloutGroup, plus owner (the rank holding the rows), prompt_len, lengths [G]
-    int64 (response tokens, EOS included), finish (G FinishReasons) and oldest_versions (G ints: the weight version
-    of each response's first token)."""
+    """A scored group without its tokens (every rank receives it; the sampler, advantages, metrics and the row plan
+    read only this). Fields as in RolloutGroup, plus owner and key (the rank holding the rows, and their key there),
+    prompt_len, lengths [G] int64 (response tokens, EOS included), finish (G FinishReasons) and oldest_versions (G
+    ints: the weight version of each response's first token)."""
 
     index: int
     position: int
     owner: int
+    key: str
     prompt_len: int
     accs: Tensor
     rewards: Tensor

@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 
@@ -5,22 +7,19 @@ from megatron_dapo.algorithms import DynamicSampler
 from megatron_dapo.algorithms import DynamicSamplingError
 from megatron_dapo.algorithms import Group
 from megatron_dapo.algorithms import group_is_informative
+from megatron_dapo.algorithms.dynamic_sampling import sample_step
+from megatron_dapo.config import load_config
 
 
 def g(*accs, tag=None):
     return Group(accs=torch.tensor(accs, dtype=torch.bool), payload=tag)
 
 
-class Source:
-    """Generation batches from a script: a list of lists of groups; records what was asked."""
+MIXED, RIGHT, WRONG = (1, 0), (1, 1), (0, 0)
 
-    def __init__(self, batches):
-        self.batches = list(batches)
-        self.calls = []
 
-    def __call__(self, missing):
-        self.calls.append(missing)
-        return self.batches.pop(0) if self.batches else []
+def queue(*kinds):
+    return [g(*k, tag=i) for i, k in enumerate(kinds)]
 
 
 def test_admission_rule():
@@ -30,81 +29,91 @@ def test_admission_rule():
     assert not group_is_informative(torch.tensor([], dtype=torch.bool))
 
 
-def test_refills_until_target_and_drops_surplus():
-    mixed = lambda i: g(1, 0, tag=i)  # noqa: E731
-    src = Source(
-        [
-            [mixed(0), g(1, 1), g(0, 0), g(0, 0)],
-            [g(0, 0), mixed(1), g(1, 1), g(0, 0)],
-            [mixed(2), mixed(3), mixed(4), g(0, 0)],
-        ]
-    )
-    sampler = DynamicSampler(target_prompts=3)
-    batch, m = sampler.collect(src)
-    assert [x.payload for x in batch] == [0, 1, 2]
-    assert src.calls == [3, 2, 1]
-    assert m["sampling/gen_batches"] == 3
-    assert m["sampling/prompts_sampled"] == 12
-    assert m["sampling/prompts_kept"] == 3
-    assert m["sampling/groups_all_correct"] == 2
-    assert m["sampling/groups_all_wrong"] == 5
-    assert m["sampling/prompts_per_useful"] == pytest.approx(12 / 5)
-    assert m["sampling/surplus"] == 2
-    # Surplus dropped by default: the next step starts empty.
-    batch2, m2 = sampler.collect(Source([[mixed(9), mixed(10), mixed(11)]]))
-    assert [x.payload for x in batch2] == [9, 10, 11] and m2["sampling/carried_in"] == 0
+def test_keeps_the_first_useful_groups_in_queue_order_and_counts():
+    groups = queue(MIXED, RIGHT, WRONG, WRONG, WRONG, MIXED, RIGHT, MIXED, MIXED, MIXED)
+    step = DynamicSampler(target_prompts=3).start()
+    for p, grp in enumerate(groups):
+        step.offer(p, grp)
+    kept, m = step.result()
+    assert [x.payload for x in kept] == [0, 5, 7]
+    assert step.decided == 8  # the cut: positions 8 and 9 are past it
+    assert [p for p, _ in step.undecided()] == [8, 9]
+    assert m == {
+        "sampling/prompts_sampled": 8.0,
+        "sampling/prompts_kept": 3.0,
+        "sampling/groups_all_correct": 2.0,
+        "sampling/groups_all_wrong": 3.0,
+        "sampling/prompts_per_useful": pytest.approx(8 / 3),
+    }
 
 
-def test_keep_surplus_carries_to_next_step_and_checkpoints():
-    sampler = DynamicSampler(target_prompts=2, keep_surplus=True)
-    batch, m = sampler.collect(Source([[g(1, 0, tag=i) for i in range(5)]]))
-    assert [x.payload for x in batch] == [0, 1] and m["sampling/surplus"] == 3
-    state = sampler.state_dict()
-    restored = DynamicSampler(target_prompts=2, keep_surplus=True)
-    restored.load_state_dict(state)
-    src = Source([])
-    batch2, m2 = restored.collect(src)
-    assert [x.payload for x in batch2] == [2, 3] and src.calls == [] and m2["sampling/carried_in"] == 3
-    batch3, _ = restored.collect(Source([[g(0, 1, tag=7)]]))
-    assert [x.payload for x in batch3] == [4, 7]
+@pytest.mark.parametrize("seed", range(20))
+def test_the_kept_set_does_not_depend_on_completion_order(seed):
+    rng = random.Random(seed)
+    kinds = [rng.choice([MIXED, RIGHT, WRONG, (0, 1, 1), (1, 1, 0)]) for _ in range(40)]
+    groups = queue(*kinds)
+    in_order = DynamicSampler(target_prompts=6).start()
+    for p, grp in enumerate(groups):
+        in_order.offer(p, grp)
+    expected = [x.payload for x in in_order.result()[0]]
+    shuffled = DynamicSampler(target_prompts=6).start()
+    order = list(range(40))
+    rng.shuffle(order)
+    for p in order:
+        if shuffled.done:
+            break
+        shuffled.offer(p, groups[p])
+    assert shuffled.done and [x.payload for x in shuffled.result()[0]] == expected
+    assert shuffled.decided == in_order.decided
 
 
-def test_max_gen_batches_error_states_counts():
-    sampler = DynamicSampler(target_prompts=4, max_gen_batches=2)
-    src = Source([[g(1, 0), g(0, 0)], [g(1, 1), g(0, 0)], [g(1, 0)] * 10])
-    with pytest.raises(DynamicSamplingError, match=r"max_gen_batches=2: kept 1 of 4 prompts after sampling 4"):
-        sampler.collect(src)
-    assert len(src.calls) == 2  # stopped, never drew the third batch
+def test_a_group_is_decided_only_when_every_earlier_one_is():
+    step = DynamicSampler(target_prompts=1).start()
+    step.offer(1, g(*MIXED, tag="late"))
+    assert step.decided == 0 and not step.done  # position 0 may still be useful
+    step.offer(0, g(*MIXED, tag="first"))
+    assert step.done and [x.payload for x in step.result()[0]] == ["first"]
+    assert [x.payload for _, x in step.undecided()] == ["late"]
+    with pytest.raises(ValueError, match="offered twice"):
+        step.offer(0, g(*MIXED))
 
 
-def test_max_gen_batches_partial():
-    sampler = DynamicSampler(target_prompts=4, max_gen_batches=2, on_max_gen_batches="partial")
-    batch, m = sampler.collect(Source([[g(1, 0, tag="a"), g(0, 0)], [g(1, 1), g(0, 1, tag="b")]]))
-    assert [x.payload for x in batch] == ["a", "b"] and m["sampling/prompts_kept"] == 2
+def test_cap_error_states_counts_and_partial_trains_on_what_was_kept():
+    groups = queue(MIXED, WRONG, RIGHT, WRONG, MIXED, MIXED)
+    strict = DynamicSampler(target_prompts=4, max_sampled_prompts=4, cap_name="max_gen_batches=2 x gen=2").start()
+    for p in range(4):
+        strict.offer(p, groups[p])
+    assert strict.done
+    with pytest.raises(
+        DynamicSamplingError,
+        match=r"cap of 4 sampled prompts \(max_gen_batches=2 x gen=2\): kept 1 of 4 prompts after sampling 4 "
+        r"\(1 all-correct, 2 all-wrong groups\)",
+    ):
+        strict.result()
+    lenient = DynamicSampler(target_prompts=4, max_sampled_prompts=4, on_cap="partial")
+    kept, m = sample_step(lenient, lambda p: groups[p])
+    assert [x.payload for x in kept] == [0] and m["sampling/prompts_sampled"] == 4
 
 
-def test_exhausted_source_and_all_useless_never_hang():
-    sampler = DynamicSampler(target_prompts=4)  # unlimited batches
-    batch, m = sampler.collect(Source([[g(0, 0)] * 3, [g(1, 1)] * 3]))
-    assert batch == [] and m["sampling/gen_batches"] == 2 and m["sampling/prompts_kept"] == 0
-    assert m["sampling/prompts_per_useful"] == 6.0  # finite even with nothing useful
-    empty, m = DynamicSampler(target_prompts=2).collect(Source([]))
-    assert empty == [] and m["sampling/gen_batches"] == 0
+def test_disabled_keeps_every_group_of_the_first_positions():
+    groups = queue(RIGHT, WRONG, MIXED, MIXED)
+    kept, m = sample_step(DynamicSampler(target_prompts=3, enabled=False, max_sampled_prompts=10), lambda p: groups[p])
+    assert [x.payload for x in kept] == [0, 1, 2] and m["sampling/prompts_sampled"] == 3
 
 
-def test_disabled_keeps_everything_from_one_batch():
-    sampler = DynamicSampler(target_prompts=3, enabled=False)
-    src = Source([[g(1, 1, tag=0), g(0, 0, tag=1), g(1, 0, tag=2)], [g(1, 0)]])
-    batch, m = sampler.collect(src)
-    assert [x.payload for x in batch] == [0, 1, 2] and len(src.calls) == 1
+def test_from_config_cap_is_the_rounds_bound():
+    cfg = load_config(None, ["--algorithm.max_gen_batches=3", "--trainer.gen_prompts_per_batch=8"])
+    rule = DynamicSampler.from_config(cfg.algorithm, cfg.trainer)
+    assert (rule.target_prompts, rule.max_sampled_prompts, rule.on_cap) == (512, 24, "error")
+    assert rule.cap_name == "algorithm.max_gen_batches=3 x trainer.gen_prompts_per_batch=8"
 
 
 @pytest.mark.parametrize(
     "kwargs,msg",
     [
         ({"target_prompts": 0}, "target_prompts"),
-        ({"target_prompts": 1, "max_gen_batches": -1}, "max_gen_batches"),
-        ({"target_prompts": 1, "on_max_gen_batches": "x"}, "on_max_gen_batches"),
+        ({"target_prompts": 1, "max_sampled_prompts": -1}, "max_sampled_prompts"),
+        ({"target_prompts": 1, "on_cap": "x"}, "on_cap"),
     ],
 )
 def test_invalid_arguments(kwargs, msg):

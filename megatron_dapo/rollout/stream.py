@@ -1,0 +1,388 @@
+"""One step's generation as a stream: a global prompt queue feeding every engine, groups decided in queue order.
+
+    queue positions:  [carried 0..k-1 | fresh k, k+1, ... (the data in order)]     (one store counter, all ranks)
+    engine rank:      while not decided: take the next position if the window allows (position < decided +
+                      rollout.max_inflight_prompts, and below the cap) and its engine has a free slot -> submit G
+                      requests; engine.step(); a group whose G responses finished is scored, published on the
+                      store and offered to dynamic sampling
+    every rank:       reads published groups in queue order -> StepSampling decides -> done at the target / cap
+    at the cut:       in-flight work aborted (rollout.partial=false: its prompts return to the queue) or carried
+                      into the next step with its tokens, engine log-probs and weight versions (partial=true)
+
+The queue is a counter on a torch.distributed Store (the job's TCPStore under torchrun; a HashStore in one
+process): any engine rank takes the next position as capacity frees, so no rank waits for a static shard. Which
+groups are kept does not depend on which rank finished first (StepSampling decides in queue order), and each
+response is seeded by (seed, step, prompt index, sample), so with a batch-invariant engine (the embedded one on CPU,
+rollout/slot_cache.py) the kept batch is the same whatever the timing. What does depend on timing: which rank
+generated a group, the work wasted at the cut and, with rollout.partial, how far carried responses got (metrics
+under "stream/"). docs/rollout.md, "The stream".
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_dapo.algorithms.dynamic_sampling import StepSampling
+from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.base import completion_seed
+from megatron_dapo.rollout.exchange import ExchangeTimeout
+from megatron_dapo.rollout.types import FinishReason
+from megatron_dapo.rollout.types import GenerationRequest
+from megatron_dapo.rollout.types import GroupSummary
+from megatron_dapo.rollout.types import Rollout
+from megatron_dapo.rollout.types import RolloutGroup
+
+POLL_S = 0.002
+"""How long an idle rank sleeps between looks at the queue."""
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The base of every response seed of one training step (completion_seed(step_seed, prompt index, sample))."""
+    return seed * 1_000_003 + step * 1009
+
+
+class StoreQueue:
+    """The step's queue counter and published group summaries on a store (one PrefixStore per step).
+
+    take(cap) hands each fresh position to exactly one caller (an atomic add); positions are offset by the
+    number of carried groups, which sit at the head of the queue and are never taken.
+    """
+
+    def __init__(self, store: dist.Store, step: int, num_carried: int) -> None:
+        self.store = dist.PrefixStore(f"megatron_dapo/stream/{step}/", store)
+        self.num_carried = num_carried
+
+    def take(self, cap: int) -> int | None:
+        """The next fresh queue position, or None when the queue has reached `cap` positions (0 = no cap)."""
+        if cap and self.num_carried + self.store.add("next", 0) >= cap:
+            return None
+        position = self.num_carried + self.store.add("next", 1) - 1
+        return None if cap and position >= cap else position
+
+    def taken(self) -> int:
+        """Fresh positions taken so far (final once every rank has stopped taking)."""
+        return self.store.add("next", 0)
+
+    def publish(self, position: int, summary: GroupSummary) -> None:
+        self.store.set(str(position), pickle.dumps(summary))
+
+    def read(self, position: int) -> GroupSummary | None:
+        key = str(position)
+        if not self.store.check([key]):
+            return None
+        return pickle.loads(self.store.get(key))
+
+    def delete(self, positions: list[int]) -> None:
+        for p in positions:
+            self.store.delete_key(str(p))
+
+
+def job_store(world_size: int, timeout_s: float) -> dist.Store:
+    """The store the queue lives on: the default process group's store (the job's TCPStore), or an in-process
+    HashStore for a single process."""
+    if world_size == 1 or not dist.is_initialized():
+        return dist.HashStore()
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+@dataclass(slots=True, eq=False)
+class CarryEntry:
+    """A group carried into the next step (rollout.partial), as every rank knows it: its example, its owner rank
+    (who holds the rows and continues it) and, when all G responses are finished, its summary."""
+
+    index: int
+    truth: str
+    owner: int
+    key: str
+    summary: GroupSummary | None = None
+
+
+@dataclass
+class StreamResult:
+    """What one step's stream produced.
+
+    kept: summaries of the kept groups in queue order (the same on every rank).
+    decided: summaries of every decided group (kept or dropped), in queue order: the step's sampled responses.
+    groups: this rank's kept groups by key (the rows routing sends).
+    carry: the next step's carried groups in queue order (every rank); carry_rows: the owner's rollouts of each
+        carried group it owns, by key (G Rollouts each, unfinished ones with finish ABORT; all finished when the
+        entry has a summary).
+    consumed: fresh queue positions consumed (the data iterator advances by this).
+    metrics: "sampling/*" (deterministic) and "stream/*" (timing-dependent) floats.
+    """
+
+    kept: list[GroupSummary]
+    decided: list[GroupSummary]
+    groups: dict[str, RolloutGroup]
+    carry: list[CarryEntry]
+    carry_rows: dict[str, list[Rollout]]
+    consumed: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Building:
+    """A group being generated on this rank: G slots filled as responses finish; `before` counts each response's
+    tokens from earlier steps (a carried prefix), so this step's generated tokens can be told apart."""
+
+    position: int
+    index: int
+    truth: str
+    key: str
+    prompt: list[int]
+    rollouts: list[Rollout | None]
+    before: list[int]
+
+    def generated(self) -> int:
+        return sum(len(r) - n for r, n in zip(self.rollouts, self.before) if r is not None)
+
+
+class RolloutStream:
+    """Runs one step's generation (construct on every rank; `run` is collective).
+
+    engine: this rank's engine (streaming protocol of rollout/base.py) or None.
+    rank: this rank; exchange: the RolloutExchange (gloo all_gather at the end of the stream).
+    store: `job_store(...)`; group_size: G.
+    window: rollout.max_inflight_prompts (resolved); cap: the sampler's max_sampled_prompts (0 = none).
+    partial: rollout.partial. timeout_s: longest time without a decision before the stream gives up.
+    score: (position, example index, truth, G finished rollouts) -> RolloutGroup (verifier + overlong shaping).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        rank: int,
+        exchange: Any,
+        store: dist.Store,
+        *,
+        group_size: int,
+        window: int,
+        cap: int,
+        partial: bool,
+        timeout_s: float,
+        score: Callable[[int, int, str, list[Rollout]], RolloutGroup],
+    ) -> None:
+        self.engine, self.rank, self.exchange, self.store = engine, rank, exchange, store
+        self.group_size, self.window, self.cap, self.partial = group_size, window, cap, partial
+        self.timeout_s = timeout_s
+        self.score = score
+        self._keys = 0
+
+    def new_key(self) -> str:
+        """A key unique in the job for a group this rank generates (routing and the carry refer to it)."""
+        self._keys += 1
+        return f"{self.rank}:{self._keys}"
+
+    def run(
+        self,
+        step: int,
+        sampling: StepSampling,
+        params: SamplingParams,
+        seed: int,
+        fresh: Callable[[int], tuple[int, str, list[int]]],
+        carry: list[CarryEntry],
+        carry_rows: dict[str, list[Rollout]],
+    ) -> StreamResult:
+        """Generate until `sampling` is done; collective. fresh(offset) -> (example index, truth, prompt ids) of the
+        offset-th fresh prompt of the data; carry / carry_rows: the previous step's StreamResult fields."""
+        run = _Run(self, step, sampling, params, step_seed(seed, step), fresh, carry, carry_rows)
+        run.loop()
+        return run.finish()
+
+
+def _unfinished(prompt: list[int]) -> Rollout:
+    return Rollout(prompt, [], None, FinishReason.ABORT)
+
+
+class _Run:
+    """The state of one `RolloutStream.run` (one step)."""
+
+    def __init__(self, stream, step, sampling, params, base, fresh, carry, carry_rows) -> None:
+        self.s, self.step, self.sampling, self.params, self.base = stream, step, sampling, params, base
+        self.fresh, self.carry, self.carry_rows = fresh, carry, carry_rows
+        self.queue = StoreQueue(stream.store, step, len(carry))
+        self.building: dict[int, _Building] = {}
+        self.groups: dict[str, RolloutGroup] = {}
+        self.decided: dict[int, GroupSummary] = {}
+        self.mine: set[int] = set()  # positions whose summary this rank offers itself (never read from the store)
+        self.held: int | None = None  # a position taken while the window was full: started when it opens
+        self.busy = self.wait = 0.0
+        self.tokens = self.started = 0
+        self.t0 = time.perf_counter()
+
+    def offer(self, position: int, summary: GroupSummary) -> None:
+        self.decided[position] = summary
+        self.sampling.offer(position, summary)
+
+    def start(self, position: int, index: int, truth: str, prompt: list[int], key: str, rows=None) -> None:
+        g = self.s.group_size
+        rows = rows or [_unfinished(prompt) for _ in range(g)]
+        b = _Building(position, index, truth, key, prompt, [None] * g, [len(r) for r in rows])
+        requests = []
+        for k, prefix in enumerate(rows):
+            if prefix.finish.finished:
+                b.rollouts[k] = prefix
+            else:
+                seed = completion_seed(self.base, index, k)
+                requests.append(GenerationRequest((position, k), prompt, seed, prefix if len(prefix) else None))
+        self.building[position] = b
+        self.mine.add(position)
+        self.started += 1
+        if requests:
+            self.s.engine.submit(requests, self.params)
+        else:
+            self.complete(b)
+
+    def complete(self, b: _Building) -> None:
+        """All G responses of `b` finished: score, publish, offer."""
+        del self.building[b.position]
+        self.tokens += b.generated()
+        group = self.s.score(b.position, b.index, b.truth, list(b.rollouts))
+        self.groups[b.key] = group
+        summary = group.summary(self.s.rank, b.key)
+        self.queue.publish(b.position, summary)
+        self.offer(b.position, summary)
+
+    def take(self) -> None:
+        """Start fresh positions while this rank's engine has room and the window allows."""
+        engine, window = self.s.engine, self.s.window
+        while engine.free_slots() > 0:
+            if self.held is None:
+                self.held = self.queue.take(self.s.cap)
+            if self.held is None or self.held >= self.sampling.decided + window:
+                return
+            index, truth, prompt = self.fresh(self.held - len(self.carry))
+            self.start(self.held, index, truth, prompt, self.s.new_key())
+            self.held = None
+
+    def loop(self) -> None:
+        for pos, entry in enumerate(self.carry):
+            if entry.summary is not None:  # finished last step: known to every rank
+                x = entry.summary
+                x.position = pos
+                if entry.owner == self.s.rank:
+                    rows = self.carry_rows[entry.key]
+                    self.groups[entry.key] = RolloutGroup(x.index, pos, entry.truth, rows, x.accs, x.rewards, x.penalties)
+                self.mine.add(pos)
+                self.offer(pos, x)
+            elif entry.owner == self.s.rank:
+                rows = self.carry_rows[entry.key]
+                self.start(pos, entry.index, entry.truth, rows[0].prompt_ids.tolist(), entry.key, rows)
+        engine, sampling = self.s.engine, self.sampling
+        last = time.monotonic()
+        while not sampling.done:
+            before = sampling.decided
+            while not sampling.done and sampling.decided not in self.mine:
+                summary = self.queue.read(sampling.decided)
+                if summary is None:
+                    break
+                self.offer(sampling.decided, summary)
+            if sampling.done:
+                break
+            tick = time.perf_counter()
+            if engine is not None:
+                self.take()
+            if engine is not None and engine.num_unfinished():
+                for (position, k), rollout in engine.step():
+                    b = self.building[position]
+                    b.rollouts[k] = rollout
+                    if all(r is not None for r in b.rollouts):
+                        self.complete(b)
+                self.busy += time.perf_counter() - tick
+            else:
+                time.sleep(POLL_S)
+                self.wait += time.perf_counter() - tick
+            if sampling.decided > before:
+                last = time.monotonic()
+            elif time.monotonic() - last > self.s.timeout_s:
+                raise ExchangeTimeout(
+                    f"rollout stream (step {self.step}): no group decided for {self.s.timeout_s / 60:g} min at queue "
+                    f"position {sampling.decided} (rollout.generation_timeout_minutes; a rank's engine is stuck or "
+                    "a rank died: see its log)"
+                )
+
+    def finish(self) -> StreamResult:
+        """At the cut: abort what is in flight, carry it (rollout.partial) or drop it, agree on the carry."""
+        s, cut, k = self.s, self.sampling.decided, len(self.carry)
+        if s.engine is not None:
+            for (position, j), rollout in s.engine.abort():
+                self.building[position].rollouts[j] = rollout
+        carried_in = {e.key for e in self.carry}
+        entries: list[tuple[int, CarryEntry]] = []
+        rows_out: dict[str, list[Rollout]] = {}
+        wasted = 0
+        for position, b in sorted(self.building.items()):
+            self.tokens += b.generated()
+            if s.partial or b.key in carried_in:
+                entries.append((position, CarryEntry(b.index, b.truth, s.rank, b.key)))
+                rows_out[b.key] = [r if r is not None else _unfinished(b.prompt) for r in b.rollouts]
+            else:
+                wasted += b.generated()
+        for position, summary in self.sampling.undecided():
+            if summary.owner != s.rank:
+                continue
+            if s.partial or summary.key in carried_in:
+                group = self.groups[summary.key]
+                entries.append((position, CarryEntry(summary.index, group.truth, s.rank, summary.key, summary)))
+                rows_out[summary.key] = group.rollouts
+            else:
+                wasted += int(summary.lengths.sum())
+                del self.groups[summary.key]
+        if self.held is not None and s.partial:  # taken, never started: carried unstarted
+            index, truth, prompt = self.fresh(self.held - k)
+            key = s.new_key()
+            entries.append((self.held, CarryEntry(index, truth, s.rank, key)))
+            rows_out[key] = [_unfinished(prompt) for _ in range(s.group_size)]
+        stats = {"engine": s.engine is not None, "busy": self.busy, "wait": self.wait, "tokens": self.tokens}
+        stats.update(wasted=wasted, started=self.started)
+        gathered = s.exchange.all_gather([(entries, stats)], "rollout stream")
+        carry = sorted((e for part, _ in gathered for e in part), key=lambda pe: pe[0])
+        taken = self.queue.taken()  # final: every rank has left its loop
+        self.queue.delete([p for p in self.mine if p >= k and p in self.decided])
+        kept, metrics = self.sampling.result()
+        keep = {x.key for x in kept if x.owner == s.rank}
+        metrics.update(_stream_metrics(self.step, [st for _, st in gathered], kept, carry, self.t0))
+        return StreamResult(
+            kept=kept,
+            decided=[self.decided[p] for p in range(cut)],
+            groups={key: g for key, g in self.groups.items() if key in keep},
+            carry=[e for _, e in carry],
+            carry_rows=rows_out,
+            consumed=taken if s.partial else max(0, cut - k),
+            metrics=metrics,
+        )
+
+
+def _stream_metrics(step: int, stats: list[dict], kept: list[GroupSummary], carry: list, t0: float) -> dict:
+    """Timing-dependent cost of the stream ("stream/*"): engine busy fraction (share of the stream's wall time an
+    engine rank spent in engine.step: mean and min over engine ranks), seconds an engine rank sat idle on the queue
+    (window full or nothing left to take: mean over engine ranks), tokens generated and wasted (aborted at the cut
+    without rollout.partial), groups carried out (and how many unfinished), and the age in steps of the kept
+    responses (weight versions behind the one generating now; > 0 only for responses carried in)."""
+    elapsed = max(time.perf_counter() - t0, 1e-9)
+    engines = [st for st in stats if st["engine"]]
+    busy = [st["busy"] / elapsed for st in engines]
+    ages = [step - 1 - v for x in kept for v in x.oldest_versions if v >= 0]
+    carried = sum(1 for _, e in carry if e.summary is None)
+    return {
+        "stream/engine_busy_fraction": sum(busy) / len(busy) if busy else 0.0,
+        "stream/engine_busy_fraction_min": min(busy) if busy else 0.0,
+        "stream/queue_wait_s": sum(st["wait"] for st in engines) / max(len(engines), 1),
+        "stream/prompts_started": float(sum(st["started"] for st in stats)),
+        "stream/tokens_generated": float(sum(st["tokens"] for st in stats)),
+        "stream/tokens_aborted": float(sum(st["wasted"] for st in stats)),
+        "stream/groups_carried": float(len(carry)),
+        "stream/groups_carried_unfinished": float(carried),
+        "stream/response_age_max": float(max(ages, default=0)),
+        "stream/response_age_mean": sum(ages) / len(ages) if ages else 0.0,
+    }
