@@ -30,6 +30,10 @@ class ActorBatch:
         the rollout correction).
     is_weight: [B, S] float32 or None; rollout-correction importance weights multiplying each token's policy loss
         (algorithm.rollout_correction "tis" / "mis", set by the trainer before the update; None: no correction).
+    group_ids: [B] int64 or None; rows with one id are the responses of one prompt (they share tokens[:P]). The
+        trainer always sets it; None: every row its own group (actor.shared_prefix then shares nothing).
+    prompt_lengths: [B] int64 or None; P per row (its prompt is tokens[:P]). None: the column of the row's first
+        response token (`packing.prompt_lengths`).
     """
 
     tokens: Tensor
@@ -39,6 +43,8 @@ class ActorBatch:
     old_logp: Tensor | None = None
     engine_logp: Tensor | None = None
     is_weight: Tensor | None = None
+    group_ids: Tensor | None = None
+    prompt_lengths: Tensor | None = None
 
     def __post_init__(self) -> None:
         b, s = self.tokens.shape
@@ -46,8 +52,10 @@ class ActorBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, s):
                 raise ValueError(f"ActorBatch.{name}: expected shape {(b, s)}, got {tuple(value.shape)}")
-        if tuple(self.advantages.shape) != (b,):
-            raise ValueError(f"ActorBatch.advantages: expected shape {(b,)}, got {tuple(self.advantages.shape)}")
+        for name in ("advantages", "group_ids", "prompt_lengths"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (b,):
+                raise ValueError(f"ActorBatch.{name}: expected shape {(b,)}, got {tuple(value.shape)}")
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

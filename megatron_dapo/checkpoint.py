@@ -1,10 +1,10 @@
 """Atomic, resumable checkpoints: model and optimizer (Megatron dist_checkpointing via the actor), trainer state
-(step, data position, sampler carry-over, RNG states), the run's config; keep the newest K; preemption-safe.
+(step, data position, carried rollouts, RNG states), the run's config; keep the newest K; preemption-safe.
 
     run_dir/checkpoints/
         step_00000004/            complete: has COMPLETE, renamed into place only after every rank wrote
             actor/                MegatronActor.save_checkpoint (sharded model + optimizer + scheduler)
-            trainer_state.pt      step, data iterator, sampler carry, metrics continuity (weights_only-safe)
+            trainer_state.pt      step, data iterator, carried rollouts, metrics continuity (weights_only-safe)
             rng_rank{r}.pt        torch / python RNG states per rank
             config.yaml
             MANIFEST.json         size and sha256 of every other file, written by rank 0 after every rank wrote

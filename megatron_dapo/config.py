@@ -73,12 +73,12 @@ class AlgorithmConfig:
     dynamic_sampling: bool = True
     """Keep only groups with 0 < accuracy < 1 and keep sampling until the batch is full."""
     max_gen_batches: int = 10
-    """Cap on generation batches per step for dynamic sampling (0 = unlimited: spins for as long as every group is
-    all-correct or all-wrong). Each round after the first is logged."""
+    """Cap on the prompts one step may sample, in units of trainer.gen_prompts_per_batch (the bound the DAPO recipe's
+    generation rounds had): the stream hands out at most max_gen_batches x gen_prompts_per_batch queue positions per
+    step. 0 = unlimited (spins for as long as every group is all-correct or all-wrong)."""
     on_max_gen_batches: str = "error"
-    """What happens at max_gen_batches: "error" (stop with the counts) or "partial" (train on what was kept)."""
-    keep_surplus: bool = False
-    """Keep admitted groups beyond the target for the next step instead of dropping them."""
+    """What happens at that cap before prompts_per_step groups are kept: "error" (stop with the counts) or "partial"
+    (train on what was kept)."""
     overlong_filtering: bool = False
     """Mask truncated responses (finish reason "length") out of the loss."""
     overlong_penalty: bool = True
@@ -237,7 +237,7 @@ class RolloutConfig:
         _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", "must be >= 1")
         _check(self.generation_timeout_minutes > 0, "rollout.generation_timeout_minutes", "must be > 0")
         _check(self.max_running_requests >= 0, "rollout.max_running_requests", "must be >= 0 (0: engine default)")
-        _check(self.max_inflight_prompts >= 0, "rollout.max_inflight_prompts", "must be >= 0 (0: gen_prompts_per_batch)")
+        _check(self.max_inflight_prompts >= 0, "rollout.max_inflight_prompts", "must be >= 0 (0: the default)")
         _one_of(self.weight_dtype, ("auto", "fp8"), "rollout.weight_dtype")
         _check(
             self.weight_dtype == "auto"
@@ -379,7 +379,8 @@ class TrainerConfig:
     prompts_per_step: int = 512
     """Prompts per training batch (after dynamic sampling), each with group_size responses."""
     gen_prompts_per_batch: int = 512
-    """Prompts per generation batch; dynamic sampling draws as many such batches as it needs."""
+    """The unit of algorithm.max_gen_batches, and the default of rollout.max_inflight_prompts (how far the prompt
+    queue runs ahead of dynamic sampling's decisions)."""
     mini_batch_prompts: int = 32
     """Prompts per optimizer step (paper: 512 responses = 32 prompts x 16), so 16 updates per step."""
     micro_batch_size: int = 4
@@ -528,7 +529,7 @@ class RunConfig:
                 f"got {a.overlong_buffer}",
             )
         _check(
-            (t.mini_batch_prompts * a.group_size) % t.micro_batch_size == 0,
+            self.mini_batch_rows % t.micro_batch_size == 0,
             "trainer.micro_batch_size",
             f"{t.micro_batch_size} must divide the responses per mini-batch "
             f"(mini_batch_prompts {t.mini_batch_prompts} x group_size {a.group_size})",
@@ -539,12 +540,19 @@ class RunConfig:
                 "algorithm.rollout_correction",
                 f"{a.rollout_correction!r} needs the engine's log-probs: set rollout.compare_logprobs=true",
             )
-        if not a.dynamic_sampling:
-            _check(
-                t.gen_prompts_per_batch >= t.prompts_per_step,
-                "trainer.gen_prompts_per_batch",
-                "must be >= trainer.prompts_per_step when dynamic sampling is off",
-            )
+        cap = a.max_gen_batches * t.gen_prompts_per_batch
+        _check(
+            a.dynamic_sampling or cap == 0 or cap >= t.prompts_per_step,
+            "algorithm.max_gen_batches",
+            f"with dynamic sampling off, max_gen_batches x trainer.gen_prompts_per_batch ({cap} prompts) must be >= "
+            f"trainer.prompts_per_step ({t.prompts_per_step})",
+        )
+
+    @property
+    def mini_batch_rows(self) -> int:
+        """Responses per optimizer step: trainer.mini_batch_prompts x algorithm.group_size (the RowPlan's
+        mini-batch, read by both the trainer and the actor)."""
+        return self.trainer.mini_batch_prompts * self.algorithm.group_size
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

@@ -1,50 +1,51 @@
-"""From completions to a training batch: scoring (verifier + overlong shaping), groups, and the ActorBatch.
+"""From rollouts to a training batch: scoring (verifier + overlong shaping), advantages, and the ActorBatch.
 
-    Completion x G --score_group--> Group(accs, payload{prompt, responses, rewards, ...}) --DynamicSampler-->
-    kept groups --build_actor_batch--> ActorBatch(tokens, loss_mask, response_mask, advantages, engine_logp)
+    G Rollouts --score_group--> RolloutGroup (rewards, accs) on the generating rank --summary--> GroupSummary
+    kept GroupSummaries (every rank) --batch_advantages / row_lengths--> advantages, keep, the RowPlan
+    each row's Rollout (sent by its owner to the DP rank that trains it) --rows_to_batch--> ActorBatch
 
-Group payloads hold only lists, ints, strings and tensors, so they can be gathered across ranks and stored in a
-weights_only checkpoint (surplus carry-over).
-
-Data-parallel routing (the trainer): a scored group is split (`split_group`) into a small summary that every rank
-receives (accs, rewards, lengths, finish reasons, prompt length, owner rank: what dynamic sampling, advantages,
-metrics and the row plan need) and its token rows (prompt, responses, engine log-probs), which stay in the
-generating rank's `RolloutStore` until the row plan (`packing.RowPlan`) says which DP rank trains on each row; only
-then are they sent, each row to the ranks of that DP rank (`rows_to_batch` builds their local ActorBatch).
+Data-parallel routing (the trainer): the token rows of a group stay on the rank that generated it until the row
+plan (`packing.RowPlan`, from summaries' lengths) says which DP rank trains each row; only then are they sent,
+each row to the ranks of that DP rank (`rows_to_batch` builds their local ActorBatch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from megatron_dapo.algorithms import Group
+from megatron_dapo.actor.packing import row_lengths as packed_row_lengths
 from megatron_dapo.algorithms import group_normalized_advantages
+from megatron_dapo.algorithms import overlong_filter_mask
 from megatron_dapo.algorithms import soft_overlong_penalty
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.metrics import response_metrics
+from megatron_dapo.rollout.types import FinishReason
+from megatron_dapo.rollout.types import GroupSummary
+from megatron_dapo.rollout.types import Rollout
+from megatron_dapo.rollout.types import RolloutGroup
 
 
 def score_group(
-    prompt_ids: list[int],
-    completions: Sequence[Any],
+    position: int,
+    index: int,
     truth: str,
+    rollouts: Sequence[Rollout],
     texts: Sequence[str],
     verifier: Callable[[str, str], dict],
     algo: AlgorithmConfig,
     max_response_length: int,
-    index: int,
-) -> Group:
-    """Score one prompt's G completions. Rewards are +1/-1 plus the soft overlong penalty (if enabled); admission
-    by dynamic sampling uses `accs`, the verifier's accuracy, never the shaped reward."""
+) -> RolloutGroup:
+    """Score one prompt's G finished rollouts (texts: their decoded responses). Rewards are +1/-1 plus the soft
+    overlong penalty (if enabled); admission by dynamic sampling uses `accs`, the verifier's accuracy, never the
+    shaped reward."""
     scores = [verifier(text, truth) for text in texts]
-    lengths = torch.tensor([len(c.response_ids) for c in completions], dtype=torch.int64)
-    penalties = torch.zeros(len(completions))
+    lengths = torch.tensor([len(r) for r in rollouts], dtype=torch.int64)
+    penalties = torch.zeros(len(rollouts))
     if algo.overlong_penalty:
         penalties = soft_overlong_penalty(
             lengths,
@@ -52,162 +53,88 @@ def score_group(
             overlong_buffer=algo.overlong_buffer,
             penalty_factor=algo.overlong_penalty_factor,
         )
-    payload = {
-        "index": index,
-        "prompt_ids": list(prompt_ids),
-        "responses": [list(c.response_ids) for c in completions],
-        "finish": [c.finish_reason for c in completions],
-        "engine_logp": [c.response_logprobs for c in completions]
-        if all(c.response_logprobs is not None for c in completions)
-        else None,
-        "rewards": torch.tensor([s["score"] for s in scores], dtype=torch.float32) + penalties,
-        "penalties": penalties,
-        "lengths": lengths,
-        "truth": str(truth),
-    }
-    return Group(accs=torch.tensor([bool(s["acc"]) for s in scores]), payload=payload)
+    return RolloutGroup(
+        index=int(index),
+        position=int(position),
+        truth=str(truth),
+        rollouts=list(rollouts),
+        accs=torch.tensor([bool(s["acc"]) for s in scores]),
+        rewards=torch.tensor([s["score"] for s in scores], dtype=torch.float32) + penalties,
+        penalties=penalties,
+    )
 
 
-def group_to_state(group: Group) -> dict[str, Any]:
-    return {"accs": group.accs, "payload": group.payload}
+def row_index(groups: Sequence[GroupSummary]) -> list[tuple[int, int]]:
+    """(group position in the batch, response index) of every row of the training batch, in batch order."""
+    return [(g, i) for g, group in enumerate(groups) for i in range(group.group_size)]
 
 
-def group_from_state(state: dict[str, Any]) -> Group:
-    return Group(accs=state["accs"], payload=state["payload"])
+def row_lengths(groups: Sequence[GroupSummary]) -> list[int]:
+    """Per batch row, its length as the actor counts it (`packing.row_lengths`: prompt + response tokens)."""
+    prompts = [g.prompt_len for g in groups for _ in range(g.group_size)]
+    return packed_row_lengths(prompts, torch.cat([g.lengths for g in groups]).tolist() if groups else [])
 
 
-LIGHT_KEYS = ("index", "rewards", "penalties", "lengths", "finish")
-HEAVY_KEYS = ("prompt_ids", "responses", "engine_logp", "truth")
-
-
-def split_group(group: Group, owner: int, key: str) -> tuple[Group, dict[str, Any]]:
-    """(summary, rows) of a scored group. The summary's payload keeps LIGHT_KEYS plus prompt_len, owner (the rank
-    holding the rows) and key (its id in that rank's RolloutStore); rows holds HEAVY_KEYS, token ids as int32
-    tensors (prompt [P], responses [L_i]) and engine log-probs as fp32 tensors [L_i] (or None)."""
-    p = group.payload
-    light = {k: p[k] for k in LIGHT_KEYS}
-    light.update(prompt_len=len(p["prompt_ids"]), owner=int(owner), key=str(key))
-    rows = {
-        "prompt_ids": torch.tensor(p["prompt_ids"], dtype=torch.int32),
-        "responses": [torch.tensor(r, dtype=torch.int32) for r in p["responses"]],
-        "engine_logp": None
-        if p["engine_logp"] is None
-        else [torch.tensor(x, dtype=torch.float32) for x in p["engine_logp"]],
-        "truth": p["truth"],
-    }
-    return Group(accs=group.accs, payload=light), rows
-
-
-def join_group(summary: Group, rows: dict[str, Any]) -> Group:
-    """The inverse of `split_group`: the full group (payload as `score_group` makes it)."""
-    payload = {k: summary.payload[k] for k in LIGHT_KEYS}
-    payload["prompt_ids"] = rows["prompt_ids"].tolist()
-    payload["responses"] = [r.tolist() for r in rows["responses"]]
-    payload["engine_logp"] = None if rows["engine_logp"] is None else [x.tolist() for x in rows["engine_logp"]]
-    payload["truth"] = rows["truth"]
-    return Group(accs=summary.accs, payload=payload)
-
-
-class RolloutStore:
-    """The token rows of the groups this rank generated, by key, until they are routed (or dropped)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.rows: dict[str, dict[str, Any]] = {}
-        self._count = 0
-
-    def add(self, group: Group) -> Group:
-        """Keep `group`'s rows here; return its summary (owner = this rank)."""
-        self._count += 1
-        summary, rows = split_group(group, self.rank, f"{self.rank}:{self._count}")
-        self.rows[summary.payload["key"]] = rows
-        return summary
-
-    def retain(self, summaries: Sequence[Group]) -> None:
-        """Drop every stored group whose summary is not in `summaries` (e.g. keep only the sampler's carry)."""
-        keep = {g.payload["key"] for g in summaries}
-        self.rows = {k: v for k, v in self.rows.items() if k in keep}
-
-
-def row_index(groups: Sequence[Group]) -> list[tuple[int, int]]:
-    """(group position, response index) of every row of the training batch, in batch order."""
-    return [(g, i) for g, group in enumerate(groups) for i in range(len(group.payload["lengths"]))]
-
-
-def row_lengths(groups: Sequence[Group]) -> list[int]:
-    """Per batch row, prompt + response tokens: what `packing.sequence_lengths` gives for the built batch (a row
-    without response tokens counts 2). Needs prompt_len (summaries) or prompt_ids (full groups)."""
-    out = []
-    for group in groups:
-        p = group.payload
-        prompt = p["prompt_len"] if "prompt_len" in p else len(p["prompt_ids"])
-        out.extend(prompt + int(n) if int(n) > 0 else 2 for n in p["lengths"].tolist())
-    return out
-
-
-def batch_advantages(groups: Sequence[Group], algo: AlgorithmConfig) -> tuple[Tensor, Tensor]:
+def batch_advantages(groups: Sequence[GroupSummary], algo: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """(advantages [B] fp32 group-normalised per group, keep [B] fp32: 0 for overlong-filtered rows)."""
-    adv = [
-        group_normalized_advantages(g.payload["rewards"], len(g.payload["lengths"]), eps=algo.adv_eps) for g in groups
-    ]
-    keep = [0.0 if algo.overlong_filtering and f == "length" else 1.0 for g in groups for f in g.payload["finish"]]
-    return torch.cat(adv) if adv else torch.zeros(0), torch.tensor(keep, dtype=torch.float32)
+    if not groups:
+        return torch.zeros(0), torch.zeros(0)
+    adv = torch.cat([group_normalized_advantages(g.rewards, g.group_size, eps=algo.adv_eps) for g in groups])
+    keep = torch.ones(len(adv))
+    if algo.overlong_filtering:
+        keep = overlong_filter_mask([f.value for g in groups for f in g.finish])
+    return adv, keep
 
 
 def rows_to_batch(
-    rows: Sequence[tuple[Sequence[int] | Tensor, Sequence[int] | Tensor, Sequence[float] | Tensor | None]],
-    advantages: Tensor,
-    keep: Tensor,
-    pad_token_id: int,
+    rows: Sequence[tuple[Rollout, int]], advantages: Tensor, keep: Tensor, pad_token_id: int
 ) -> ActorBatch:
-    """A right-padded ActorBatch of (prompt ids, response ids, engine log-probs or None) rows.
+    """A right-padded ActorBatch of (rollout, group id) rows; rows of one group share their prompt.
 
     advantages, keep: [B] fp32 (keep 0 zeroes the row's loss_mask: overlong filtering). S = the longest row.
+    engine_logp is filled when every row has engine log-probs.
     """
     num = len(rows)
-    seq_len = max((len(a) + len(b) for a, b, _ in rows), default=1)
+    seq_len = max((r.prompt_ids.numel() + len(r) for r, _ in rows), default=1)
     tokens = torch.full((num, seq_len), pad_token_id, dtype=torch.int64)
     response_mask = torch.zeros(num, seq_len)
-    with_engine = all(e is not None for _, _, e in rows)  # an empty batch keeps the [0, S] tensor
+    with_engine = all(r.engine_logp is not None for r, _ in rows)  # an empty batch keeps the [0, S] tensor
     engine_logp = torch.zeros(num, seq_len) if with_engine else None
-    for r, (prompt, response, engine) in enumerate(rows):
-        start, end = len(prompt), len(prompt) + len(response)
-        tokens[r, :start] = torch.as_tensor(prompt, dtype=torch.int64)
-        tokens[r, start:end] = torch.as_tensor(response, dtype=torch.int64)
-        response_mask[r, start:end] = 1.0
+    for b, (r, _) in enumerate(rows):
+        start, end = r.prompt_ids.numel(), r.prompt_ids.numel() + len(r)
+        tokens[b, :start] = r.prompt_ids
+        tokens[b, start:end] = r.response_ids
+        response_mask[b, start:end] = 1.0
         if engine_logp is not None:
-            engine_logp[r, start:end] = torch.as_tensor(engine, dtype=torch.float32)
+            engine_logp[b, start:end] = r.engine_logp
     return ActorBatch(
         tokens=tokens,
         loss_mask=response_mask * keep[:, None],
         response_mask=response_mask,
         advantages=advantages.to(torch.float32),
         engine_logp=engine_logp,
+        group_ids=torch.tensor([g for _, g in rows], dtype=torch.int64),
+        prompt_lengths=torch.tensor([r.prompt_ids.numel() for r, _ in rows], dtype=torch.int64),
     )
 
 
-def sampled_response_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    """Reward/length statistics over every response sampled in a step (kept or not)."""
+def sampled_response_metrics(groups: Sequence[GroupSummary]) -> dict[str, float]:
+    """Reward/length statistics over every response decided in a step (kept or not)."""
     if not groups:
         return {}
-    cat = lambda key: torch.cat([g.payload[key] for g in groups])  # noqa: E731
-    truncated = torch.tensor([f == "length" for g in groups for f in g.payload["finish"]])
-    return response_metrics(
-        cat("lengths"), truncated, cat("rewards"), torch.cat([g.accs for g in groups]), cat("penalties")
-    )
+    cat = lambda key: torch.cat([getattr(g, key) for g in groups])  # noqa: E731
+    truncated = torch.tensor([f is FinishReason.LENGTH for g in groups for f in g.finish])
+    return response_metrics(cat("lengths"), truncated, cat("rewards"), cat("accs"), cat("penalties"))
 
 
-def build_actor_batch(groups: Sequence[Group], algo: AlgorithmConfig, pad_token_id: int) -> ActorBatch:
-    """Pack kept groups into one right-padded ActorBatch with group-normalised advantages.
+def build_actor_batch(groups: Sequence[RolloutGroup], algo: AlgorithmConfig, pad_token_id: int) -> ActorBatch:
+    """Every row of `groups` (full records, one process) as one ActorBatch with group-normalised advantages.
 
     loss_mask covers response tokens (EOS included), zeroed for truncated responses under overlong filtering.
     """
-    rows = []
-    for group in groups:
-        p = group.payload
-        for i, response in enumerate(p["responses"]):
-            rows.append((p["prompt_ids"], response, None if p["engine_logp"] is None else p["engine_logp"][i]))
-    advantages, keep = batch_advantages(groups, algo)
+    summaries = [g.summary(0, str(i)) for i, g in enumerate(groups)]
+    advantages, keep = batch_advantages(summaries, algo)
+    rows = [(r, i) for i, g in enumerate(groups) for r in g.rollouts]
     return rows_to_batch(rows, advantages, keep, pad_token_id)
 
 

@@ -336,7 +336,7 @@ def microbatch_tokens(config: Any) -> tuple[int, str]:
 def microbatches_per_rank(config: Any, dp: int, mean_seq: float) -> int:
     """Micro-batches one DP rank runs per mini-batch: its rows / micro_batch_size, or with a token budget its
     tokens (rows x mean_seq) / budget (rows are balanced over DP ranks by tokens)."""
-    rows = -(-config.trainer.mini_batch_prompts * config.algorithm.group_size // dp)
+    rows = -(-config.mini_batch_rows // dp)
     budget = getattr(config.actor, "max_tokens_per_microbatch", 0) or 0
     if budget > 0:
         return max(1, math.ceil(rows * mean_seq / budget))

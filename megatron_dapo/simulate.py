@@ -17,10 +17,10 @@ import torch
 
 from megatron_dapo.algorithms import DynamicSampler
 from megatron_dapo.algorithms import Group
-from megatron_dapo.algorithms.dynamic_sampling import sample_step
 from megatron_dapo.algorithms import dapo_policy_loss
 from megatron_dapo.algorithms import group_normalized_advantages
 from megatron_dapo.algorithms import soft_overlong_penalty
+from megatron_dapo.algorithms.dynamic_sampling import sample_step
 from megatron_dapo.reward import compute_score
 
 
@@ -99,7 +99,8 @@ def format_table(rows: list[dict[str, float]]) -> str:
     lines = [head]
     for r in rows:
         lines.append(
-            f"{int(r['step']):>4} {r['skill']:>6.2f} {int(r['sampling/prompts_sampled']):>8} {int(r['sampling/prompts_kept']):>5} "
+            f"{int(r['step']):>4} {r['skill']:>6.2f} {int(r['sampling/prompts_sampled']):>8} "
+            f"{int(r['sampling/prompts_kept']):>5} "
             f"{int(r['sampling/groups_all_correct']):>11} {int(r['sampling/groups_all_wrong']):>9} "
             f"{r['sampling/prompts_per_useful']:>10.2f} {r.get('train/acc', float('nan')):>9.3f}"
         )

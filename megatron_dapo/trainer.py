@@ -1,11 +1,12 @@
 """The DAPO loop. Every box of docs/architecture.md is a module; this file only wires them.
 
-One step: prompts -> generate G each (engine on every rank, prompts sharded) -> verify + overlong shaping ->
-dynamic sampling (refill) -> advantages -> actor log-probs -> mini-batch updates -> weight sync -> metrics ->
-periodic eval and checkpoint. All ranks run the same code; rank 0 logs.
+One step: the rollout stream (one prompt queue for every engine; each finished group verified + overlong-shaped and
+decided by dynamic sampling in queue order, until prompts_per_step groups are kept) -> advantages -> actor log-probs
+-> mini-batch updates -> weight sync -> metrics -> periodic eval and checkpoint. All ranks run the same code; rank 0
+logs.
 
-Rollout data flow (docs/rollout.md): each engine rank keeps the token rows of the groups it generated and sends
-every rank only a per-group summary (accs, rewards, lengths); dynamic sampling, advantages and the row plan
+Rollout data flow (docs/rollout.md): each engine rank keeps the token rows of the groups it generated and every rank
+gets only each group's GroupSummary (accs, rewards, lengths); dynamic sampling, advantages and the row plan
 (packing.RowPlan, from lengths) run on the summaries, identically on every rank; then each row goes to the ranks of
 the DP rank that trains on it (all TP/PP ranks of that model-parallel group) and nowhere else.
 """
@@ -28,19 +29,14 @@ from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import PreemptionFlag
 from megatron_dapo.config import RunConfig
 from megatron_dapo.evaluate import score_groups
-from megatron_dapo.experience import RolloutStore
 from megatron_dapo.experience import batch_advantages
 from megatron_dapo.experience import combine_rollout_correction
-from megatron_dapo.experience import group_from_state
-from megatron_dapo.experience import group_to_state
-from megatron_dapo.experience import join_group
 from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
 from megatron_dapo.experience import row_lengths
 from megatron_dapo.experience import rows_to_batch
 from megatron_dapo.experience import sampled_response_metrics
 from megatron_dapo.experience import score_group
-from megatron_dapo.experience import split_group
 from megatron_dapo.launch import RunDirLock
 from megatron_dapo.launch import StartupError
 from megatron_dapo.memory import MemoryChoreographer
@@ -51,6 +47,13 @@ from megatron_dapo.metrics import mismatch_sums
 from megatron_dapo.metrics import plot_run
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.exchange import RolloutExchange
+from megatron_dapo.rollout.factory import sampling_params
+from megatron_dapo.rollout.stream import CarryEntry
+from megatron_dapo.rollout.stream import RolloutStream
+from megatron_dapo.rollout.stream import job_store
+from megatron_dapo.rollout.types import GroupSummary
+from megatron_dapo.rollout.types import Rollout
+from megatron_dapo.rollout.types import RolloutGroup
 
 
 class DAPOTrainer:
@@ -71,15 +74,13 @@ class DAPOTrainer:
         self.rank, self.world = self.groups.rank, self.groups.world_size
         # Generation waits and rollout objects go over gloo (CPU), bounded by the generation timeout, not NCCL.
         self.exchange = RolloutExchange(self.world, timeout_s=c.rollout.generation_timeout_minutes * 60.0)
-        self.rollouts = RolloutStore(self.rank)
-        """Token rows of the groups this rank generated, until routed to the DP rank that trains on them."""
         self.dp_of_rank = [int(d) for d in self.exchange.all_gather([self.groups.dp_rank], "dp ranks")]
         """Data-parallel rank of every global rank (destinations of the rollout rows)."""
         self.run_dir = Path(c.trainer.run_dir)
         self.lock = RunDirLock(self.run_dir, self._notice) if self.rank == 0 else None
         self._startup(self._load_inputs)
         self.verifier = Verifier.from_config(c.reward)
-        self.sampler: DynamicSampler = DynamicSampler.from_config(c.algorithm, c.trainer.prompts_per_step, self._note)
+        self.sampler = DynamicSampler.from_config(c.algorithm, c.trainer)
         self.ckpt = CheckpointManager(
             self.run_dir / "checkpoints",
             c.checkpoint.keep_last,
@@ -92,11 +93,37 @@ class DAPOTrainer:
         resume_from = self._startup(self._resume_path)
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
         self.engine_ranks = rollout_ranks(c.rollout, self.world)
+        # A fixed KV capacity per row keeps the embedded engine batch-invariant across the run (slot_cache.py).
+        max_context = max(self.longest_prompt, 1) + c.rollout.max_response_length
         self.engine = (
-            make_engine(c.rollout, c.actor.model_path, base_gpu_id=self.groups.local_rank, seed=c.trainer.seed)
+            make_engine(
+                c.rollout,
+                c.actor.model_path,
+                base_gpu_id=self.groups.local_rank,
+                seed=c.trainer.seed,
+                max_context=-(-max_context // 64) * 64,
+            )
             if self.rank in self.engine_ranks
             else None
         )
+        self.stream = RolloutStream(
+            self.engine,
+            self.rank,
+            self.exchange,
+            job_store(self.world, c.distributed.timeout_s),
+            group_size=c.algorithm.group_size,
+            window=c.rollout.max_inflight_prompts or c.trainer.gen_prompts_per_batch,
+            cap=self.sampler.max_sampled_prompts,
+            partial=c.rollout.partial,
+            timeout_s=c.rollout.generation_timeout_minutes * 60.0,
+            score=self._score,
+        )
+        self.carry: list[CarryEntry] = []
+        """Groups carried into the next step (rollout.partial), in queue order; the same on every rank."""
+        self.carry_rows: dict[str, list[Rollout]] = {}
+        """The rollouts of the carried groups this rank owns, by key."""
+        self.rows: dict[str, RolloutGroup] = {}
+        """This rank's kept groups of the current step, by key, until routed to the DP rank that trains them."""
         # Colocated SGLang with rollout TP > 1: every rank of an engine's group hands SGLang its own GPU's copy.
         target = weight_update_target(c.rollout, self.engine, self.rank, self.world)
         self.weight_sync = WeightSync(
@@ -144,10 +171,12 @@ class DAPOTrainer:
             "filter_overlong": c.data.filter_overlong_prompts,
             "log": self._notice,
         }
-        self.train_data = PromptIterator(
-            PromptDataset(c.data.train_files, **prompts).examples, seed=c.data.seed, shuffle=c.data.shuffle
-        )
-        self.eval_examples = PromptDataset(c.data.eval_files, **prompts).examples if c.data.eval_files else []
+        train = PromptDataset(c.data.train_files, **prompts)
+        self.train_data = PromptIterator(train.examples, seed=c.data.seed, shuffle=c.data.shuffle)
+        evals = PromptDataset(c.data.eval_files, **prompts) if c.data.eval_files else None
+        self.eval_examples = evals.examples if evals is not None else []
+        self.longest_prompt = max(train.longest_prompt or 0, (evals.longest_prompt or 0) if evals else 0)
+        self._train_prompt_ids: dict[int, list[int]] = {}
 
     def _startup(self, fn: Any) -> Any:
         """Run a start-up step on every rank; a user error on any rank (a bad input, a held run-dir lock, no usable
@@ -189,17 +218,16 @@ class DAPOTrainer:
 
     def train_step(self) -> dict[str, float]:
         timer, start = PhaseTimer(), time.perf_counter()
-        sampled: list = []
         metrics: dict[str, float] = {}
         routed: list = []  # [(this DP rank's rows, RowPlan)] when dynamic sampling kept any group
 
         def generation() -> None:
             with timer("generate"):
-                kept, collected = self.sampler.collect(lambda missing: self._generate(sampled))
-            metrics.update(collected)
-            metrics.update(sampled_response_metrics(sampled))
-            if kept:
-                routed.append(self._route(kept))
+                result = self._generate()
+            metrics.update(result.metrics)
+            metrics.update(sampled_response_metrics(result.decided))
+            if result.kept:
+                routed.append(self._route(result.kept))
 
         def log_probs() -> None:
             if routed:
@@ -228,9 +256,9 @@ class DAPOTrainer:
                 metrics.update(self.weight_sync.sync(self.actor.export_hf_weights()))
 
         self.memory.run_step({"generation": generation, "log-probs": log_probs, "update": update, "sync": sync})
-        self.rollouts.retain(self.sampler.state_dict()["carry"])
+        self.rows = {}
         timer.seconds["step"] = time.perf_counter() - start
-        generated = sum(int(g.payload["lengths"].sum()) for g in sampled)
+        generated = metrics.get("stream/tokens_generated", 0.0)
         metrics["perf/tokens_per_s"] = generated / max(timer.seconds["step"], 1e-9)
         metrics["perf/gen_tokens_per_s"] = generated / max(timer.seconds["generate"], 1e-9)
         return {**metrics, **timer.metrics()}
@@ -242,9 +270,39 @@ class DAPOTrainer:
 
         return prompt_token_ids(self.tokenizer, example.prompt_messages)
 
+    def _fresh(self, offset: int) -> tuple[int, str, list[int]]:
+        """(example index, ground truth, prompt ids) of the data's offset-th next prompt (a fresh queue position);
+        the training prompts' ids are cached by example index (indices are per dataset: eval ones are not here)."""
+        example = self.train_data.peek(offset)
+        ids = self._train_prompt_ids.get(example.index)
+        if ids is None:
+            ids = self._train_prompt_ids[example.index] = self._render(example)
+        return example.index, example.ground_truth, ids
+
+    def _score(self, position: int, index: int, truth: str, rollouts: list[Rollout]) -> RolloutGroup:
+        """A finished group scored on the rank that generated it (verifier + overlong shaping)."""
+        c = self.cfg
+        texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
+        return score_group(
+            position, index, truth, rollouts, texts, self.verifier, c.algorithm, c.rollout.max_response_length
+        )
+
+    def _generate(self) -> Any:
+        """This step's stream (collective): kept groups, the rows this rank owns, the carry for the next step."""
+        c = self.cfg
+        if self.engine is not None:
+            self.engine.weight_version = self.step - 1  # synced at the end of the previous step
+        params = sampling_params(c.rollout, n=1, stop_token_ids=self.stop_ids)
+        result = self.stream.run(
+            self.step, self.sampler.start(), params, c.trainer.seed, self._fresh, self.carry, self.carry_rows
+        )
+        self.train_data.skip(result.consumed)
+        self.carry, self.carry_rows, self.rows = result.carry, result.carry_rows, result.groups
+        return result
+
     def _sample(self, examples: list, n: int, temperature: float, top_p: float, seed: int) -> list:
-        """Generate n responses for this rank's share of `examples` (interleaved by rank); returns
-        (example, completions) pairs for the local share."""
+        """Evaluation: n responses for this rank's share of `examples` (interleaved by engine rank); returns
+        (example, rollouts) pairs for the local share."""
         if self.engine is None:
             return []
         slot = self.engine_ranks.index(self.rank)
@@ -257,65 +315,36 @@ class DAPOTrainer:
             top_k=self.cfg.rollout.top_k,
             stop_token_ids=tuple(self.stop_ids),
             seed=seed + self.rank,
-            return_logprobs=self.cfg.rollout.compare_logprobs,
+            return_logprobs=False,
         )
-        completions = self.engine.generate([self._render(ex) for ex in mine], params) if mine else []
-        return [(ex, completions[i * n : (i + 1) * n]) for i, ex in enumerate(mine)]
+        rollouts = self.engine.generate([self._render(ex) for ex in mine], params) if mine else []
+        return [(ex, rollouts[i * n : (i + 1) * n]) for i, ex in enumerate(mine)]
 
-    def _generate(self, sampled: list) -> list:
-        c = self.cfg
-        examples = self.train_data.next_batch(c.trainer.gen_prompts_per_batch)
-        seed = c.trainer.seed * 1_000_003 + self.step * 1009 + len(sampled)
-        local = []
-        for ex, comps in self._sample(examples, c.algorithm.group_size, c.rollout.temperature, c.rollout.top_p, seed):
-            texts = self.tokenizer.batch_decode([x.response_ids for x in comps], skip_special_tokens=True)
-            group = score_group(
-                comps[0].prompt_ids,
-                comps,
-                ex.ground_truth,
-                texts,
-                self.verifier,
-                c.algorithm,
-                c.rollout.max_response_length,
-                ex.index,
-            )
-            local.append(group_to_state(self.rollouts.add(group)))  # rows stay here; every rank gets the summary
-        order = {ex.index: i for i, ex in enumerate(examples)}
-        gathered = self.exchange.all_gather(local)
-        groups = sorted((group_from_state(s) for s in gathered), key=lambda g: order[g.payload["index"]])
-        sampled.extend(groups)
-        return groups
-
-    def _route(self, kept: list) -> tuple[ActorBatch, RowPlan]:
+    def _route(self, kept: list[GroupSummary]) -> tuple[ActorBatch, RowPlan]:
         """This DP rank's rows of the training batch made of `kept` (group summaries, same on every rank).
 
         Every rank builds the same RowPlan from the summaries' lengths; each owner (the rank that generated a group)
         sends each row to the ranks whose DP rank trains on it (an all_to_all over gloo: a rank receives only its
-        DP rank's rows, prompts once per group). Returns (local batch: plan.rows_of(dp_rank) in that order, plan).
+        DP rank's rows). Returns (local batch: plan.rows_of(dp_rank) in that order, plan).
         """
         c = self.cfg
         index = row_index(kept)
-        plan = RowPlan.build(
-            row_lengths(kept), self.groups.dp_size, c.trainer.mini_batch_prompts * c.algorithm.group_size
-        )
+        plan = RowPlan.build(row_lengths(kept), self.groups.dp_size, c.mini_batch_rows)
         outgoing: list[list] = [[] for _ in range(self.world)]
         wanted = [plan.rows_of(d) for d in range(self.groups.dp_size)]
         for dst in range(self.world):
             for row in wanted[self.dp_of_rank[dst]]:
                 g, i = index[row]
-                p = kept[g].payload
-                if p["owner"] == self.rank:
-                    stored = self.rollouts.rows[p["key"]]
-                    engine = None if stored["engine_logp"] is None else stored["engine_logp"][i]
-                    outgoing[dst].append((row, stored["prompt_ids"], stored["responses"][i], engine))
-        received = {row: rest for row, *rest in self.exchange.all_to_all(outgoing, "rollout rows")}
+                if kept[g].owner == self.rank:
+                    outgoing[dst].append((row, self.rows[kept[g].key].rollouts[i]))
+        received = dict(self.exchange.all_to_all(outgoing, "rollout rows"))
         mine = plan.rows_of(self.groups.dp_rank)
         missing = [r for r in mine if r not in received]
         if missing:
             raise RuntimeError(f"rollout routing: rank {self.rank} did not receive rows {missing[:5]} of its plan")
         advantages, keep = batch_advantages(kept, c.algorithm)
         rows = torch.tensor(mine, dtype=torch.int64)
-        batch = rows_to_batch([received[r] for r in mine], advantages[rows], keep[rows], self.pad_id)
+        batch = rows_to_batch([(received[r], index[r][0]) for r in mine], advantages[rows], keep[rows], self.pad_id)
         self.routed_rows = mine
         """Global row ids this rank received in the last step (tests read it)."""
         return batch, plan
@@ -350,8 +379,8 @@ class DAPOTrainer:
         start = time.perf_counter()
         self.memory.ensure_engine_resident()
         local = []
-        for ex, comps in self._sample(examples, t.eval_samples, t.eval_temperature, t.eval_top_p, seed=t.seed + 7):
-            texts = self.tokenizer.batch_decode([x.response_ids for x in comps], skip_special_tokens=True)
+        for ex, rollouts in self._sample(examples, t.eval_samples, t.eval_temperature, t.eval_top_p, seed=t.seed + 7):
+            texts = self.tokenizer.batch_decode([x.response_ids for x in rollouts], skip_special_tokens=True)
             local.append([self.verifier(text, ex.ground_truth) for text in texts])
         metrics = score_groups(self.exchange.all_gather(local, "eval"), t.eval_samples)
         metrics["time/eval"] = time.perf_counter() - start
@@ -385,20 +414,36 @@ class DAPOTrainer:
         self._note(f"{name} came {waited:.1f} s before this step boundary; saving, then exiting{late}")
 
     def trainer_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "data": self.train_data.state_dict(),
-            "sampler": [group_to_state(g) for g in self._carried_groups()],
-        }
+        return {"step": self.step, "data": self.train_data.state_dict(), "carry": self._carry_state()}
 
-    def _carried_groups(self) -> list:
-        """The sampler's carried-over groups in full (their rows gathered from the ranks that hold them); collective."""
-        carry = self.sampler.state_dict()["carry"]
-        mine = [
-            (g.payload["key"], self.rollouts.rows[g.payload["key"]]) for g in carry if g.payload["owner"] == self.rank
-        ]
-        rows = dict(self.exchange.all_gather(mine, "sampler carry"))
-        return [join_group(g, rows[g.payload["key"]]) for g in carry]
+    def _carry_state(self) -> list[dict[str, Any]]:
+        """The carried groups in full, in queue order (their rollouts gathered from the ranks that own them; plain
+        containers and tensors for a weights_only checkpoint); collective."""
+        mine = [(e.key, [r.to_state() for r in self.carry_rows[e.key]]) for e in self.carry if e.owner == self.rank]
+        rows = dict(self.exchange.all_gather(mine, "carried rollouts"))
+        out = []
+        for e in self.carry:
+            state = {"index": e.index, "truth": e.truth, "rollouts": rows[e.key], "scores": None}
+            if e.summary is not None:
+                x = e.summary
+                state["scores"] = {"accs": x.accs, "rewards": x.rewards, "penalties": x.penalties}
+            out.append(state)
+        return out
+
+    def _load_carry(self, states: list[dict[str, Any]]) -> None:
+        """The carry of a checkpoint, owned round-robin by the engine ranks (any rank can continue any group)."""
+        self.carry, self.carry_rows = [], {}
+        for k, state in enumerate(states):
+            owner, key = self.engine_ranks[k % len(self.engine_ranks)], f"carry:{k}"
+            rollouts = [Rollout.from_state(r) for r in state["rollouts"]]
+            summary = None
+            if state["scores"] is not None:
+                x, index, truth = state["scores"], state["index"], state["truth"]
+                group = RolloutGroup(index, k, truth, rollouts, x["accs"], x["rewards"], x["penalties"])
+                summary = group.summary(owner, key)
+            self.carry.append(CarryEntry(int(state["index"]), str(state["truth"]), owner, key, summary))
+            if owner == self.rank:
+                self.carry_rows[key] = rollouts
 
     def save(self) -> Path:
         def write() -> Path:
@@ -422,13 +467,12 @@ class DAPOTrainer:
         state = self.ckpt.load(path, self.cfg.to_dict(), lambda d: self.actor.load_checkpoint(str(d)))
         self.step = int(state["step"])
         self.train_data.load_state_dict(state["data"])
-        carry = []
-        for k, full in enumerate(group_from_state(s) for s in state["sampler"]):
-            summary, rows = split_group(full, owner=k % self.world, key=f"carry:{k}")
-            if summary.payload["owner"] == self.rank:
-                self.rollouts.rows[summary.payload["key"]] = rows
-            carry.append(summary)
-        self.sampler.load_state_dict({"carry": carry})
+        if state.get("sampler"):
+            raise CheckpointError(
+                f"{path}: saved before the rollout stream with dynamic-sampling carry-over (algorithm.keep_surplus); "
+                "its carried groups cannot be resumed: start from another checkpoint or checkpoint.resume=never"
+            )
+        self._load_carry(state.get("carry", []))
         self.weight_sync.sync(self.actor.export_hf_weights())
         if self.rank == 0:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step, self._notice)

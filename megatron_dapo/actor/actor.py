@@ -101,6 +101,17 @@ def _cut_columns(batch: ActorBatch, width: int) -> ActorBatch:
     return ActorBatch(**{f.name: cut(getattr(batch, f.name)) for f in fields(batch)})
 
 
+def _prompt_layout(batch: ActorBatch, lengths: list[int]) -> tuple[list[int], Tensor]:
+    """(per row P clamped to [1, length], group ids [B]) from the batch's group_ids / prompt_lengths; without them
+    P is the first response column and every row is its own group (nothing is shared)."""
+    if batch.prompt_lengths is None:
+        prompts = prompt_lengths(batch.response_mask, lengths)
+    else:
+        prompts = [min(max(int(p), 1), n) for p, n in zip(batch.prompt_lengths.tolist(), lengths, strict=True)]
+    ids = batch.group_ids if batch.group_ids is not None else torch.arange(len(batch), dtype=torch.int64)
+    return prompts, ids.cpu()
+
+
 class MegatronActor:
     """The policy model: Megatron GPTModel chunks + DDP + Megatron optimizer, driven by one RunConfig.
 
@@ -293,10 +304,7 @@ class MegatronActor:
         trainer.mini_batch_prompts * algorithm.group_size rows, each balanced by tokens. The trainer builds the same
         plan from response lengths (`RowPlan.build`) to send each DP rank only its rows."""
         lengths = sequence_lengths(batch.response_mask).tolist()
-        return RowPlan.build(lengths, self.groups.dp_size, self._mini_batch_size())
-
-    def _mini_batch_size(self) -> int:
-        return self.config.trainer.mini_batch_prompts * self.config.algorithm.group_size
+        return RowPlan.build(lengths, self.groups.dp_size, self.config.mini_batch_rows)
 
     def _local_rows(self, batch: ActorBatch, plan: RowPlan | None, where: str) -> tuple[ActorBatch, RowPlan]:
         """(this DP rank's rows, the plan): selected from a full batch (plan None) or checked (batch already local)."""
@@ -327,8 +335,8 @@ class MegatronActor:
         shared = a.packing and a.shared_prefix
         rows_per_mb = self.config.trainer.micro_batch_size
         if shared:
-            prompts = prompt_lengths(batch.response_mask, lengths)
-            groups = prompt_groups(batch.tokens, prompts, list(range(len(batch))))
+            prompts, group_ids = _prompt_layout(batch, lengths)
+            groups = prompt_groups(group_ids, list(range(len(batch))))
             cut = shared_prefix_micro_batches(
                 lengths, prompts, groups, max_tokens=a.max_tokens_per_microbatch, rows_per_micro_batch=rows_per_mb
             )
@@ -372,7 +380,8 @@ class MegatronActor:
         if not self.config.actor.packing:
             return None
         if self.config.actor.shared_prefix:
-            return SharedPrefixLayout.build(sub.tokens, lens, prompt_lengths(sub.response_mask, lens), multiple)
+            prompts, group_ids = _prompt_layout(sub, lens.tolist())
+            return SharedPrefixLayout.build(sub.tokens, lens, prompts, group_ids, multiple)
         return PackedLayout.build(sub.tokens, lens, multiple)
 
     def pop_token_stats(self) -> dict[str, float]:

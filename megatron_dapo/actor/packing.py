@@ -7,7 +7,7 @@ Pure torch, no megatron import; deterministic (every rank computes every rank's 
         --micro_batch_rows(L, rows, budget | rows_per_mb, packed)--> micro-batches (lists of row ids)
         --PackedLayout.build(tokens, L, rows)--> one packed row [1, T] + cu_seqlens (qkv_format "thd")
     actor.shared_prefix instead:
-        --prompt_groups / shared_prefix_micro_batches--> micro-batches of whole prompt groups
+        --prompt_groups (ActorBatch.group_ids) / shared_prefix_micro_batches--> micro-batches of whole groups
         --SharedPrefixLayout.build(tokens, L, P)--> one row [1, T]: per group the prompt once + one branch per row,
                                                    per-token RoPE positions, attention_mask [1, 1, T, T]
 
@@ -38,17 +38,28 @@ __all__ = [
     "micro_batch_rows",
     "prompt_groups",
     "prompt_lengths",
+    "row_lengths",
     "sequence_lengths",
     "shared_prefix_cost",
     "shared_prefix_micro_batches",
 ]
 
 
+EMPTY_ROW_LENGTH = 2
+"""Length a row without response tokens counts (a dummy row still forms a valid, empty-loss sequence)."""
+
+
+def row_lengths(prompt_lengths: list[int], response_lengths: list[int]) -> list[int]:
+    """Per row, prompt + response tokens (EMPTY_ROW_LENGTH without response tokens): what `sequence_lengths` gives
+    for the built batch, computed before any token is sent (the trainer's RowPlan)."""
+    return [p + n if n > 0 else EMPTY_ROW_LENGTH for p, n in zip(prompt_lengths, response_lengths, strict=True)]
+
+
 def sequence_lengths(response_mask: Tensor) -> Tensor:
     """Tokens each row really holds: up to and including its last response token (prompt + response).
 
     Rows are right-padded (megatron_dapo.batch), so everything after the last response token is padding. A row
-    without response tokens (a dummy row) gets length 2 so it still forms a valid (empty-loss) sequence.
+    without response tokens (a dummy row) gets length EMPTY_ROW_LENGTH (`row_lengths`).
 
     Args:
         response_mask: [B, S] float/bool, 1 on response tokens.
@@ -58,7 +69,7 @@ def sequence_lengths(response_mask: Tensor) -> Tensor:
     b, s = response_mask.shape
     pos = torch.arange(1, s + 1, dtype=torch.int64).expand(b, s)
     last = torch.where(response_mask.bool().cpu(), pos, torch.zeros_like(pos)).amax(dim=1) if s else pos.sum(1)
-    return last.clamp(min=min(2, s))
+    return last.clamp(min=min(EMPTY_ROW_LENGTH, s))
 
 
 def balance_rows(lengths: list[int], parts: int) -> list[list[int]]:
@@ -272,20 +283,19 @@ def prompt_lengths(response_mask: Tensor, lengths: Tensor | list[int]) -> list[i
     return out
 
 
-def prompt_groups(tokens: Tensor, prompts: list[int], rows: list[int]) -> list[list[int]]:
-    """`rows` grouped by identical prompt (same P and the same tokens[:P]), groups in order of first appearance.
+def prompt_groups(group_ids: Tensor, rows: list[int]) -> list[list[int]]:
+    """`rows` grouped by group id (the responses of one prompt), groups in order of first appearance.
 
     Args:
-        tokens: [B, S] int64.
-        prompts: B ints, `prompt_lengths`.
+        group_ids: [B] int64, ActorBatch.group_ids (rows of one prompt group share an id and their prompt).
         rows: the row ids to group.
     Returns:
         lists of row ids (each in the order of `rows`) covering `rows` exactly once.
     """
-    cpu = tokens.cpu()
-    found: dict[tuple[int, ...], list[int]] = {}
+    ids = group_ids.tolist()
+    found: dict[int, list[int]] = {}
     for r in rows:
-        found.setdefault(tuple(cpu[r, : prompts[r]].tolist()), []).append(r)
+        found.setdefault(ids[r], []).append(r)
     return list(found.values())
 
 
@@ -391,10 +401,12 @@ class SharedPrefixLayout(_PackedRow):
     num_real: int
 
     @classmethod
-    def build(cls, tokens: Tensor, lengths: Tensor, prompts: list[int], multiple: int = 1) -> SharedPrefixLayout:
-        """Lay out the rows of `tokens` [b, S_mb] (int64) with `lengths` [b] (<= S_mb) and prompt lengths `prompts`
-        (b ints, `prompt_lengths`); rows with identical prompts share them. The packed length is rounded up to
-        `multiple`."""
+    def build(
+        cls, tokens: Tensor, lengths: Tensor, prompts: list[int], group_ids: Tensor, multiple: int = 1
+    ) -> SharedPrefixLayout:
+        """Lay out the rows of `tokens` [b, S_mb] (int64) with `lengths` [b] (<= S_mb), prompt lengths `prompts`
+        (b ints) and `group_ids` [b] (rows of one id share their prompt, computed once). The packed length is
+        rounded up to `multiple`."""
         b, s = tokens.shape
         cpu = tokens.cpu()
         lens = [int(x) for x in lengths]
@@ -406,7 +418,7 @@ class SharedPrefixLayout(_PackedRow):
         br: list[int] = []
         index = torch.zeros(b, s, dtype=torch.int64)
         start = 0
-        for gid, group in enumerate(prompt_groups(cpu, prompts, list(range(b)))):
+        for gid, group in enumerate(prompt_groups(group_ids, list(range(b)))):
             p = prompts[group[0]]
             prefix = start
             packed.append(cpu[group[0], : p - 1])

@@ -152,18 +152,19 @@ def check_prompt_lengths(
     *,
     filter_overlong: bool = False,
     log: Callable[[str], None] = print,
-) -> list[Example]:
-    """The examples whose templated prompt fits in max_prompt_length tokens.
+) -> tuple[list[Example], int]:
+    """(The examples whose templated prompt fits in max_prompt_length tokens, the longest kept prompt in tokens).
 
     An over-long prompt raises a one-line ValueError naming its file and row, or (filter_overlong) is dropped; the
     drop count is logged. Run at load time so that the data order, and so the iterator state in checkpoints, never
     depends on a row found over-long in mid-run. Kept examples keep their ``index``.
     """
-    kept, dropped = [], []
+    kept, dropped, longest = [], [], 0
     for ex in examples:
         n = len(prompt_token_ids(tokenizer, ex.prompt_messages))
         if n <= max_prompt_length:
             kept.append(ex)
+            longest = max(longest, n)
         elif not filter_overlong:
             raise ValueError(
                 f"{ex.source or f'row {ex.index}'}: prompt has {n} tokens with the chat template, more than "
@@ -179,7 +180,7 @@ def check_prompt_lengths(
         )
     if not kept:
         raise ValueError(f"no prompt fits in data.max_prompt_length={max_prompt_length} tokens")
-    return kept
+    return kept, longest
 
 
 class PromptDataset:
@@ -200,8 +201,10 @@ class PromptDataset:
     ):
         self.files = [os.fspath(files)] if isinstance(files, (str, os.PathLike)) else [os.fspath(p) for p in files]
         self.examples = load_examples(self.files, prompt_key=prompt_key)
+        self.longest_prompt: int | None = None
+        """Tokens of the longest prompt with the chat template (known when a tokenizer was given)."""
         if tokenizer is not None and max_prompt_length is not None:
-            self.examples = check_prompt_lengths(
+            self.examples, self.longest_prompt = check_prompt_lengths(
                 self.examples, tokenizer, max_prompt_length, filter_overlong=filter_overlong, log=log
             )
 

@@ -71,6 +71,22 @@ class PromptIterator:
                 self.position = 0
         return batch
 
+    def peek(self, offset: int) -> T:
+        """The example `offset` places ahead of the current position (0 = what next_batch(1) would return), without
+        moving; continues into later epochs. The rollout stream hands out queue positions this way."""
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        size = len(self.examples)
+        epoch, position = divmod(self.position + offset, size)
+        return self.examples[int(self._order_for(self.epoch + epoch)[position])]
+
+    def skip(self, n: int) -> None:
+        """Move past the next n examples (the ones a step consumed)."""
+        if n < 0:
+            raise ValueError(f"skip: n must be >= 0, got {n}")
+        epoch, self.position = divmod(self.position + n, len(self.examples))
+        self.epoch += epoch
+
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state for checkpoints: epoch, position, seed, shuffle, num_examples."""
         return {

@@ -29,6 +29,7 @@ from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
 
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample: n completions per prompt of at most max_new_tokens tokens each."""

@@ -272,7 +272,8 @@ class _Run:
                 x.position = pos
                 if entry.owner == self.s.rank:
                     rows = self.carry_rows[entry.key]
-                    self.groups[entry.key] = RolloutGroup(x.index, pos, entry.truth, rows, x.accs, x.rewards, x.penalties)
+                    group = RolloutGroup(x.index, pos, entry.truth, rows, x.accs, x.rewards, x.penalties)
+                    self.groups[entry.key] = group
                 self.mine.add(pos)
                 self.offer(pos, x)
             elif entry.owner == self.s.rank:

@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.base import request_result
 from megatron_dapo.rollout.base import requests_for
-from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.slot_cache import ATTENTION_NAME
 from megatron_dapo.rollout.slot_cache import ROW_BLOCK
 from megatron_dapo.rollout.slot_cache import PrefillCache
@@ -43,6 +43,7 @@ from megatron_dapo.rollout.slot_cache import register_attention
 from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
+
 
 def filter_logits(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
     """Mask logits outside top-k / the top-p nucleus with -inf.
@@ -91,7 +92,7 @@ def _check_full_attention(config: Any) -> None:
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
         raise ValueError(
-            f"TransformersEngine: layer types {sorted(kinds)} (sliding window): only full-attention models are supported"
+            f"TransformersEngine: layer types {sorted(kinds)}: only full-attention models are supported"
         )
 
 

@@ -75,3 +75,15 @@ def test_load_state_dict_rejects_mismatch():
         it.next_batch(0)
     with pytest.raises(ValueError, match="at least one"):
         PromptIterator([])
+
+
+def test_peek_and_skip_walk_the_same_order_as_next_batch():
+    from megatron_dapo.data import PromptIterator
+
+    a = PromptIterator(list(range(7)), seed=3)
+    b = PromptIterator(list(range(7)), seed=3)
+    expected = a.next_batch(17)  # crosses two epoch boundaries
+    assert [b.peek(i) for i in range(17)] == expected
+    b.skip(5)
+    b.skip(12)
+    assert b.state_dict() == a.state_dict() and b.next_batch(3) == a.next_batch(3)
