@@ -150,6 +150,29 @@ class MemoryChoreographer:
                 getattr(self, name)()
         return out
 
+    def build_engine(self, make: Callable[[], Any], *, sized_at_start: bool) -> Any:
+        """Build this rank's engine (make() -> engine or None) and adopt it.
+
+        sized_at_start: the engine sizes its KV pool once, from the GPU memory free when it starts (SGLang: weights +
+        KV = mem_fraction_static x free memory at start; release/resume never re-size it). Then the actor's whole
+        state leaves the GPU first (offload every part, empty the cache, barrier: ranks share the engine's GPUs),
+        the engine starts on a GPU without the actor, and only the parts actor.offload keeps during generation
+        come back: the pool is sized for generation, not for generation beside the actor.
+        """
+        if not sized_at_start:
+            self.engine = make()
+            return self.engine
+        self.trace.append("engine_start")
+        self.actor.offload_state(PARTS)
+        self.empty_cache()
+        self.engine = make()
+        self.barrier()
+        kept = [p for p in PARTS if p not in (*self.after_update, *self.after_sync)]
+        if kept:
+            self.actor.reload_state(kept)
+        self.started = True  # what start() would offload is offloaded already
+        return self.engine
+
     def start(self) -> None:
         """Before the first generation: offload what actor.offload keeps off the GPU while generating (the actor is
         built before the engine sizes its KV pool, so everything is resident until now)."""

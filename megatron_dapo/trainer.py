@@ -64,6 +64,7 @@ class DAPOTrainer:
         from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
         from megatron_dapo.reward import Verifier  # noqa: PLC0415
         from megatron_dapo.rollout import make_engine  # noqa: PLC0415
+        from megatron_dapo.rollout.factory import sizes_kv_pool_at_start  # noqa: PLC0415
         from megatron_dapo.rollout.factory import weight_update_target  # noqa: PLC0415
         from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
 
@@ -93,10 +94,13 @@ class DAPOTrainer:
         resume_from = self._startup(self._resume_path)
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
         self.engine_ranks = rollout_ranks(c.rollout, self.world)
+        # The one owner of device memory moves per step (megatron_dapo/memory.py, docs/rollout.md). A colocated
+        # SGLang / vLLM engine starts with the actor offloaded, so its KV pool is sized from the GPU without it.
+        self.memory = MemoryChoreographer(None, self.actor, offload=c.actor.offload, barrier=self._host_barrier)
         # A fixed KV capacity per row keeps the embedded engine batch-invariant across the run (slot_cache.py).
         max_context = max(self.longest_prompt, 1) + c.rollout.max_response_length
-        self.engine = (
-            make_engine(
+        self.engine = self.memory.build_engine(
+            lambda: make_engine(
                 c.rollout,
                 c.actor.model_path,
                 base_gpu_id=self.groups.local_rank,
@@ -104,7 +108,8 @@ class DAPOTrainer:
                 max_context=-(-max_context // 64) * 64,
             )
             if self.rank in self.engine_ranks
-            else None
+            else None,
+            sized_at_start=sizes_kv_pool_at_start(c.rollout),
         )
         self.stream = RolloutStream(
             self.engine,
@@ -129,8 +134,6 @@ class DAPOTrainer:
         self.weight_sync = WeightSync(
             target, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
         )
-        # The one owner of device memory moves per step (megatron_dapo/memory.py, docs/rollout.md).
-        self.memory = MemoryChoreographer(self.engine, self.actor, offload=c.actor.offload, barrier=self._host_barrier)
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)

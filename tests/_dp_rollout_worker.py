@@ -60,12 +60,11 @@ def main() -> None:
     def recording_route(kept):  # noqa: ANN001, ANN202
         generated = {}
         row = 0
-        for group in kept:
-            p = group.payload
-            for i in range(len(p["lengths"])):
-                if p["owner"] == rank:
-                    stored = trainer.rollouts.rows[p["key"]]
-                    generated[row] = stored["prompt_ids"].tolist() + stored["responses"][i].tolist()
+        for summary in kept:
+            for i in range(summary.group_size):
+                if summary.owner == rank:
+                    r = trainer.rows[summary.key].rollouts[i]
+                    generated[row] = r.prompt_ids.tolist() + r.response_ids.tolist()
                 row += 1
         batch, plan = route(kept)
         received = {}
@@ -87,26 +86,18 @@ def main() -> None:
     metrics = trainer.train_step()
     rec["shared_fraction"] = metrics.get("train/shared_fraction")
     rec["loss"] = metrics.get("actor/loss")
-    # Surplus groups (keep_surplus) stay summaries in the sampler, their rows with the rank that generated them;
-    # a checkpoint's trainer state gathers them back into full groups.
-    carry = trainer.sampler.state_dict()["carry"]
-    rec["carry_owned"] = sorted(g.payload["key"] for g in carry if g.payload["owner"] == rank)
-    rec["store_keys"] = sorted(trainer.rollouts.rows)
+    # Groups past the cut (rollout.partial) are carried: every rank knows them, their rows stay with the rank that
+    # generated them; a checkpoint's trainer state gathers them back into full groups.
+    rec["carry_owned"] = sorted(e.key for e in trainer.carry if e.owner == rank)
+    rec["store_keys"] = sorted(trainer.carry_rows)
     rec["carry_state"] = [
-        {
-            "index": s["payload"]["index"],
-            "prompt_ids": s["payload"]["prompt_ids"],
-            "responses": s["payload"]["responses"],
-        }
-        for s in trainer.trainer_state()["sampler"]
+        {"index": s["index"], "rows": [r["prompt_ids"].tolist() + r["response_ids"].tolist() for r in s["rollouts"]]}
+        for s in trainer.trainer_state()["carry"]
     ]
     rec["carry_generated"] = {
-        str(g.payload["index"]): {
-            "prompt_ids": trainer.rollouts.rows[g.payload["key"]]["prompt_ids"].tolist(),
-            "responses": [r.tolist() for r in trainer.rollouts.rows[g.payload["key"]]["responses"]],
-        }
-        for g in carry
-        if g.payload["owner"] == rank
+        str(e.index): [r.prompt_ids.tolist() + r.response_ids.tolist() for r in trainer.carry_rows[e.key]]
+        for e in trainer.carry
+        if e.owner == rank
     }
 
     # The final export: count what the export iterator hands this rank, and the resident-set peak around it.

@@ -48,8 +48,8 @@ def ranks(tmp_path_factory) -> list[dict]:
         f"--trainer.run_dir={root / 'run'}",
         "--actor.tensor_parallel=1",
         "--algorithm.dynamic_sampling=false",  # every group is trained on, whatever the random model answers
-        "--algorithm.keep_surplus=true",
-        "--trainer.gen_prompts_per_batch=6",  # 6 groups: 4 trained on, 2 carried to the next step
+        "--rollout.partial=true",
+        "--rollout.max_inflight_prompts=6",  # positions 0-5 start at once: 4 trained on, 4 and 5 carried
         "--actor.logprob_impl=reference",  # no Triton interpreter (tests/conftest.py sets it) on a 512-wide model
         "--actor.shared_prefix=true",  # as the main CPU job: groups split over DP ranks share within a rank
         "--trainer.eval_every=0",
@@ -91,12 +91,10 @@ def test_carried_groups_stay_with_their_owner_and_checkpoint_in_full(ranks: list
     for r in ranks:  # only the carried groups' rows are still stored, on the rank that generated them
         assert r["store_keys"] == r["carry_owned"], r["rank"]
     generated = {k: v for r in ranks for k, v in r["carry_generated"].items()}
-    assert len(generated) == 2
+    assert len(generated) >= 2  # positions 4 and 5 at least (finished or not)
     for r in ranks:  # the trainer state (what rank 0 writes) holds the full groups on every rank
-        state = {str(s["index"]): s for s in r["carry_state"]}
-        assert set(state) == set(generated)
-        for k, g in generated.items():
-            assert state[k]["prompt_ids"] == g["prompt_ids"] and state[k]["responses"] == g["responses"]
+        state = {str(s["index"]): s["rows"] for s in r["carry_state"]}
+        assert state == generated
 
 
 def test_final_export_gathers_only_on_the_writer(ranks: list[dict]) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from megatron_dapo.config import load_config
 from megatron_dapo.memory import ENGINE_TAGS
+from megatron_dapo.memory import OFFLOAD_MODES
 from megatron_dapo.memory import PARTS
 from megatron_dapo.memory import PHASES
 from megatron_dapo.memory import STEP_SEQUENCE
@@ -244,3 +245,51 @@ def test_offload_config_field_is_checked():
     assert ActorConfig(offload="all").offload == "all"
     with pytest.raises(ValueError, match="actor.offload"):
         ActorConfig(offload="cpu")
+
+
+@pytest.mark.parametrize("offload", OFFLOAD_MODES)
+def test_an_engine_that_sizes_its_pool_at_start_starts_beside_no_actor_state(offload):
+    """build_engine(sized_at_start=True): every actor part is in host memory (and the cache emptied, all ranks past
+    the barrier) while the engine starts, then only what actor.offload keeps during generation comes back."""
+    from megatron_dapo.memory import PARTS  # noqa: PLC0415
+
+    probe, trace, seen = _ProbeForBuild(), [], {}
+
+    def make():
+        seen["actor_at_start"] = tuple(p for p in PARTS if p in probe.actor)
+        seen["trace_at_start"] = list(trace)
+        return probe
+
+    chor = MemoryChoreographer(None, probe, offload=offload, barrier=lambda: trace.append("barrier"), trace=trace)
+    assert chor.build_engine(make, sized_at_start=True) is probe and chor.engine is probe
+    assert seen["actor_at_start"] == ()
+    assert seen["trace_at_start"] == ["engine_start", "barrier"]  # emptied and synchronised before the start
+    during_generation = resident_by_phase(offload)["generation"]["actor"]
+    assert tuple(p for p in PARTS if p in probe.actor) == during_generation
+    chor.run_step({})  # no second offload at the first step: start() is done
+    assert "start" not in trace
+    plain = MemoryChoreographer(None, _ProbeForBuild(), offload=offload)
+    assert plain.build_engine(lambda: "engine", sized_at_start=False) == "engine" and plain.trace == []
+
+
+class _ProbeForBuild:
+    def __init__(self) -> None:
+        from megatron_dapo.memory import PARTS  # noqa: PLC0415
+
+        self.actor = set(PARTS)
+
+    def offload_state(self, parts):
+        self.actor -= set(parts)
+        return 0
+
+    def reload_state(self, parts=None):
+        from megatron_dapo.memory import PARTS  # noqa: PLC0415
+
+        self.actor |= set(PARTS if parts is None else parts)
+        return 0
+
+    def release_memory(self, tags):
+        pass
+
+    def resume_memory(self, tags):
+        pass

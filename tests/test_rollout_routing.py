@@ -8,35 +8,42 @@ import torch
 from megatron_dapo.actor.packing import RowPlan
 from megatron_dapo.actor.packing import balance_rows
 from megatron_dapo.actor.packing import sequence_lengths
-from megatron_dapo.algorithms import Group
 from megatron_dapo.config import AlgorithmConfig
-from megatron_dapo.experience import RolloutStore
 from megatron_dapo.experience import apply_rollout_correction
 from megatron_dapo.experience import batch_advantages
 from megatron_dapo.experience import build_actor_batch
 from megatron_dapo.experience import combine_rollout_correction
-from megatron_dapo.experience import join_group
 from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
 from megatron_dapo.experience import row_lengths
 from megatron_dapo.experience import rows_to_batch
+from megatron_dapo.rollout import FinishReason
+from megatron_dapo.rollout import Rollout
+from megatron_dapo.rollout import RolloutGroup
 
 
-def _group(index: int, prompt: int, lens: list[int], finish: list[str], seed: int, logp: bool = True) -> Group:
+def _group(index: int, prompt: int, lens: list[int], finish: list[str], seed: int, logp: bool = True) -> RolloutGroup:
     gen = torch.Generator().manual_seed(seed)
-    responses = [torch.randint(3, 50, (n,), generator=gen).tolist() for n in lens]
-    payload = {
-        "index": index,
-        "prompt_ids": torch.randint(3, 50, (prompt,), generator=gen).tolist(),
-        "responses": responses,
-        "finish": finish,
-        "engine_logp": [(-torch.rand(n, generator=gen)).tolist() for n in lens] if logp else None,
-        "rewards": torch.tensor([1.0, -1.0, -1.0, 1.0][: len(lens)]) - 0.1 * torch.arange(len(lens)),
-        "penalties": torch.zeros(len(lens)),
-        "lengths": torch.tensor(lens),
-        "truth": "7",
-    }
-    return Group(accs=torch.tensor([True, False, False, True][: len(lens)]), payload=payload)
+    prompt_ids = torch.randint(3, 50, (prompt,), generator=gen)
+    rollouts = [
+        Rollout(
+            prompt_ids,
+            torch.randint(3, 50, (n,), generator=gen),
+            -torch.rand(n, generator=gen) if logp else None,
+            FinishReason(f),
+            ((0, 0),) if n else (),
+        )
+        for n, f in zip(lens, finish, strict=True)
+    ]
+    return RolloutGroup(
+        index=index,
+        position=index,
+        truth="7",
+        rollouts=rollouts,
+        accs=torch.tensor([True, False, False, True][: len(lens)]),
+        rewards=torch.tensor([1.0, -1.0, -1.0, 1.0][: len(lens)]) - 0.1 * torch.arange(len(lens)),
+        penalties=torch.zeros(len(lens)),
+    )
 
 
 def test_row_plan_per_mini_batch_balance():
@@ -64,36 +71,28 @@ def test_summaries_plus_routed_rows_give_the_full_batch_rows():
         _group(1, 2, [4, 4, 0, 7], ["stop", "length", "stop", "stop"], seed=2),
     ]
     full = build_actor_batch(groups, algo, pad_token_id=0)
-    owners = [RolloutStore(rank=0), RolloutStore(rank=1)]
-    summaries = [owners[k].add(g) for k, g in enumerate(groups)]
+    owners = {f"{k}:1": g for k, g in enumerate(groups)}  # each group stays on the rank that generated it
+    summaries = [g.summary(k, f"{k}:1") for k, g in enumerate(groups)]
     for s in summaries:  # the summary holds no token ids
-        assert not {"prompt_ids", "responses", "engine_logp"} & set(s.payload)
-    assert row_lengths(summaries) == sequence_lengths(full.response_mask).tolist() == row_lengths(groups)
+        assert not any(isinstance(getattr(s, f), Rollout) for f in s.__slots__)
+    assert row_lengths(summaries) == sequence_lengths(full.response_mask).tolist()
     plan = RowPlan.build(row_lengths(summaries), dp_size=2, mini_batch_size=4)
     index = row_index(summaries)
     adv, keep = batch_advantages(summaries, algo)
     torch.testing.assert_close(adv, full.advantages, rtol=0, atol=0)
+    assert keep.tolist() == [1, 1, 0, 1, 1, 0, 1, 1]  # overlong filtering: the "length" rows
+    assert full.group_ids.tolist() == [0] * 4 + [1] * 4 and full.prompt_lengths.tolist() == [5] * 4 + [2] * 4
     for d in range(2):
         mine = plan.rows_of(d)
-        rows = []
-        for r in mine:  # what each owner sends for row r
-            g, i = index[r]
-            stored = owners[summaries[g].payload["owner"]].rows[summaries[g].payload["key"]]
-            rows.append((stored["prompt_ids"], stored["responses"][i], stored["engine_logp"][i]))
+        rows = [(owners[summaries[index[r][0]].key].rollouts[index[r][1]], index[r][0]) for r in mine]
         local = rows_to_batch(rows, adv[torch.tensor(mine)], keep[torch.tensor(mine)], pad_token_id=0)
         ref = full.select(torch.tensor(mine))
         width = local.tokens.shape[1]
         assert width <= full.tokens.shape[1] and (ref.response_mask[:, width:] == 0).all()
         for name in ("tokens", "loss_mask", "response_mask", "engine_logp"):
             torch.testing.assert_close(getattr(local, name), getattr(ref, name)[:, :width], rtol=0, atol=0)
-        torch.testing.assert_close(local.advantages, ref.advantages, rtol=0, atol=0)
-    # summaries + stored rows -> the group as score_group made it (checkpoint carry); retain drops the rest
-    joined = join_group(summaries[1], owners[1].rows[summaries[1].payload["key"]])
-    assert joined.payload.keys() == groups[1].payload.keys()
-    assert joined.payload["responses"] == groups[1].payload["responses"]
-    assert joined.payload["prompt_ids"] == groups[1].payload["prompt_ids"]
-    owners[1].retain([])
-    assert owners[1].rows == {}
+        for name in ("advantages", "group_ids", "prompt_lengths"):
+            torch.testing.assert_close(getattr(local, name), getattr(ref, name), rtol=0, atol=0)
 
 
 def test_empty_local_batch_keeps_its_shape():

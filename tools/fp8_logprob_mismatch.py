@@ -65,8 +65,8 @@ def main() -> None:
     ids = torch.full((len(completions), width), 2, dtype=torch.long)
     mask = torch.zeros(len(completions), width)
     for i, c in enumerate(completions):
-        seq = c.prompt_ids + c.response_ids
-        ids[i, : len(seq)] = torch.tensor(seq)
+        seq = torch.cat([c.prompt_ids, c.response_ids])
+        ids[i, : len(seq)] = seq
         mask[i, len(c.prompt_ids) : len(seq)] = 1.0
 
     def score(model: torch.nn.Module) -> torch.Tensor:
@@ -87,7 +87,7 @@ def main() -> None:
         "fp8_vs_actor_abs_logp_mean": float(diff.abs().mean()),
         "fp8_vs_actor_abs_logp_max": float(diff.abs().max()),
         "full_engine_vs_actor_abs_logp_max": float(
-            (torch.tensor([x for c in completions for x in c.response_logprobs]) - actor[valid]).abs().max()
+            (torch.cat([c.engine_logp for c in completions]) - actor[valid]).abs().max()
         ),
     }
     for mode in ("tis", "mis"):  # default thresholds: C = 2, band [0.5, 2]

@@ -65,7 +65,15 @@ def group_batch(groups: int, group_size: int, vocab: int, seed: int = 0):  # noq
         tokens[i, p : p + r] = torch.randint(1, vocab, (r,), generator=gen)
         mask[i, p : p + r] = 1.0
     advantages = torch.randn(rows, generator=gen)
-    return ActorBatch(tokens=tokens, loss_mask=mask.clone(), response_mask=mask, advantages=advantages)
+    group_ids = torch.arange(rows) // group_size
+    return ActorBatch(
+        tokens=tokens,
+        loss_mask=mask.clone(),
+        response_mask=mask,
+        advantages=advantages,
+        group_ids=group_ids,
+        prompt_lengths=torch.tensor(prompt_lens)[group_ids],
+    )
 
 
 def _classify(event) -> str:  # noqa: ANN001

@@ -112,14 +112,14 @@ def diff_stats(completions, ref: Reference, temperature: float) -> dict[str, flo
     """Max / mean abs difference of engine vs reference log-probs over every response token."""
     diffs = []
     for c in completions:
-        want = ref.logprobs(c.prompt_ids, c.response_ids, temperature)
-        diffs.append((torch.tensor(c.response_logprobs, dtype=torch.float32) - want).abs())
+        want = ref.logprobs(c.prompt_ids.tolist(), c.response_ids.tolist(), temperature)
+        diffs.append((c.engine_logp - want).abs())
     d = torch.cat(diffs)
     return {"max_abs": float(d.max()), "mean_abs": float(d.mean()), "tokens": int(d.numel())}
 
 
 def same(a, b) -> bool:
-    return all(x.response_ids == y.response_ids for x, y in zip(a, b, strict=True))
+    return all(torch.equal(x.response_ids, y.response_ids) for x, y in zip(a, b, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     import vllm  # noqa: PLC0415
 
     from megatron_dapo.rollout.base import SamplingParams  # noqa: PLC0415
+    from megatron_dapo.rollout.types import FinishReason  # noqa: PLC0415
     from megatron_dapo.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415
     from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
 
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         out = engine.generate(prompts, sp)
         seconds = time.perf_counter() - start
-        return out, seconds, sum(c.response_length for c in out)
+        return out, seconds, sum(len(c) for c in out)
 
     first, secs, ntok = timed_generate(params)
     results["gen_seconds"] = secs
@@ -199,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     again, secs2, ntok2 = timed_generate(params)
     results["tokens_per_s_second_call"] = ntok2 / secs2
     lp_same = max(
-        max((abs(a - b) for a, b in zip(x.response_logprobs, y.response_logprobs)), default=0.0)
+        float((x.engine_logp - y.engine_logp).abs().max()) if len(x) == len(y) and len(x) else 0.0
         for x, y in zip(first, again)
     )
     other, _, _ = timed_generate(dataclasses.replace(params, seed=args.seed + 1))
     distinct = min(
-        len({tuple(c.response_ids) for c in first[i * args.group : (i + 1) * args.group]}) for i in range(args.prompts)
+        len({tuple(c.response_ids.tolist()) for c in first[i * args.group : (i + 1) * args.group]})
+        for i in range(args.prompts)
     )
     check(
         "seeded",
@@ -213,11 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         f"other seed differs={not same(first, other)}, min distinct samples per group={distinct}/{args.group})",
     )
 
-    stops = [c for c in first if c.finish_reason == "stop"]
+    stops = [c for c in first if c.finish is FinishReason.STOP]
     check(
         "stop",
-        all(c.response_ids[-1] == eos for c in stops)
-        and all(c.response_length == args.max_new_tokens for c in first if c.finish_reason == "length"),
+        all(int(c.response_ids[-1]) == eos for c in stops)
+        and all(len(c) == args.max_new_tokens for c in first if c.finish is FinishReason.LENGTH),
         f"({len(stops)} of {len(first)} ended on EOS {eos}, the EOS kept as the last response token; the others "
         f"have exactly {args.max_new_tokens} tokens)",
     )

@@ -87,6 +87,23 @@ def requests_for(prompts: Sequence[Sequence[int]], params: SamplingParams) -> li
     ]
 
 
+def generate_blocking(engine: Any, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Rollout]:
+    """RolloutEngine.generate on top of the streaming calls: one submit per prompt (its n requests), steps until
+    every request finished; rows in i-major order (requests_for)."""
+    if engine.num_unfinished():
+        raise RuntimeError(f"{type(engine).__name__}.generate: requests of a stream are still in flight")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"{type(engine).__name__}.generate: prompt {i} is empty")
+    requests = requests_for(prompts, params)
+    for i in range(len(prompts)):
+        engine.submit(requests[i * params.n : (i + 1) * params.n], params)
+    done: dict[Any, Rollout] = {}
+    while engine.num_unfinished():
+        done.update(engine.step())
+    return [done[r.key] for r in requests]
+
+
 def request_result(
     request: GenerationRequest,
     ids: Sequence[int] | Tensor,

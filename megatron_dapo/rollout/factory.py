@@ -81,6 +81,7 @@ def make_engine(
             server_tp=rollout.tensor_parallel,
             master_address=weight_sync_master_address(address, rollout.server_urls, num_nodes(world)),
             master_port=master_port if master_port is not None else rollout.weight_sync_master_port,
+            max_running_requests=rollout.max_running_requests,
         )
     if rollout.engine == "sglang":
         from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: PLC0415
@@ -94,6 +95,7 @@ def make_engine(
             seed=seed,
             deterministic_inference=rollout.deterministic_inference,
             weight_dtype=rollout.weight_dtype,
+            max_running_requests=rollout.max_running_requests,
             engine_kwargs=engine_kwargs,
         )
     if rollout.engine == "vllm":
@@ -110,6 +112,13 @@ def make_engine(
             llm_kwargs=engine_kwargs,
         )
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")
+
+
+def sizes_kv_pool_at_start(rollout: RolloutConfig) -> bool:
+    """True for engines in the training processes' GPUs that size their KV pool once, from the memory free when they
+    start (colocated SGLang and vLLM): the trainer builds them with the actor offloaded (MemoryChoreographer
+    .build_engine). The transformers engine allocates its KV slots per use; server mode lives on other GPUs."""
+    return rollout.mode == "colocated" and rollout.engine in ("sglang", "vllm")
 
 
 def weight_update_target(rollout: RolloutConfig, engine: RolloutEngine | None, rank: int, world_size: int) -> Any:

@@ -33,13 +33,14 @@ import torch
 from torch import Tensor
 
 from megatron_dapo.memory import ENGINE_TAGS
-from megatron_dapo.rollout.base import BlockingStream
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
+from megatron_dapo.rollout.base import generate_blocking
 from megatron_dapo.rollout.base import request_result
-from megatron_dapo.rollout.base import requests_for
 from megatron_dapo.rollout.launch_env import rendezvous_store
 from megatron_dapo.rollout.launch_env import scrubbed_environ
+from megatron_dapo.rollout.sglang_stream import EngineStream
+from megatron_dapo.rollout.sglang_stream import ServerStream
 from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
@@ -50,6 +51,7 @@ SGLANG_VERSIONS = ("0.5.15", "0.5.23")
 ENGINE = ("srt/entrypoints/engine.py",)
 SERVER_ARGS = ("srt/server_args.py", "srt/arg_groups/fields/*.py")  # 0.5.23 split ServerArgs into namespaces
 IO_STRUCT = ("srt/managers/io_struct.py",)
+TOKENIZER_MANAGER = ("srt/managers/tokenizer_manager.py",)
 HTTP = ("srt/entrypoints/http_server.py",)
 
 
@@ -70,8 +72,14 @@ class ApiUse:
     optional: bool = False
 
 
+MAX_RUNNING_KEY = "effective_max_running_requests_per_dp"
+"""The scheduler's internal-state key of its effective max_running_requests (0.5.23)."""
+
 SGLANG_API: tuple[ApiUse, ...] = (
-    ApiUse("params", ENGINE, "Engine.generate", ("input_ids", "sampling_params", "return_logprob")),
+    ApiUse("params", ENGINE, "Engine.async_generate", ("input_ids", "sampling_params", "return_logprob", "rid")),
+    ApiUse("params", ENGINE, "Engine.get_server_info", ()),
+    ApiUse("params", TOKENIZER_MANAGER, "TokenizerManager.abort_request", ("rid", "abort_all")),
+    ApiUse("literals", ("srt/managers/scheduler_components/*.py",), "*", (MAX_RUNNING_KEY,)),
     ApiUse("params", ENGINE, "Engine.update_weights_from_tensor", ("named_tensors", "load_format", "flush_cache")),
     ApiUse("params", ENGINE, "Engine.release_memory_occupation", ("tags",)),
     ApiUse("params", ENGINE, "Engine.resume_memory_occupation", ("tags",)),
@@ -95,6 +103,7 @@ SGLANG_API: tuple[ApiUse, ...] = (
             "enable_deterministic_inference",
             "json_model_override_args",
             "load_format",
+            "max_running_requests",
         ),
     ),
     ApiUse(
@@ -103,7 +112,8 @@ SGLANG_API: tuple[ApiUse, ...] = (
         "SamplingParams",
         ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "no_stop_trim", "sampling_seed"),
     ),
-    ApiUse("fields", IO_STRUCT, "GenerateReqInput", ("input_ids", "sampling_params", "return_logprob")),
+    ApiUse("fields", IO_STRUCT, "GenerateReqInput", ("input_ids", "sampling_params", "return_logprob", "rid")),
+    ApiUse("fields", IO_STRUCT, "AbortReq", ("rid", "abort_all")),  # rid is inherited from BaseReq
     ApiUse(
         "fields",
         IO_STRUCT,
@@ -119,6 +129,8 @@ SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse("fields", IO_STRUCT, "BeginWeightUpdateReqInput", (), optional=True),
     ApiUse("fields", IO_STRUCT, "EndWeightUpdateReqInput", (), optional=True),
     ApiUse("route", HTTP, "/generate", ("GenerateReqInput",)),
+    ApiUse("route", HTTP, "/abort_request", ("AbortReq",)),
+    ApiUse("route", HTTP, "/get_server_info", ()),
     ApiUse("route", HTTP, "/init_weights_update_group", ("InitWeightsUpdateGroupReqInput",)),
     ApiUse("route", HTTP, "/update_weights_from_distributed", ("UpdateWeightsFromDistributedReqInput",)),
     ApiUse("route", HTTP, "/flush_cache", ()),
@@ -215,6 +227,18 @@ def parse_sglang_output(
     if want_logprobs and logps is None and ids:
         raise RuntimeError("sglang: no output_token_logprobs in the result (return_logprob was set)")
     return request_result(request, ids, logps if want_logprobs else None, FinishReason(kind), version)
+
+
+def effective_max_running(server_info: dict) -> int:
+    """Rows one SGLang scheduler runs at once, from Engine.get_server_info() / GET /get_server_info: its first
+    data-parallel rank's internal state "effective_max_running_requests_per_dp" (0.5.23,
+    scheduler_components/internal_state.py)."""
+    try:
+        return int(server_info["internal_states"][0][MAX_RUNNING_KEY])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise RuntimeError(
+            f"sglang: server info has no internal_states[0][{MAX_RUNNING_KEY!r}]; set rollout.max_running_requests"
+        ) from None
 
 
 def flatten_bucket(bucket: Sequence[tuple[str, Tensor]], align: int = 16) -> tuple[Tensor, list[dict]]:
@@ -381,7 +405,7 @@ def _ok(result: Any, what: str) -> None:
         raise WeightUpdateError(f"sglang {what} failed: {result.get('message')}")
 
 
-class SGLangEngine(BlockingStream):
+class SGLangEngine(EngineStream):
     """Colocated SGLang: an offline sglang.Engine on this process's GPUs (base_gpu_id .. + tensor_parallel).
 
     Create it on the first rank of each rollout group; that rank receives the full HF tensors from the actor
@@ -402,6 +426,7 @@ class SGLangEngine(BlockingStream):
         seed: int = 0,
         deterministic_inference: bool = False,
         weight_dtype: str = "auto",
+        max_running_requests: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         import sglang  # noqa: PLC0415
@@ -421,6 +446,8 @@ class SGLangEngine(BlockingStream):
         }
         if deterministic_inference:  # per-request sampling_seed is ignored without it (docs/rollout.md)
             args["enable_deterministic_inference"] = True
+        if max_running_requests > 0:
+            args["max_running_requests"] = max_running_requests
         if weight_dtype == "fp8":
             # Block-FP8 linear layers (weight float8_e4m3fn + weight_scale_inv per 128x128 block) need the served
             # config to carry this quantization_config; the bf16 checkpoint cannot fill FP8 parameters, so the engine
@@ -441,24 +468,15 @@ class SGLangEngine(BlockingStream):
         self._patch_reductions = monkey_patch_torch_reductions
         self._released: set[str] = set()
         self._session = False
+        # Rows SGLang runs at once: what the stream hands this engine before its other requests would only queue.
+        self._init_stream(max_running_requests or effective_max_running(self._call("get_server_info")))
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         return getattr(self._engine, method)(**_checked(f"Engine.{method}", kwargs))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        """len(prompts) * params.n Rollouts, grouped by prompt (one SGLang request per response)."""
-        return self.run_requests(requests_for(prompts, params), params)
-
-    def run_requests(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Rollout]:
-        """One blocking Engine.generate call over `requests` (BlockingStream)."""
-        outs = self._call(
-            "generate",
-            input_ids=[request_input_ids(r) for r in requests],
-            sampling_params=sampling_params_dicts(requests, params),
-            return_logprob=True,
-        )
-        version = self.weight_version
-        return [parse_sglang_output(o, r, params.return_logprobs, version) for o, r in zip(outs, requests)]
+        """len(prompts) * params.n Rollouts, grouped by prompt (the stream's calls, blocking)."""
+        return generate_blocking(self, prompts, params)
 
     def begin_weight_update(self) -> None:
         """Restore weight memory if released, then open SGLang's update session where it exists (>= 0.5.23)."""
@@ -565,7 +583,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class SGLangServerEngine(BlockingStream):
+class SGLangServerEngine(ServerStream):
     """Disaggregated SGLang: HTTP servers on other nodes; weights by NCCL broadcast from this trainer rank.
 
     server_urls: base URLs; server_tp: tensor-parallel size of each server (for the update group's world size).
@@ -586,6 +604,7 @@ class SGLangServerEngine(BlockingStream):
         timeout_s: float = 3600.0,
         group_timeout_s: float = 600.0,
         backend: str = "nccl",
+        max_running_requests: int = 0,
     ) -> None:
         if not server_urls:
             raise ValueError("SGLangServerEngine: server_urls is empty")
@@ -597,6 +616,18 @@ class SGLangServerEngine(BlockingStream):
         self.backend = backend
         self._group = None
         self._session_routes = True
+        if not max_running_requests:  # the smallest server's (the stream balances rows over servers)
+            max_running_requests = min(effective_max_running(self._get(u, "/get_server_info")) for u in self.urls)
+        self._init_stream(max_running_requests)
+
+    def _get(self, url: str, route: str) -> Any:
+        if _ROUTE_BODY.get(route, "") is not None:
+            raise KeyError(f"sglang_engine: GET route {route} is not listed in SGLANG_API")
+        try:
+            with urllib.request.urlopen(url + route, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"sglang server {url}{route}: HTTP {err.code} {err.read()[:300]!r}") from None
 
     def _post(self, url: str, route: str, body: dict | None = None) -> Any:
         body_cls = _ROUTE_BODY.get(route, "")
@@ -621,25 +652,8 @@ class SGLangServerEngine(BlockingStream):
             return list(pool.map(lambda u: self._post(u, route, body), self.urls))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        """len(prompts) * params.n Rollouts, grouped by prompt."""
-        return self.run_requests(requests_for(prompts, params), params)
-
-    def run_requests(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Rollout]:
-        """Split the requests into contiguous chunks, one per server, sent concurrently."""
-        rows = [request_input_ids(r) for r in requests]
-        sampling = sampling_params_dicts(requests, params)
-        per = -(-len(rows) // len(self.urls))
-        chunks = [(u, slice(j * per, (j + 1) * per)) for j, u in enumerate(self.urls) if j * per < len(rows)]
-
-        def run(chunk: tuple[str, slice]) -> list[dict]:
-            url, sl = chunk
-            body = {"input_ids": rows[sl], "sampling_params": sampling[sl], "return_logprob": True}
-            return self._post(url, "/generate", body)
-
-        with ThreadPoolExecutor(len(chunks)) as pool:
-            outs = [o for part in pool.map(run, chunks) for o in part]
-        version = self.weight_version
-        return [parse_sglang_output(o, r, params.return_logprobs, version) for o, r in zip(outs, requests)]
+        """len(prompts) * params.n Rollouts, grouped by prompt (the stream's calls, blocking)."""
+        return generate_blocking(self, prompts, params)
 
     def begin_weight_update(self) -> None:
         """Create the NCCL update group on first use (servers join concurrently), then open server sessions."""

@@ -32,8 +32,8 @@ from torch import Tensor
 
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
+from megatron_dapo.rollout.base import generate_blocking
 from megatron_dapo.rollout.base import request_result
-from megatron_dapo.rollout.base import requests_for
 from megatron_dapo.rollout.slot_cache import ATTENTION_NAME
 from megatron_dapo.rollout.slot_cache import ROW_BLOCK
 from megatron_dapo.rollout.slot_cache import PrefillCache
@@ -221,21 +221,10 @@ class TransformersEngine:
         self._live, self._waiting, self._prefills, self._prefill_refs = [], deque(), {}, {}
         return out
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         """len(prompts) * params.n finished Rollouts, grouped contiguously by prompt (rows i*n .. i*n+n-1): a
         blocking run of the same continuous batching, response k of prompt i seeded by completion_seed(seed, i, k)."""
-        if self.num_unfinished():
-            raise RuntimeError("TransformersEngine.generate: requests of a stream are still in flight")
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"TransformersEngine.generate: prompt {i} is empty")
-        requests = requests_for(prompts, params)
-        self.submit(requests, params)
-        done: dict[Any, Rollout] = {}
-        while self.num_unfinished():
-            done.update(self.step())
-        return [done[r.key] for r in requests]
+        return generate_blocking(self, prompts, params)
 
     # internals of the continuous batch
     def _want_logp(self) -> bool:

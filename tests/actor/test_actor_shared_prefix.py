@@ -43,7 +43,14 @@ def _group_batch(seed: int = 4) -> "ActorBatch":  # noqa: F821, UP037
     loss_mask = response.clone()
     loss_mask[6] = 0.0  # an overlong-filtered response
     advantages = torch.randn(len(rows), generator=gen)
-    return ActorBatch(tokens=tokens, loss_mask=loss_mask, response_mask=response, advantages=advantages)
+    return ActorBatch(
+        tokens=tokens,
+        loss_mask=loss_mask,
+        response_mask=response,
+        advantages=advantages,
+        group_ids=torch.arange(len(rows)) // 4,  # the trainer's group ids: rows of one prompt share theirs
+        prompt_lengths=torch.tensor([p for p, _ in rows]),
+    )
 
 
 def _worker(ckpts: dict[str, str], batch) -> list[dict]:  # noqa: ANN001

@@ -19,38 +19,39 @@ from megatron_dapo.actor.packing import shared_prefix_cost
 from megatron_dapo.actor.packing import shared_prefix_micro_batches
 
 
-def _group_rows(seed: int, groups: int = 3, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_rows(seed: int, groups: int = 3, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows in prompt groups (prompts of 1-5 tokens, shared within a group; responses of 1-6 tokens), shuffled,
-    plus one row without response tokens. Returns (tokens [B, S], response_mask [B, S])."""
+    plus one row without response tokens. Returns (tokens [B, S], response_mask [B, S], group_ids [B]: the rows of
+    one group share an id, as ActorBatch.group_ids)."""
     rng = random.Random(seed)
     spec = []
     for g in range(groups):
         prompt = [rng.randint(1, 50) for _ in range(rng.randint(3 if g == 0 else 1, 5))]
         for _ in range(rng.randint(2 if g == 0 else 1, rows)):  # group 0 always shares a prompt of >= 3 tokens
-            spec.append((prompt, [rng.randint(1, 50) for _ in range(rng.randint(1, 6))]))
-    spec.append(([7, 8, 9], []))  # a dummy-like row: no response
+            spec.append((g, prompt, [rng.randint(1, 50) for _ in range(rng.randint(1, 6))]))
+    spec.append((groups, [7, 8, 9], []))  # a dummy-like row: no response
     rng.shuffle(spec)
-    s = max(len(p) + len(r) for p, r in spec) + 2
+    s = max(len(p) + len(r) for _, p, r in spec) + 2
     tokens = torch.zeros(len(spec), s, dtype=torch.int64)
     mask = torch.zeros(len(spec), s)
-    for i, (p, r) in enumerate(spec):
+    for i, (_, p, r) in enumerate(spec):
         tokens[i, : len(p) + len(r)] = torch.tensor(p + r)
         mask[i, len(p) : len(p) + len(r)] = 1.0
-    return tokens, mask
+    return tokens, mask, torch.tensor([g for g, _, _ in spec], dtype=torch.int64)
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("multiple", [1, 4])
 def test_layout_round_trip_positions_and_visible_keys(seed: int, multiple: int) -> None:
-    tokens, mask = _group_rows(seed)
+    tokens, mask, ids = _group_rows(seed)
     lengths = sequence_lengths(mask)
     prompts = prompt_lengths(mask, lengths)
-    layout = SharedPrefixLayout.build(tokens, lengths, prompts, multiple)
+    layout = SharedPrefixLayout.build(tokens, lengths, prompts, ids, multiple)
     packed = layout.tokens[0]
     allowed = ~layout.attention_mask()[0, 0]
     assert layout.num_tokens % multiple == 0 and layout.num_tokens - layout.num_real < multiple
     # Each distinct prompt is held once: prefix P - 1 per group, one branch per row.
-    groups = prompt_groups(tokens, prompts, list(range(len(tokens))))
+    groups = prompt_groups(ids, list(range(len(tokens))))
     assert layout.num_real == sum(shared_prefix_cost(lengths.tolist(), prompts, g) for g in groups)
     assert layout.num_real < int(lengths.sum())
     for r in range(len(tokens)):
@@ -131,10 +132,10 @@ def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 def test_masked_block_attention_matches_unshared_rows(seed: int) -> None:
     from megatron_dapo.actor.model import masked_block_attention  # noqa: PLC0415
 
-    tokens, mask = _group_rows(seed + 10)
+    tokens, mask, ids = _group_rows(seed + 10)
     lengths = sequence_lengths(mask)
     prompts = prompt_lengths(mask, lengths)
-    layout = SharedPrefixLayout.build(tokens, lengths, prompts, multiple=3)
+    layout = SharedPrefixLayout.build(tokens, lengths, prompts, ids, multiple=3)
     gen = torch.Generator().manual_seed(seed)
     heads, kv, dim, scale = 6, 2, 8, 0.3
     # Per-token q/k/v as a function of (token, position) only, so rows sharing a prompt share its values, as
@@ -188,10 +189,10 @@ def test_packed_logprobs_only_at_needed_positions(shared: bool) -> None:
     from megatron_dapo.actor.loss import micro_batch_logprobs  # noqa: PLC0415
     from megatron_dapo.actor.packing import PackedLayout  # noqa: PLC0415
 
-    tokens, mask = _group_rows(7)
+    tokens, mask, ids = _group_rows(7)
     lengths = sequence_lengths(mask)
     if shared:
-        layout = SharedPrefixLayout.build(tokens, lengths, prompt_lengths(mask, lengths), multiple=2)
+        layout = SharedPrefixLayout.build(tokens, lengths, prompt_lengths(mask, lengths), ids, multiple=2)
     else:
         layout = PackedLayout.build(tokens, lengths, multiple=2)
     fn = get_logprob_impl("reference").fn

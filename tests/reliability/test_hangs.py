@@ -1,7 +1,8 @@
 """Hangs of issue 12 item 4, each bounded by a configurable limit that the test sets low.
 
-- dynamic sampling with the default config stops (max_gen_batches 10) when every group is all-correct or
-  all-wrong, and logs each extra generation round; before, the default (0 = unlimited) spun silently forever;
+- dynamic sampling with the default config stops at its cap of sampled prompts (max_gen_batches 10 x
+  gen_prompts_per_batch) when every group is all-correct or all-wrong, with the counts; before, the default
+  (0 = unlimited) spun silently forever;
 - the verifier's time limit applies off the main thread (before: no limit there at all).
 The stopped-rank case (distributed.timeout_minutes) is in test_actor_faults.py.
 """
@@ -22,39 +23,24 @@ from megatron_dapo.config import load_config
 from megatron_dapo.reward import dapo_math
 
 
-class _Uninformative:
-    """A generator whose every group is all-wrong; it fails the test instead of letting it spin forever."""
-
-    def __init__(self, limit: int = 1000) -> None:
-        self.calls = 0
-        self.limit = limit
-
-    def __call__(self, missing: int) -> list[Group]:
-        self.calls += 1
-        if self.calls > self.limit:
-            raise AssertionError(f"dynamic sampling still generating after {self.limit} rounds")
-        return [Group(accs=torch.zeros(4, dtype=torch.bool), payload=i) for i in range(missing)]
-
-
-def test_default_dynamic_sampling_is_bounded_and_logs_each_extra_round():
-    cfg = load_config(None, [])
-    lines: list[str] = []
-    sampler = DynamicSampler.from_config(cfg.algorithm, target_prompts=4, log=lines.append)
-    source = _Uninformative()
-    with pytest.raises(DynamicSamplingError, match=r"max_gen_batches=10: kept 0 of 4 prompts after sampling 40"):
-        sampler.collect(source)
-    assert source.calls == 10
-    assert len(lines) == 9 and all(f"generation round {k + 2} (of at most 10)" in x for k, x in enumerate(lines))
-    assert "0 all-correct, 4 all-wrong groups" in lines[0]
-
-
-def test_sampler_default_logs_through_logging(caplog):
-    source = _Uninformative()
-    with caplog.at_level("INFO", logger="megatron_dapo.algorithms.dynamic_sampling"):
-        with pytest.raises(DynamicSamplingError):
-            DynamicSampler(target_prompts=2, max_gen_batches=3).collect(source)
-    messages = [r.getMessage() for r in caplog.records]
-    assert len(messages) == 2 and "generation round 2" in messages[0] and "generation round 3" in messages[1]
+def test_default_dynamic_sampling_is_bounded_and_says_by_what():
+    """Every group all-wrong: the step stops at the cap of sampled prompts (max_gen_batches x
+    gen_prompts_per_batch, the default 10 batches) with the counts, instead of sampling forever."""
+    overrides = ["--trainer.gen_prompts_per_batch=4", "--trainer.prompts_per_step=4", "--trainer.mini_batch_prompts=4"]
+    cfg = load_config(None, overrides)
+    step = DynamicSampler.from_config(cfg.algorithm, cfg.trainer).start()
+    offered = 0
+    while not step.done:
+        assert offered < 1000, "dynamic sampling still undecided after 1000 prompts"
+        step.offer(offered, Group(accs=torch.zeros(4, dtype=torch.bool), payload=offered))
+        offered += 1
+    assert offered == 40
+    with pytest.raises(
+        DynamicSamplingError,
+        match=r"cap of 40 sampled prompts \(algorithm.max_gen_batches=10 x trainer.gen_prompts_per_batch=4\): "
+        r"kept 0 of 4 prompts after sampling 40 \(0 all-correct, 40 all-wrong groups\)",
+    ):
+        step.result()
 
 
 @pytest.fixture

@@ -63,8 +63,8 @@ def _as_batch(completions) -> ActorBatch:  # noqa: ANN001
     tokens = torch.zeros(len(completions), width, dtype=torch.long)
     mask = torch.zeros(len(completions), width)
     for i, c in enumerate(completions):
-        seq = c.prompt_ids + c.response_ids
-        tokens[i, : len(seq)] = torch.tensor(seq)
+        seq = torch.cat([c.prompt_ids, c.response_ids])
+        tokens[i, : len(seq)] = seq
         mask[i, len(c.prompt_ids) : len(seq)] = 1.0
     return ActorBatch(tokens=tokens, loss_mask=mask, response_mask=mask, advantages=torch.zeros(len(completions)))
 
@@ -121,7 +121,7 @@ def _sync_worker(hf_dir: str) -> dict:
     actor_logp, _ = actor.compute_logprobs(seqs, with_entropy=False)
     exported = [(n, t.clone()) for n, t in actor.export_hf_weights()]
     if engine is not None:
-        out["engine_logp"] = [torch.tensor(c.response_logprobs) for c in completions]
+        out["engine_logp"] = [c.engine_logp for c in completions]
         out["actor_logp"] = [
             actor_logp[i, len(c.prompt_ids) : len(c.prompt_ids) + len(c.response_ids)]
             for i, c in enumerate(completions)
@@ -149,7 +149,7 @@ def _sync_worker(hf_dir: str) -> dict:
     if fp8_engine is not None:
         out["fp8_diff"] = torch.cat(
             [
-                torch.tensor(c.response_logprobs)
+                c.engine_logp
                 - fp8_logp[i, len(c.prompt_ids) : len(c.prompt_ids) + len(c.response_ids)]
                 for i, c in enumerate(shared[0])
             ]

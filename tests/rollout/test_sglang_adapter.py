@@ -16,9 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_dapo.rollout import FinishReason
+from megatron_dapo.rollout import GenerationRequest
+from megatron_dapo.rollout import Rollout
 from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout import TransformersEngine
 from megatron_dapo.rollout import bucket_named_tensors
+from megatron_dapo.rollout.base import requests_for
 from megatron_dapo.rollout.sglang_engine import SGLANG_API
 from megatron_dapo.rollout.sglang_engine import ApiUse
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
@@ -26,6 +30,7 @@ from megatron_dapo.rollout.sglang_engine import _checked
 from megatron_dapo.rollout.sglang_engine import flatten_bucket
 from megatron_dapo.rollout.sglang_engine import flattened_bucket_payloads
 from megatron_dapo.rollout.sglang_engine import parse_sglang_output
+from megatron_dapo.rollout.sglang_engine import request_input_ids
 from megatron_dapo.rollout.sglang_engine import sampling_params_dicts
 from tests.rollout.conftest import tiny_model
 
@@ -54,11 +59,15 @@ def _classes(trees: list[ast.Module]) -> dict[str, ast.ClassDef]:
     return {n.name: n for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
 
 
-def _fields(cls: ast.ClassDef) -> set[str]:
+def _fields(cls: ast.ClassDef, classes: dict[str, ast.ClassDef] | None = None) -> set[str]:
+    """Annotated fields (and __init__ arguments) of cls and of its base classes found in `classes`."""
     names = {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
     for s in cls.body:  # classes with a plain __init__ (older releases)
         if isinstance(s, ast.FunctionDef) and s.name == "__init__":
             names |= {a.arg for a in s.args.args + s.args.kwonlyargs}
+    for base in cls.bases:
+        if classes and isinstance(base, ast.Name) and base.id in classes and base.id != cls.name:
+            names |= _fields(classes[base.id], classes)
     return names
 
 
@@ -99,7 +108,7 @@ def api_problems(root: Path, uses: tuple[ApiUse, ...] = SGLANG_API) -> list[str]
             if use.owner == "*":
                 found = set().union(*(_fields(c) for c in classes.values()))
             else:
-                found = _fields(classes[use.owner]) if use.owner in classes else None
+                found = _fields(classes[use.owner], classes) if use.owner in classes else None
         elif use.kind == "route":
             fn = _route(trees, use.owner)
             found = None if fn is None else {ast.unparse(a.annotation) for a in fn.args.args if a.annotation}
@@ -166,9 +175,8 @@ def test_flattened_payload_rebuilt_by_sglang_reproduces_source_logits(monkeypatc
             assert [n for n, _ in tensors] == [n for n, _ in bucket]
             engine.update_weights(tensors)
     engine.end_weight_update(full=True)
-    ids = torch.tensor([[1, 5, 7, 11, 3]])
-    with torch.no_grad():
-        torch.testing.assert_close(engine.model(input_ids=ids).logits, source(input_ids=ids).logits, rtol=0, atol=0)
+    got = engine.model.state_dict()
+    assert all(torch.equal(got[n], t) for n, t in source.state_dict().items())  # every weight bit for bit
 
 
 @needs_sglang
@@ -183,31 +191,47 @@ def test_mixed_dtype_bucket_is_aligned_and_bit_exact(monkeypatch):
 
 
 def test_sampling_params_rows():
-    rows = sampling_params_dicts([[1, 2], [3]], SamplingParams(n=3, max_new_tokens=9, top_k=0, seed=1), 1)
+    reqs = requests_for([[1, 2], [3]], SamplingParams(n=3, max_new_tokens=9, top_k=0, seed=1))
+    rows = sampling_params_dicts(reqs, SamplingParams(n=3, max_new_tokens=9, top_k=0, seed=1))
     assert len(rows) == 6 and len({r["sampling_seed"] for r in rows}) == 6
+    assert [r["sampling_seed"] for r in rows] == [r.seed for r in reqs]
     assert rows[0]["top_k"] == -1 and rows[0]["max_new_tokens"] == 9 and rows[0]["no_stop_trim"] is True
-    again = sampling_params_dicts([[1, 2], [3]], SamplingParams(n=3, top_k=4, seed=1), 1)
+    again = sampling_params_dicts(reqs, SamplingParams(n=3, top_k=4, seed=1))
     assert [r["sampling_seed"] for r in again] == [r["sampling_seed"] for r in rows] and again[0]["top_k"] == 4
+    # A carried response continues: its tokens follow the prompt and count against the cap.
+    prefix = Rollout([1, 2], [7, 8, 9], [-0.1, -0.2, -0.3], FinishReason.ABORT, ((0, 3),))
+    cont = GenerationRequest("k", [1, 2], 5, prefix=prefix)
+    assert request_input_ids(cont) == [1, 2, 7, 8, 9]
+    assert sampling_params_dicts([cont], SamplingParams(max_new_tokens=9))[0]["max_new_tokens"] == 6
+
+
+def _out(ids, kind, logps=None, **extra):
+    meta = {"finish_reason": {"type": kind, **extra}}
+    if logps is not None:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logps, ids)]
+    return {"output_ids": ids, "meta_info": meta}
 
 
 def test_parse_sglang_output_stop_length_abort():
-    stop = {
-        "output_ids": [5, 6, 2],
-        "meta_info": {
-            "finish_reason": {"type": "stop", "matched": 2},
-            "output_token_logprobs": [[-0.5, 5, None], [-1.0, 6, None], [-0.1, 2, None]],
-        },
-    }
-    c = parse_sglang_output(stop, [1, 9], True)
-    assert (c.response_ids, c.response_logprobs, c.finish_reason) == ([5, 6, 2], [-0.5, -1.0, -0.1], "stop")
-    length = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}
-    c = parse_sglang_output(length, [1], False)
-    assert (c.response_ids, c.response_logprobs, c.finish_reason) == ([5, 6], None, "length")
+    req = GenerationRequest("k", [1, 9], 0)
+    c = parse_sglang_output(_out([5, 6, 2], "stop", [-0.5, -1.0, -0.1], matched=2), req, True, 4)
+    assert c.response_ids.tolist() == [5, 6, 2] and c.finish is FinishReason.STOP and c.segments == ((0, 4),)
+    assert c.engine_logp.tolist() == pytest.approx([-0.5, -1.0, -0.1])
+    c = parse_sglang_output(_out([5, 6], "length", length=2), GenerationRequest("k", [1], 0), False, 0)
+    assert (c.response_ids.tolist(), c.engine_logp, c.finish) == ([5, 6], None, FinishReason.LENGTH)
     with pytest.raises(RuntimeError, match="abort"):
-        parse_sglang_output({"meta_info": {"finish_reason": {"type": "abort", "message": "oom"}}}, [1], True)
-    trimmed = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop", "matched": 2}}}
+        parse_sglang_output(_out([], "abort", message="oom"), req, True, 0)
+    partial = parse_sglang_output(_out([5], "abort", [-0.2], message="Aborted"), req, True, 0, allow_abort=True)
+    assert partial.finish is FinishReason.ABORT and partial.response_ids.tolist() == [5]
     with pytest.raises(RuntimeError, match="stop token 2"):
-        parse_sglang_output(trimmed, [1], False)
+        parse_sglang_output(_out([5, 6], "stop", matched=2), req, False, 0)
+    # A continued request: the old segment keeps its tokens, log-probs and version.
+    prefix = Rollout([1, 9], [7], [-0.7], FinishReason.ABORT, ((0, 3),))
+    cont = parse_sglang_output(
+        _out([5, 2], "stop", [-0.5, -0.1], matched=2), GenerationRequest("k", [1, 9], 0, prefix), True, 4
+    )
+    assert cont.response_ids.tolist() == [7, 5, 2] and cont.segments == ((0, 3), (1, 4))
+    assert cont.engine_logp.tolist() == pytest.approx([-0.7, -0.5, -0.1])
 
 
 class _RecordingEngine:
@@ -242,6 +266,7 @@ def _adapter(fake) -> SGLangEngine:
     eng._metadata_cls = dict
     eng._serialize = pickle.dumps
     eng._patch_reductions = lambda: None
+    eng._init_stream(8)
     return eng
 
 
@@ -280,7 +305,13 @@ def _stub_sglang(monkeypatch) -> list[dict]:
     seen: list[dict] = []
     names = ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch")
     mods = {n: types.ModuleType(n) for n in (*names, "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket")}
-    mods["sglang"].Engine = lambda **kw: seen.append(kw)
+    info = {"internal_states": [{"effective_max_running_requests_per_dp": 48}]}
+
+    def engine(**kw):
+        seen.append(kw)
+        return types.SimpleNamespace(get_server_info=lambda: info)
+
+    mods["sglang"].Engine = engine
     mods["sglang.srt.utils.common"].MultiprocessingSerializer = types.SimpleNamespace(serialize=pickle.dumps)
     mods["sglang.srt.utils.patch_torch"].monkey_patch_torch_reductions = lambda: None
     mods["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorMetadata = dict
@@ -295,7 +326,11 @@ def test_deterministic_inference_switch_reaches_sglang(monkeypatch):
     from megatron_dapo.rollout.factory import make_engine  # noqa: PLC0415
 
     seen = _stub_sglang(monkeypatch)
-    make_engine(RolloutConfig(engine="sglang"), "/m", device="cuda", seed=5)
-    make_engine(RolloutConfig(engine="sglang", deterministic_inference=True), "/m", device="cuda")
+    first = make_engine(RolloutConfig(engine="sglang"), "/m", device="cuda", seed=5)
+    cfg = RolloutConfig(engine="sglang", deterministic_inference=True, max_running_requests=16)
+    second = make_engine(cfg, "/m", device="cuda")
     assert "enable_deterministic_inference" not in seen[0] and seen[0]["random_seed"] == 5
     assert seen[1]["enable_deterministic_inference"] is True
+    # The stream hands an engine as many rows as SGLang runs: its own effective value, or the configured one.
+    assert "max_running_requests" not in seen[0] and first.max_running == 48 and first.free_slots() == 48
+    assert seen[1]["max_running_requests"] == 16 and second.max_running == 16

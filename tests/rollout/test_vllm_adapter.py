@@ -144,13 +144,13 @@ def test_generate_one_seeded_request_per_completion(fake_vllm, tiny_llama_dir, m
     seeds = []
     for j, (c, (req, sp)) in enumerate(zip(out, llm.requests, strict=True)):
         i, k = divmod(j, 3)
-        assert c.prompt_ids == prompts[i] and req == {"prompt_token_ids": prompts[i]}
+        assert c.prompt_ids.tolist() == prompts[i] and req == {"prompt_token_ids": prompts[i]}
         assert sp.n == 1 and sp.top_k == -1 and sp.logprobs == 0 and sp.stop_token_ids == [7]
         assert sp.seed == completion_seed(11, i, k) % 2**31
         seeds.append(sp.seed)
         # The sampled token's log-prob, not another candidate's; finish reason passed through.
-        assert c.response_logprobs == [-(t + 1) / 10 for t in range(c.response_length)]
-        assert c.finish_reason == ("stop" if c.response_ids[-1] == 7 else "length")
+        assert c.engine_logp.tolist() == pytest.approx([-(t + 1) / 10 for t in range(len(c))])
+        assert c.finish.value == ("stop" if c.response_ids[-1] == 7 else "length")
     assert len(set(seeds)) == 6
 
 

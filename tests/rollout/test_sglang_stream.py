@@ -1,0 +1,230 @@
+"""The SGLang adapters' streaming calls (submit / step / abort) against stand-ins that behave as SGLang 0.5.23's
+source says (docs in megatron_dapo/rollout/sglang_stream.py): async_generate on the Engine's own loop returning
+output dicts, abort_all making every in-flight call return its tokens so far with finish_reason "abort", and the
+same over HTTP (/generate, /abort_request, /get_server_info) for server mode. The names themselves are checked
+against the installed source in test_sglang_adapter.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import types
+from http.server import BaseHTTPRequestHandler
+from http.server import ThreadingHTTPServer
+
+import pytest
+
+from megatron_dapo.rollout import FinishReason
+from megatron_dapo.rollout import GenerationRequest
+from megatron_dapo.rollout import Rollout
+from megatron_dapo.rollout import SamplingParams
+from megatron_dapo.rollout.sglang_engine import MAX_RUNNING_KEY
+from megatron_dapo.rollout.sglang_engine import SGLangEngine
+from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
+
+PARAMS = SamplingParams(max_new_tokens=6)
+
+
+class Generator:
+    """What one SGLang scheduler does, in model-free form: row i generates tokens 10+i, 11+i, ... one per tick (one
+    per 25 ticks when slow; log-prob -0.5 each) up to its max_new_tokens (finish "length"); abort_all stops every
+    running row and its call returns what it has (finish "abort"); requests submitted after it are not affected."""
+
+    TICK_S = 0.004
+
+    def __init__(self) -> None:
+        self.epoch = 0  # calls are numbered 1, 2, ...
+        self.aborted_upto = 0  # every call numbered up to this one was aborted
+        self.seen: list[dict] = []
+
+    def abort_all(self) -> None:
+        self.aborted_upto = self.epoch
+
+    def rows(self, body: dict, slow: bool):
+        """Yields after each tick; returns the outputs (a generator protocol shared by the async and HTTP fakes)."""
+        self.epoch += 1
+        epoch = self.epoch
+        self.seen.append(body)
+        caps = [sp["max_new_tokens"] for sp in body["sampling_params"]]
+        toks: list[list[int]] = [[] for _ in caps]
+        every = 25 if slow else 1  # ticks per token
+        for tick in range(max(caps) * every):
+            if epoch <= self.aborted_upto:
+                break
+            if tick % every == every - 1:
+                for i, cap in enumerate(caps):
+                    if len(toks[i]) < cap:
+                        toks[i].append(10 + i + len(toks[i]))
+            yield
+            if all(len(t) >= c for t, c in zip(toks, caps)):
+                break
+        outs = []
+        for t, cap in zip(toks, caps):
+            kind = {"type": "length", "length": cap} if len(t) >= cap else {"type": "abort", "message": "Aborted"}
+            meta = {"finish_reason": kind, "output_token_logprobs": [[-0.5, x, None] for x in t]}
+            outs.append({"output_ids": t, "meta_info": meta})
+        return outs
+
+
+class FakeEngine:
+    """sglang.Engine's surface the colocated stream uses: loop, async_generate, tokenizer_manager.abort_request."""
+
+    def __init__(self, gen: Generator, slow: bool = False) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.gen, self.slow = gen, slow
+        self.tokenizer_manager = types.SimpleNamespace(abort_request=self._abort_request)
+
+    def _abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        assert abort_all
+        self.gen.abort_all()
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob, rid):
+        assert return_logprob and len(rid) == len(input_ids) == len(sampling_params)
+        body = {"input_ids": input_ids, "sampling_params": sampling_params}
+        it = self.gen.rows(body, self.slow)
+        while True:
+            try:
+                next(it)
+            except StopIteration as done:
+                return done.value
+            await asyncio.sleep(Generator.TICK_S)
+
+
+def colocated(gen: Generator, slow: bool = False, max_running: int = 8) -> SGLangEngine:
+    eng = object.__new__(SGLangEngine)
+    eng._engine = FakeEngine(gen, slow)
+    eng._init_stream(max_running)
+    return eng
+
+
+def requests(n: int, key: str = "g", prefix: Rollout | None = None) -> list[GenerationRequest]:
+    return [GenerationRequest((key, k), [1, 2, 3], 100 + k, prefix) for k in range(n)]
+
+
+def drain(engine) -> dict:
+    out = {}
+    deadline = time.monotonic() + 20
+    while engine.num_unfinished() and time.monotonic() < deadline:
+        out.update(engine.step())
+    assert engine.num_unfinished() == 0
+    return out
+
+
+class Handler(BaseHTTPRequestHandler):
+    gen: Generator
+    slow = False
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _reply(self, obj) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        assert self.path == "/get_server_info"
+        self._reply({"internal_states": [{MAX_RUNNING_KEY: 4}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/abort_request":
+            assert body == {"abort_all": True}
+            self.gen.abort_all()
+            return self._reply(None)
+        assert self.path == "/generate" and body["return_logprob"] is True
+        assert len(body["rid"]) == len(body["input_ids"])
+        it = self.gen.rows(body, self.slow)
+        while True:
+            try:
+                next(it)
+            except StopIteration as done:
+                return self._reply(done.value)
+            time.sleep(Generator.TICK_S)
+
+
+@pytest.fixture
+def server():
+    gen = Generator()
+    handler = type("H", (Handler,), {"gen": gen})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd, handler
+    httpd.shutdown()
+
+
+def server_engine(httpd) -> SGLangServerEngine:
+    return SGLangServerEngine([f"http://127.0.0.1:{httpd.server_address[1]}"], timeout_s=30)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "server"])
+def test_groups_stream_back_as_they_finish(mode, request):
+    if mode == "colocated":
+        gen = Generator()
+        engine = colocated(gen)
+    else:
+        httpd, handler = request.getfixturevalue("server")
+        gen, engine = handler.gen, server_engine(httpd)
+        assert engine.max_running == 4  # read from /get_server_info
+    engine.weight_version = 2
+    engine.submit(requests(2, "a"), PARAMS)
+    engine.submit(requests(2, "b"), SamplingParams(max_new_tokens=2))
+    assert engine.num_unfinished() == 4 and engine.free_slots() == engine.max_running - 4
+    order = []
+    out = {}
+    while engine.num_unfinished():
+        got = engine.step()
+        order += [k[0] for k, _ in got]
+        out.update(got)
+    assert order.index("b") < order.index("a")  # the short group came back first, without waiting for the other
+    r = out[("a", 1)]
+    assert r.response_ids.tolist() == [11, 12, 13, 14, 15, 16] and r.finish is FinishReason.LENGTH
+    assert r.segments == ((0, 2),) and r.engine_logp.tolist() == [-0.5] * 6
+    assert [b["sampling_params"][0]["sampling_seed"] for b in gen.seen] == [100, 100]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "server"])
+def test_abort_returns_tokens_so_far_and_a_continuation_keeps_them(mode, request):
+    if mode == "colocated":
+        gen = Generator()
+        engine = colocated(gen, slow=True)
+    else:
+        httpd, handler = request.getfixturevalue("server")
+        handler.slow = True
+        gen, engine = handler.gen, server_engine(httpd)
+    engine.submit(requests(3), PARAMS)
+    time.sleep(0.05)
+    for _ in range(3):
+        engine.step()
+    aborted = dict(engine.abort())
+    assert engine.num_unfinished() == 0 and engine.free_slots() == engine.max_running
+    assert set(aborted) == {("g", 0), ("g", 1), ("g", 2)}
+    part = aborted[("g", 0)]
+    assert part.finish is FinishReason.ABORT and 1 <= len(part) < 6
+    # Continue it under a new version: SGLang gets prompt + tokens so far and the rest of the cap.
+    engine.weight_version = 5
+    gen.seen.clear()
+    if mode == "server":
+        handler.slow = False
+    else:
+        engine._engine.slow = False
+    engine.submit([GenerationRequest(("g", 0), [1, 2, 3], 100, prefix=part)], PARAMS)
+    done = drain(engine)[("g", 0)]
+    n = len(part)
+    assert gen.seen[0]["input_ids"] == [[1, 2, 3, *part.response_ids.tolist()]]
+    assert gen.seen[0]["sampling_params"][0]["max_new_tokens"] == 6 - n
+    assert done.response_ids.tolist()[:n] == part.response_ids.tolist() and len(done) == 6
+    assert done.segments == ((0, 0), (n, 5)) and done.finish is FinishReason.LENGTH
+
+
+def test_a_blocking_generate_is_the_stream_run_to_the_end():
+    engine = colocated(Generator())
+    out = engine.generate([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=3, seed=0))
+    assert len(out) == 4 and all(r.finish is FinishReason.LENGTH and len(r) == 3 for r in out)
+    assert out[0].prompt_ids.tolist() == [1, 2] and out[2].prompt_ids.tolist() == [3]
