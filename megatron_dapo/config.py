@@ -76,6 +76,10 @@ class AlgorithmConfig:
     """Cap on the prompts one step may sample, in units of trainer.gen_prompts_per_batch (the bound the DAPO recipe's
     generation rounds had): the stream hands out at most max_gen_batches x gen_prompts_per_batch queue positions per
     step. 0 = unlimited (spins for as long as every group is all-correct or all-wrong)."""
+    expected_keep_ratio: float = 0.5
+    """Planning only (megatron-dapo plan): the share of prompt groups dynamic sampling is expected to keep, so a step
+    samples prompts_per_step / expected_keep_ratio prompts. 0.5: the middle of the 0.33-0.6 keep ratios of the
+    paper-scale run (verl's DAPO recipe over-samples 3x); the run's own sampling/prompts_per_useful is 1 / it."""
     on_max_gen_batches: str = "error"
     """What happens at that cap before prompts_per_step groups are kept: "error" (stop with the counts) or "partial"
     (train on what was kept)."""
@@ -123,6 +127,7 @@ class AlgorithmConfig:
         _check(0 < self.adv_eps <= 1, "algorithm.adv_eps", f"must be in (0, 1], got {self.adv_eps}")
         _check(self.max_gen_batches >= 0, "algorithm.max_gen_batches", f"must be >= 0, got {self.max_gen_batches}")
         _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
+        _check(0 < self.expected_keep_ratio <= 1, "algorithm.expected_keep_ratio", "must be in (0, 1]")
         _check(self.overlong_buffer > 0, "algorithm.overlong_buffer", f"must be > 0, got {self.overlong_buffer}")
         _check(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0")
         _one_of(self.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
@@ -550,12 +555,17 @@ class RunConfig:
 
     @property
     def mini_batch_rows(self) -> int:
-        """Responses per optimizer step: trainer.mini_batch_prompts x algorithm.group_size (the RowPlan's
-        mini-batch, read by both the trainer and the actor)."""
-        return self.trainer.mini_batch_prompts * self.algorithm.group_size
+        """Responses per optimizer step (`mini_batch_rows`)."""
+        return mini_batch_rows(self)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+
+def mini_batch_rows(config: Any) -> int:
+    """Responses per optimizer step: trainer.mini_batch_prompts x algorithm.group_size, the RowPlan's mini-batch
+    (read by the trainer, the actor and the planner; config: a RunConfig or any object with those sections)."""
+    return config.trainer.mini_batch_prompts * config.algorithm.group_size
 
 
 def _type_name(tp: Any) -> str:

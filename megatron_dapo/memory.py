@@ -154,23 +154,20 @@ class MemoryChoreographer:
         """Build this rank's engine (make() -> engine or None) and adopt it.
 
         sized_at_start: the engine sizes its KV pool once, from the GPU memory free when it starts (SGLang: weights +
-        KV = mem_fraction_static x free memory at start; release/resume never re-size it). Then the actor's whole
-        state leaves the GPU first (offload every part, empty the cache, barrier: ranks share the engine's GPUs),
-        the engine starts on a GPU without the actor, and only the parts actor.offload keeps during generation
-        come back: the pool is sized for generation, not for generation beside the actor.
+        KV = mem_fraction_static x free memory at start; release/resume never re-size it). Then the engine starts in
+        the memory state of the generation phase: what actor.offload keeps off the GPU while generating leaves first
+        (offloaded, the cache emptied, a barrier: ranks share the engine's GPUs), so the pool is sized for the memory
+        generation really has. Before, the engine started beside the whole actor and its pool stayed that small.
         """
-        if not sized_at_start:
-            self.engine = make()
-            return self.engine
-        self.trace.append("engine_start")
-        self.actor.offload_state(PARTS)
-        self.empty_cache()
+        parts = (*self.after_update, *self.after_sync)
+        if sized_at_start and parts:
+            self.trace.append("engine_start")
+            self.actor.offload_state(parts)
+            self.empty_cache()
+            self.started = True  # start() would offload the same parts
         self.engine = make()
-        self.barrier()
-        kept = [p for p in PARTS if p not in (*self.after_update, *self.after_sync)]
-        if kept:
-            self.actor.reload_state(kept)
-        self.started = True  # what start() would offload is offloaded already
+        if sized_at_start and parts:
+            self.barrier()
         return self.engine
 
     def start(self) -> None:

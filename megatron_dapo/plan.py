@@ -24,8 +24,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.config import mini_batch_rows
+from megatron_dapo.fp8_format import fp8_weight_bytes
 from megatron_dapo.memory import PARTS
 from megatron_dapo.memory import PHASES
+from megatron_dapo.memory import parts_offloaded
 from megatron_dapo.memory import resident_by_phase
 
 GiB = float(1 << 30)
@@ -170,16 +173,27 @@ class Assumptions:
     """Mean prompt length in tokens."""
     mean_response_frac: float = 0.3
     """Mean response length as a share of rollout.max_response_length."""
-    keep_ratio: float = 0.5
-    """Share of prompt groups dynamic sampling admits (0 < acc < 1); 1.0 when dynamic sampling is off."""
     nvlink_gbps: float = 360.0
     """Intra-node all-gather / broadcast bandwidth per GPU (NVLink 4 bus bandwidth)."""
     internode_gbps: float = 40.0
     """Inter-node bandwidth per GPU (one 400 Gb/s NIC per GPU, ~80% efficiency)."""
     ipc_gbps: float = 400.0
     """SGLang workers reading a bucket through CUDA IPC (NVLink)."""
-    bucket_overhead_s: float = 0.01
-    """Fixed cost per weight-sync bucket (IPC handles, scheduler round trip)."""
+    bucket_overhead_s: float = 0.2
+    """Fixed cost per weight-sync bucket: SGLang's update_weights_from_tensor round trip (IPC handles rebuilt on every
+    TP worker, load_weights, the workers' barrier) and the actor's gather of the next bucket."""
+    engine_memory_s: float = 3.0
+    """Per step, SGLang's release of weights + KV + graphs and the two resumes (torch_memory_saver unmapping and
+    remapping tens of GiB), and the flush of its cache."""
+    offload_gbps: float = 25.0
+    """Actor state to / from pinned host memory per GPU (PCIe Gen5 x16, ~40% of its 64 GB/s each way)."""
+    checkpoint_gbps_per_node: float = 2.0
+    """Checkpoint write bandwidth per node to the shared file system."""
+    eval_prompts: int = 30
+    """Evaluation prompts when trainer.eval_max_prompts is 0 (AIME 2024: 30)."""
+    shard_imbalance: float = 0.5
+    """Only the comparison with sequential rounds: how far the slowest of the static per-engine shards of a round
+    ran behind the median (the rounds waited for it; the stream has no shards)."""
 
     def tps_per_gpu(self, num_params: int) -> float:
         return self.decode_tps_per_gpu or min(50000.0, 1500.0 * 32.8e9 / num_params)
@@ -336,7 +350,7 @@ def microbatch_tokens(config: Any) -> tuple[int, str]:
 def microbatches_per_rank(config: Any, dp: int, mean_seq: float) -> int:
     """Micro-batches one DP rank runs per mini-batch: its rows / micro_batch_size, or with a token budget its
     tokens (rows x mean_seq) / budget (rows are balanced over DP ranks by tokens)."""
-    rows = -(-config.mini_batch_rows // dp)
+    rows = -(-mini_batch_rows(config) // dp)
     budget = getattr(config.actor, "max_tokens_per_microbatch", 0) or 0
     if budget > 0:
         return max(1, math.ceil(rows * mean_seq / budget))
@@ -359,12 +373,25 @@ def lm_head_bytes(m: ModelShape, tp: int, tokens: int, impl: str, train: bool, b
     return tokens * v_local * b + 12 * tokens, "T*(V/tp)*b + 12*T (logits)"
 
 
-def engine_weight_bytes(m: ModelShape, etp: int, b: int) -> float:
+def engine_weight_bytes(m: ModelShape, etp: int, b: int, fp8: bool = False) -> float:
     """Per-GPU weights of an SGLang engine at tensor parallel etp: linear layers and the vocab-parallel embedding and
-    LM head split etp ways, norms replicated."""
-    sharded = m.layers * m.layer_sharded_params + m.vocab * m.hidden * (1 if m.tied else 2)
-    replicated = m.layers * m.layer_replicated_params + m.hidden
-    return (sharded / etp + replicated) * b
+    LM head split etp ways, norms replicated. fp8 (rollout.weight_dtype "fp8"): the q/k/v/o and gate/up/down weights
+    at 1 byte per element plus an fp32 scale per 128 x 128 block (fp8_format.py); biases, norms, embeddings and the
+    LM head stay at b. etp=1 gives the whole model: the bytes one weight sync sends."""
+    linear = m.layers * linear_weight_bytes(m, fp8, b)
+    biases = m.layers * (m.q_dim + 2 * m.kv_dim if m.qkv_bias else 0) * b
+    embeddings = m.vocab * m.hidden * (1 if m.tied else 2) * b
+    replicated = (m.layers * m.layer_replicated_params + m.hidden) * b
+    return (linear + biases + embeddings) / etp + replicated
+
+
+def linear_weight_bytes(m: ModelShape, fp8: bool, b: int) -> float:
+    """Bytes of one layer's seven projection weights ([out, in]: q, k, v, o, gate, up, down) in bf16 or block FP8."""
+    h, q, kv, f = m.hidden, m.q_dim, m.kv_dim, m.ffn
+    shapes = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)]
+    if fp8:
+        return float(sum(fp8_weight_bytes(r, c) for r, c in shapes))
+    return float(sum(r * c for r, c in shapes) * b)
 
 
 def kv_bytes_per_token(m: ModelShape, etp: int, b: int) -> float:
@@ -493,23 +520,32 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
     ]
     if not colocated:
         return [*out, Phase("sync", st.index, [trainer, *actor_terms("sync"), buckets])]
-    # -- engine phases: SGLang sizes weights + KV to mem_fraction of the memory free when it starts (the actor is
-    # built first, trainer.py; Adam's moments do not exist yet, the fp32 master copy does), keeping the rest.
+    # -- engine phases: SGLang sizes weights + KV to mem_fraction of the memory free when it starts, once. The trainer
+    # starts it in the generation phase's memory state (MemoryChoreographer.build_engine): what actor.offload keeps
+    # off the GPU while generating is in host memory; what stays is as built (Adam's moments do not exist yet, the
+    # fp32 master copy does).
     etp = ro.tensor_parallel
     master = _gib(n * (0.0 if act.dtype == "fp32" else 4.0) / (dp if act.use_distributed_optimizer else 1))
-    pre_free = s.gpu_memory_gb - a.trainer_overhead_gib - engine_rt.gib - params - grads - master
-    weights = _gib(engine_weight_bytes(m, etp, a.dtype_bytes))
+    generating = resident["generation"]["actor"]
+    at_start = [
+        t if part in generating else Term(t.name, 0.0, "in host memory while the engine starts (actor.offload)")
+        for part, t in zip(PARTS, state)
+    ]
+    at_start[2] = Term("actor master params", master, "fp32 master / dp") if "optimizer" in generating else at_start[2]
+    pre_free = s.gpu_memory_gb - a.trainer_overhead_gib - engine_rt.gib - sum(t.gib for t in at_start)
+    fp8 = getattr(ro, "weight_dtype", "auto") == "fp8"
+    weights = _gib(engine_weight_bytes(m, etp, a.dtype_bytes, fp8))
     kv = ro.mem_fraction * pre_free - weights
     kv_tok = kv_bytes_per_token(m, etp, a.dtype_bytes)
-    w_term = Term("engine weights", weights, f"{m.num_params / 1e9:.2f} B params x {a.dtype_bytes} B / TP {etp}")
+    at = "block FP8 (linear layers)" if fp8 else f"{a.dtype_bytes} B"
+    w_term = Term("engine weights", weights, f"{m.num_params / 1e9:.2f} B params at {at} / TP {etp}")
     kv_term = Term(
         "engine KV cache",
         max(kv, 0.0),
         f"mem_fraction {ro.mem_fraction} x free at start {pre_free:.2f} GiB - weights; "
         f"{kv_tok:,.0f} B/token -> {max(kv, 0.0) * GiB / kv_tok:,.0f} tokens",
     )
-    master_term = Term("actor master params", master, "fp32 master / dp")
-    start = Phase("engine start", st.index, [trainer, engine_rt, *state[:2], master_term, w_term, kv_term])
+    start = Phase("engine start", st.index, [trainer, engine_rt, *at_start, w_term, kv_term])
     max_seq = s.config.data.max_prompt_length + ro.max_response_length
     if kv * GiB < kv_tok * max_seq:
         start.error = f"KV cache holds < 1 sequence of {max_seq} tokens"
@@ -539,10 +575,8 @@ def step_times(
     act, ro, tr, alg = config.actor, config.rollout, config.trainer, config.algorithm
     world = nodes * gpus_per_node
     n = m.num_params
-    keep = a.keep_ratio if alg.dynamic_sampling else 1.0
-    gen_batches = max(1, math.ceil(tr.prompts_per_step / (tr.gen_prompts_per_batch * keep)))
+    keep = getattr(alg, "expected_keep_ratio", 0.5) if alg.dynamic_sampling else 1.0
     mean_resp = a.mean_response_frac * ro.max_response_length
-    decode_per_batch = tr.gen_prompts_per_batch * alg.group_size * mean_resp
     etp = ro.tensor_parallel
     engines = world // etp if ro.mode == "colocated" else len(ro.server_urls)
     tps_seq = a.tps_per_seq(n, etp)
@@ -554,12 +588,24 @@ def step_times(
         if concurrent * tps_seq < engine_tps:
             engine_tps = concurrent * tps_seq
             bound = f"KV-bound {concurrent:.0f} seqs x {tps_seq:.0f} tok/s"
-    round_s = max(decode_per_batch / (engine_tps * engines), ro.max_response_length / tps_seq)
-    times = {"generation": gen_batches * round_s}
+    rate = engines * engine_tps
+    # The stream (rollout/stream.py): one pass over the prompts the step samples, engines kept full by the queue, then
+    # the tail: the last decided group's longest response, started as the pass ends, at one sequence's speed. With
+    # rollout.partial the step does not wait for it (it is carried), so there is no tail.
+    sampled = tr.prompts_per_step / keep
+    tail = 0.0 if getattr(ro, "partial", False) else ro.max_response_length / tps_seq
+    times = {"generation": sampled * alg.group_size * mean_resp / rate + tail}
+    # For comparison, the sequential rounds the stream replaced: every round waits for its slowest static shard and
+    # for its own tail before the next one starts.
+    rounds = max(1, math.ceil(sampled / tr.gen_prompts_per_batch))
+    round_pass = tr.gen_prompts_per_batch * alg.group_size * mean_resp / rate * (1 + a.shard_imbalance)
+    rounds_s = rounds * (round_pass + ro.max_response_length / tps_seq)
     formulas = {
-        "generation": f"{gen_batches} round(s) x max({tr.gen_prompts_per_batch} x {alg.group_size} x {mean_resp:.0f}"
-        f" decode tokens / ({engines} engines x {engine_tps:.0f} tok/s [{bound}]), longest {ro.max_response_length}"
-        f" / {tps_seq:.0f} tok/s)"
+        "generation": f"stream: {sampled:.0f} sampled prompts ({tr.prompts_per_step} / keep {keep:g}) x "
+        f"{alg.group_size} x {mean_resp:.0f} decode tokens / ({engines} engines x {engine_tps:.0f} tok/s [{bound}])"
+        + (" (rollout.partial: no tail)" if not tail else f" + tail {ro.max_response_length} / {tps_seq:.0f} tok/s")
+        + f"; as sequential rounds it was {rounds_s:,.0f} s ({rounds} x (round x (1 + shard_imbalance "
+        f"{a.shard_imbalance:g}) + tail))"
     }
     # Tokens the actor computes per row: its real length when micro-batches are packed or cut to their longest row
     # after sorting by length (actor/packing.py); a config without actor.packing pads every row to the batch's
@@ -580,20 +626,69 @@ def step_times(
     )
     formulas["log-probs"] = f"{base} / ({world} GPUs x {a.peak_tflops:g} TFLOP/s x MFU {a.mfu})"
     formulas["update"] = f"{tr.ppo_epochs} epoch(s) x {update_mult} x {base} / (same)"
-    size = n * a.dtype_bytes
+    fp8 = getattr(ro, "weight_dtype", "auto") == "fp8"
+    size = engine_weight_bytes(m, 1, a.dtype_bytes, fp8)  # what one sync sends (the whole model, HF layout)
     tp, pp = act.tensor_parallel, act.pipeline_parallel
     pp_link = a.internode_gbps if nodes > 1 and tp * dp >= gpus_per_node else a.nvlink_gbps
     buckets = math.ceil(size / (ro.weight_sync_bucket_mb * 2**20))
     gather = size * (tp - 1) / tp / (a.nvlink_gbps * 1e9)
     bcast = size * (pp - 1) / pp / (pp_link * 1e9)
-    load = size / (a.ipc_gbps * 1e9) if ro.mode == "colocated" else size / (a.internode_gbps * 1e9)
-    times["sync"] = gather + bcast + load + buckets * a.bucket_overhead_s
+    colocated = ro.mode == "colocated"
+    load = size / (a.ipc_gbps * 1e9) if colocated else size / (a.internode_gbps * 1e9)
+    memory = a.engine_memory_s if colocated else 0.0
+    times["sync"] = gather + bcast + load + buckets * a.bucket_overhead_s + memory
     formulas["sync"] = (
-        f"S {size / 1e9:.1f} GB: TP gather S*(tp-1)/tp/{a.nvlink_gbps:g} + PP broadcast S*(pp-1)/pp/{pp_link:g} + "
-        f"load S/{a.ipc_gbps if ro.mode == 'colocated' else a.internode_gbps:g} + {buckets} buckets x "
-        f"{a.bucket_overhead_s} s"
+        f"S {size / 1e9:.1f} GB{' (FP8)' if fp8 else ''}: TP gather S*(tp-1)/tp/{a.nvlink_gbps:g} + PP broadcast "
+        f"S*(pp-1)/pp/{pp_link:g} + load S/{a.ipc_gbps if colocated else a.internode_gbps:g} + {buckets} buckets x "
+        f"{a.bucket_overhead_s} s" + (f" + engine release/resume {a.engine_memory_s:g} s" if colocated else "")
     )
+    times["offload"], formulas["offload"] = offload_time(config, m, dp, a)
+    times["eval"], formulas["eval"] = eval_time(config, a, rate, tps_seq)
+    times["checkpoint"], formulas["checkpoint"] = checkpoint_time(config, m, nodes, a)
     return times, formulas
+
+
+def offload_time(config: Any, m: ModelShape, dp: int, a: Assumptions) -> tuple[float, str]:
+    """Seconds per step moving actor state to pinned host memory and back (actor.offload), per GPU in parallel."""
+    offload = getattr(config.actor, "offload", "none") or "none"
+    after_update, after_sync = parts_offloaded(offload)
+    parts = (*after_update, *after_sync)
+    if not parts:
+        return 0.0, "actor.offload none: nothing moves"
+    act = config.actor
+    stage = max(s.params for s in actor_stages(m, act.tensor_parallel, act.pipeline_parallel))
+    per = dict(zip(PARTS, actor_state_bytes_per_param(act.dtype, dp, act.use_distributed_optimizer), strict=True))
+    moved = stage * sum(per[p] for p in parts)
+    return 2 * moved / (a.offload_gbps * 1e9), (
+        f"2 (out and back) x {moved / 1e9:.1f} GB ({', '.join(parts)} of the largest stage) / {a.offload_gbps:g} GB/s"
+    )
+
+
+def eval_time(config: Any, a: Assumptions, rate: float, tps_seq: float) -> tuple[float, str]:
+    """Evaluation's share of a step: one pass over the eval prompts x eval_samples, every eval_every steps."""
+    tr, ro = config.trainer, config.rollout
+    if not tr.eval_every or not config.data.eval_files:
+        return 0.0, "no evaluation during training"
+    prompts = tr.eval_max_prompts or a.eval_prompts
+    decode = prompts * tr.eval_samples * a.mean_response_frac * ro.max_response_length
+    once = decode / rate + ro.max_response_length / tps_seq
+    return once / tr.eval_every, (
+        f"({prompts} prompts x {tr.eval_samples} samples x {a.mean_response_frac * ro.max_response_length:.0f} tokens "
+        f"/ {rate:.0f} tok/s + tail {ro.max_response_length} / {tps_seq:.0f}) / eval_every {tr.eval_every}"
+    )
+
+
+def checkpoint_time(config: Any, m: ModelShape, nodes: int, a: Assumptions) -> tuple[float, str]:
+    """A checkpoint's share of a step: bf16 params + fp32 master + Adam moments (14 B/param; gradients are not
+    saved), written by every node in parallel, every save_every steps."""
+    every = config.checkpoint.save_every
+    if not every:
+        return 0.0, "checkpoint.save_every 0: only at the end"
+    size = 14 * m.num_params
+    once = size / (nodes * a.checkpoint_gbps_per_node * 1e9)
+    return once / every, (
+        f"{size / 1e9:.0f} GB (14 B/param) / ({nodes} nodes x {a.checkpoint_gbps_per_node:g} GB/s) / save_every {every}"
+    )
 
 
 def format_plan(plan: Plan) -> str:
@@ -646,7 +741,7 @@ def parse_assumptions(items: list[str]) -> Assumptions:
             value = kind(text)
         except ValueError:
             raise PlanError(f"--assume {name}: expected a number, got {text!r}") from None
-        if value < 0 or (name in ("mfu", "keep_ratio", "mean_response_frac") and not 0 < value <= 1):
+        if value < 0 or (name in ("mfu", "mean_response_frac") and not 0 < value <= 1):
             raise PlanError(f"--assume {name}: {value} is out of range")
         setattr(a, name, value)
     return a

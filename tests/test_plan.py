@@ -120,7 +120,8 @@ def test_qwen32b_four_nodes_matches_the_hand_calculation():
     assert [s.params for s in actor_stages(plan.model, 8, 2)] == [stage0, stage1]
     # Bytes per parameter, distributed optimizer at DP 2: bf16 param 2, fp32 grad 4, (fp32 master 4 + Adam 8) / 2 = 6.
     p1, g1, o1, m1 = _gib(2 * stage1), _gib(4 * stage1), _gib(6 * stage1), _gib(2 * stage1)  # 3.815, 7.631, 11.446
-    # Engine start (stage 1, the fuller one): free = 80 - 2.5 - 1.0 - P - G - master(4/2 B) = 61.239 GiB.
+    # Engine start (stage 1, the fuller one), in generation's memory state (offload none: the actor as built):
+    # free = 80 - 2.5 - 1.0 - P - G - master(4/2 B) = 61.239 GiB.
     free = 80 - 2.5 - 1.0 - p1 - g1 - m1
     # SGLang TP 4 weights: (32,763,215,872 sharded / 4 + 64*10,240 + 5120 replicated) x 2 B = 15.258 GiB.
     weights = _gib((32_763_215_872 / 4 + 64 * 10_240 + 5120) * 2)
@@ -177,16 +178,50 @@ def test_qwen32b_step_time_matches_the_hand_calculation():
     logprobs = 8192 * 6400 * fwd * (1 + 1 / 256) / (32 * 989e12 * 0.35)
     assert plan.times_s["log-probs"] == pytest.approx(logprobs, rel=1e-12)
     assert plan.times_s["update"] == pytest.approx(4 * logprobs, rel=1e-12)  # fwd + 2 bwd + recompute fwd
-    # Sync: S = 2N bytes; TP gather S*7/8/360e9 + PP broadcast over nodes S/2/40e9 + IPC S/400e9 + 31 buckets x 10 ms.
+    # Sync: S = 2N bytes; TP gather S*7/8/360e9 + PP broadcast over nodes S/2/40e9 + IPC S/400e9 + 31 buckets x
+    # 0.2 s (SGLang's round trip per bucket) + 3 s of engine memory release / resume.
     s = 2 * n
-    assert plan.times_s["sync"] == pytest.approx(s * 7 / 8 / 360e9 + s / 2 / 40e9 + s / 400e9 + 0.31, rel=1e-12)
-    # Generation: keep 0.5 -> ceil(512 / 256) = 2 rounds of 512 x 16 x 6144 decode tokens. Per-sequence speed
-    # 60 tok/s (8.19e9 params per GPU at engine TP 4); the KV pool holds 352,015 / (256 + 6144) = 55.0 sequences,
-    # so an engine decodes 55.0 x 60 = 3300 tok/s (< 1500 x 4 at a full batch); 8 engines.
+    sync = s * 7 / 8 / 360e9 + s / 2 / 40e9 + s / 400e9 + 31 * 0.2 + 3.0
+    assert plan.times_s["sync"] == pytest.approx(sync, rel=1e-12)
+    # Generation, the stream: keep 0.5 -> 1024 sampled prompts x 16 x 6144 decode tokens in one pass, then one tail.
+    # Per-sequence speed 60 tok/s (8.19e9 params per GPU at engine TP 4); the KV pool holds 352,015 / (256 + 6144)
+    # = 55.0 sequences, so an engine decodes 55.0 x 60 = 3300 tok/s (< 1500 x 4 at a full batch); 8 engines.
     tps_seq = 60 * 8.2e9 / (n / 4)
     engine_tps = 352_015 / 6400 * tps_seq
-    gen = 2 * max(512 * 16 * 6144 / (8 * engine_tps), 20480 / tps_seq)
-    assert plan.times_s["generation"] == pytest.approx(gen, rel=1e-9)
+    stream = 1024 * 16 * 6144 / (8 * engine_tps) + 20480 / tps_seq
+    assert plan.times_s["generation"] == pytest.approx(stream, rel=1e-9)
+    # The sequential rounds it replaced, on the same engines: 2 rounds, each its pass slowed by the slowest static
+    # shard (x 1.5) plus its own tail.
+    rounds = 2 * (512 * 16 * 6144 / (8 * engine_tps) * 1.5 + 20480 / tps_seq)
+    assert f"as sequential rounds it was {rounds:,.0f} s" in plan.time_formulas["generation"]
+    # Partial rollouts carry the tail instead of waiting for it.
+    partial = make_plan(_config(CFG_32B, "--rollout.partial=true"), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    assert partial.times_s["generation"] == pytest.approx(stream - 20480 / tps_seq, rel=1e-9)
+    # Evaluation every 10 steps (30 AIME prompts x 32 samples) and a checkpoint every 10 (14 B/param over 4 nodes).
+    eval_once = 30 * 32 * 6144 / (8 * engine_tps) + 20480 / tps_seq
+    assert plan.times_s["eval"] == pytest.approx(eval_once / 10, rel=1e-9)
+    assert plan.times_s["checkpoint"] == pytest.approx(14 * n / (4 * 2e9) / 10, rel=1e-12)
+    assert plan.times_s["offload"] == 0.0
+
+
+def test_fp8_rollout_weights_are_one_byte_per_linear_parameter_and_shrink_the_sync():
+    bf16 = make_plan(_config(CFG_32B), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    fp8 = make_plan(_config(CFG_32B, "--rollout.weight_dtype=fp8"), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    h, q, kv, f, layers = 5120, 5120, 1024, 27648, 64
+    linear = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)]
+    blocks = sum(-(-r // 128) * -(-c // 128) for r, c in linear)
+    fp8_linear = layers * (sum(r * c for r, c in linear) + 4 * blocks)
+    rest = layers * (q + 2 * kv) * 2 + 2 * 152_064 * h * 2  # qkv biases, embedding and LM head stay bf16
+    replicated = (layers * 2 * h + h) * 2
+    weights = _gib((fp8_linear + rest) / 4 + replicated)
+    assert fp8.peak("engine start").term("engine weights") == pytest.approx(weights, abs=1e-9)
+    assert weights < 0.55 * bf16.peak("engine start").term("engine weights")
+    # The freed weight memory goes to the KV pool (the same mem_fraction of the same free memory).
+    gained = bf16.peak("engine start").term("engine weights") - weights
+    assert fp8.peak("engine start").term("engine KV cache") == pytest.approx(
+        bf16.peak("engine start").term("engine KV cache") + gained, abs=1e-9
+    )
+    assert "(FP8)" in fp8.time_formulas["sync"] and fp8.times_s["sync"] < bf16.times_s["sync"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -250,13 +285,22 @@ def test_offload_setting_changes_what_coexists():
     }
     n = 2_048_361_472  # stage 1 params per GPU (compare stage 1 throughout: offload=all makes stage 0 the peak)
     gen = {k: _stage(p, "generation", 1).total_gib for k, p in plans.items()}
-    assert gen["none"] - gen["optimizer"] == pytest.approx(_gib(6 * n), abs=1e-9)  # optimizer off the GPU
-    assert gen["none"] - gen["all"] == pytest.approx(_gib(12 * n), abs=1e-9)  # params, grads, optimizer
+    # Off the GPU while generating: the optimizer (6 B/param), or params + grads + optimizer (12 B/param); the engine,
+    # started in that state, takes mem_fraction 0.6 of what left beside it at its start (the master copy, 2 B/param,
+    # with "optimizer"; params + grads + master, 8 B/param, with "all") for its KV pool.
+    assert gen["none"] - gen["optimizer"] == pytest.approx(_gib(6 * n) - 0.6 * _gib(2 * n), abs=1e-9)
+    assert gen["none"] - gen["all"] == pytest.approx(_gib(12 * n) - 0.6 * _gib(8 * n), abs=1e-9)
     sync = {k: _stage(p, "sync", 1).total_gib for k, p in plans.items()}
     assert sync["none"] - sync["all"] == pytest.approx(_gib(10 * n), abs=1e-9)  # params stay for the export
     assert not any("actor.offload" in note for note in plans["all"].notes)
     # Training phases hold the whole actor state whatever the offload.
     assert plans["all"].peak("update").total_gib == plans["none"].peak("update").total_gib
+    # The engine starts in generation's memory state, so what offload frees goes to its KV pool: with "all" SGLang
+    # sees 80 - 3.5 GiB free (0.6 x 76.5 - 15.258 = 30.642 GiB of KV instead of 21.486 beside the actor as built).
+    kv = {k: _stage(p, "engine start", 1).term("engine KV cache") for k, p in plans.items()}
+    assert kv["all"] == pytest.approx(0.6 * 76.5 - _gib((32_763_215_872 / 4 + 64 * 10_240 + 5120) * 2), abs=1e-9)
+    assert kv["all"] == pytest.approx(30.642, abs=1e-3)
+    assert kv["optimizer"] == pytest.approx(kv["none"] + 0.6 * _gib(2 * n), abs=1e-9)
 
 
 def test_logits_impl_and_recompute_modes():

@@ -28,12 +28,13 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-FP8_BLOCK = 128
+from megatron_dapo.fp8_format import FP8_BLOCK
+from megatron_dapo.fp8_format import LINEAR_MODULES
+from megatron_dapo.fp8_format import SCALE_SUFFIX
+from megatron_dapo.fp8_format import scale_shape
+
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-SCALE_SUFFIX = "_scale_inv"
 WEIGHT_DTYPES = ("auto", "fp8")
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""HF module names whose `.weight` is quantized (Llama / Qwen2 / Mistral attention and MLP projections)."""
 # Smallest positive scale: keeps an all-zero block finite (its Q is 0, its S this tiny number).
 _MIN_SCALE = torch.finfo(torch.float32).tiny
 
@@ -51,11 +52,6 @@ def is_fp8_linear(name: str, tensor: Tensor) -> bool:
     """True for the 2-D `.weight` of a projection in LINEAR_MODULES (not embeddings, norms, lm_head or biases)."""
     parts = name.split(".")
     return tensor.dim() == 2 and len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEAR_MODULES
-
-
-def scale_shape(rows: int, cols: int, block: int = FP8_BLOCK) -> tuple[int, int]:
-    """Shape of the scale grid of an [rows, cols] weight: (ceil(rows / block), ceil(cols / block))."""
-    return (-(-rows // block), -(-cols // block))
 
 
 def _blocks(x: Tensor, block: int) -> tuple[Tensor, int, int]:
