@@ -119,3 +119,27 @@ def test_rollout_correction_on_dp_shards_equals_the_whole_batch(mode, level):
         torch.testing.assert_close(shard.loss_mask, whole.loss_mask[torch.tensor(rows)], rtol=0, atol=0)
         if whole.is_weight is not None:
             torch.testing.assert_close(shard.is_weight, whole.is_weight[torch.tensor(rows)], rtol=0, atol=0)
+
+
+def test_a_carried_response_is_corrected_with_each_segments_engine_logprobs():
+    """A response generated over two steps (weight versions 3 then 4) keeps each segment's engine log-probs in the
+    batch, and TIS weighs every token by its own segment's ratio old / engine (docs/rollout_correction.md)."""
+    algo = AlgorithmConfig(group_size=2, rollout_correction="tis", rollout_is_threshold=2.0)
+    prompt = torch.tensor([5, 6, 7])
+    first = Rollout(prompt, [11, 12], [-1.0, -2.0], FinishReason.ABORT, ((0, 3),))
+    carried = first.extend([13, 2], [-0.5, -0.25], version=4)
+    carried.finish = FinishReason.STOP
+    fresh = Rollout(prompt, [14, 2], [-0.7, -0.1], FinishReason.STOP, ((0, 4),))
+    group = RolloutGroup(
+        0, 0, "1", [carried, fresh], torch.tensor([True, False]), torch.tensor([1.0, -1.0]), torch.zeros(2)
+    )
+    batch = build_actor_batch([group], algo, pad_token_id=0)
+    assert carried.segments == ((0, 3), (2, 4))
+    assert batch.engine_logp[0, 3:7].tolist() == [-1.0, -2.0, -0.5, -0.25]  # both segments, as generated
+    old = torch.zeros_like(batch.engine_logp)
+    old[0, 3:7] = torch.tensor([-1.5, -1.0, -0.5, -0.5])
+    old[1, 3:5] = torch.tensor([-0.7, -0.1])
+    batch.old_logp = old
+    apply_rollout_correction(batch, algo)
+    want = torch.tensor([-1.5 + 1.0, -1.0 + 2.0, 0.0, -0.5 + 0.25]).exp().clamp(max=2.0)
+    torch.testing.assert_close(batch.is_weight[0, 3:7], want)

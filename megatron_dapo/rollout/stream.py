@@ -344,7 +344,8 @@ class _Run:
             key = s.new_key()
             entries.append((self.held, CarryEntry(index, truth, s.rank, key)))
             rows_out[key] = [_unfinished(prompt) for _ in range(s.group_size)]
-        stats = {"engine": s.engine is not None, "busy": self.busy, "wait": self.wait, "tokens": self.tokens}
+        stats = {"rank": s.rank, "engine": s.engine is not None, "busy": self.busy, "wait": self.wait}
+        stats["tokens"] = self.tokens
         stats.update(wasted=wasted, started=self.started)
         gathered = s.exchange.all_gather([(entries, stats)], "rollout stream")
         carry = sorted((e for part, _ in gathered for e in part), key=lambda pe: pe[0])
@@ -366,7 +367,7 @@ class _Run:
 
 def _stream_metrics(step: int, stats: list[dict], kept: list[GroupSummary], carry: list, t0: float) -> dict:
     """Timing-dependent cost of the stream ("stream/*"): engine busy fraction (share of the stream's wall time an
-    engine rank spent in engine.step: mean and min over engine ranks), seconds an engine rank sat idle on the queue
+    engine rank spent in engine.step: per engine rank, their mean and min), seconds an engine rank sat idle on the queue
     (window full or nothing left to take: mean over engine ranks), tokens generated and wasted (aborted at the cut
     without rollout.partial), groups carried out (and how many unfinished), and the age in steps of the kept
     responses (weight versions behind the one generating now; > 0 only for responses carried in)."""
@@ -375,7 +376,9 @@ def _stream_metrics(step: int, stats: list[dict], kept: list[GroupSummary], carr
     busy = [st["busy"] / elapsed for st in engines]
     ages = [step - 1 - v for x in kept for v in x.oldest_versions if v >= 0]
     carried = sum(1 for _, e in carry if e.summary is None)
+    per_rank = {f"stream/engine_busy_fraction/rank{st['rank']}": b for st, b in zip(engines, busy, strict=True)}
     return {
+        **per_rank,
         "stream/engine_busy_fraction": sum(busy) / len(busy) if busy else 0.0,
         "stream/engine_busy_fraction_min": min(busy) if busy else 0.0,
         "stream/queue_wait_s": sum(st["wait"] for st in engines) / max(len(engines), 1),

@@ -191,6 +191,8 @@ def test_every_response_is_generated_whole_and_abort_leaves_nothing_in_flight():
     assert result.consumed == m["sampling/prompts_sampled"]  # prompts past the cut return to the queue
     assert m["stream/prompts_started"] >= m["sampling/prompts_sampled"]
     assert m["sampling/prompts_kept"] == 5 and m["stream/groups_carried"] == 0
+    busy = [m[f"stream/engine_busy_fraction/rank{r}"] for r in range(3)]
+    assert all(0 < b <= 1 for b in busy) and m["stream/engine_busy_fraction_min"] == min(busy)
 
 
 def _seed(index: int, k: int, step: int = 1) -> int:
