@@ -115,7 +115,7 @@ class DAPOTrainer:
             self.engine,
             self.rank,
             self.exchange,
-            job_store(self.world, c.distributed.timeout_s),
+            job_store(self.rank, self.world, self.exchange, c.distributed.timeout_s),
             group_size=c.algorithm.group_size,
             window=c.rollout.max_inflight_prompts or c.trainer.gen_prompts_per_batch,
             cap=self.sampler.max_sampled_prompts,

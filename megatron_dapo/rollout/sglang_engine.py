@@ -469,7 +469,11 @@ class SGLangEngine(EngineStream):
         self._released: set[str] = set()
         self._session = False
         # Rows SGLang runs at once: what the stream hands this engine before its other requests would only queue.
-        self._init_stream(max_running_requests or effective_max_running(self._call("get_server_info")))
+        self._init_stream(max_running_requests)
+
+    def _query_max_running(self) -> int:
+        """SGLang's effective max_running_requests (asked when the stream first needs it)."""
+        return effective_max_running(self._call("get_server_info"))
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         return getattr(self._engine, method)(**_checked(f"Engine.{method}", kwargs))
@@ -616,9 +620,11 @@ class SGLangServerEngine(ServerStream):
         self.backend = backend
         self._group = None
         self._session_routes = True
-        if not max_running_requests:  # the smallest server's (the stream balances rows over servers)
-            max_running_requests = min(effective_max_running(self._get(u, "/get_server_info")) for u in self.urls)
         self._init_stream(max_running_requests)
+
+    def _query_max_running(self) -> int:
+        """The smallest server's effective max_running_requests (the stream balances rows over the servers)."""
+        return min(effective_max_running(self._get(u, "/get_server_info")) for u in self.urls)
 
     def _get(self, url: str, route: str) -> Any:
         if _ROUTE_BODY.get(route, "") is not None:

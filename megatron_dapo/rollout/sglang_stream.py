@@ -54,6 +54,7 @@ class _Calls:
     max_running: int = 0
 
     def _init_stream(self, max_running: int) -> None:
+        """max_running: rows per engine (server), 0 = ask SGLang (`_query_max_running`) when first needed."""
         self.max_running = int(max_running)
         self._calls: dict[Any, tuple[list[GenerationRequest], SamplingParams, str | None]] = {}
         """In-flight call (asyncio task / future) -> (its requests, their params, server URL or None)."""
@@ -63,7 +64,12 @@ class _Calls:
 
     def free_slots(self) -> int:
         """Rows the engine(s) would run now (max_running x servers) minus rows in flight."""
+        if not self.max_running:
+            self.max_running = self._query_max_running()
         return self.max_running * self._num_servers() - self._rows_in_flight()
+
+    def _query_max_running(self) -> int:
+        raise NotImplementedError
 
     def num_unfinished(self) -> int:
         return self._rows_in_flight()

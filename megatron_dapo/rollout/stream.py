@@ -9,8 +9,7 @@
     at the cut:       in-flight work aborted (rollout.partial=false: its prompts return to the queue) or carried
                       into the next step with its tokens, engine log-probs and weight versions (partial=true)
 
-The queue is a counter on a torch.distributed Store (the job's TCPStore under torchrun; a HashStore in one
-process): any engine rank takes the next position as capacity frees, so no rank waits for a static shard. Which
+The queue is a counter on a torch.distributed Store (a TCPStore hosted by rank 0; a HashStore in one process): any engine rank takes the next position as capacity frees, so no rank waits for a static shard. Which
 groups are kept does not depend on which rank finished first (StepSampling decides in queue order), and each
 response is seeded by (seed, step, prompt index, sample), so with a batch-invariant engine (the embedded one on CPU,
 rollout/slot_cache.py) the kept batch is the same whatever the timing. What does depend on timing: which rank
@@ -20,6 +19,7 @@ under "stream/"). docs/rollout.md, "The stream".
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -85,13 +85,28 @@ class StoreQueue:
             self.store.delete_key(str(p))
 
 
-def job_store(world_size: int, timeout_s: float) -> dist.Store:
-    """The store the queue lives on: the default process group's store (the job's TCPStore), or an in-process
-    HashStore for a single process."""
-    if world_size == 1 or not dist.is_initialized():
+def job_store(rank: int, world_size: int, exchange: Any, timeout_s: float) -> dist.Store:
+    """The store the queue lives on (collective): a TCPStore hosted by rank 0 of the job, its address all-gathered over
+    the exchange's gloo group; an in-process HashStore for one process.
+
+    Not the default group's store: under torchrun that is the agent's, and the workers outlive a dead launcher long
+    enough to save a checkpoint (docs/reliability.md), which they could not do with the queue gone.
+    """
+    if world_size == 1:
         return dist.HashStore()
-    store = dist.distributed_c10d._get_default_store()
-    store.set_timeout(timedelta(seconds=timeout_s))
+    from megatron_dapo.rollout.launch_env import local_address  # noqa: PLC0415
+    from megatron_dapo.rollout.launch_env import num_nodes  # noqa: PLC0415
+
+    timeout = timedelta(seconds=timeout_s)
+    store = None
+    address: list[Any] = []
+    if rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        host = "127.0.0.1" if num_nodes(world_size) == 1 else local_address(os.environ.get("MASTER_ADDR"))
+        address = [(host, store.port)]
+    host, port = exchange.all_gather(address, "rollout queue address")[0]
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     return store
 
 

@@ -134,8 +134,11 @@ def test_shared_prefix_matches_packed_logprobs_and_update() -> None:
                     err = float((new["grads"][key] - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12))
                     assert err <= 1e-5, f"{where} {key}: gradient rel err {err:.2e}"
                 assert set(new["weights"]) == set(ref["weights"]), where
+                # Two Adam steps at lr 1e-3 on top of gradients equal to 1e-5 (above): where |g| is near eps, Adam
+                # amplifies their rounding; 1.7e-5 measured on an AVX2 EPYC (both before and after issue 19).
                 for key, w in ref["weights"].items():
-                    torch.testing.assert_close(new["weights"][key], w, rtol=0, atol=1e-5, msg=f"{where} {key}")
+                    diff = float((new["weights"][key] - w).abs().max())
+                    torch.testing.assert_close(new["weights"][key], w, rtol=0, atol=5e-5, msg=f"{where} {key} {diff:.2e}")
                 # The four passes (2 log-probs, gradient, update) count each row whole; sharing computes fewer
                 # tokens and no padding.
                 tok = new["tokens"]
