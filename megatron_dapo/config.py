@@ -199,7 +199,7 @@ class RolloutConfig:
     """Mode "server": the TCP port of that group's store on the trainer's rank-0 host (must be free there)."""
     max_running_requests: int = 0
     """Responses one engine decodes at once (SGLang's server argument of this name; the transformers engine's KV
-    slots, rounded up to 8). 0: the engine's default (transformers: 32; SGLang: what its KV pool holds)."""
+    slots, rounded up to 4). 0: the engine's default (transformers: 32; SGLang: what its KV pool holds)."""
     max_inflight_prompts: int = 0
     """How far the prompt queue runs ahead of dynamic sampling's decisions: a prompt at queue position p is handed to
     an engine only when p < (positions decided so far) + max_inflight_prompts, so at most this many prompts are being

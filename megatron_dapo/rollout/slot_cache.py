@@ -6,8 +6,8 @@
               on slots [0, M) with M = n rounded up to ROW_BLOCK, one new token per row written at its own position
 
 Batch invariance (why the shapes are fixed). On CPU (MKL sgemm, measured with 1 and 2 threads) a row of a linear
-layer's output is bit-identical for every batch size that is a multiple of 8 and every row position in it, but not
-for batch sizes 1-3 (a gemv path) or for the last row of an odd batch on 2 threads. Attention reduces over the key
+layer's output is bit-identical for every batch size that is a multiple of 4 (4 to 64 tried) and every row position
+in it, but not for batch sizes 1-3 (a gemv path) or for the last row of an odd batch on 2 threads. Attention reduces over the key
 axis, so its rounding depends on the key length; here every row attends over the same C keys, masked past its own
 length, and the batched matmuls run one (b, kv-head) block at a time. So a row's tokens and log-probs do not depend
 on which other rows share its decode steps or its slot: tests/rollout/test_continuous_batching.py checks it bit for
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-ROW_BLOCK = 8
+ROW_BLOCK = 4
 """Decode batches are padded to a multiple of this many rows (batch invariance, module docstring)."""
 ATTENTION_NAME = "megatron_dapo_grouped"
 """The transformers attention implementation the embedded engine sets on its model."""

@@ -104,7 +104,7 @@ class TransformersEngine:
     dtype: parameter dtype (torch.float32 on CPU). device: "cpu" or "cuda[:i]".
     eos_token_ids: ids that end a response; default the model's generation_config / config EOS ids.
     pad_token_id: filler of unused decode rows; default the model's pad id, else the first EOS id.
-    max_running: rows decoded together (KV slots), rounded up to a multiple of slot_cache.ROW_BLOCK.
+    max_running: rows decoded together (KV slots), rounded up to a multiple of slot_cache.ROW_BLOCK (4).
     max_context: KV capacity of a slot (prompt + response tokens). Fixed capacity keeps rows batch-invariant across
         a run: the trainer passes the longest prompt of its data plus rollout.max_response_length. None sizes it from
         the first requests (rounded up to 64) and grows it when the engine is idle.

@@ -138,7 +138,7 @@ def test_make_engine_and_sampling_params_from_config(tiny_qwen2_dir):
     from megatron_dapo.rollout import sampling_params
 
     cfg = RolloutConfig(
-        engine="transformers", max_response_length=4, temperature=0.8, top_p=0.9, max_running_requests=5
+        engine="transformers", max_response_length=4, temperature=0.8, top_p=0.9, max_running_requests=6
     )
     eng = make_engine(cfg, str(tiny_qwen2_dir), max_context=64)
     assert (eng.max_running, eng.max_context) == (8, 64)  # rounded up to whole row blocks
