@@ -185,8 +185,8 @@ class RolloutConfig:
     compare_logprobs: bool = True
     """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
     generation_timeout_minutes: float = 60.0
-    """Longest a rank waits at the rollout exchange for the slowest rank's generation round (a gloo group, so the
-    wait holds no GPU); past it the job stops with one line naming this field."""
+    """Longest the rollout stream goes without deciding a group, and a rank waits at the rollout exchange (a gloo
+    group, so the wait holds no GPU); past it the job stops with one line naming this field."""
     deterministic_inference: bool = False
     """SGLang colocated: start the engine with enable_deterministic_inference, the only mode in which SGLang honours
     the per-request sampling_seed we send (reproducible rollouts; batch-invariant kernels cost throughput). Server

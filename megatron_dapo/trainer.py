@@ -516,7 +516,7 @@ class DAPOTrainer:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _note(self, line: str) -> None:
-        """A one-line notice on rank 0's stderr (e.g. each extra dynamic-sampling round)."""
+        """A one-line notice on rank 0's stderr, prefixed with the step (e.g. the preemption decision)."""
         self._notice(f"step {self.step}: {line}")
 
     def _notice(self, line: str) -> None:

@@ -1,11 +1,10 @@
 """Rollout object exchange between ranks on a host (gloo) group with an explicit generation timeout.
 
-    engine ranks:     generate (minutes) ----------------------------> all_gather(small per-group scalars)
-    ranks without:    all_gather([]) ... wait in gloo, on the CPU ...-^          (accs, rewards, lengths: every rank)
+    engine ranks:     the rollout stream (minutes) ------------------> all_gather(the carry, per-rank stream stats)
+    ranks without:    follow the stream's decisions, then all_gather -^
     after sampling:   all_to_all(token rows) -> each rank receives only the rows its DP rank trains on
 
-Ranks without an engine (and engine ranks that finish early) wait inside this gather for the whole generation
-round. On the default NCCL group that wait is a GPU kernel spinning on the GPUs SGLang is decoding on, and it ends
+A rank that leaves the stream first waits inside the gather for the others. On the default NCCL group that wait is a GPU kernel spinning on the GPUs SGLang is decoding on, and it ends
 only at the job's collective timeout (distributed.timeout_minutes) with NCCL's watchdog message. Here the wait
 is a blocking socket read in gloo, pickled objects never touch a GPU, and the group's own timeout
 (rollout.generation_timeout_minutes) ends it with one line that says what was waited for.
