@@ -1,13 +1,13 @@
 """The main CPU job with generation as sequential rounds (the code before the stream, a git commit) and as the stream
-(this tree), interleaved: rounds, stream, rounds, stream ... with the same seed and steps. Writes
-results/rollout_stream/{<arm>_<k>/metrics.jsonl, summary.json, summary.md}.
+(this tree), interleaved: rounds, stream, rounds, stream ... with the same seed and steps. Runs in
+runs/rollout_stream/<arm>_<k>; `report` writes results/rollout_stream/{<arm>_<k>.jsonl, summary.json, summary.md}.
 
     python tools/bench_rollout_stream.py run [--rounds-commit 27cfe3c] [--repeats 2] [--steps 5] [-- overrides]
     python tools/bench_rollout_stream.py report
 
 Per arm (all repeats): generation seconds per kept group (sum of time/generate / sum of sampling/prompts_kept) and
 per generated token, the median step time, the held-out avg@k at the last step. The rounds arm runs from a detached
-worktree of --rounds-commit (created under results/rollout_stream/worktree, PYTHONPATH pointing at it), so each arm
+worktree of --rounds-commit (created under runs/rollout_stream/worktree, PYTHONPATH pointing at it), so each arm
 runs its own code; both read the same model cache and write their data under their own tree.
 """
 
@@ -32,7 +32,8 @@ from experiment_arms import print_report  # noqa: E402
 from experiment_arms import read_metrics  # noqa: E402
 from experiment_arms import train_rows  # noqa: E402
 
-OUT = ROOT / "results" / "rollout_stream"
+OUT = ROOT / "runs" / "rollout_stream"
+RESULTS = ROOT / "results" / "rollout_stream"
 ROUNDS_COMMIT = "27cfe3c"
 """The last commit that generated in sequential rounds over static shards (issue 19)."""
 
@@ -130,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     table = summarize(args.out)
     text = markdown(table)
     if table:
-        (args.out / "summary.json").write_text(json.dumps(table, indent=1))
-        (args.out / "summary.md").write_text(text + "\n")
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        for run_dir in sorted(p for p in args.out.glob("*_*") if (p / "metrics.jsonl").exists()):
+            (RESULTS / f"{run_dir.name}.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+        (RESULTS / "summary.json").write_text(json.dumps(table, indent=1))
+        (RESULTS / "summary.md").write_text(text + "\n")
     return print_report(args.out, table, text)
 
 
