@@ -230,6 +230,7 @@ class _Run:
         self.groups: dict[str, RolloutGroup] = {}
         self.decided: dict[int, GroupSummary] = {}
         self.mine: set[int] = set()  # positions whose summary this rank offers itself (never read from the store)
+        self.published: list[int] = []
         self.held: int | None = None  # a position taken while the window was full: started when it opens
         self.busy = self.wait = 0.0
         self.tokens = self.started = 0
@@ -266,6 +267,7 @@ class _Run:
         self.groups[b.key] = group
         summary = group.summary(self.s.rank, b.key)
         self.queue.publish(b.position, summary)
+        self.published.append(b.position)
         self.offer(b.position, summary)
 
     def take(self) -> None:
@@ -365,7 +367,7 @@ class _Run:
         gathered = s.exchange.all_gather([(entries, stats)], "rollout stream")
         carry = sorted((e for part, _ in gathered for e in part), key=lambda pe: pe[0])
         taken = self.queue.taken()  # final: every rank has left its loop
-        self.queue.delete([p for p in self.mine if p >= k and p in self.decided])
+        self.queue.delete(self.published)  # every rank has left its loop: nobody reads them any more
         kept, metrics = self.sampling.result()
         keep = {x.key for x in kept if x.owner == s.rank}
         metrics.update(_stream_metrics(self.step, [st for _, st in gathered], kept, carry, self.t0))
