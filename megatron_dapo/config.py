@@ -205,6 +205,11 @@ class RolloutConfig:
     an engine only when p < (positions decided so far) + max_inflight_prompts, so at most this many prompts are being
     generated or wait to be decided (over-sampling, as slime's over_sampling_batch_size / AReaL's
     max_concurrent_rollouts bound it). 0: trainer.gen_prompts_per_batch."""
+    over_sampling: float = 1.5
+    """How far past what dynamic sampling still needs the queue runs: positions past the decided ones start only while
+    fewer than over_sampling x (groups still missing) / (keep ratio: the step's so far, else the last step's) are in
+    flight, and never more than max_inflight_prompts. Less in flight is less work the cut aborts; too little waits
+    for decisions. 0: only max_inflight_prompts bounds it."""
     partial: bool = False
     """Partial rollouts. When the step's target of kept groups is reached, work still in flight is aborted (false:
     its tokens are counted as wasted and its prompts return to the queue) or carried into the next step (true: the
@@ -242,6 +247,7 @@ class RolloutConfig:
         _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", "must be >= 1")
         _check(self.generation_timeout_minutes > 0, "rollout.generation_timeout_minutes", "must be > 0")
         _check(self.max_running_requests >= 0, "rollout.max_running_requests", "must be >= 0 (0: engine default)")
+        _check(self.over_sampling >= 0, "rollout.over_sampling", f"must be >= 0 (0: off), got {self.over_sampling}")
         _check(self.max_inflight_prompts >= 0, "rollout.max_inflight_prompts", "must be >= 0 (0: the default)")
         _one_of(self.weight_dtype, ("auto", "fp8"), "rollout.weight_dtype")
         _check(

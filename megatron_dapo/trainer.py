@@ -122,6 +122,8 @@ class DAPOTrainer:
             partial=c.rollout.partial,
             timeout_s=c.rollout.generation_timeout_minutes * 60.0,
             score=self._score,
+            over_sampling=c.rollout.over_sampling,
+            expected_keep=c.algorithm.expected_keep_ratio,
         )
         self.carry: list[CarryEntry] = []
         """Groups carried into the next step (rollout.partial), in queue order; the same on every rank."""

@@ -13,6 +13,7 @@ are the stream's to abort or carry). The admission rule looks at the verifier's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field
@@ -25,6 +26,10 @@ import torch
 from torch import Tensor
 
 ON_CAP = ("error", "partial")
+MIN_FOR_ESTIMATE = 4
+"""Decided positions after which a step's own keep ratio replaces the prior in StepSampling.ahead."""
+MIN_KEEP = 0.05
+"""Floor of the keep ratio StepSampling.ahead divides by (a step that has kept nothing yet)."""
 """What happens when the cap of sampled prompts is reached before the target (algorithm.on_max_gen_batches)."""
 
 
@@ -146,6 +151,18 @@ class StepSampling:
         self.all_wrong += int(acc == 0.0)
         if not self.rule.enabled or group_is_informative(accs):
             self.kept.append((position, group))
+
+    def ahead(self, over_sampling: float, prior_keep: float) -> int:
+        """Queue positions past the decided ones worth generating now: over_sampling x the groups still missing /
+        the keep ratio (this step's once it has decided MIN_FOR_ESTIMATE positions, else prior_keep), at least 1
+        while the step is undone. More in flight is work the cut is likely to abort; fewer, a later round trip."""
+        if self.done:
+            return 0
+        missing = self.rule.target_prompts - len(self.kept)
+        keep = 1.0 if not self.rule.enabled else prior_keep
+        if self.rule.enabled and self.decided >= MIN_FOR_ESTIMATE:
+            keep = len(self.kept) / self.decided
+        return max(1, math.ceil(over_sampling * missing / max(keep, MIN_KEEP)))
 
     def undecided(self) -> list[tuple[int, Scored]]:
         """Offered groups past the cut (finished after the decision point), in queue order."""

@@ -4,10 +4,11 @@
     ranks without:    follow the stream's decisions, then all_gather -^
     after sampling:   all_to_all(token rows) -> each rank receives only the rows its DP rank trains on
 
-A rank that leaves the stream first waits inside the gather for the others. On the default NCCL group that wait is a GPU kernel spinning on the GPUs SGLang is decoding on, and it ends
-only at the job's collective timeout (distributed.timeout_minutes) with NCCL's watchdog message. Here the wait
-is a blocking socket read in gloo, pickled objects never touch a GPU, and the group's own timeout
-(rollout.generation_timeout_minutes) ends it with one line that says what was waited for.
+A rank that leaves the stream first waits inside the gather for the others. On the default NCCL group that wait is a
+GPU kernel spinning on the GPUs SGLang is decoding on, and it ends only at the job's collective timeout
+(distributed.timeout_minutes) with NCCL's watchdog message. Here the wait is a blocking socket read in gloo, pickled
+objects never touch a GPU, and the group's own timeout (rollout.generation_timeout_minutes) ends it with one line
+that says what was waited for.
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@
 
 Batch invariance (why the shapes are fixed). On CPU (MKL sgemm, measured with 1 and 2 threads) a row of a linear
 layer's output is bit-identical for every batch size that is a multiple of 4 (4 to 64 tried) and every row position
-in it, but not for batch sizes 1-3 (a gemv path) or for the last row of an odd batch on 2 threads. Attention reduces over the key
-axis, so its rounding depends on the key length; here every row attends over the same C keys, masked past its own
-length, and the batched matmuls run one (b, kv-head) block at a time. So a row's tokens and log-probs do not depend
-on which other rows share its decode steps or its slot: tests/rollout/test_continuous_batching.py checks it bit for
-bit. Prefill runs one prompt at a time (its result depends on that prompt only).
+in it, but not for batch sizes 1-3 (a gemv path) or for the last row of an odd batch on 2 threads. Attention reduces
+over the key axis, so its rounding depends on the key length; here every row attends over the same C keys, masked
+past its own length, and the batched matmuls run one (b, kv-head) block at a time. So a row's tokens and log-probs
+do not depend on which other rows share its decode steps or its slot: tests/rollout/test_continuous_batching.py
+checks it bit for bit. Prefill runs one prompt at a time (its result depends on that prompt only).
+
 
 `grouped_attention` is eager attention without repeat_kv (the query heads of one KV head are one matmul block);
 it is registered with transformers' AttentionInterface under ATTENTION_NAME, with the eager causal mask for callers

@@ -9,9 +9,10 @@
     at the cut:       in-flight work aborted (rollout.partial=false: its prompts return to the queue) or carried
                       into the next step with its tokens, engine log-probs and weight versions (partial=true)
 
-The queue is a counter on a torch.distributed Store (a TCPStore hosted by rank 0; a HashStore in one process): any engine rank takes the next position as capacity frees, so no rank waits for a static shard. Which
-groups are kept does not depend on which rank finished first (StepSampling decides in queue order), and each
-response is seeded by (seed, step, prompt index, sample), so with a batch-invariant engine (the embedded one on CPU,
+The queue is a counter on a torch.distributed Store (a TCPStore hosted by rank 0; a HashStore in one process): any
+engine rank takes the next position as capacity frees, so no rank waits for a static shard. Which groups are kept
+does not depend on which rank finished first (StepSampling decides in queue order), and each response is seeded by
+(seed, step, prompt index, sample), so with a batch-invariant engine (the embedded one on CPU,
 rollout/slot_cache.py) the kept batch is the same whatever the timing. What does depend on timing: which rank
 generated a group, the work wasted at the cut and, with rollout.partial, how far carried responses got (metrics
 under "stream/"). docs/rollout.md, "The stream".
@@ -171,6 +172,8 @@ class RolloutStream:
     window: rollout.max_inflight_prompts (resolved); cap: the sampler's max_sampled_prompts (0 = none).
     partial: rollout.partial. timeout_s: longest time without a decision before the stream gives up.
     score: (position, example index, truth, G finished rollouts) -> RolloutGroup (verifier + overlong shaping).
+    over_sampling: rollout.over_sampling; positions past the decided ones are started only up to
+        StepSampling.ahead(over_sampling, keep estimate) (0: up to the window). expected_keep: the first step's prior.
     """
 
     def __init__(
@@ -186,9 +189,14 @@ class RolloutStream:
         partial: bool,
         timeout_s: float,
         score: Callable[[int, int, str, list[Rollout]], RolloutGroup],
+        over_sampling: float = 0.0,
+        expected_keep: float = 0.5,
     ) -> None:
         self.engine, self.rank, self.exchange, self.store = engine, rank, exchange, store
         self.group_size, self.window, self.cap, self.partial = group_size, window, cap, partial
+        self.over_sampling = over_sampling
+        self.keep_estimate = expected_keep
+        """Prior keep ratio of a step (the last step's kept / sampled; first: algorithm.expected_keep_ratio)."""
         self.timeout_s = timeout_s
         self.score = score
         self._keys = 0
@@ -212,7 +220,10 @@ class RolloutStream:
         offset-th fresh prompt of the data; carry / carry_rows: the previous step's StreamResult fields."""
         run = _Run(self, step, sampling, params, step_seed(seed, step), fresh, carry, carry_rows)
         run.loop()
-        return run.finish()
+        result = run.finish()
+        if sampling.decided:
+            self.keep_estimate = len(sampling.kept) / sampling.decided
+        return result
 
 
 def _unfinished(prompt: list[int]) -> Rollout:
@@ -271,12 +282,16 @@ class _Run:
         self.offer(b.position, summary)
 
     def take(self) -> None:
-        """Start fresh positions while this rank's engine has room and the window allows."""
-        engine, window = self.s.engine, self.s.window
+        """Start fresh positions while this rank's engine has room and the window allows: position p starts when
+        p < decided + min(window, what dynamic sampling still needs x rollout.over_sampling)."""
+        s, engine = self.s, self.s.engine
         while engine.free_slots() > 0:
             if self.held is None:
-                self.held = self.queue.take(self.s.cap)
-            if self.held is None or self.held >= self.sampling.decided + window:
+                self.held = self.queue.take(s.cap)
+            ahead = s.window
+            if s.over_sampling > 0:
+                ahead = min(ahead, self.sampling.ahead(s.over_sampling, s.keep_estimate))
+            if self.held is None or self.held >= self.sampling.decided + ahead:
                 return
             index, truth, prompt = self.fresh(self.held - len(self.carry))
             self.start(self.held, index, truth, prompt, self.s.new_key())

@@ -138,7 +138,8 @@ def test_shared_prefix_matches_packed_logprobs_and_update() -> None:
                 # amplifies their rounding; 1.7e-5 measured on an AVX2 EPYC (both before and after issue 19).
                 for key, w in ref["weights"].items():
                     diff = float((new["weights"][key] - w).abs().max())
-                    torch.testing.assert_close(new["weights"][key], w, rtol=0, atol=5e-5, msg=f"{where} {key} {diff:.2e}")
+                    msg = f"{where} {key} {diff:.2e}"
+                    torch.testing.assert_close(new["weights"][key], w, rtol=0, atol=5e-5, msg=msg)
                 # The four passes (2 log-probs, gradient, update) count each row whole; sharing computes fewer
                 # tokens and no padding.
                 tok = new["tokens"]

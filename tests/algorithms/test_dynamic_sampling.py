@@ -119,3 +119,21 @@ def test_from_config_cap_is_the_rounds_bound():
 def test_invalid_arguments(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         DynamicSampler(**kwargs)
+
+
+def test_ahead_is_what_is_still_missing_over_the_keep_ratio():
+    step = DynamicSampler(target_prompts=8).start()
+    assert step.ahead(1.5, prior_keep=0.5) == 24  # nothing decided: 1.5 x 8 missing / the prior 0.5
+    for p, grp in enumerate(queue(MIXED, WRONG, WRONG, WRONG)):
+        step.offer(p, grp)
+    assert step.ahead(1.5, prior_keep=0.5) == 42  # the step's own keep ratio 1/4: 1.5 x 7 / 0.25
+    assert step.ahead(1.0, prior_keep=0.5) == 28
+    none_kept = DynamicSampler(target_prompts=2).start()
+    for p, grp in enumerate(queue(WRONG, WRONG, WRONG, WRONG)):
+        none_kept.offer(p, grp)
+    assert none_kept.ahead(1.0, prior_keep=0.5) == 40  # keep floored at 0.05
+    plain = DynamicSampler(target_prompts=3, enabled=False).start()
+    assert plain.ahead(1.0, prior_keep=0.1) == 3  # without dynamic sampling every group is kept
+    for p, grp in enumerate(queue(WRONG, WRONG, WRONG)):
+        plain.offer(p, grp)
+    assert plain.done and plain.ahead(1.0, prior_keep=0.5) == 0

@@ -119,6 +119,7 @@ def run_step(
     slots=8,
     enabled=True,
     slow_rank=None,
+    over_sampling=0.0,
 ):
     """One stream step on `world` ranks (threads) sharing a HashStore; returns each rank's (result, engine)."""
     store, exchange = dist.HashStore(), ThreadExchange(world)
@@ -132,6 +133,7 @@ def run_step(
             stream = RolloutStream(
                 engine, rank, exchange.for_rank(rank), store,
                 group_size=G, window=window, cap=cap, partial=partial, timeout_s=20, score=score,
+                over_sampling=over_sampling, expected_keep=0.5,
             )  # fmt: skip
             stream._keys = 1000 * step  # keys unique across the steps of a test
             rule = DynamicSampler(target_prompts=target, enabled=enabled, max_sampled_prompts=cap, on_cap="partial")
@@ -219,6 +221,18 @@ def test_window_bounds_the_positions_in_flight():
     out = run_step(2, timing_seed=1, window=2, slots=64)
     m = out[0][0].metrics
     assert m["stream/prompts_started"] <= m["sampling/prompts_sampled"] + 2
+
+
+def test_over_sampling_starts_only_what_dynamic_sampling_still_needs():
+    """With room for everything (window 40, 64 slots) the queue starts every position it may; rollout.over_sampling
+    holds back what the groups still missing do not need, so less work is aborted at the cut, and the kept groups
+    are the same."""
+    free = run_step(1, timing_seed=7, window=40, slots=64)
+    lean = run_step(1, timing_seed=7, window=40, slots=64, over_sampling=1.0)
+    assert kept_tokens(lean) == kept_tokens(free)
+    m_free, m_lean = free[0][0].metrics, lean[0][0].metrics
+    assert m_lean["stream/prompts_started"] < m_free["stream/prompts_started"]
+    assert m_lean["stream/tokens_aborted"] < m_free["stream/tokens_aborted"]
 
 
 def test_partial_carries_unfinished_work_and_continues_it_next_step():
