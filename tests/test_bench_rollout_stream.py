@@ -51,4 +51,5 @@ def test_summary_is_generation_per_kept_group_and_per_token(tmp_path):
     )
     assert rounds["step_s_median"] == 60 and stream["heldout_last"] == [0.5]
     text = tool.markdown(table)
-    assert "generation per kept group 0.60x" in text and "step time 0.75x" in text
+    assert rounds["tokens_per_kept_group"] == pytest.approx(60 * 50 / 16)
+    assert "generation per kept group 0.60x (tokens 0.72x)" in text and "step time 0.75x" in text

@@ -86,6 +86,7 @@ def summarize(out: Path) -> list[dict]:
                 "steps": len(rows),
                 "gen_s_per_kept_group": gen_s / max(kept, 1),
                 "gen_ms_per_token": 1000 * gen_s / max(tokens, 1),
+                "tokens_per_kept_group": tokens / max(kept, 1),
                 "prompts_sampled_per_step": statistics.mean(r["sampling/prompts_sampled"] for r in rows),
                 "gen_s_per_step_median": statistics.median(r["time/generate"] for r in rows),
                 "step_s_median": statistics.median(r["time/step"] for r in rows),
@@ -99,22 +100,22 @@ def summarize(out: Path) -> list[dict]:
 
 def markdown(table: list[dict]) -> str:
     head = (
-        "| arm | runs x steps | gen s / kept group | gen ms / token | sampled prompts / step | gen s / step (median) "
-        "| step s (median) | held-out at the end |\n|---|---|---|---|---|---|---|---|"
+        "| arm | runs x steps | gen s / kept group | tokens / kept group | gen ms / token | sampled prompts / step "
+        "| gen s / step (median) | step s (median) | held-out at the end |\n|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for t in table:
         held = ", ".join(f"{v:.3f}" for v in t["heldout_last"])
         lines.append(
             f"| {t['arm']} | {t['runs']} x {t['steps'] // max(t['runs'], 1)} | {t['gen_s_per_kept_group']:.2f} | "
-            f"{t['gen_ms_per_token']:.1f} | {t['prompts_sampled_per_step']:.1f} | {t['gen_s_per_step_median']:.1f} | "
+            f"{t['tokens_per_kept_group']:.0f} | {t['gen_ms_per_token']:.1f} | {t['prompts_sampled_per_step']:.1f} | {t['gen_s_per_step_median']:.1f} | "
             f"{t['step_s_median']:.1f} | {t['heldout_key']} {held} |"
         )
     if len(table) == 2:
         r, s = table
         lines.append(
             f"\nstream / rounds: generation per kept group {s['gen_s_per_kept_group'] / r['gen_s_per_kept_group']:.2f}"
-            f"x, per token {s['gen_ms_per_token'] / r['gen_ms_per_token']:.2f}x, step time "
+            f"x (tokens {s['tokens_per_kept_group'] / r['tokens_per_kept_group']:.2f}x), per token {s['gen_ms_per_token'] / r['gen_ms_per_token']:.2f}x, step time "
             f"{s['step_s_median'] / r['step_s_median']:.2f}x"
         )
     return "\n".join(lines)
