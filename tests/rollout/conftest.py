@@ -12,8 +12,9 @@ VOCAB = 96
 EOS = 2
 
 
-def tiny_config(kind: str = "qwen2", tied: bool = False):
-    """A 2-layer, hidden-32 config; "qwen2" (untied, qkv bias) or "llama" (tied embeddings by default)."""
+def tiny_config(kind: str = "qwen2", tied: bool = False, **overrides):
+    """A 2-layer, hidden-32 config; "qwen2" (untied, qkv bias) or "llama" (tied embeddings by default); overrides
+    replace any field (e.g. a wider model)."""
     common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -27,6 +28,7 @@ def tiny_config(kind: str = "qwen2", tied: bool = False):
         pad_token_id=0,
         tie_word_embeddings=tied,
     )
+    common.update(overrides)
     if kind == "qwen2":
         return Qwen2Config(**common)
     return LlamaConfig(**common)

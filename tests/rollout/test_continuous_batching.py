@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers import LlamaConfig
 
 from megatron_dapo.rollout import FinishReason
 from megatron_dapo.rollout import GenerationRequest
 from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout import TransformersEngine
 from megatron_dapo.rollout.base import completion_seed
+from tests.rollout.conftest import tiny_config
 from tests.rollout.conftest import tiny_model
 
 PROMPTS = [[1, 5, 9, 13], [1, 7], [1, 3, 4, 8, 20, 40, 33], [1, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -21,18 +21,8 @@ PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.95)
 def wider_llama() -> torch.nn.Module:
     """Hidden 192, 3 layers, GQA 6/2 heads of 32: matmuls wide enough for MKL's blocked kernels."""
     torch.manual_seed(3)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=192,
-        intermediate_size=512,
-        num_hidden_layers=3,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    wide = dict(vocab_size=300, hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=6)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", **wide), dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
