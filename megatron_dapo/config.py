@@ -5,8 +5,10 @@
     --actor.lr=2e-6   --apply_overrides-->  same, with types converted and every rule re-checked
 
 Each section checks only its own fields in __post_init__; rules that tie sections together live in
-RunConfig.__post_init__. Every error is one line naming the section and field. Defaults are the paper's
-(DAPO, arXiv 2503.14476, Qwen2.5-32B run).
+RunConfig.__post_init__; the allowed range of every number field is one table, FIELD_RANGES. Every error is one line
+naming the section and field. The file is read as UTF-8 by yaml.SafeLoader (no python/* tags) with one change: a
+section or key written twice is an error naming both lines. Defaults are the paper's (DAPO, arXiv 2503.14476,
+Qwen2.5-32B run).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass
@@ -22,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.nodes import MappingNode
+from yaml.nodes import Node
+from yaml.nodes import ScalarNode
 
 
 class ConfigError(ValueError):
@@ -33,12 +39,118 @@ def _check(cond: bool, where: str, msg: str) -> None:
         raise ConfigError(f"{where}: {msg}")
 
 
-def _check_finite(section: Any, name: str) -> None:
-    """Every float field of a section must be a finite number (.inf / .nan are accepted by YAML and float())."""
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a number field may take: lo to hi, each end closed ("[", "]") or open ("(", ")")."""
+
+    lo: int | float
+    """Lowest allowed value (excluded when ends[0] is "(")."""
+    hi: int | float
+    """Highest allowed value (excluded when ends[1] is ")")."""
+    ends: str = "[]"
+    """Brackets of the two ends, as written in the error message: "[]", "(]", "[)" or "()"."""
+    note: str = ""
+    """What a special value means (e.g. "0: off"), shown in the error message."""
+
+    def __contains__(self, value: int | float) -> bool:
+        above = value > self.lo if self.ends[0] == "(" else value >= self.lo
+        below = value < self.hi if self.ends[1] == ")" else value <= self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        return f"{self.ends[0]}{self.lo}, {self.hi}{self.ends[1]}" + (f" ({self.note})" if self.note else "")
+
+
+_MAX_TOKENS = 2**20
+"""Longest sequence a length field may name (1M tokens; the paper's responses are 20k)."""
+_MAX_COUNT = 2**20
+"""Largest batch size / request count."""
+_MAX_STEPS = 10_000_000
+"""Largest step count or interval."""
+_MAX_PARALLEL = 1024
+"""Largest tensor- or pipeline-parallel size."""
+_MAX_SAMPLES = 4096
+"""Most responses per prompt (group_size, eval_samples)."""
+_SEED_END = 2**31
+"""Seeds are below 2**31: numpy (SGLang, vLLM) takes seeds < 2**32, and derived seeds add offsets (seed + rank,
+megatron's seed + 2718 + tp_rank, seed + 1024 + 100 * ep_rank), which keeps them below 2**32."""
+_WEEK_MINUTES = 7 * 24 * 60
+"""Longest timeout in minutes (one week; Python's thread and socket timeouts overflow far above it)."""
+
+FIELD_RANGES: dict[str, Range] = {
+    "algorithm.eps_low": Range(0, 1, "()"),
+    "algorithm.eps_high": Range(0, 10, "(]"),
+    "algorithm.clip_ratio_c": Range(1, 100, "(]", "or null"),
+    "algorithm.group_size": Range(2, _MAX_SAMPLES),
+    "algorithm.adv_eps": Range(0, 1, "(]"),
+    "algorithm.max_gen_batches": Range(0, 10_000, note="0: unlimited"),
+    "algorithm.expected_keep_ratio": Range(0, 1, "(]"),
+    "algorithm.overlong_buffer": Range(0, _MAX_TOKENS, "(]"),
+    "algorithm.overlong_penalty_factor": Range(0, 100),
+    "algorithm.rollout_is_threshold": Range(0, 1000, "(]"),
+    "algorithm.rollout_mis_low": Range(0, 1, "(]"),
+    "algorithm.rollout_mis_high": Range(1, 1000),
+    "reward.verify_timeout_s": Range(0, 3600, "(]"),
+    "rollout.tensor_parallel": Range(1, _MAX_PARALLEL),
+    "rollout.max_response_length": Range(1, _MAX_TOKENS),
+    # 0 (greedy) is not supported: the actor divides its logits by the temperature.
+    "rollout.temperature": Range(0.001, 10),
+    "rollout.top_p": Range(0, 1, "(]"),
+    "rollout.top_k": Range(0, _MAX_TOKENS, note="0: off"),
+    "rollout.mem_fraction": Range(0, 1, "()"),
+    "rollout.weight_sync_bucket_mb": Range(1, 65536),
+    "rollout.generation_timeout_minutes": Range(0, _WEEK_MINUTES, "(]"),
+    "rollout.weight_sync_master_port": Range(1, 65535),
+    "rollout.max_running_requests": Range(0, _MAX_COUNT, note="0: the engine's default"),
+    "rollout.max_inflight_prompts": Range(0, _MAX_COUNT, note="0: trainer.gen_prompts_per_batch"),
+    "rollout.over_sampling": Range(0, 100, note="0: off"),
+    "actor.tensor_parallel": Range(1, _MAX_PARALLEL),
+    "actor.pipeline_parallel": Range(1, _MAX_PARALLEL),
+    # Adam moves each weight by about lr per step: lr > 1 destroys any model in one step.
+    "actor.lr": Range(0, 1, "(]"),
+    "actor.lr_warmup_steps": Range(0, _MAX_STEPS),
+    "actor.weight_decay": Range(0, 1),
+    "actor.adam_beta1": Range(0, 1, "[)"),
+    "actor.adam_beta2": Range(0, 1, "[)"),
+    "actor.grad_clip": Range(0, 1_000_000, note="0: off"),
+    "actor.max_tokens_per_microbatch": Range(0, 16 * _MAX_TOKENS, note="0: trainer.micro_batch_size rows"),
+    "data.seed": Range(0, _SEED_END, "[)"),
+    "data.max_prompt_length": Range(1, _MAX_TOKENS),
+    "trainer.total_steps": Range(1, _MAX_STEPS),
+    "trainer.seed": Range(0, _SEED_END, "[)"),
+    "trainer.prompts_per_step": Range(1, _MAX_COUNT),
+    "trainer.gen_prompts_per_batch": Range(1, _MAX_COUNT),
+    "trainer.mini_batch_prompts": Range(1, _MAX_COUNT),
+    "trainer.micro_batch_size": Range(1, _MAX_COUNT),
+    "trainer.ppo_epochs": Range(1, 100),
+    "trainer.eval_every": Range(0, _MAX_STEPS, note="0: never"),
+    "trainer.eval_samples": Range(1, _MAX_SAMPLES),
+    "trainer.eval_temperature": Range(0.001, 10),
+    "trainer.eval_top_p": Range(0, 1, "(]"),
+    "trainer.eval_max_prompts": Range(0, _SEED_END, "[)", "0: all"),
+    "trainer.max_skipped_steps": Range(0, _MAX_STEPS, note="0: never stop"),
+    "checkpoint.save_every": Range(0, _MAX_STEPS, note="0: only at the end"),
+    "checkpoint.keep_last": Range(1, 10_000),
+    "checkpoint.preempt_grace_s": Range(0, 24 * 3600, "(]"),
+    "distributed.timeout_minutes": Range(0, _WEEK_MINUTES, "(]"),
+}
+"""Allowed range of every int and float field, by "section.field" (a test checks that none is missing)."""
+
+
+def _check_numbers(section: Any, name: str) -> None:
+    """Every float field of a section is finite (.inf / .nan are accepted by YAML and float()), and every number
+    field lies in its FIELD_RANGES entry; None (an optional field left off) is not checked."""
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        where = f"{name}.{f.name}"
         if isinstance(value, float):
-            _check(math.isfinite(value), f"{name}.{f.name}", f"must be a finite number, got {value}")
+            _check(math.isfinite(value), where, f"must be a finite number, got {value}")
+        allowed = FIELD_RANGES.get(where)
+        if allowed is None:
+            raise KeyError(f"{where} is a number field with no entry in config.FIELD_RANGES")
+        _check(value in allowed, where, f"must be in {allowed}, got {value}")
 
 
 def _expand(path: str) -> str:
@@ -112,31 +224,17 @@ class AlgorithmConfig:
         from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS  # noqa: PLC0415
         from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTIONS  # noqa: PLC0415
 
-        _check_finite(self, "algorithm")
+        _check_numbers(self, "algorithm")
         _one_of(self.policy_loss, tuple(sorted(POLICY_LOSSES)), "algorithm.policy_loss")
-        _check(0.0 < self.eps_low < 1.0, "algorithm.eps_low", f"must be in (0, 1), got {self.eps_low}")
         _check(
             self.eps_high >= self.eps_low,
             "algorithm.eps_high",
             f"must be >= eps_low {self.eps_low}, got {self.eps_high}",
         )
-        if self.clip_ratio_c is not None:
-            _check(self.clip_ratio_c > 1.0, "algorithm.clip_ratio_c", f"must be > 1 (or null), got {self.clip_ratio_c}")
         _one_of(self.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
-        _check(self.group_size >= 2, "algorithm.group_size", f"must be >= 2, got {self.group_size}")
-        _check(0 < self.adv_eps <= 1, "algorithm.adv_eps", f"must be in (0, 1], got {self.adv_eps}")
-        _check(self.max_gen_batches >= 0, "algorithm.max_gen_batches", f"must be >= 0, got {self.max_gen_batches}")
         _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
-        _check(0 < self.expected_keep_ratio <= 1, "algorithm.expected_keep_ratio", "must be in (0, 1]")
-        _check(self.overlong_buffer > 0, "algorithm.overlong_buffer", f"must be > 0, got {self.overlong_buffer}")
-        _check(self.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", "must be >= 0")
         _one_of(self.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
         _one_of(self.rollout_correction_level, ROLLOUT_CORRECTION_LEVELS, "algorithm.rollout_correction_level")
-        _check(self.rollout_is_threshold > 0, "algorithm.rollout_is_threshold", "must be > 0")
-        _check(
-            0 < self.rollout_mis_low <= 1, "algorithm.rollout_mis_low", f"must be in (0, 1], got {self.rollout_mis_low}"
-        )
-        _check(self.rollout_mis_high >= 1, "algorithm.rollout_mis_high", f"must be >= 1, got {self.rollout_mis_high}")
 
     @property
     def effective_eps_high(self) -> float:
@@ -153,8 +251,7 @@ class RewardConfig:
     """Time limit of one symbolic (math-verify) comparison, on any thread; past it the answer scores as wrong."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "reward")
-        _check(self.verify_timeout_s > 0, "reward.verify_timeout_s", f"must be > 0, got {self.verify_timeout_s}")
+        _check_numbers(self, "reward")
         _one_of(self.answer_format, ("answer_line", "boxed", "last_number"), "reward.answer_format")
 
 
@@ -221,7 +318,7 @@ class RolloutConfig:
     SGLang loads; embeddings, norms and lm_head stay as they are). Engines "transformers" and colocated "sglang"."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "rollout")
+        _check_numbers(self, "rollout")
         _one_of(self.engine, ("transformers", "sglang", "vllm"), "rollout.engine")
         _one_of(self.mode, ("colocated", "server"), "rollout.mode")
         if self.mode == "server":
@@ -237,18 +334,6 @@ class RolloutConfig:
                 f"{address!r} is a loopback address but server {remote[0] if remote else ''} is not local; "
                 "set an address of the trainer's rank-0 host that the servers can reach",
             )
-        _check(0 < self.weight_sync_master_port < 65536, "rollout.weight_sync_master_port", "must be in 1..65535")
-        _check(self.tensor_parallel >= 1, "rollout.tensor_parallel", f"must be >= 1, got {self.tensor_parallel}")
-        _check(self.max_response_length >= 1, "rollout.max_response_length", "must be >= 1")
-        _check(self.temperature > 0, "rollout.temperature", f"must be > 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
-        _check(0.0 < self.mem_fraction < 1.0, "rollout.mem_fraction", f"must be in (0, 1), got {self.mem_fraction}")
-        _check(self.weight_sync_bucket_mb >= 1, "rollout.weight_sync_bucket_mb", "must be >= 1")
-        _check(self.generation_timeout_minutes > 0, "rollout.generation_timeout_minutes", "must be > 0")
-        _check(self.max_running_requests >= 0, "rollout.max_running_requests", "must be >= 0 (0: engine default)")
-        _check(self.over_sampling >= 0, "rollout.over_sampling", f"must be >= 0 (0: off), got {self.over_sampling}")
-        _check(self.max_inflight_prompts >= 0, "rollout.max_inflight_prompts", "must be >= 0 (0: the default)")
         _one_of(self.weight_dtype, ("auto", "fp8"), "rollout.weight_dtype")
         _check(
             self.weight_dtype == "auto"
@@ -321,22 +406,8 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         self.model_path = _expand(self.model_path)
-        _check_finite(self, "actor")
-        _check(self.tensor_parallel >= 1, "actor.tensor_parallel", f"must be >= 1, got {self.tensor_parallel}")
-        _check(self.pipeline_parallel >= 1, "actor.pipeline_parallel", f"must be >= 1, got {self.pipeline_parallel}")
+        _check_numbers(self, "actor")
         _one_of(self.dtype, ("bf16", "fp16", "fp32"), "actor.dtype")
-        # Adam moves each weight by about lr per step: lr > 1 destroys any model in one step.
-        _check(0 < self.lr <= 1, "actor.lr", f"must be in (0, 1], got {self.lr}")
-        _check(self.lr_warmup_steps >= 0, "actor.lr_warmup_steps", "must be >= 0")
-        _check(0 <= self.weight_decay <= 1, "actor.weight_decay", f"must be in [0, 1], got {self.weight_decay}")
-        _check(0 <= self.adam_beta1 < 1, "actor.adam_beta1", "must be in [0, 1)")
-        _check(0 <= self.adam_beta2 < 1, "actor.adam_beta2", "must be in [0, 1)")
-        _check(self.grad_clip >= 0, "actor.grad_clip", "must be >= 0")
-        _check(
-            self.max_tokens_per_microbatch >= 0,
-            "actor.max_tokens_per_microbatch",
-            f"must be >= 0 (0: trainer.micro_batch_size rows), got {self.max_tokens_per_microbatch}",
-        )
         _check(
             self.packing or not self.shared_prefix,
             "actor.shared_prefix",
@@ -371,7 +442,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         self.train_files = [_expand(p) for p in self.train_files]
         self.eval_files = [_expand(p) for p in self.eval_files]
-        _check(self.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1")
+        _check_numbers(self, "data")
         for key in ("train_files", "eval_files"):
             value = getattr(self, key)
             _check(all(isinstance(v, str) and v for v in value), f"data.{key}", "must be a list of paths")
@@ -416,16 +487,7 @@ class TrainerConfig:
     a phase does not fit in GPU memory; false skips the check."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "trainer")
-        _check(self.max_skipped_steps >= 0, "trainer.max_skipped_steps", "must be >= 0")
-        for key in ("total_steps", "prompts_per_step", "gen_prompts_per_batch", "mini_batch_prompts"):
-            _check(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _check(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
-        _check(self.ppo_epochs >= 1, "trainer.ppo_epochs", "must be >= 1")
-        _check(self.eval_every >= 0, "trainer.eval_every", "must be >= 0")
-        _check(self.eval_samples >= 1, "trainer.eval_samples", "must be >= 1")
-        _check(0.0 < self.eval_top_p <= 1.0, "trainer.eval_top_p", "must be in (0, 1]")
-        _check(self.eval_temperature > 0, "trainer.eval_temperature", "must be > 0")
+        _check_numbers(self, "trainer")
         _check(
             self.prompts_per_step % self.mini_batch_prompts == 0,
             "trainer.mini_batch_prompts",
@@ -451,12 +513,13 @@ class CheckpointConfig:
     boundary). `megatron-dapo launch` gives torchrun this --shutdown-timeout (torchrun's own default SIGKILLs after
     30 s); under Slurm pair it with --signal=B:USR1@<at least this> (docs/reliability.md). It also bounds how long a
     worker outlives a dead torchrun."""
+    allow_unverified: bool = False
+    """Resume from a checkpoint that has no MANIFEST.json (copied without it, or written before manifests existed).
+    Off: such a checkpoint is refused with one line. On: it loads unverified, with a warning; its pickled metadata is
+    still read through the restricted unpickler (docs/reliability.md, Checkpoint integrity)."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "checkpoint")
-        _check(self.preempt_grace_s > 0, "checkpoint.preempt_grace_s", f"must be > 0, got {self.preempt_grace_s}")
-        _check(self.save_every >= 0, "checkpoint.save_every", "must be >= 0")
-        _check(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+        _check_numbers(self, "checkpoint")
         _check(self.resume != "", "checkpoint.resume", 'must be "auto", "never" or a path')
 
 
@@ -469,8 +532,7 @@ class DistributedConfig:
     rank that stops answering fails the job after this long instead of stalling it."""
 
     def __post_init__(self) -> None:
-        _check_finite(self, "distributed")
-        _check(self.timeout_minutes > 0, "distributed.timeout_minutes", f"must be > 0, got {self.timeout_minutes}")
+        _check_numbers(self, "distributed")
 
     @property
     def timeout_s(self) -> float:
@@ -615,6 +677,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+            # float() would raise OverflowError (not a ValueError: a traceback)
+            raise ConfigError(f"{where}: must be a finite number, got {value}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if isinstance(value, str):
@@ -673,10 +738,85 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
         section, name = key.split(".", 1)
         try:
             value = yaml.safe_load(text) if text != "" else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError):  # ValueError: an integer past Python's 4300-digit limit
             value = text
         out.setdefault(section, {})[name] = value
     return out
+
+
+class _DuplicateKeyError(yaml.YAMLError):
+    """A key written twice in one mapping: `line` is where the second one is, the message names both."""
+
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader (no python/* tags) that refuses a key written twice in one mapping; plain PyYAML keeps the
+    last one silently (a second `actor:` section drops the first's settings).
+
+    The check runs as each mapping node is composed, before anything is constructed: an alias is the node it names,
+    composed once, so aliases are never expanded (billion-laughs input stays cheap). Merge keys (<<) are YAML's
+    override mechanism, not duplicates, and are left to the constructor.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._keys_above: list[Node | int | None] = []
+
+    def compose_node(self, parent: Node | None, index: Node | int | None) -> Node:
+        # index: the key node of a mapping value, the position of a sequence item, None for a key or the root.
+        self._keys_above.append(index)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._keys_above.pop()
+
+    def compose_mapping_node(self, anchor: str | None) -> MappingNode:
+        node = super().compose_mapping_node(anchor)
+        first: dict[tuple[str, str], int] = {}  # (resolved tag, text) -> line: `lr` and 'lr' are the same key
+        for key, _ in node.value:
+            if not isinstance(key, ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key.start_mark.line + 1
+            if (key.tag, key.value) in first:
+                seen = first[(key.tag, key.value)]
+                raise _DuplicateKeyError(line, f"duplicate {self._what(key.value)} (first at line {seen})")
+            first[(key.tag, key.value)] = line
+        return node
+
+    def _what(self, key: str) -> str:
+        """`section 'actor'` at the top level, `key 'lr' in section [actor]` one level down."""
+        above = self._keys_above
+        if len(above) == 1:
+            return f"section {key!r}"
+        if len(above) == 2 and isinstance(above[1], ScalarNode):
+            return f"key {key!r} in section [{above[1].value}]"
+        return f"key {key!r}"
+
+
+def _read_yaml(path: str | Path, source: str) -> Any:
+    """The YAML document of a run file, or ConfigError naming the file (and line) when it cannot be read as one."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{source}: cannot read config file ({err.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{source}: not valid UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start})") from None
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    except _DuplicateKeyError as err:
+        raise ConfigError(f"{source} line {err.line}: {err}") from None
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: an integer past Python's 4300-digit limit
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}{line}: invalid YAML") from None
+    finally:
+        loader.dispose()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -688,16 +828,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     source = "<defaults>"
     if path is not None:
         source = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as err:
-            raise ConfigError(f"{source}: cannot read config file ({err.strerror})") from None
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            line = f" line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{source}{line}: invalid YAML") from None
+        raw = _read_yaml(path, source) or {}
         _check(isinstance(raw, dict), source, "the top level must be a mapping of sections")
         raw = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in raw.items()}
     for section, values in parse_overrides(overrides or []).items():
