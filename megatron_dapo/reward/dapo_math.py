@@ -15,27 +15,44 @@ percent signs and markdown emphasis are removed, it holds exactly one number, op
 ending in a space, "=" or ":" ("x = 42", "The answer is 42") and optionally followed by a space and words
 ("42 degrees") or a final period. The number may carry a sign (ASCII or unicode minus), leading zeros,
 comma thousands separators in groups of three ("1,000"; "1,00" is malformed) and a zero fraction ("42.0").
-Anything else is wrong: two numbers ("42 or 43", "4 2"), a non-zero fraction ("42.5"), an expression
+Against an integer ground truth (one that itself denotes an integer by these rules) anything else is
+wrong: two numbers ("42 or 43", "4 2"), a non-zero fraction ("42.5"), an expression
 ("2^5", "\\frac{84}{2}"), an empty answer. Nothing is ever evaluated.
 
-Non-integer ground truths are compared with math-verify (``math-verify==0.9.0``, optional, imported lazily)
-when it is installed; otherwise they fall back to an exact comparison of normalised strings (LaTeX
-wrappers and whitespace removed, case folded) and a one-time warning says so.
+Non-integer ground truths ("\\frac{1}{2}", "2^{5}", "3\\sqrt{2}") are compared with math-verify
+(``math-verify==0.9.0``, optional, in the ``test`` extra) when it is installed. Both sides are parsed whole: a text
+without math delimiters is wrapped in ``$...$`` first (bare, math-verify parses only a prefix: "2^{5}" as 2). Without
+math-verify they fall back to an exact comparison of normalised strings (LaTeX wrappers and whitespace removed, case
+folded; "32" does not equal "2^{5}" there, and nothing is evaluated) and a one-time warning says so.
 
 Time is bounded on any input: everything works on the bounded tail with linear regular expressions (each
-pattern is deterministic: no nested or overlapping quantifiers), and the symbolic comparison has a time limit
-(``reward.verify_timeout_s``) on the main thread and off it.
+pattern is deterministic: no nested or overlapping quantifiers). math-verify runs in a worker process, never in
+the caller (sympy can hold the GIL for minutes, so no thread or signal in this process can stop it): past
+``reward.verify_timeout_s`` the worker is killed (SIGKILL) and the answer scores as wrong, on any thread; the next
+call starts a new worker (about 1.5 s, not counted in the limit). Before that, answers with a tower of powers
+("9^9^9") or a power of more than a million digits are wrong without calling math-verify. Workers die with the
+trainer (process model: the comment above ``_Worker``).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import importlib.util
+import json
+import logging
 import math
 import numbers
+import os
 import re
+import select
 import signal
+import subprocess
+import sys
 import threading
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 __all__ = [
@@ -217,21 +234,6 @@ def _integer_truth(ground_truth: str | int) -> int | None:
     return parse_integer(ground_truth)
 
 
-@functools.cache
-def _math_verify():
-    """The math_verify module, or None (with a one-time warning) when it is not installed."""
-    try:
-        import math_verify
-    except ImportError:
-        warnings.warn(
-            "math-verify is not installed: non-integer ground truths are compared as exact normalised strings "
-            "(pip install math-verify==0.9.0 for symbolic equivalence)",
-            stacklevel=3,
-        )
-        return None
-    return math_verify
-
-
 def _exact_key(text: str) -> str:
     """Normalised form for exact comparison: like ``_normalise`` but braces kept (they carry structure)."""
     s = _WRAPPER_RE.sub("", text.translate(_MINUS_TABLE))
@@ -256,43 +258,288 @@ def _closing_brace(text: str) -> int:
     return -1
 
 
-def _verify_non_integer(answer: str, ground_truth: str, timeout_s: float = MATH_VERIFY_TIMEOUT_S) -> bool:
-    """Symbolic check with math-verify when available, else exact normalised string equality.
+# --- Symbolic comparison (non-integer ground truths) --------------------------------------------------------------
+#
+# math-verify runs in worker processes, never in the caller: sympy can hold the GIL for minutes (9^{9^{9^{9}}}
+# against 1/2), so neither signal.alarm (main thread only) nor a helper thread bounds it; a process can be killed.
+# Process model:
+# - a worker is `python dapo_math.py <parent pid>` (a fresh interpreter: it imports the standard library and
+#   math_verify only, never torch or megatron, and inherits no threads or process groups); it reads JSON lines
+#   [answer, truth] on stdin and writes "1" or "0" per line;
+# - workers are started lazily and reused; a caller takes an idle worker or starts a new one, so concurrent calls
+#   never queue behind one another (one worker per concurrent call; at most _MAX_IDLE_WORKERS are kept idle);
+# - past the time limit the caller SIGKILLs its worker and scores the answer as wrong; the next call starts another;
+# - a worker dies with its parent: PR_SET_PDEATHSIG (Linux), plus a parent-pid poll and stdin EOF elsewhere. The
+#   death signal follows the *thread* that started the child, so every worker is started by one long-lived
+#   launcher thread, never by the (possibly short-lived) calling thread.
 
-    Bounded by `timeout_s` on any thread. On the main thread math-verify's own signal.alarm limit interrupts the
-    work (whole seconds, rounded up). signal.alarm works only there, so on any other thread the check runs in a
-    helper daemon thread that is waited for `timeout_s`: past it the answer scores as wrong and the caller goes on,
-    while the helper (which cannot be interrupted) finishes in the background.
-    """
-    mv = _math_verify()
-    if mv is None:
-        return _exact_key(answer) == _exact_key(ground_truth)
-    on_main = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM")
-    if on_main:
-        return _math_verify_equal(mv, answer, ground_truth, max(1, math.ceil(timeout_s)))
-    result: list[bool] = []
-    helper = threading.Thread(
-        target=lambda: result.append(_math_verify_equal(mv, answer, ground_truth, None)),
-        name="dapo-math-verify",
-        daemon=True,
+_WORKER_START_TIMEOUT_S = 60.0  # start-up (python + import math_verify, about 1.5 s) is not part of timeout_s
+_MAX_IDLE_WORKERS = 4
+_MAX_POWER_DIGITS = 1_000_000  # 9^{999999} (954k digits) 0.6 s against 1/2; 9^{9999999} took 36 s
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# A power's exponent: a {...} or (...) group (scanned separately), else a signed number, a command or one character.
+_EXPONENT_ATOM_RE = re.compile(r"[-+]?(?:\d+|\\[A-Za-z]+|.)", re.ASCII | re.DOTALL)
+
+
+@functools.cache
+def _math_verify_installed() -> bool:
+    """Whether math_verify can be imported (looked up, not imported: the trainer never loads sympy)."""
+    if importlib.util.find_spec("math_verify") is not None:
+        return True
+    _warn_exact_fallback()
+    return False
+
+
+@functools.cache
+def _warn_exact_fallback() -> None:
+    warnings.warn(
+        "math-verify is not installed: non-integer ground truths are compared as exact normalised strings "
+        "(pip install math-verify==0.9.0 for symbolic equivalence)",
+        stacklevel=4,
     )
-    helper.start()
-    helper.join(timeout_s)
-    return bool(result and result[0])
 
 
-def _math_verify_equal(mv, answer: str, ground_truth: str, timeout: int | None) -> bool:  # noqa: ANN001
-    def parse(text: str):
-        parsed = mv.parse(text, parsing_timeout=timeout)
-        if not parsed and "$" not in text:
-            parsed = mv.parse(f"${text}$", parsing_timeout=timeout)
-        return parsed
+def _group_end(text: str, start: int) -> int:
+    """Index just past the bracket that closes ``text[start]`` ("{" or "("), or len(text) if unbalanced."""
+    opener = text[start]
+    closer = "}" if opener == "{" else ")"
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == opener:
+            depth += 1
+        elif text[i] == closer:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
 
+
+def _costly_power(answer: str) -> bool:
+    """Whether the answer holds a power that sympy could spend minutes on, refused before any parsing.
+
+    A tower ("9^9^9", "2^{3^{4}}", "x^2^3", "9**9**9") or a power whose value has more than ``_MAX_POWER_DIGITS``
+    digits by the estimate exponent x digits of a literal base ("9^{9999999}", "10^{1000001}"). One pass over the
+    answer (the tail, 300 characters by default). The worker's time limit bounds what this misses (factorials,
+    nested functions).
+    """
+    s = _SPACE_RE.sub("", answer).replace("**", "^")
+    i = s.find("^")
+    while i >= 0:
+        base_start = i
+        while base_start > 0 and s[base_start - 1].isdigit():
+            base_start -= 1
+        j = i + 1
+        if j < len(s) and s[j] in "{(":
+            end = _group_end(s, j)
+            exponent = s[j + 1 : end - 1]
+        else:
+            atom = _EXPONENT_ATOM_RE.match(s, j)
+            end = atom.end() if atom else j
+            exponent = s[j:end]
+        if "^" in exponent or s.startswith("^", end):
+            return True  # a tower
+        digits = exponent.lstrip("+-")
+        if digits.isascii() and digits.isdigit():
+            if len(digits) > 12 or int(digits) * max(1, i - base_start) > _MAX_POWER_DIGITS:
+                return True
+        i = s.find("^", end)
+    return False
+
+
+class _Worker:
+    """One math-verify process (see the process model above): a JSON line [answer, truth] in, "1" or "0" out."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self._buffer = b""
+        self._poller = select.poll()  # not select.select: a trainer may hold more than FD_SETSIZE (1024) descriptors
+        self._poller.register(proc.stdout.fileno(), select.POLLIN)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def ask(self, answer: str, truth: str, timeout_s: float) -> str | None:
+        """The worker's reply to one comparison, or None past ``timeout_s`` or if the worker died."""
+        try:
+            self.proc.stdin.write(json.dumps([answer, truth]).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:  # broken pipe: the worker died since its last call
+            return None
+        return self.read_line(timeout_s)
+
+    def read_line(self, timeout_s: float) -> str | None:
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poller.poll(math.ceil(left * 1000)):
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None  # end of file: the worker died
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode("ascii", "replace")
+
+    def kill(self) -> None:
+        """SIGKILL (a worker stuck in sympy never reads another line) and reap."""
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
+class _MathVerifyMissing(Exception):
+    """The worker's interpreter cannot import math_verify (while this one found it)."""
+
+
+class _WorkerPool:
+    """Idle workers, handed to one caller at a time; thread-safe; reset in a forked child (the workers and the
+    launcher thread belong to the parent)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self._launcher: ThreadPoolExecutor | None = None
+        self._missing = False  # a worker said it cannot import math_verify: do not start another one per call
+
+    def compare(self, answer: str, truth: str, timeout_s: float) -> bool:
+        """math-verify's verdict on ``answer`` against ``truth``; False past ``timeout_s`` (the worker is killed).
+
+        Raises:
+            _MathVerifyMissing: the worker cannot import math_verify.
+        """
+        worker = self._take()
+        if worker is None:
+            return False
+        reply = worker.ask(answer, truth, timeout_s)
+        if reply is None:
+            worker.kill()
+            return False
+        with self._lock:
+            if len(self._idle) < _MAX_IDLE_WORKERS:
+                self._idle.append(worker)
+                worker = None
+        if worker is not None:
+            worker.kill()
+        return reply == "1"
+
+    def close(self) -> None:
+        """Kill the idle workers (at exit; the next call starts a new one)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.kill()
+
+    def _take(self) -> _Worker | None:
+        with self._lock:
+            if self._missing:
+                raise _MathVerifyMissing
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.alive():
+                    return worker
+                worker.kill()
+            if self._launcher is None:
+                self._launcher = ThreadPoolExecutor(1, thread_name_prefix="dapo-math-verify-launcher")
+                atexit.register(self.close)
+            launcher = self._launcher
+        cmd = [sys.executable, os.path.abspath(__file__), str(os.getpid())]
+        try:
+            proc = launcher.submit(subprocess.Popen, cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE).result()
+        except (OSError, RuntimeError) as err:  # no process to be had (EAGAIN, ENOMEM), or the interpreter is exiting
+            warnings.warn(f"math-verify worker could not be started: {err}", stacklevel=4)
+            return None
+        worker = _Worker(proc)
+        status = worker.read_line(_WORKER_START_TIMEOUT_S)
+        if status == "ready":
+            return worker
+        worker.kill()
+        if status == "missing":
+            self._missing = True
+            raise _MathVerifyMissing
+        warnings.warn(f"math-verify worker did not start within {_WORKER_START_TIMEOUT_S:.0f} s", stacklevel=4)
+        return None
+
+
+_POOL = _WorkerPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL._reset)
+
+
+def _verify_non_integer(answer: str, ground_truth: str, timeout_s: float = MATH_VERIFY_TIMEOUT_S) -> bool:
+    """Symbolic check with math-verify in a worker process when installed, else exact normalised string equality.
+
+    Bounded by ``timeout_s`` on any thread (plus, when a worker must be started, its start-up, bounded by
+    ``_WORKER_START_TIMEOUT_S``): past it the worker is killed and the answer scores as wrong.
+    """
+    if _math_verify_installed():
+        if _costly_power(answer):
+            return False
+        try:
+            return _POOL.compare(answer, ground_truth, timeout_s)
+        except _MathVerifyMissing:
+            _warn_exact_fallback()
+    return _exact_key(answer) == _exact_key(ground_truth)
+
+
+def _whole(text: str) -> str:
+    """``text`` for math_verify.parse, delimited so that it is parsed whole.
+
+    Without "$" math-verify's expression extractor takes a prefix: "2^{5}" parsed as 2, "3\\sqrt{2}" as 3. A text
+    without math delimiters is wrapped in "$...$" (one trailing period dropped first: "$\\frac{1}{2}.$" does not
+    parse).
+    """
+    text = text.strip()
+    if "$" in text or "\\(" in text or "\\[" in text:
+        return text
+    return f"${text.removesuffix('.')}$"
+
+
+def _math_verify_equal(mv, answer: str, ground_truth: str) -> bool:  # noqa: ANN001
+    """math-verify's verdict, without its own time limits (the worker is killed instead); runs in the worker."""
     try:
-        gold, pred = parse(ground_truth), parse(answer)
-        return bool(gold and pred and mv.verify(gold, pred, timeout_seconds=timeout))
+        gold = mv.parse(_whole(ground_truth), parsing_timeout=None)
+        pred = mv.parse(_whole(answer), parsing_timeout=None)
+        return bool(gold and pred and mv.verify(gold, pred, timeout_seconds=None))
     except Exception:  # any parser/grader failure on untrusted text scores as wrong
         return False
+
+
+def _serve(parent_pid: int) -> None:
+    """Worker main (``python dapo_math.py <parent pid>``): compare JSON lines [answer, truth] from stdin until EOF."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever math-verify or sympy prints goes to stderr, never into the replies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    try:
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the poll below
+        pass
+    if os.getppid() != parent_pid:
+        return  # the parent died before the death signal was armed
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # per-call warnings: "Timeout is disabled", parse errors
+    try:
+        import math_verify  # noqa: PLC0415
+    except ImportError:
+        print("missing", file=replies)
+        return
+    print("ready", file=replies)
+    for line in sys.stdin:
+        answer, truth = json.loads(line)
+        print("1" if _math_verify_equal(math_verify, answer, truth) else "0", file=replies)
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Where PR_SET_PDEATHSIG is missing (macOS): exit once re-parented (needs the GIL, unlike the signal)."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os._exit(0)
 
 
 def compute_score(
@@ -377,3 +624,7 @@ class Verifier:
 def make_verifier(answer_format: str = "answer_line", *, tail_chars: int = TAIL_CHARS) -> Verifier:
     """A ``Verifier`` for ``answer_format``; ValueError naming ``reward.answer_format`` if unknown."""
     return Verifier(answer_format=answer_format, tail_chars=tail_chars)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))

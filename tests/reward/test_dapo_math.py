@@ -1,8 +1,10 @@
 """Tests for megatron_dapo.reward.dapo_math: extraction, normalisation, scoring, formats, bad input."""
 
+import importlib.util
 import subprocess
 import sys
 import threading
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -188,7 +190,7 @@ def test_verifier_factory():
 
 
 def test_non_integer_truth_fallback_without_math_verify(monkeypatch):
-    monkeypatch.setattr(dapo_math, "_math_verify", lambda: None)
+    monkeypatch.setattr(dapo_math, "_math_verify_installed", lambda: False)
     assert compute_score("Answer: $\\frac{1}{2}$", "\\frac{1}{2}")["acc"]
     assert compute_score("Answer: \\frac{1}{2}.", "$\\frac{1}{2}$")["acc"]
     assert not compute_score("Answer: 0.5", "\\frac{1}{2}")["acc"]  # exact compare: not symbolic
@@ -227,17 +229,113 @@ def test_default_path_imports_no_symbolic_engine():
 
 
 def test_exact_fallback_keeps_structure(monkeypatch):
-    monkeypatch.setattr(dapo_math, "_math_verify", lambda: None)
+    monkeypatch.setattr(dapo_math, "_math_verify_installed", lambda: False)
     assert compute_score("Answer: \\boxed{\\frac{1}{2}}", "\\frac{1}{2}")["acc"]
     assert not compute_score("Answer: \\frac{12}{3}", "\\frac{1}{23}")["acc"]
 
 
 def test_missing_math_verify_warns_once_and_falls_back(monkeypatch):
-    monkeypatch.setitem(sys.modules, "math_verify", None)  # makes "import math_verify" raise ImportError
-    dapo_math._math_verify.cache_clear()
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # find_spec says "not installed"
+    dapo_math._math_verify_installed.cache_clear()
+    dapo_math._warn_exact_fallback.cache_clear()
     try:
         with pytest.warns(UserWarning, match="math-verify is not installed"):
             assert compute_score("Answer: $x + 1$", "x+1")["acc"]
-        assert not compute_score("Answer: 1 + x", "x+1")["acc"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not compute_score("Answer: 1 + x", "x+1")["acc"]
     finally:
-        dapo_math._math_verify.cache_clear()
+        dapo_math._math_verify_installed.cache_clear()
+        dapo_math._warn_exact_fallback.cache_clear()
+
+
+# LaTeX ground truths written without "$", each with answers against it, oracles derived by hand:
+# (truth, answer after "Answer: ", acc with math-verify, acc with the exact-string fallback). Bare, math-verify used
+# to parse only a prefix of a text ("2^{5}" as 2, "3\sqrt{2}" as 3), on either side.
+LATEX_TRUTHS = [
+    ("2^{5}", "32", True, False),
+    ("2^{5}", "2", False, False),
+    ("2^{5}", "2^5", True, False),
+    ("2^{5}", "2^{5}", True, True),
+    ("2^{5}", "$2^{5}$", True, True),
+    ("2^{5}", "25", False, False),
+    ("2^{5}", "5", False, False),
+    ("3\\sqrt{2}", "3", False, False),
+    ("3\\sqrt{2}", "3\\sqrt{2}", True, True),
+    ("3\\sqrt{2}", "\\sqrt{18}", True, False),
+    ("3\\sqrt{2}", "\\sqrt{2}", False, False),
+    ("3\\sqrt{2}", "3\\sqrt{3}", False, False),
+    ("10^{10}", "10000000000", True, False),
+    ("10^{10}", "10", False, False),
+    ("10^{10}", "1", False, False),
+    ("10^{10}", "10^{10}", True, True),
+    ("10^{10}", "10^{10} + 1", False, False),
+    ("2\\pi", "2", False, False),
+    ("2\\pi", "2\\pi", True, True),
+    ("\\frac{1}{2}", "1", False, False),
+    ("\\frac{1}{2}", "\\frac{1}{2}.", True, True),
+    ("\\frac{4}{2}", "2^{5}", False, False),  # the answer side: "2^{5}" parsed as 2 used to equal 4/2
+    ("\\frac{4}{2}", "2", True, False),
+]
+needs_math_verify = pytest.mark.skipif(
+    importlib.util.find_spec("math_verify") is None, reason="math-verify not installed (pip install -e '.[test]')"
+)
+
+
+def test_latex_truths_are_not_integers():
+    for truth in {row[0] for row in LATEX_TRUTHS}:
+        assert parse_integer(truth) is None, truth
+
+
+@needs_math_verify
+@pytest.mark.parametrize("truth,answer,acc,_", LATEX_TRUTHS)
+def test_latex_truth_is_parsed_whole_by_math_verify(truth, answer, acc, _):
+    assert compute_score("so\nAnswer: " + answer, truth)["acc"] is acc
+
+
+@pytest.mark.parametrize("truth,answer,_,acc", LATEX_TRUTHS)
+def test_latex_truth_fallback_never_scores_a_prefix(monkeypatch, truth, answer, _, acc):
+    monkeypatch.setattr(dapo_math, "_math_verify_installed", lambda: False)
+    assert compute_score("so\nAnswer: " + answer, truth)["acc"] is acc
+
+
+COSTLY = ["9^9^9^9", "9^{9^{9}}", "2^{3^{4}}", "x^2^3", "9**9**9", "9^(9^9)", "{2}^{2}^{2}", "9^{9999999}",
+          "10^{1000001}", "99^{600000}", "2^{-99999999}", "9^{1234567890123456}", "1 + 2^{ 9 ^ 9 }"]  # fmt: skip
+CHEAP = ["2^{10}", "x^2 + y^2", "(2^3)^4", "{9^9}^9", "10^{100}", "2^{999999}", "9^{999999}", "e^{i\\pi}", "9^{-3}",
+         "a^{b}c^{d}", "\\frac{1}{2}", "0.5", "2^", "^", "x^{", "3^\\circ"]  # fmt: skip
+
+
+@pytest.mark.parametrize("answer", COSTLY)
+def test_costly_power_is_wrong_without_math_verify_being_asked(monkeypatch, answer):
+    def unexpected(*args):
+        raise AssertionError("math-verify was asked")
+
+    monkeypatch.setattr(dapo_math, "_math_verify_installed", lambda: True)
+    monkeypatch.setattr(dapo_math._POOL, "compare", unexpected)
+    assert dapo_math._costly_power(answer)
+    assert compute_score("Answer: " + answer, "\\frac{1}{2}")["acc"] is False
+
+
+@pytest.mark.parametrize("answer", CHEAP)
+def test_ordinary_powers_are_not_refused(answer):
+    assert not dapo_math._costly_power(answer)
+
+
+def test_worker_without_math_verify_falls_back_once(monkeypatch, tmp_path):
+    """This interpreter finds math_verify but the worker's cannot import it: one warning, exact comparison, and no
+    new worker per call."""
+    (tmp_path / "math_verify.py").write_text("raise ImportError('shadowed by the test')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # read by the worker only
+    monkeypatch.setattr(dapo_math, "_math_verify_installed", lambda: True)
+    monkeypatch.setattr(dapo_math, "_POOL", dapo_math._WorkerPool())
+    dapo_math._warn_exact_fallback.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="math-verify is not installed"):
+            assert compute_score("Answer: $x + 1$", "x+1")["acc"]
+        assert dapo_math._POOL._missing
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not compute_score("Answer: 0.5", "\\frac{1}{2}")["acc"]
+        assert dapo_math._POOL._launcher is not None and not dapo_math._POOL._idle
+    finally:
+        dapo_math._warn_exact_fallback.cache_clear()
