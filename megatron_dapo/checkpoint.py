@@ -13,8 +13,10 @@
 
 Integrity: `verify()` re-hashes every file named in MANIFEST.json (the ranks share the files) and reports missing,
 resized or changed files; `find_resumable()` walks the complete checkpoints newest first and returns the first that
-verifies, naming each one it skips and why. A checkpoint without MANIFEST.json (written by an older version) loads
-with a warning. Hashing costs one read of the checkpoint, split over the ranks, at save and at resume.
+verifies, naming each one it skips and why. A checkpoint without MANIFEST.json (copied without it, or written before
+manifests existed) is not used unless checkpoint.allow_unverified is set; then it loads with a warning. Hashing costs
+one read of the checkpoint, split over the ranks, at save and at resume. The manifest is no signature: the pickles in
+the actor's directory are checked by actor/safe_unpickle.py whether a manifest exists or not.
 
 SIGTERM / SIGUSR1 (Slurm preemption) only set a flag; the trainer checks it at step boundaries, agreeing across ranks,
 saves and exits 0. A step in progress runs to its end first, so the launcher must wait long enough before SIGKILL:
@@ -41,12 +43,14 @@ import yaml
 COMPLETE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 PREFIX = "step_"
+NO_MANIFEST = f"no {MANIFEST} (copied without it, or saved before manifests existed)"
 _HASH_CHUNK = 8 * 2**20
 
 # Fields that may not change when resuming a run (others, e.g. total_steps or logging, may).
 INCOMPATIBLE_FIELDS = (
     ("actor", "model_path"),
     ("actor", "dtype"),
+    ("actor", "use_distributed_optimizer"),  # the optimizer state's layout on disk differs
     ("algorithm", "group_size"),
     ("trainer", "prompts_per_step"),
     ("trainer", "seed"),
@@ -159,6 +163,10 @@ class CheckpointManager:
         gather: all-gather of one picklable object per rank, returning the list in rank order (None: one process).
             Hashing at save and verification at load are split over the ranks with it.
         log: receives one-line notices (a skipped checkpoint, a missing manifest); rank 0 should print them.
+        allow_unverified: use a checkpoint that has no MANIFEST.json (checkpoint.allow_unverified), with a warning;
+            off, such a checkpoint fails verification with a line naming the option.
+        check_pickles: `check_pickles(path)` raises CheckpointError when loading a file of checkpoint `path` would
+            run code (the trainer passes the actor's check, actor/safe_unpickle.py); `verify` calls it last.
     """
 
     def __init__(
@@ -171,6 +179,8 @@ class CheckpointManager:
         world_size: int = 1,
         gather: Callable[[Any], list[Any]] | None = None,
         log: Callable[[str], None] = lambda _line: None,
+        allow_unverified: bool = False,
+        check_pickles: Callable[[Path], None] | None = None,
     ):
         self.root = Path(root)
         self.keep_last = keep_last
@@ -179,6 +189,8 @@ class CheckpointManager:
         self.world_size = world_size
         self.gather = gather or (lambda obj: [obj])
         self.log = log
+        self.allow_unverified = allow_unverified
+        self.check_pickles = check_pickles
 
     def save(
         self,
@@ -242,17 +254,29 @@ class CheckpointManager:
     def verify(self, path: str | Path) -> list[str]:
         """Problems of a checkpoint (empty: usable), the same list on every rank (collective when gather is set).
 
-        Checks the COMPLETE marker and, when MANIFEST.json exists, the size and sha256 of every file it lists (split
-        over the ranks). No manifest (an older checkpoint): no problems, a warning through `log`.
+        Checks the COMPLETE marker and the size and sha256 of every file MANIFEST.json lists (split over the ranks).
+        No manifest: one problem naming checkpoint.allow_unverified, or, with it set, none and a warning through `log`.
+        A checkpoint without problems then goes through `check_pickles`, whose CheckpointError propagates: a file that
+        would run code is no damage to fall back from (someone wrote it; the manifest is no signature), so it stops.
         """
         path = Path(path)
         if not path.is_dir():
             return [f"{path} does not exist"]
         if not (path / COMPLETE).exists():
             return [f"no {COMPLETE} marker (an interrupted save)"]
-        if not (path / MANIFEST).exists():
-            self.log(f"checkpoint {path} has no {MANIFEST} (saved by an older version): loading it unverified")
-            return []
+        if (path / MANIFEST).exists():
+            problems = self._check_manifest(path)
+        elif self.allow_unverified:
+            self.log(f"checkpoint {path}: {NO_MANIFEST}; loading it unverified (checkpoint.allow_unverified)")
+            problems = []
+        else:
+            return [f"{NO_MANIFEST}; set checkpoint.allow_unverified=true to load it unverified"]
+        if not problems and self.check_pickles is not None:
+            self.check_pickles(path)
+        return problems
+
+    def _check_manifest(self, path: Path) -> list[str]:
+        """Problems of the files MANIFEST.json lists (rank r re-hashes files r, r + world, ...); collective."""
         try:
             expected = json.loads((path / MANIFEST).read_text())["files"]
         except (OSError, ValueError, KeyError, TypeError) as err:
@@ -271,7 +295,7 @@ class CheckpointManager:
                 step = p.name[len(PREFIX) :].split(".")[0]
                 if p.is_dir() and p not in candidates and step.isdigit() and int(step) > newest:
                     self.log(f"checkpoint {p} is incomplete (no {COMPLETE} marker: an interrupted save); ignored")
-        rejected = []
+        rejected, unverified = [], False
         for path in reversed(candidates):
             problems = self.verify(path)
             if not problems:
@@ -280,10 +304,14 @@ class CheckpointManager:
                 return path
             rejected.append(path.name)
             more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-            self.log(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}{more}; trying the previous one")
+            what = "is corrupt"
+            if problems[0].startswith(NO_MANIFEST):
+                what, unverified = "cannot be verified", True
+            self.log(f"checkpoint {path} {what}: {'; '.join(problems[:3])}{more}; trying the previous one")
         if rejected:
+            opt_in = "set checkpoint.allow_unverified=true to load one without a manifest, " if unverified else ""
             raise CheckpointError(
-                f"{self.root}: no usable checkpoint ({', '.join(rejected)} failed verification); "
+                f"{self.root}: no usable checkpoint ({', '.join(rejected)} failed verification); {opt_in}"
                 f"set checkpoint.resume=never to start over, or point checkpoint.resume at a checkpoint"
             )
         return None

@@ -53,6 +53,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
+from megatron_dapo.actor.ckpt_writer import install_writer_queue
 from megatron_dapo.actor.distributed import ParallelGroups
 from megatron_dapo.actor.loss import dapo_loss_func
 from megatron_dapo.actor.loss import get_logprob_impl
@@ -67,6 +68,7 @@ from megatron_dapo.actor.packing import prompt_groups
 from megatron_dapo.actor.packing import prompt_lengths
 from megatron_dapo.actor.packing import sequence_lengths
 from megatron_dapo.actor.packing import shared_prefix_micro_batches
+from megatron_dapo.actor.safe_unpickle import check_dist_checkpoint
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.config import RunConfig
 
@@ -756,18 +758,29 @@ class MegatronActor:
         `load_checkpoint` for resharding; RNG states are restored only with the same world size.
         """
         os.makedirs(ckpt_dir, exist_ok=True)
+        install_writer_queue()  # megatron's writer helper survives preemption signals (actor/ckpt_writer.py)
         dist.barrier()
         with self._resident():
             dist_checkpointing.save(self._sharded_state_dict(is_loading=False), ckpt_dir)
         torch.save(_rng_state(), os.path.join(ckpt_dir, f"rng_rank{dist.get_rank():05d}_of{dist.get_world_size()}.pt"))
         dist.barrier()
 
+    @staticmethod
+    def check_checkpoint(ckpt_dir: str | os.PathLike) -> None:
+        """Refuse a directory of `save_checkpoint` that would run code when loaded: CheckpointError, one line naming
+        the file and the global, before anything is unpickled. Every pickle megatron / torch unpickle on load is
+        checked (actor/safe_unpickle.py). Local (reads files, no collective); the trainer also runs it at start-up."""
+        check_dist_checkpoint(ckpt_dir)
+
     def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool = True) -> None:
         """Load what `save_checkpoint` wrote (collective).
 
         Weights reshard to any TP / PP / DP layout. The optimizer state uses megatron's "dp_reshardable" format: it
         loads into the same TP x PP layout (any DP size); to change TP or PP pass load_optimizer=False (weights and
-        step count only; Adam moments start at zero)."""
+        step count only; Adam moments start at zero).
+
+        Nothing in the checkpoint runs: `check_checkpoint` comes first."""
+        self.check_checkpoint(ckpt_dir)
         with self._resident():
             sharded = self._sharded_state_dict(is_loading=True, with_optimizer=load_optimizer)
             state = dist_checkpointing.load(sharded, ckpt_dir)

@@ -86,8 +86,32 @@ def test_interrupted_newer_save_is_named_and_skipped(two_checkpoints):
     assert sum("is incomplete" in x for x in lines) == 2 and "step_00000004" in lines[1], lines
 
 
-def test_checkpoint_without_manifest_loads_with_a_warning(two_checkpoints):
+def test_checkpoint_without_manifest_is_not_used_unless_allowed(two_checkpoints):
     mgr, lines = two_checkpoints
     (mgr.root / "step_00000002" / MANIFEST).unlink()
+    # checkpoint.resume=auto: not usable, the previous (verified) one is taken, and the line names the opt-in.
+    assert mgr.find_resumable().name == "step_00000001"
+    assert len(lines) == 2 and "step_00000002 cannot be verified: no MANIFEST.json (copied without it" in lines[0]
+    assert "set checkpoint.allow_unverified=true to load it unverified; trying the previous one" in lines[0]
+    assert "resuming from" in lines[1] and "step_00000001" in lines[1], lines
+    # checkpoint.resume=<path> (the trainer joins the problems into one line): the same reason.
+    assert mgr.verify(mgr.root / "step_00000002") == [
+        "no MANIFEST.json (copied without it, or saved before manifests existed); "
+        "set checkpoint.allow_unverified=true to load it unverified"
+    ]
+    # None left: one line naming the opt-in.
+    (mgr.root / "step_00000001" / MANIFEST).unlink()
+    with pytest.raises(CheckpointError) as err:
+        mgr.find_resumable()
+    assert "\n" not in str(err.value) and "step_00000002, step_00000001 failed verification" in str(err.value)
+    assert "set checkpoint.allow_unverified=true to load one without a manifest" in str(err.value)
+
+
+def test_checkpoint_without_manifest_loads_with_a_warning_when_allowed(two_checkpoints):
+    mgr, lines = two_checkpoints
+    (mgr.root / "step_00000002" / MANIFEST).unlink()
+    mgr.allow_unverified = True
     assert mgr.find_resumable().name == "step_00000002"
-    assert len(lines) == 1 and "has no MANIFEST.json" in lines[0] and "step_00000002" in lines[0]
+    assert len(lines) == 1 and "step_00000002: no MANIFEST.json (copied without it" in lines[0], lines
+    assert "loading it unverified (checkpoint.allow_unverified)" in lines[0]
+    assert mgr.load(mgr.find_resumable(), CFG)["step"] == 2
