@@ -20,6 +20,7 @@ import sys
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config import load_config
+from megatron_dapo.errors import JobError
 from megatron_dapo.launch import StartupError
 from megatron_dapo.launch import exit_with_launcher
 from megatron_dapo.launch import launch_rank_world
@@ -101,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         except StartupError as err:
             _destroy_process_group()
             return _user_error(err, rank)
-        trainer.fit()
+        try:
+            trainer.fit()
+        except JobError as err:  # found while training (sampling bound, stalled peer): one line, exit 2
+            return _user_error(err, rank, report_rank=err.report_rank)
     elif args.command == "eval":
         print(json.dumps(run_eval(config, args.model), indent=1))
     elif args.command == "convert":
@@ -160,10 +164,10 @@ def plan_preflight(config) -> int:
     return plan.exit_code
 
 
-def _user_error(err: BaseException, rank: int) -> int:
-    """Print `error: ...` on rank 0; the other ranks (which found the same error) exit a moment later, so that a
-    launcher stopping the job at the first exit cannot cut rank 0's line off."""
-    if rank == 0:
+def _user_error(err: BaseException, rank: int, report_rank: int = 0) -> int:
+    """Print `error: ...` on `report_rank` (rank 0 unless that one cannot); the other ranks (which found the same
+    error) exit a moment later, so that a launcher stopping the job at the first exit cannot cut the line off."""
+    if rank == report_rank:
         print(f"error: {err}", file=sys.stderr, flush=True)
     else:
         import time  # noqa: PLC0415

@@ -83,7 +83,8 @@ FIELD_RANGES: dict[str, Range] = {
     "algorithm.clip_ratio_c": Range(1, 100, "(]", "or null"),
     "algorithm.group_size": Range(2, _MAX_SAMPLES),
     "algorithm.adv_eps": Range(0, 1, "(]"),
-    "algorithm.max_gen_batches": Range(0, 10_000, note="0: unlimited"),
+    "algorithm.max_gen_batches": Range(0, 10_000, note="0: no cap, with max_gen_minutes > 0"),
+    "algorithm.max_gen_minutes": Range(0, 10_080, note="0: none"),
     "algorithm.expected_keep_ratio": Range(0, 1, "(]"),
     "algorithm.overlong_buffer": Range(0, _MAX_TOKENS, "(]"),
     "algorithm.overlong_penalty_factor": Range(0, 100),
@@ -187,11 +188,16 @@ class AlgorithmConfig:
     max_gen_batches: int = 10
     """Cap on the prompts one step may sample, in units of trainer.gen_prompts_per_batch (the bound the DAPO recipe's
     generation rounds had): the stream hands out at most max_gen_batches x gen_prompts_per_batch queue positions per
-    step. 0 = unlimited (spins for as long as every group is all-correct or all-wrong)."""
+    step. 0 = no cap in prompts, allowed only with a bound in time (max_gen_minutes): a dataset on which every group is
+    all-correct or all-wrong would otherwise sample forever."""
     expected_keep_ratio: float = 0.5
     """Planning only (megatron-dapo plan): the share of prompt groups dynamic sampling is expected to keep, so a step
     samples prompts_per_step / expected_keep_ratio prompts. 0.5: the middle of the 0.33-0.6 keep ratios of the
     paper-scale run (verl's DAPO recipe over-samples 3x); the run's own sampling/prompts_per_useful is 1 / it."""
+    max_gen_minutes: float = 0.0
+    """Bound on one step's sampling time (0 = none): past it no new prompt is started, the prompts already started
+    are decided, and the step ends as at the max_gen_batches cap (on_max_gen_batches). Which prompts are kept then
+    depends on timing, so the prompt cap is the reproducible bound; this one bounds a step whatever the data."""
     on_max_gen_batches: str = "error"
     """What happens at that cap before prompts_per_step groups are kept: "error" (stop with the counts) or "partial"
     (train on what was kept)."""
@@ -233,6 +239,12 @@ class AlgorithmConfig:
         )
         _one_of(self.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
         _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
+        _check(
+            self.max_gen_batches > 0 or self.max_gen_minutes > 0 or not self.dynamic_sampling,
+            "algorithm.max_gen_batches",
+            "0 (no cap) needs a bound in time, algorithm.max_gen_minutes > 0: dynamic sampling on a dataset where "
+            "every group is all-correct or all-wrong would sample forever",
+        )
         _one_of(self.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
         _one_of(self.rollout_correction_level, ROLLOUT_CORRECTION_LEVELS, "algorithm.rollout_correction_level")
 

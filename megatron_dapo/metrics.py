@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -167,7 +168,7 @@ class MetricsLogger:
             self._progress.start()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
+        record = metrics_row(step, metrics)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
@@ -183,6 +184,12 @@ class MetricsLogger:
         elif self.console == "plain":
             print(line, flush=True)
 
+    def sync(self) -> None:
+        """Put the rows logged so far on disk (fsync; before a checkpoint marks their step as done)."""
+        if self._jsonl is not None:
+            self._jsonl.flush()
+            os.fsync(self._jsonl.fileno())
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
@@ -190,6 +197,11 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def metrics_row(step: int, metrics: dict[str, float]) -> dict[str, Any]:
+    """The metrics.jsonl record of one step: {"step": step, metric: value or None when not finite, ...}, keys sorted."""
+    return {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
 
 
 def _finite_or_none(value: Any) -> Any:

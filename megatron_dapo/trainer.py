@@ -27,7 +27,10 @@ from megatron_dapo.batch import ActorBatch
 from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import PreemptionFlag
+from megatron_dapo.checkpoint import latest_checkpoint
+from megatron_dapo.checkpoint import step_dir_name
 from megatron_dapo.config import RunConfig
+from megatron_dapo.errors import JobError
 from megatron_dapo.evaluate import score_groups
 from megatron_dapo.experience import batch_advantages
 from megatron_dapo.experience import combine_rollout_correction
@@ -42,6 +45,7 @@ from megatron_dapo.launch import StartupError
 from megatron_dapo.memory import MemoryChoreographer
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.metrics import PhaseTimer
+from megatron_dapo.metrics import metrics_row
 from megatron_dapo.metrics import mismatch_from_sums
 from megatron_dapo.metrics import mismatch_sums
 from megatron_dapo.metrics import plot_run
@@ -73,6 +77,9 @@ class DAPOTrainer:
             c.actor.tensor_parallel, c.actor.pipeline_parallel, seed=c.trainer.seed, timeout_s=c.distributed.timeout_s
         )
         self.rank, self.world = self.groups.rank, self.groups.world_size
+        self.preempt = PreemptionFlag()
+        """SIGTERM / SIGUSR1 set it; the step boundary saves and exits, and generation stops at once (the stream)."""
+        self.preempt.install()
         # Generation waits and rollout objects go over gloo (CPU), bounded by the generation timeout, not NCCL.
         self.exchange = RolloutExchange(self.world, timeout_s=c.rollout.generation_timeout_minutes * 60.0)
         self.dp_of_rank = [int(d) for d in self.exchange.all_gather([self.groups.dp_rank], "dp ranks")]
@@ -90,6 +97,8 @@ class DAPOTrainer:
             world_size=self.world,
             gather=lambda obj: self.exchange.all_gather([obj], "checkpoint"),
             log=self._notice,
+            allow_unverified=c.checkpoint.allow_unverified,
+            check_pickles=lambda path: MegatronActor.check_checkpoint(path / "actor"),
         )
         resume_from = self._startup(self._resume_path)
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
@@ -100,15 +109,17 @@ class DAPOTrainer:
         # A fixed KV capacity per row keeps the embedded engine batch-invariant across the run (slot_cache.py).
         max_context = max(self.longest_prompt, 1) + c.rollout.max_response_length
         self.engine = self.memory.build_engine(
-            lambda: make_engine(
-                c.rollout,
-                c.actor.model_path,
-                base_gpu_id=self.groups.local_rank,
-                seed=c.trainer.seed,
-                max_context=-(-max_context // 64) * 64,
-            )
-            if self.rank in self.engine_ranks
-            else None,
+            lambda: (
+                make_engine(
+                    c.rollout,
+                    c.actor.model_path,
+                    base_gpu_id=self.groups.local_rank,
+                    seed=c.trainer.seed,
+                    max_context=-(-max_context // 64) * 64,
+                )
+                if self.rank in self.engine_ranks
+                else None
+            ),
             sized_at_start=sizes_kv_pool_at_start(c.rollout),
         )
         self.stream = RolloutStream(
@@ -124,6 +135,9 @@ class DAPOTrainer:
             score=self._score,
             over_sampling=c.rollout.over_sampling,
             expected_keep=c.algorithm.expected_keep_ratio,
+            stop=lambda: self.preempt.flag,
+            max_gen_s=c.algorithm.max_gen_minutes * 60.0,
+            stall_s=c.distributed.timeout_s if self.world > 1 else 0.0,
         )
         self.carry: list[CarryEntry] = []
         """Groups carried into the next step (rollout.partial), in queue order; the same on every rank."""
@@ -137,6 +151,8 @@ class DAPOTrainer:
             target, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
         )
         self.step = 0
+        self.last_row: dict[str, Any] | None = None
+        """The metrics row of the last logged step (checkpointed with it: a torn metrics.jsonl loses no row)."""
         if resume_from is not None:
             self._load(resume_from)
         elif c.rollout.weight_dtype != "auto":
@@ -154,11 +170,10 @@ class DAPOTrainer:
             if self.rank == 0
             else None
         )
-        self.preempt = PreemptionFlag()
-        self.preempt.install()
 
     def _load_inputs(self) -> None:
         """Run-dir lock (rank 0), tokenizer and data: the user-input part of start-up."""
+        from transformers import AutoConfig  # noqa: PLC0415
         from transformers import AutoTokenizer  # noqa: PLC0415
 
         from megatron_dapo.data import PromptDataset  # noqa: PLC0415
@@ -168,16 +183,23 @@ class DAPOTrainer:
         if self.lock is not None:
             self.lock.acquire()
         self.tokenizer = AutoTokenizer.from_pretrained(c.actor.model_path)
+        hf_config = AutoConfig.from_pretrained(c.actor.model_path)
+        self.architecture = model_architecture(hf_config)
         self.stop_ids = [self.tokenizer.eos_token_id]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         prompts = {
             "tokenizer": self.tokenizer,
             "max_prompt_length": c.data.max_prompt_length,
+            # A prompt plus a full response must fit the model's positions (PromptLimit.of).
+            "max_positions": getattr(hf_config, "max_position_embeddings", None),
+            "max_response_length": c.rollout.max_response_length,
             "filter_overlong": c.data.filter_overlong_prompts,
             "log": self._notice,
         }
         train = PromptDataset(c.data.train_files, **prompts)
-        self.train_data = PromptIterator(train.examples, seed=c.data.seed, shuffle=c.data.shuffle)
+        self.train_data = PromptIterator(
+            train.examples, seed=c.data.seed, shuffle=c.data.shuffle, identity=train.identity
+        )
         evals = PromptDataset(c.data.eval_files, **prompts) if c.data.eval_files else None
         self.eval_examples = evals.examples if evals is not None else []
         self.longest_prompt = max(train.longest_prompt or 0, (evals.longest_prompt or 0) if evals else 0)
@@ -200,12 +222,26 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
+        """Train to trainer.total_steps (or a preemption). Raises JobError when none of this run's steps applied an
+        optimizer update (every update skipped, or no group kept): such a run must not exit 0 as if it trained."""
         last: dict[str, float] = {}
+        self.session_steps = self.session_updates = 0
         if self.step == 0 and self.cfg.trainer.eval_every:
             self._log(0, self.evaluate())
         while self.step < self.cfg.trainer.total_steps:
             self.step += 1
-            last = self.train_step()
+            metrics = self.train_step()
+            if metrics is None:  # a preemption signal stopped generation: the step never happened
+                self.step -= 1
+                self._note("a preemption signal stopped generation; the step is dropped, the last one saved, exiting")
+                newest = latest_checkpoint(self.ckpt.root)
+                unsaved = self.step > 0 and (newest is None or newest.name != step_dir_name(self.step))
+                if self._all_reduce_max(torch.tensor([int(unsaved)])).item():  # one decision on every rank
+                    self.save()
+                break
+            last = metrics
+            applied = metrics.get("actor/num_updates", 0.0) - metrics.get("actor/skipped_steps", 0.0)
+            self.session_steps, self.session_updates = self.session_steps + 1, self.session_updates + int(applied)
             if self.cfg.trainer.eval_every and self.step % self.cfg.trainer.eval_every == 0:
                 last.update(self.evaluate())
             self._log(self.step, last)
@@ -219,16 +255,28 @@ class DAPOTrainer:
             if preempted:
                 break
         self.close()
+        if self.session_steps and not self.session_updates:
+            raise JobError(
+                f"no optimizer update was applied in this run's {self.session_steps} steps (each skipped for a "
+                "non-finite loss or gradient, or no prompt group kept): nothing was trained; see actor/skipped_steps "
+                "and sampling/prompts_kept in metrics.jsonl"
+            )
         return last
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, float] | None:
+        """One step (collective): its metrics, or None when a preemption signal stopped generation (nothing trained;
+        the data position and the carry are those before the step)."""
         timer, start = PhaseTimer(), time.perf_counter()
         metrics: dict[str, float] = {}
         routed: list = []  # [(this DP rank's rows, RowPlan)] when dynamic sampling kept any group
+        interrupted: list[bool] = []
 
         def generation() -> None:
             with timer("generate"):
                 result = self._generate()
+            if result.interrupted:
+                interrupted.append(True)
+                return
             metrics.update(result.metrics)
             metrics.update(sampled_response_metrics(result.decided))
             if result.kept:
@@ -257,11 +305,15 @@ class DAPOTrainer:
                 metrics["perf/actor_tokens_per_s"] = tokens["real_tokens"] / max(actor_s, 1e-9)
 
         def sync() -> None:
+            if interrupted:
+                return
             with timer("weight_sync"):
                 metrics.update(self.weight_sync.sync(self.actor.export_hf_weights()))
 
         self.memory.run_step({"generation": generation, "log-probs": log_probs, "update": update, "sync": sync})
         self.rows = {}
+        if interrupted:
+            return None
         timer.seconds["step"] = time.perf_counter() - start
         generated = metrics.get("stream/tokens_generated", 0.0)
         metrics["perf/tokens_per_s"] = generated / max(timer.seconds["step"], 1e-9)
@@ -301,6 +353,8 @@ class DAPOTrainer:
         result = self.stream.run(
             self.step, self.sampler.start(), params, c.trainer.seed, self._fresh, self.carry, self.carry_rows
         )
+        if result.interrupted:
+            return result
         self.train_data.skip(result.consumed)
         self.carry, self.carry_rows, self.rows = result.carry, result.carry_rows, result.groups
         return result
@@ -406,6 +460,10 @@ class DAPOTrainer:
             path = Path(resume)
         if path is not None:
             self.ckpt.check_config(path, self.cfg.to_dict())
+            # Data that changed since the save is a start-up error here (one line, every rank); _load restores it.
+            saved = check_state_files(path, self.rank, self.world)
+            self.train_data.check_state(saved.get("data", {}), where=str(path), log=self._notice)
+            check_architecture(saved.get("architecture"), self.architecture, str(path))
         return path
 
     def _preemption_notice(self) -> None:
@@ -419,7 +477,16 @@ class DAPOTrainer:
         self._note(f"{name} came {waited:.1f} s before this step boundary; saving, then exiting{late}")
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"step": self.step, "data": self.train_data.state_dict(), "carry": self._carry_state()}
+        """What a resume needs besides the actor: step, data position, carry, and this step's metrics row (restored
+        into metrics.jsonl on resume when the file lost it: a torn last line)."""
+        row = self.last_row if self.last_row is not None and self.last_row["step"] == self.step else None
+        return {
+            "step": self.step,
+            "data": self.train_data.state_dict(),
+            "carry": self._carry_state(),
+            "metrics": row,
+            "architecture": self.architecture,
+        }
 
     def _carry_state(self) -> list[dict[str, Any]]:
         """The carried groups in full, in queue order (their rollouts gathered from the ranks that own them; plain
@@ -451,6 +518,9 @@ class DAPOTrainer:
                 self.carry_rows[key] = rollouts
 
     def save(self) -> Path:
+        if self.logger is not None:
+            self.logger.sync()  # the step's metrics row is on disk before its checkpoint says the step is done
+
         def write() -> Path:
             return self.ckpt.save(
                 self.step,
@@ -480,7 +550,7 @@ class DAPOTrainer:
         self._load_carry(state.get("carry", []))
         self.weight_sync.sync(self.actor.export_hf_weights())
         if self.rank == 0:
-            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step, self._notice)
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step, self._notice, restore=state.get("metrics"))
         self._barrier()
 
     def export_final_hf(self, out_dir: str | Path) -> None:
@@ -529,6 +599,7 @@ class DAPOTrainer:
             print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
+        self.last_row = metrics_row(step, metrics)
         if self.logger is not None:
             self.logger.log(step, metrics)
 
@@ -547,6 +618,80 @@ class DAPOTrainer:
         return t
 
 
+def _load_state_file(file: Path) -> Any:
+    """A small pickle of a checkpoint through torch's weights-only loader (tensors and plain containers: a crafted
+    file runs nothing); CheckpointError naming the file when it cannot be read."""
+    try:
+        return torch.load(file, weights_only=True)
+    except Exception as err:  # noqa: BLE001  UnpicklingError (a forbidden global), RuntimeError (a damaged archive)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{file}: refused to load it ({first[:200]})") from None
+
+
+def _is_rng_state(state: Any, keys: tuple[str, ...]) -> bool:
+    return (
+        isinstance(state, dict)
+        and all(k in state for k in keys)
+        and isinstance(state["torch"], torch.Tensor)
+        and state["torch"].dtype == torch.uint8
+        and isinstance(state["python"], tuple)
+    )
+
+
+def check_state_files(path: Path, rank: int, world: int) -> dict[str, Any]:
+    """The trainer state of checkpoint `path`, after loading it and this rank's RNG files (the trainer's and the
+    actor's) and checking their shape: a crafted, damaged or mismatched file (another step's state, another run's)
+    is one CheckpointError naming it, at start-up on every rank, not a traceback in the middle of the actor's load."""
+    file = path / "trainer_state.pt"
+    state = _load_state_file(file)
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("data"), dict)):
+        raise CheckpointError(f"{file}: not a trainer state (expected a dict with step and data)")
+    name = path.name
+    if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != state["step"]:
+        raise CheckpointError(f"{file}: holds step {state['step']}, but it sits in {name} (copied from another one?)")
+    for rng, keys in (
+        (path / f"rng_rank{rank}.pt", ("torch", "python")),
+        (path / "actor" / f"rng_rank{rank:05d}_of{world}.pt", ("torch", "python", "tracker")),
+    ):
+        if rng.exists() and not _is_rng_state(_load_state_file(rng), keys):
+            raise CheckpointError(f"{rng}: not an RNG state (expected {', '.join(keys)})")
+    return state
+
+
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+"""config.json fields that decide the model's tensors: a checkpoint resumes only onto the same values."""
+
+
+def model_architecture(hf_config: Any) -> dict[str, Any]:
+    """The ARCHITECTURE_KEYS of a Hugging Face config that it has (plain values, for a weights_only checkpoint)."""
+    return {k: getattr(hf_config, k) for k in ARCHITECTURE_KEYS if getattr(hf_config, k, None) is not None}
+
+
+def check_architecture(saved: dict[str, Any] | None, current: dict[str, Any], where: str) -> None:
+    """CheckpointError naming every architecture field of actor.model_path that differs from the checkpoint's (the
+    model directory was replaced at the same path); None (a checkpoint from before this check): nothing to compare."""
+    if saved is None:
+        return
+    changed = [
+        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in ARCHITECTURE_KEYS if saved.get(k) != current.get(k)
+    ]
+    if changed:
+        raise CheckpointError(
+            f"{where}: cannot resume, the model at actor.model_path is not the one this checkpoint was trained from "
+            f"({'; '.join(changed)}); point actor.model_path at that model, or use a new trainer.run_dir"
+        )
+
+
 def rollout_ranks(rollout: Any, world_size: int) -> list[int]:
     """Global ranks that host a rollout engine (prompts are sharded over them in this order).
 
@@ -560,15 +705,17 @@ def rollout_ranks(rollout: Any, world_size: int) -> list[int]:
     return [0]
 
 
-def _truncate_metrics(path: Path, step: int, log: Any = print) -> None:
+def _truncate_metrics(path: Path, step: int, log: Any = print, restore: dict[str, Any] | None = None) -> None:
     """Drop metric rows logged after the checkpoint we resume from (a crash between log and save), and lines that are
-    not JSON (a torn last line from a kill in mid-write): each such line is named through `log`."""
+    not JSON (a torn last line from a kill in mid-write): each such line is named through `log`. `restore`: the
+    checkpoint's own row of `step`, written back when the file no longer has that step (logged)."""
     import json  # noqa: PLC0415
 
-    if not path.exists():
+    if not path.exists() and restore is None:
         return
-    kept = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+    kept, steps = [], set()
+    text = path.read_text(errors="replace") if path.exists() else ""
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -579,6 +726,10 @@ def _truncate_metrics(path: Path, step: int, log: Any = print) -> None:
             continue
         if row_step <= step:
             kept.append(line)
+            steps.add(row_step)
+    if restore is not None and int(restore["step"]) == step and step not in steps:
+        kept.append(json.dumps(restore))
+        log(f"{path}: step {step}'s metrics row was missing; restored it from the checkpoint")
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)

@@ -25,6 +25,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from megatron_dapo.errors import JobError
+
 ON_CAP = ("error", "partial")
 MIN_FOR_ESTIMATE = 4
 """Decided positions after which a step's own keep ratio replaces the prior in StepSampling.ahead."""
@@ -62,8 +64,8 @@ class Group(Generic[P]):
     payload: P
 
 
-class DynamicSamplingError(RuntimeError):
-    pass
+class DynamicSamplingError(JobError):
+    """The step's sampling bound (prompts or time) stopped it short of its target, with on_cap "error"."""
 
 
 @dataclass
@@ -129,11 +131,26 @@ class StepSampling:
     all_correct: int = 0
     all_wrong: int = 0
     _pending: dict[int, Scored] = field(default_factory=dict)
+    limit: int = 0
+    """Queue positions the step may use after all, set by `stop_at` (0: only the rule's cap applies)."""
+    limit_reason: str = ""
+
+    @property
+    def cap(self) -> int:
+        """Queue positions this step may decide (0: unlimited): the rule's cap, lowered by `stop_at`."""
+        caps = [c for c in (self.rule.max_sampled_prompts, self.limit) if c > 0]
+        return min(caps) if caps else 0
 
     @property
     def done(self) -> bool:
-        cap = self.rule.max_sampled_prompts
+        cap = self.cap
         return len(self.kept) >= self.rule.target_prompts or (cap > 0 and self.decided >= cap)
+
+    def stop_at(self, positions: int, reason: str) -> None:
+        """Decide no queue position at or past `positions` (a bound found while sampling, e.g. time; every rank
+        must be given the same value); `reason` names it in the error of `result()`."""
+        if self.limit == 0 or positions < self.limit:
+            self.limit, self.limit_reason = max(positions, 0), reason
 
     def offer(self, position: int, group: Scored) -> None:
         """A finished group at queue `position` (each position offered at most once); decides as far as it can."""
@@ -175,11 +192,15 @@ class StepSampling:
             raise RuntimeError("dynamic sampling: result() before the step's decision is done")
         kept = len(self.kept)
         if kept < self.rule.target_prompts and self.rule.on_cap == "error":
+            if self.limit > 0 and self.cap == self.limit:  # a bound found while sampling (stop_at), e.g. time
+                bound, fix = self.limit_reason, "raise it"
+            else:
+                bound = f"its cap of {self.rule.max_sampled_prompts} sampled prompts ({self.rule.cap_name})"
+                fix = "raise algorithm.max_gen_batches"
             raise DynamicSamplingError(
-                f"dynamic sampling reached its cap of {self.rule.max_sampled_prompts} sampled prompts "
-                f"({self.rule.cap_name}): kept {kept} of {self.rule.target_prompts} prompts after sampling "
-                f"{self.decided} ({self.all_correct} all-correct, {self.all_wrong} all-wrong groups); raise "
-                "algorithm.max_gen_batches or set algorithm.on_max_gen_batches=partial"
+                f"dynamic sampling reached {bound}: kept {kept} of {self.rule.target_prompts} prompts after sampling "
+                f"{self.decided} ({self.all_correct} all-correct, {self.all_wrong} all-wrong groups); {fix} or set "
+                "algorithm.on_max_gen_batches=partial"
             )
         return [g for _, g in self.kept], {
             "sampling/prompts_sampled": float(self.decided),

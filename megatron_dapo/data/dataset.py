@@ -19,8 +19,17 @@ from dataclasses import field
 from typing import Any
 
 from megatron_dapo.data.files import iter_rows
+from megatron_dapo.data.identity import data_identity
 
-__all__ = ["Example", "PromptDataset", "check_prompt_lengths", "load_examples", "parse_row", "prompt_token_ids"]
+__all__ = [
+    "Example",
+    "PromptDataset",
+    "PromptLimit",
+    "check_prompt_lengths",
+    "load_examples",
+    "parse_row",
+    "prompt_token_ids",
+]
 
 _ROLES = ("system", "user", "assistant")
 
@@ -118,25 +127,32 @@ def load_examples(
 
     Raises FileNotFoundError for a missing file, ValueError for bad JSON, a malformed row or no rows at all.
     """
-    paths = [os.fspath(files)] if isinstance(files, (str, os.PathLike)) else [os.fspath(p) for p in files]
+    return [ex for rows in _load_files(_paths(files), prompt_key) for ex in rows]
+
+
+def _paths(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    return [os.fspath(files)] if isinstance(files, (str, os.PathLike)) else [os.fspath(p) for p in files]
+
+
+def _load_files(paths: list[str], prompt_key: str) -> list[list[Example]]:
+    """The examples of each file (indices count across the files); ValueError when there are no rows at all."""
     if not paths:
         raise ValueError("no data files given")
-    examples: list[Example] = []
+    per_file: list[list[Example]] = []
+    index = 0
     for path in paths:
+        rows = []
         for row_number, line_number, row in iter_rows(path):
-            examples.append(
+            rows.append(
                 parse_row(
-                    row,
-                    path=path,
-                    row_number=row_number,
-                    line_number=line_number,
-                    index=len(examples),
-                    prompt_key=prompt_key,
+                    row, path=path, row_number=row_number, line_number=line_number, index=index, prompt_key=prompt_key
                 )
             )
-    if not examples:
+            index += 1
+        per_file.append(rows)
+    if index == 0:
         raise ValueError(f"no rows found in {paths}")
-    return examples
+    return per_file
 
 
 def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -145,48 +161,83 @@ def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLimit:
+    """The most prompt tokens (chat template applied) a row may have, and the rule that sets it, in words."""
+
+    tokens: int
+    rule: str
+    """e.g. "data.max_prompt_length=2048 tokens" (reads after "more than" / "longer than")."""
+
+    @classmethod
+    def of(cls, max_prompt_length: int, max_positions: int | None = None, max_response_length: int = 0) -> PromptLimit:
+        """The limit of data.max_prompt_length and, when the model's max_position_embeddings is known, of the room
+        it leaves after rollout.max_response_length (a prompt plus a full response must fit the model's positions:
+        the engine could not generate it nor the actor train on it); the smaller one wins.
+
+        ValueError (naming both fields) when max_response_length leaves no room for any prompt."""
+        if max_positions is None or max_prompt_length + max_response_length <= max_positions:
+            return cls(max_prompt_length, f"data.max_prompt_length={max_prompt_length} tokens")
+        room = max_positions - max_response_length
+        if room <= 0:
+            raise ValueError(
+                f"rollout.max_response_length={max_response_length} leaves no room for a prompt in the model's "
+                f"max_position_embeddings={max_positions} (config.json of actor.model_path)"
+            )
+        return cls(
+            room,
+            f"{room} tokens (the model's max_position_embeddings={max_positions} minus "
+            f"rollout.max_response_length={max_response_length}; data.max_prompt_length={max_prompt_length})",
+        )
+
+
 def check_prompt_lengths(
     examples: list[Example],
     tokenizer: Any,
-    max_prompt_length: int,
+    limit: PromptLimit | int,
     *,
     filter_overlong: bool = False,
     log: Callable[[str], None] = print,
 ) -> tuple[list[Example], int]:
-    """(The examples whose templated prompt fits in max_prompt_length tokens, the longest kept prompt in tokens).
+    """(The examples whose templated prompt fits in the limit, the longest kept prompt in tokens).
 
-    An over-long prompt raises a one-line ValueError naming its file and row, or (filter_overlong) is dropped; the
-    drop count is logged. Run at load time so that the data order, and so the iterator state in checkpoints, never
-    depends on a row found over-long in mid-run. Kept examples keep their ``index``.
+    limit: a PromptLimit, or an int read as data.max_prompt_length. An over-long prompt raises a one-line
+    ValueError naming its file and row, or (filter_overlong) is dropped; the drop count is logged. Run at load time so
+    that the data order, and so the iterator state in checkpoints, never depends on a row found over-long in mid-run.
+    Kept examples keep their ``index``.
     """
+    if isinstance(limit, int):
+        limit = PromptLimit.of(limit)
     kept, dropped, longest = [], [], 0
     for ex in examples:
         n = len(prompt_token_ids(tokenizer, ex.prompt_messages))
-        if n <= max_prompt_length:
+        if n <= limit.tokens:
             kept.append(ex)
             longest = max(longest, n)
         elif not filter_overlong:
             raise ValueError(
                 f"{ex.source or f'row {ex.index}'}: prompt has {n} tokens with the chat template, more than "
-                f"data.max_prompt_length={max_prompt_length} (set data.filter_overlong_prompts=true to drop such rows)"
+                f"{limit.rule} (set data.filter_overlong_prompts=true to drop such rows)"
             )
         else:
             dropped.append((ex, n))
     if dropped:
         first, n = dropped[0]
         log(
-            f"dropped {len(dropped)} of {len(examples)} prompts longer than data.max_prompt_length="
-            f"{max_prompt_length} tokens (data.filter_overlong_prompts; first: {first.source}, {n} tokens)"
+            f"dropped {len(dropped)} of {len(examples)} prompts longer than {limit.rule} "
+            f"(data.filter_overlong_prompts; first: {first.source}, {n} tokens)"
         )
     if not kept:
-        raise ValueError(f"no prompt fits in data.max_prompt_length={max_prompt_length} tokens")
+        raise ValueError(f"no prompt fits in {limit.rule}")
     return kept, longest
 
 
 class PromptDataset:
     """Validated examples from jsonl/parquet files (DataConfig.train_files / eval_files), indexable by position.
 
-    With a tokenizer and max_prompt_length, over-long prompts are found here, at load (see check_prompt_lengths).
+    With a tokenizer and max_prompt_length, over-long prompts are found here, at load (see check_prompt_lengths);
+    max_positions (the model's max_position_embeddings) with max_response_length lowers the limit (PromptLimit.of).
+    ``identity`` fingerprints the content for checkpoints (identity.py).
     """
 
     def __init__(
@@ -196,17 +247,23 @@ class PromptDataset:
         prompt_key: str = "prompt",
         tokenizer: Any = None,
         max_prompt_length: int | None = None,
+        max_positions: int | None = None,
+        max_response_length: int = 0,
         filter_overlong: bool = False,
         log: Callable[[str], None] = print,
     ):
-        self.files = [os.fspath(files)] if isinstance(files, (str, os.PathLike)) else [os.fspath(p) for p in files]
-        self.examples = load_examples(self.files, prompt_key=prompt_key)
+        self.files = _paths(files)
+        rows_per_file = _load_files(self.files, prompt_key)
+        self.examples = [ex for rows in rows_per_file for ex in rows]
         self.longest_prompt: int | None = None
         """Tokens of the longest prompt with the chat template (known when a tokenizer was given)."""
         if tokenizer is not None and max_prompt_length is not None:
+            limit = PromptLimit.of(max_prompt_length, max_positions, max_response_length)
             self.examples, self.longest_prompt = check_prompt_lengths(
-                self.examples, tokenizer, max_prompt_length, filter_overlong=filter_overlong, log=log
+                self.examples, tokenizer, limit, filter_overlong=filter_overlong, log=log
             )
+        self.identity = data_identity(self.files, rows_per_file, self.examples)
+        """What a checkpoint records of this data (PromptIterator state); see identity.py."""
 
     def __len__(self) -> int:
         return len(self.examples)

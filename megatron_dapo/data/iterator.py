@@ -3,16 +3,20 @@
 Epoch e visits every example once in the order ``numpy.random.default_rng([seed, e]).permutation(N)`` (or 0..N-1
 when shuffle is off). The whole state is (epoch, position): the number of examples of epoch ``epoch`` already
 handed out. Saving ``state_dict()`` and loading it into a fresh iterator over the same data continues with exactly
-the batches the original would have produced.
+the batches the original would have produced. Built with the data's ``identity`` (PromptDataset.identity), the state
+records it, and loading a state saved over other data (a file edited between runs) is refused naming what changed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 from typing import TypeVar
 
 import numpy as np
+
+from megatron_dapo.data.identity import identity_change
 
 __all__ = ["PromptIterator"]
 
@@ -26,14 +30,18 @@ class PromptIterator:
         examples: any sequence (e.g. a ``PromptDataset``); only ``len`` and indexing are used.
         seed: shuffle seed (DataConfig.seed).
         shuffle: False visits examples in file order every epoch (DataConfig.shuffle).
+        identity: the examples' identity (PromptDataset.identity), saved in the state and checked on load.
     """
 
-    def __init__(self, examples: Sequence[T], *, seed: int = 0, shuffle: bool = True):
+    def __init__(
+        self, examples: Sequence[T], *, seed: int = 0, shuffle: bool = True, identity: dict[str, Any] | None = None
+    ):
         if len(examples) == 0:
             raise ValueError("PromptIterator needs at least one example")
         self.examples = examples
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
+        self.identity = identity
         self.epoch = 0
         self.position = 0
         self._order_epoch = -1
@@ -88,24 +96,42 @@ class PromptIterator:
         self.epoch += epoch
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-Python state for checkpoints: epoch, position, seed, shuffle, num_examples."""
-        return {
+        """Plain-Python state for checkpoints: epoch, position, seed, shuffle, num_examples (and identity)."""
+        state = {
             "epoch": self.epoch,
             "position": self.position,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_examples": len(self.examples),
         }
+        if self.identity is not None:
+            state["identity"] = self.identity
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a ``state_dict()``; ValueError if it was saved for other data or another shuffle setting."""
+    def check_state(
+        self, state: dict[str, Any], *, where: str = "data iterator state", log: Callable[[str], None] | None = None
+    ) -> None:
+        """ValueError (one line, starting with `where`) if ``state`` was saved for other data, another shuffle
+        setting or is out of range. A state without identity (an older checkpoint) is checked by its row count only,
+        said through `log`."""
         missing = {"epoch", "position"} - set(state)
         if missing:
-            raise ValueError(f"data iterator state is missing keys {sorted(missing)}")
+            raise ValueError(f"{where} is missing keys {sorted(missing)}")
+        way_out = "use a new trainer.run_dir or checkpoint.resume=never"
+        if self.identity is not None and "identity" in state:
+            change = identity_change(state["identity"], self.identity)
+            if change:
+                raise ValueError(f"{where}: cannot resume, the training data changed ({change}); {way_out}")
+        elif self.identity is not None and log is not None:
+            log(f"{where} has no fingerprint of its training data (an older version): checking its row count only")
         for key, mine in (("num_examples", len(self.examples)), ("seed", self.seed), ("shuffle", self.shuffle)):
             if key in state and state[key] != mine:
-                raise ValueError(f"data iterator state has {key}={state[key]!r} but this iterator has {mine!r}")
+                raise ValueError(f"{where} has {key}={state[key]!r} but this iterator has {mine!r}; {way_out}")
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < len(self.examples):
-            raise ValueError(f"data iterator state out of range: epoch={epoch}, position={position}")
-        self.epoch, self.position = epoch, position
+            raise ValueError(f"{where} out of range: epoch={epoch}, position={position}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` after ``check_state``."""
+        self.check_state(state)
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_dapo.algorithms.dynamic_sampling import StepSampling
+from megatron_dapo.errors import JobError
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import completion_seed
 from megatron_dapo.rollout.exchange import ExchangeTimeout
@@ -43,6 +47,10 @@ from megatron_dapo.rollout.types import RolloutGroup
 
 POLL_S = 0.002
 """How long an idle rank sleeps between looks at the queue."""
+CHECK_S = 0.25
+"""How often a rank looks at the step's shared flags (stop, time cut) and its peers' heartbeats."""
+HEARTBEAT_S = 1.0
+"""How often each rank's heartbeat thread bumps its counter on the store (a stopped process stops bumping)."""
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -111,6 +119,70 @@ def job_store(rank: int, world_size: int, exchange: Any, timeout_s: float) -> di
     return store
 
 
+class PeerWatch:
+    """Every rank's heartbeat on the job store, and this rank's check that its peers' are moving.
+
+    A thread bumps this rank's counter every HEARTBEAT_S over its own store connection, so a rank busy in a long
+    engine step still beats; a stopped (SIGSTOP) or wedged process does not. `check()` (from the stream loop) raises
+    JobError naming a peer whose counter has not moved for `stall_s`, and SIGKILLs it when it runs on this host (it
+    could not act on the launcher's SIGTERM; nobody else would clean it up before the launcher's own timeout).
+    """
+
+    PREFIX = "megatron_dapo/alive/"
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, stall_s: float) -> None:
+        self.store, self.rank, self.world, self.stall_s = store, rank, world_size, stall_s
+        store.set(f"{self.PREFIX}who/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        now = time.monotonic()
+        self.seen: dict[int, tuple[bytes | None, float]] = {r: (None, now) for r in range(world_size) if r != rank}
+        self.next = 0.0
+        client = dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
+        threading.Thread(target=self._beat, args=(client,), name="megatron_dapo-heartbeat", daemon=True).start()
+
+    def _beat(self, client: dist.Store) -> None:
+        key = f"{self.PREFIX}beat/{self.rank}"
+        while True:
+            try:
+                client.add(key, 1)
+            except Exception:  # noqa: BLE001  the store is gone: the job is ending
+                return
+            time.sleep(HEARTBEAT_S)
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self.next:
+            return
+        self.next = now + HEARTBEAT_S
+        for r, (value, _) in list(self.seen.items()):
+            key = f"{self.PREFIX}beat/{r}"
+            current = self.store.get(key) if self.store.check([key]) else None
+            if current != value:
+                self.seen[r] = (current, now)
+        stalled = sorted(r for r, (_, since) in self.seen.items() if now - since > self.stall_s)
+        if stalled:
+            self._end(stalled)
+
+    def _end(self, stalled: list[int]) -> None:
+        parts = []
+        for r in stalled:
+            who_key = f"{self.PREFIX}who/{r}"
+            host, pid = self.store.get(who_key).decode().split() if self.store.check([who_key]) else ("?", "0")
+            note = ""
+            if host == socket.gethostname() and int(pid) > 0:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                    note = ", killed"
+                except OSError:
+                    pass
+            parts.append(f"rank {r} (host {host}, pid {pid}{note})")
+        alive = [r for r in range(self.world) if r not in stalled]
+        raise JobError(
+            f"{', '.join(parts)} made no progress for {self.stall_s:g} s (distributed.timeout_minutes): stopped "
+            "(SIGSTOP), hung or swapping; ending the job, which resumes from its last checkpoint",
+            report_rank=min(alive),
+        )
+
+
 @dataclass(slots=True, eq=False)
 class CarryEntry:
     """A group carried into the next step (rollout.partial), as every rank knows it: its example, its owner rank
@@ -144,6 +216,8 @@ class StreamResult:
     carry_rows: dict[str, list[Rollout]]
     consumed: int
     metrics: dict[str, float] = field(default_factory=dict)
+    interrupted: bool = False
+    """A rank asked the step to stop (a preemption signal): nothing was decided; carry and data are as before."""
 
 
 @dataclass(eq=False)
@@ -171,6 +245,10 @@ class RolloutStream:
     store: `job_store(...)`; group_size: G.
     window: rollout.max_inflight_prompts (resolved); cap: the sampler's max_sampled_prompts (0 = none).
     partial: rollout.partial. timeout_s: longest time without a decision before the stream gives up.
+    stop: this rank's preemption flag; once any rank's is set the step stops everywhere (StreamResult.interrupted).
+    max_gen_s: algorithm.max_gen_minutes in seconds (0: none): past it no further queue position is decided.
+    stall_s: a peer whose heartbeat has not moved for this long ends the job naming it (0: no watch; the trainer
+        passes distributed.timeout_minutes).
     score: (position, example index, truth, G finished rollouts) -> RolloutGroup (verifier + overlong shaping).
     over_sampling: rollout.over_sampling; positions past the decided ones are started only up to
         StepSampling.ahead(over_sampling, keep estimate) (0: up to the window). expected_keep: the first step's prior.
@@ -191,8 +269,14 @@ class RolloutStream:
         score: Callable[[int, int, str, list[Rollout]], RolloutGroup],
         over_sampling: float = 0.0,
         expected_keep: float = 0.5,
+        stop: Callable[[], bool] = lambda: False,
+        max_gen_s: float = 0.0,
+        stall_s: float = 0.0,
     ) -> None:
         self.engine, self.rank, self.exchange, self.store = engine, rank, exchange, store
+        self.stop = stop
+        self.max_gen_s = max_gen_s
+        self.peers = PeerWatch(store, rank, exchange.world_size, stall_s) if stall_s > 0 else None
         self.group_size, self.window, self.cap, self.partial = group_size, window, cap, partial
         self.over_sampling = over_sampling
         self.keep_estimate = expected_keep
@@ -219,9 +303,17 @@ class RolloutStream:
         """Generate until `sampling` is done; collective. fresh(offset) -> (example index, truth, prompt ids) of the
         offset-th fresh prompt of the data; carry / carry_rows: the previous step's StreamResult fields."""
         run = _Run(self, step, sampling, params, step_seed(seed, step), fresh, carry, carry_rows)
-        run.loop()
+        try:
+            run.loop()
+        except dist.DistStoreError as err:
+            why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise JobError(
+                f"rollout stream (step {step}): the queue's store on rank 0 did not answer ({why}): rank 0 is "
+                "stopped, hung or dead; ending the job, which resumes from its last checkpoint",
+                report_rank=1 if self.rank else 0,
+            ) from None
         result = run.finish()
-        if sampling.decided:
+        if sampling.decided and not result.interrupted:
             self.keep_estimate = len(sampling.kept) / sampling.decided
         return result
 
@@ -246,6 +338,8 @@ class _Run:
         self.busy = self.wait = 0.0
         self.tokens = self.started = 0
         self.t0 = time.perf_counter()
+        self.stopped = False  # a rank asked the step to stop (preemption)
+        self.next_check = 0.0
 
     def offer(self, position: int, summary: GroupSummary) -> None:
         self.decided[position] = summary
@@ -287,7 +381,7 @@ class _Run:
         s, engine = self.s, self.s.engine
         while engine.free_slots() > 0:
             if self.held is None:
-                self.held = self.queue.take(s.cap)
+                self.held = self.queue.take(self.sampling.cap)
             ahead = s.window
             if s.over_sampling > 0:
                 ahead = min(ahead, self.sampling.ahead(s.over_sampling, s.keep_estimate))
@@ -312,8 +406,12 @@ class _Run:
                 rows = self.carry_rows[entry.key]
                 self.start(pos, entry.index, entry.truth, rows[0].prompt_ids.tolist(), entry.key, rows)
         engine, sampling = self.s.engine, self.sampling
-        last = time.monotonic()
+        last = start = time.monotonic()
         while not sampling.done:
+            if time.monotonic() >= self.next_check:
+                self.next_check = time.monotonic() + CHECK_S
+                if self.check(start):
+                    break
             before = sampling.decided
             while not sampling.done and sampling.decided not in self.mine:
                 summary = self.queue.read(sampling.decided)
@@ -344,12 +442,36 @@ class _Run:
                     "a rank died: see its log)"
                 )
 
+    def check(self, start: float) -> bool:
+        """The step's shared flags, looked at every CHECK_S: True when a rank asked the step to stop (this one on its
+        preemption flag). Past max_gen_s, the first rank to notice cuts the queue where it stands (compare_set: one
+        value for every rank); every rank then decides only the positions before it. A stalled peer raises."""
+        s, store = self.s, self.queue.store
+        if s.peers is not None:
+            s.peers.check()
+        if s.stop() and not self.stopped:
+            store.set("stop", "1")
+        if store.check(["stop"]):
+            self.stopped = True
+            return True
+        if s.max_gen_s > 0 and time.monotonic() - start > s.max_gen_s and not store.check(["cut"]):
+            store.compare_set("cut", "", str(self.queue.num_carried + self.queue.taken()))
+        if self.sampling.limit == 0 and store.check(["cut"]):
+            minutes = s.max_gen_s / 60
+            cut = int(store.get("cut"))
+            self.sampling.stop_at(cut, f"algorithm.max_gen_minutes={minutes:g} (the queue was cut at {cut} prompts)")
+        return False
+
     def finish(self) -> StreamResult:
-        """At the cut: abort what is in flight, carry it (rollout.partial) or drop it, agree on the carry."""
+        """At the cut: abort what is in flight, carry it (rollout.partial) or drop it, agree on the carry. When any
+        rank stopped the step (preemption), every rank returns an interrupted result instead."""
         s, cut, k = self.s, self.sampling.decided, len(self.carry)
         if s.engine is not None:
             for (position, j), rollout in s.engine.abort():
                 self.building[position].rollouts[j] = rollout
+        if any(s.exchange.all_gather([self.stopped], "rollout stream stop")):
+            self.queue.delete(self.published)
+            return StreamResult([], [], {}, self.carry, self.carry_rows, 0, {}, interrupted=True)
         carried_in = {e.key for e in self.carry}
         entries: list[tuple[int, CarryEntry]] = []
         rows_out: dict[str, list[Rollout]] = {}

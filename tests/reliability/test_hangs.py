@@ -2,13 +2,25 @@
 
 - dynamic sampling with the default config stops at its cap of sampled prompts (max_gen_batches 10 x
   gen_prompts_per_batch) when every group is all-correct or all-wrong, with the counts; before, the default
-  (0 = unlimited) spun silently forever.
+  (0 = unlimited) spun silently forever. No cap in prompts needs one in time (algorithm.max_gen_minutes), and either
+  bound ends the job with one line on every rank; SIGTERM stops a spinning step at once (issue 20, item 3a);
+- a rank stopped (SIGSTOP) during generation ends the job within distributed.timeout_minutes, named and killed
+  (issue 20, item 3b).
 The verifier's time limit (reward.verify_timeout_s, on any thread) is in test_verifier_faults.py; the stopped-rank
 case (distributed.timeout_minutes) is in test_actor_faults.py.
 """
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
 import pytest
 import torch
 
@@ -16,6 +28,13 @@ from megatron_dapo.algorithms import DynamicSampler
 from megatron_dapo.algorithms.dynamic_sampling import DynamicSamplingError
 from megatron_dapo.algorithms.dynamic_sampling import Group
 from megatron_dapo.config import load_config
+from tests.reliability.test_run_faults import ROOT
+from tests.reliability.test_run_faults import _env
+from tests.reliability.test_run_faults import _error_lines
+from tests.reliability.test_run_faults import _launch
+from tests.reliability.test_run_faults import _run
+from tests.reliability.test_run_faults import _torchrun
+from tests.reliability.test_run_faults import _wait_for
 
 
 def test_default_dynamic_sampling_is_bounded_and_says_by_what():
@@ -36,3 +55,142 @@ def test_default_dynamic_sampling_is_bounded_and_says_by_what():
         r"kept 0 of 4 prompts after sampling 40 \(0 all-correct, 40 all-wrong groups\)",
     ):
         step.result()
+
+
+def test_unlimited_sampling_needs_a_bound_in_time():
+    with pytest.raises(ValueError, match=r"algorithm.max_gen_batches: 0 \(no cap\) needs a bound in time"):
+        load_config(None, ["--algorithm.max_gen_batches=0"])
+    cfg = load_config(None, ["--algorithm.max_gen_batches=0", "--algorithm.max_gen_minutes=30"])
+    assert DynamicSampler.from_config(cfg.algorithm, cfg.trainer).max_sampled_prompts == 0
+    load_config(None, ["--algorithm.max_gen_batches=0", "--algorithm.dynamic_sampling=false"])  # no sampling loop
+
+
+def test_a_cut_found_while_sampling_ends_the_step_and_says_by_what():
+    cfg = load_config(None, ["--algorithm.max_gen_batches=0", "--algorithm.max_gen_minutes=0.5"])
+    step = DynamicSampler.from_config(cfg.algorithm, cfg.trainer).start()
+    for position in range(5):
+        step.offer(position, Group(accs=torch.zeros(4, dtype=torch.bool), payload=position))
+    assert not step.done and step.cap == 0
+    step.stop_at(7, "algorithm.max_gen_minutes=0.5 (the queue was cut at 7 prompts)")
+    step.stop_at(9, "a later, larger cut changes nothing")
+    assert step.cap == 7 and not step.done
+    for position in (5, 6):
+        step.offer(position, Group(accs=torch.zeros(4, dtype=torch.bool), payload=position))
+    assert step.done and step.decided == 7
+    with pytest.raises(DynamicSamplingError, match=r"reached algorithm.max_gen_minutes=0.5 \(the queue was cut at 7 "
+                       r"prompts\): kept 0 of \d+ prompts after sampling 7 .*; raise it or set"):  # fmt: skip
+        step.result()
+
+
+# ------------------------------------------------------------------------------------------ whole jobs, torchrun
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from megatron_dapo.tiny import make_tiny_run  # noqa: PLC0415
+
+    return make_tiny_run(tmp_path_factory.mktemp("tiny_hangs"), num_train=24, num_test=4)
+
+
+def _all_wrong(tiny, tmp_path) -> str:
+    """The tiny train file with every ground truth a number the random model never writes: every group all-wrong."""
+    rows = [json.loads(line) for line in Path(tiny["train"]).read_text().splitlines() if line.strip()]
+    for row in rows:
+        row["reward_model"]["ground_truth"] = "-987654321"
+    out = tmp_path / "all_wrong.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(out)
+
+
+def _start(cmd: list[str], **env: str) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen(cmd, env=_env(**env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return proc, lines
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            p.kill()
+
+
+@pytest.mark.slow
+def test_sampling_bounds_end_the_job_with_one_line_on_every_rank(tiny, tmp_path):
+    """An all-wrong dataset: the prompt cap (on_max_gen_batches=error) and, with no prompt cap, the time bound each
+    end the job with one `error:` line and exit 2 on every rank (before: a DynamicSamplingError traceback per rank;
+    with max_gen_batches=0, a spin that never ended)."""
+    data = f"--data.train_files={_all_wrong(tiny, tmp_path)}"
+    cases = {
+        "cap": (["--algorithm.max_gen_batches=2", "--algorithm.on_max_gen_batches=error"],
+                "dynamic sampling reached its cap of 8 sampled prompts"),
+        "time": (["--algorithm.max_gen_batches=0", "--algorithm.max_gen_minutes=0.1",
+                  "--algorithm.on_max_gen_batches=error"],
+                 "dynamic sampling reached algorithm.max_gen_minutes=0.1 (the queue was cut at"),
+    }  # fmt: skip
+    for name, (overrides, expected) in cases.items():
+        proc = _run(_torchrun(tiny, tmp_path / name, data, *overrides))
+        out = proc.stdout + proc.stderr
+        errors = _error_lines(out)
+        assert len(errors) == 1 and expected in errors[0], out[-3000:]
+        assert "exitcode  : 2" in out and out.count("Traceback (most recent call last)") == 1, out[-3000:]
+    # With on_max_gen_batches=partial the steps train on what was kept: none here, so the run trained nothing and
+    # says so instead of exiting 0.
+    proc = _run(_torchrun(tiny, tmp_path / "nothing", data, "--algorithm.max_gen_batches=2"))
+    errors = _error_lines(proc.stdout + proc.stderr)
+    expected = "no optimizer update was applied in this run's 2 steps"
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_unbounded_sampling_at_once(tiny, tmp_path):
+    """max_gen_batches=0 with an hour's time bound on an all-wrong dataset: SIGTERM stops generation within
+    seconds (before: the flag was read only between steps, so nothing stopped the spin)."""
+    unbounded = ["--algorithm.max_gen_batches=0", "--algorithm.max_gen_minutes=60", "--trainer.total_steps=1"]
+    cmd = _launch(tiny, tmp_path / "run", f"--data.train_files={_all_wrong(tiny, tmp_path)}", *unbounded)
+    proc, lines = _start(cmd)
+    try:
+        _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").exists() or any("step 0" in x for x in lines), 240,
+                  "the job to start")  # fmt: skip
+        time.sleep(10)  # well into the spin
+        assert proc.poll() is None, "".join(lines)[-3000:]
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        waited = time.monotonic() - signalled
+    finally:
+        _stop(proc)
+    out = "".join(lines)
+    assert "a preemption signal stopped generation" in out, out[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert waited < 60, f"{waited:.0f} s from SIGTERM to exit"
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_during_generation_ends_the_job_naming_it(tiny, tmp_path):
+    """SIGSTOP of rank 1 while it generates: rank 0 sees its heartbeat stand still for distributed.timeout_minutes
+    (0.5 here; before, rollout.generation_timeout_minutes=60 applied), ends the job with one line naming rank 1 and
+    kills the stopped process (same host)."""
+    cmd = _torchrun(tiny, tmp_path / "run", "--distributed.timeout_minutes=0.5", "--trainer.total_steps=3",
+                    "--algorithm.max_gen_batches=10")  # fmt: skip
+    cmd[cmd.index("megatron_dapo.cli")] = "tests.reliability._slow_step_driver"
+    proc, lines = _start(cmd, SLOW_GEN="2:2")
+    stopped = None
+    try:
+        _wait_for(lambda: any("generation of step 2 is slow" in x for x in lines), 240, "step 2's generation")
+        workers = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
+        assert len(workers) == 1
+        stopped = workers[0]
+        stopped.send_signal(signal.SIGSTOP)
+        signalled = time.monotonic()
+        proc.wait(timeout=180)
+        waited = time.monotonic() - signalled
+    finally:
+        if stopped is not None and stopped.is_running():
+            stopped.send_signal(signal.SIGCONT)
+        _stop(proc)
+    out = "".join(lines)
+    errors = _error_lines(out)
+    assert len(errors) == 1, out[-3000:]
+    assert f"rank 1 (host {socket.gethostname()}, pid {stopped.pid}, killed) made no progress for 30 s" in errors[0]
+    assert waited < 120, f"{waited:.0f} s from SIGSTOP to the end of the job"
+    assert not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE

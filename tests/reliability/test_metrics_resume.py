@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from megatron_dapo.metrics import metrics_row
 from megatron_dapo.trainer import _truncate_metrics
 
 
@@ -27,3 +28,22 @@ def test_garbage_in_the_middle_is_dropped_too(tmp_path):
     _truncate_metrics(path, 5, lines.append)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     assert [x.split(":")[0].rsplit(" ", 1)[-1] for x in lines] == ["2", "4"], lines
+
+
+def test_torn_row_of_the_checkpointed_step_is_restored_from_the_checkpoint(tmp_path):
+    """The torn line is the row of the step the checkpoint holds (issue 20: it was dropped, and that step's metrics
+    lost for good): the checkpoint's own copy of the row is written back, once, and named."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [metrics_row(s, {"loss": 0.5 * s, "actor/grad_norm": float("nan")}) for s in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]) + '{"step": 3, "actor/lo')
+    lines: list[str] = []
+    _truncate_metrics(path, 3, lines.append, restore=rows[3])
+    assert [json.loads(x) for x in path.read_text().splitlines()] == rows
+    assert rows[3]["actor/grad_norm"] is None  # stored as the file stores it
+    assert "step 3's metrics row was missing; restored it from the checkpoint" in lines[-1], lines
+    lines.clear()
+    _truncate_metrics(path, 3, lines.append, restore=rows[3])  # present: nothing added twice
+    assert [json.loads(x) for x in path.read_text().splitlines()] == rows and not lines
+    path.unlink()
+    _truncate_metrics(path, 3, lines.append, restore=rows[3])  # the whole file lost
+    assert [json.loads(x) for x in path.read_text().splitlines()] == rows[3:]

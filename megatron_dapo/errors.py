@@ -1,0 +1,14 @@
+"""Errors that end a running job with one line (the CLI prints `error: <message>` once and every rank exits 2)."""
+
+from __future__ import annotations
+
+
+class JobError(RuntimeError):
+    """A condition found while training that ends the job; the message is one line naming what and why.
+
+    report_rank: the rank that prints it (the lowest rank that found it and is still alive; 0 by default).
+    """
+
+    def __init__(self, message: str, report_rank: int = 0) -> None:
+        super().__init__(message)
+        self.report_rank = report_rank
