@@ -208,48 +208,76 @@ class CheckpointManager:
         """
         final = self.root / step_dir_name(step)
         partial = self.root / (step_dir_name(step) + ".partial")
-        if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"{PREFIX}*.partial"):
-                shutil.rmtree(stale, ignore_errors=True)
-            partial.mkdir()
-        self.barrier()
+
+        def start() -> None:
+            if self.rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in self.root.glob(f"{PREFIX}*.partial"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                partial.mkdir()
+
+        def state() -> None:
+            torch.save(rng_state(), partial / f"rng_rank{self.rank}.pt")
+            if self.rank == 0:
+                torch.save(trainer_state, partial / "trainer_state.pt")
+                (partial / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+        def complete() -> None:
+            if self.rank == 0:
+                (partial / COMPLETE).write_text(f"{step}\n")
+                _fsync_dir(partial)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(partial, final)
+                _fsync_dir(self.root)
+                for old in list_checkpoints(self.root)[: -self.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+
+        self._agreed(partial, "creating its directory", start)
         if save_actor is not None:
             save_actor(partial / "actor")
-        torch.save(rng_state(), partial / f"rng_rank{self.rank}.pt")
-        if self.rank == 0:
-            torch.save(trainer_state, partial / "trainer_state.pt")
-            (partial / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        self.barrier()
+        self._agreed(partial, "writing the trainer state", state)
         self._write_manifest(partial)
         if crash_hook is not None:
             crash_hook(partial)
-        if self.rank == 0:
-            (partial / COMPLETE).write_text(f"{step}\n")
-            _fsync_dir(partial)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            _fsync_dir(self.root)
-            for old in list_checkpoints(self.root)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.barrier()
+        self._agreed(partial, "marking it complete", complete)
         return final
+
+    def _agreed(self, partial: Path, what: str, write: Callable[[], None]) -> None:
+        """Run this rank's part of a save phase, then agree (collective, and a barrier): an OSError on any rank (a
+        full disk, a lost mount) becomes the same CheckpointError on every rank, instead of one rank's traceback
+        while the others wait in the next barrier. The previous checkpoint is untouched: only `.partial` was written."""
+        error = None
+        try:
+            write()
+        except OSError as err:
+            error = f"{what} failed on rank {self.rank}: {err.strerror or err}" + (
+                f" ({err.filename})" if err.filename else ""
+            )
+        self.barrier()
+        errors = [e for e in self.gather(error) if e]
+        if errors:
+            raise CheckpointError(
+                f"checkpoint {partial}: {errors[0]}; the previous checkpoint is intact (free the space and resume)"
+            )
 
     def _write_manifest(self, path: Path) -> None:
         """Hash every file of the checkpoint (rank r takes files r, r + world, ...); rank 0 writes MANIFEST.json."""
         names = checkpoint_files(path)
         parts = self.gather(hash_files(path, names[self.rank :: self.world_size]))
-        if self.rank == 0:
-            files: dict[str, dict[str, Any]] = {}
-            for part in parts:
-                files.update(part)
-            files.update(hash_files(path, [n for n in names if n not in files]))  # a rank that saw fewer files
-            manifest = {"version": 1, "algorithm": "sha256", "files": dict(sorted(files.items()))}
-            tmp = path / (MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-            os.replace(tmp, path / MANIFEST)
-        self.barrier()
+
+        def write() -> None:
+            if self.rank == 0:
+                files: dict[str, dict[str, Any]] = {}
+                for part in parts:
+                    files.update(part)
+                files.update(hash_files(path, [n for n in names if n not in files]))  # a rank that saw fewer files
+                manifest = {"version": 1, "algorithm": "sha256", "files": dict(sorted(files.items()))}
+                tmp = path / (MANIFEST + ".tmp")
+                tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+                os.replace(tmp, path / MANIFEST)
+
+        self._agreed(path, "writing its manifest", write)
 
     def verify(self, path: str | Path) -> list[str]:
         """Problems of a checkpoint (empty: usable), the same list on every rank (collective when gather is set).

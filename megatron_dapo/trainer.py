@@ -518,6 +518,14 @@ class DAPOTrainer:
                 self.carry_rows[key] = rollouts
 
     def save(self) -> Path:
+        """Checkpoint this step (collective). A write that fails on any rank (a full disk) ends the job with one
+        line on every rank (JobError); the previous checkpoint stays the one to resume from."""
+        try:
+            return self._save()
+        except CheckpointError as err:
+            raise JobError(str(err)) from None
+
+    def _save(self) -> Path:
         if self.logger is not None:
             self.logger.sync()  # the step's metrics row is on disk before its checkpoint says the step is done
 

@@ -115,3 +115,28 @@ def test_checkpoint_without_manifest_loads_with_a_warning_when_allowed(two_check
     assert len(lines) == 1 and "step_00000002: no MANIFEST.json (copied without it" in lines[0], lines
     assert "loading it unverified (checkpoint.allow_unverified)" in lines[0]
     assert mgr.load(mgr.find_resumable(), CFG)["step"] == 2
+
+
+def test_disk_full_during_a_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A full disk while the trainer state is written (issue 20, item 5): one CheckpointError naming the phase, the
+    rank and the file, raised on every rank after they agree (here one); the previous checkpoint still verifies."""
+    import errno  # noqa: PLC0415
+
+    manager = CheckpointManager(tmp_path / "ckpt", keep_last=2)
+    manager.save(1, {"step": 1}, {"trainer": {}})
+    real = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name == "config.yaml":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(CheckpointError) as err:
+        manager.save(2, {"step": 2}, {"trainer": {}})
+    monkeypatch.undo()
+    assert "step_00000002.partial: writing the trainer state failed on rank 0: No space left on device (" in str(
+        err.value
+    )
+    assert "config.yaml); the previous checkpoint is intact" in str(err.value)
+    assert manager.find_resumable() == tmp_path / "ckpt" / "step_00000001"
