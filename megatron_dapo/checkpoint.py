@@ -18,8 +18,9 @@ manifests existed) is not used unless checkpoint.allow_unverified is set; then i
 one read of the checkpoint, split over the ranks, at save and at resume. The manifest is no signature: the pickles in
 the actor's directory are checked by actor/safe_unpickle.py whether a manifest exists or not.
 
-SIGTERM / SIGUSR1 (Slurm preemption) only set a flag; the trainer checks it at step boundaries, agreeing across ranks,
-saves and exits 0. A step in progress runs to its end first, so the launcher must wait long enough before SIGKILL:
+SIGTERM / SIGUSR1 (Slurm preemption) only set a flag; generation stops on it at once (the step is dropped), otherwise
+the trainer checks it at step boundaries, agreeing across ranks, saves and exits 0. A step past its generation runs to
+its end first, so the launcher must wait long enough before SIGKILL:
 checkpoint.preempt_grace_s, which `megatron-dapo launch` passes to torchrun (docs/reliability.md, Preemption).
 """
 
