@@ -87,7 +87,10 @@ def test_override_wins_over_file(tmp_path):
         ("--algorithm.policy_loss=ppo2", "algorithm.policy_loss: must be one of"),
         ("--algorithm.group_size=1", "algorithm.group_size: must be in [2, 4096], got 1"),
         ("--algorithm.adv_eps=0", "algorithm.adv_eps: must be in (0, 1]"),
-        ("--algorithm.max_gen_batches=-1", "algorithm.max_gen_batches: must be in [0, 10000] (0: no cap, with max_gen_minutes > 0), got -1"),
+        (
+            "--algorithm.max_gen_batches=-1",
+            "algorithm.max_gen_batches: must be in [0, 10000] (0: no cap, with max_gen_minutes > 0), got -1",
+        ),
         ("--algorithm.on_max_gen_batches=retry", "algorithm.on_max_gen_batches: must be one of"),
         ("--algorithm.overlong_buffer=0", "algorithm.overlong_buffer: must be in (0, 1048576], got 0"),
         ("--algorithm.overlong_buffer=20480", "algorithm.overlong_buffer: must satisfy 0 < overlong_buffer <"),

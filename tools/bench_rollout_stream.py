@@ -108,14 +108,16 @@ def markdown(table: list[dict]) -> str:
         held = ", ".join(f"{v:.3f}" for v in t["heldout_last"])
         lines.append(
             f"| {t['arm']} | {t['runs']} x {t['steps'] // max(t['runs'], 1)} | {t['gen_s_per_kept_group']:.2f} | "
-            f"{t['tokens_per_kept_group']:.0f} | {t['gen_ms_per_token']:.1f} | {t['prompts_sampled_per_step']:.1f} | {t['gen_s_per_step_median']:.1f} | "
+            f"{t['tokens_per_kept_group']:.0f} | {t['gen_ms_per_token']:.1f} | {t['prompts_sampled_per_step']:.1f} | "
+            f"{t['gen_s_per_step_median']:.1f} | "
             f"{t['step_s_median']:.1f} | {t['heldout_key']} {held} |"
         )
     if len(table) == 2:
         r, s = table
         lines.append(
             f"\nstream / rounds: generation per kept group {s['gen_s_per_kept_group'] / r['gen_s_per_kept_group']:.2f}"
-            f"x (tokens {s['tokens_per_kept_group'] / r['tokens_per_kept_group']:.2f}x), per token {s['gen_ms_per_token'] / r['gen_ms_per_token']:.2f}x, step time "
+            f"x (tokens {s['tokens_per_kept_group'] / r['tokens_per_kept_group']:.2f}x), "
+            f"per token {s['gen_ms_per_token'] / r['gen_ms_per_token']:.2f}x, step time "
             f"{s['step_s_median'] / r['step_s_median']:.2f}x"
         )
     return "\n".join(lines)
