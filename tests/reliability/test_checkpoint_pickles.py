@@ -32,12 +32,16 @@ from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import checkpoint_files
 from megatron_dapo.checkpoint import hash_files
+from megatron_dapo.launch import StartupError
+from megatron_dapo.tiny import make_tiny_run
 from tests.actor._dist import run_distributed
 from tests.actor._tiny_models import make_tiny_qwen2
 from tests.reliability.test_actor_faults import _batch
 from tests.reliability.test_actor_faults import _config
 from tests.reliability.test_actor_faults import _Evil
 from tests.reliability.test_actor_faults import _weights
+from tests.reliability.test_data_identity import bare_trainer
+from tests.reliability.test_data_identity import tiny_config
 
 STEP = "step_00000001"
 
@@ -198,6 +202,35 @@ def test_crafted_metadata_inside_a_real_record_runs_nothing(real, tmp_path):
     (step_dir / "actor" / ".metadata").write_bytes(pickle.dumps(metadata))
     _forge_manifest(step_dir)
     _refused(_manager(step_dir), marker, "actor/.metadata", "'os.makedirs'")
+
+
+def test_start_up_refuses_a_crafted_metadata_in_one_line(real, tmp_path):
+    """The trainer's resume (checkpoint.resume=auto, inside its start-up step): one line on every rank, exit 2 under
+    the CLI; the manager is wired as DAPOTrainer.__init__ wires it."""
+    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
+
+    tiny = make_tiny_run(tmp_path / "tiny", num_train=8, num_test=2)
+    config = tiny_config(tiny, tmp_path / "run")
+    marker = tmp_path / "pwned"
+
+    def crafted_actor(d: Path) -> None:
+        shutil.copytree(real[0] / "ck_True" / STEP / "actor", d)
+        (d / ".metadata").write_bytes(pickle.dumps(_Evil(str(marker))))
+
+    trainer = bare_trainer(config)
+    trainer._startup(trainer._load_inputs)
+    trainer.step = 1
+    trainer.ckpt.save(1, trainer.trainer_state(), config.to_dict(), crafted_actor)  # a manifest over the crafted file
+    again = bare_trainer(config)
+    again.ckpt = CheckpointManager(
+        again.ckpt.root, 2, log=again._notice, check_pickles=lambda p: MegatronActor.check_checkpoint(p / "actor")
+    )
+    again._startup(again._load_inputs)
+    with pytest.raises(StartupError) as err:
+        again._startup(again._resume_path)
+    assert "\n" not in str(err.value) and str(err.value).startswith("checkpoint "), str(err.value)
+    assert f"{STEP}/actor/.metadata: refused to unpickle 'os.makedirs'" in str(err.value)
+    assert not marker.exists()
 
 
 # ------------------------------------------------------------------------------------------ the other pickles
