@@ -85,8 +85,8 @@ def _interrupt(cmd: list[str], sig: signal.Signals, hook: dict[str, str], when: 
 
 
 CASES = {
-    # name: (launcher, signal, slow phase, the line after which the signal is sent, last checkpoint saved)
-    "torchrun_sigterm_in_a_step": (_torchrun, signal.SIGTERM, {"SLOW_STEP": "2:10"}, "test hook: step 2", 2),
+    # name: (launcher, signal, slow phase, the line after which the signal is sent, last checkpoint saved). Plain
+    # torchrun's SIGTERM reaches the writer helper in the save case (started by step 1's save, used by step 2's).
     "launch_sigusr1_in_a_step": (_launch, signal.SIGUSR1, {"SLOW_STEP": "2:10"}, "test hook: step 2", 2),
     "torchrun_sigterm_in_a_save": (_torchrun, signal.SIGTERM, {"SLOW_SAVE": "2:10"}, "the save of step 2", 2),
     "launch_sigterm_in_generation": (_launch, signal.SIGTERM, {"SLOW_GEN": "2:4"}, "generation of step 2", 1),
