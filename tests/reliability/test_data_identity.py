@@ -189,6 +189,7 @@ def test_resume_on_edited_data_is_a_one_line_startup_error(tiny, tmp_path, capsy
     # A checkpoint of an older version (no identity in its data state) resumes, with a notice.
     old = bare_trainer(tiny_config(tiny, tmp_path / "old"))
     old._startup(old._load_inputs)
+    old.step = 1
     state = old.trainer_state()
     del state["data"]["identity"]
     path = old.ckpt.save(1, state, old.cfg.to_dict(), lambda d: d.mkdir())

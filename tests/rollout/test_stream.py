@@ -269,8 +269,10 @@ def test_partial_carries_unfinished_work_and_continues_it_next_step():
             assert ids[len(old) :] == tail  # continued with the new step's seed
             assert torch.equal(new.engine_logp[: len(old)], torch.tensor([-0.1 * t for t in old]))
             assert new.segments == (((0, 0), (len(old), 1)) if old else ((0, 1),))
-    ages = second[0][0].metrics["stream/response_age_max"]
-    assert ages == 1.0
+    # Responses carried with tokens are one weight version old; carried ones never started (how many depends on the
+    # machine's timing) are not.
+    started = any(len(r) for e in unfinished for r in before[e.key])
+    assert second[0][0].metrics["stream/response_age_max"] == (1.0 if started else 0.0)
 
 
 def test_cap_stops_the_step_and_no_position_past_it_is_started():
