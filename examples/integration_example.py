@@ -1,7 +1,7 @@
 """DAPO inside your own Megatron training loop (docs/integration.md).
 
     torchrun --nproc-per-node 2 examples/integration_example.py            # CPU (gloo), TP=2, tiny random GPT
-    torchrun --nproc-per-node 2 examples/integration_example.py --dapo-eps-high 0.3 --steps 5
+    torchrun --nproc-per-node 2 examples/integration_example.py --dapo-loss-eps-high 0.3 --steps 5
 
 A plain user-style script: it builds its own GPTModel, DDP and optimizer with megatron-core, and only takes three
 things from megatron_dapo: the `--dapo-*` arguments, `dapo_loss_func` (the loss_func its forward_step_func returns)
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_dapo.integration import add_dapo_args
-from megatron_dapo.integration import dapo_config_from_args
+from megatron_dapo.integration import dapo_loss_config_from_args
 from megatron_dapo.integration import dapo_loss_func
 from megatron_dapo.integration import local_loss_denominator
 from megatron_dapo.integration import sequence_logprobs_and_entropy
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     args = parser.parse_args()
-    algorithm = dapo_config_from_args(args)  # AlgorithmConfig: eps_low, eps_high, clip_ratio_c, policy_loss, ...
+    loss = dapo_loss_config_from_args(args)  # the --dapo-policy-loss's config: DAPOConfig(eps_low, eps_high, ...)
 
     tp = 2 if int(os.environ.get("WORLD_SIZE", 1)) % 2 == 0 else 1
     model, optimizer, ps = build(tp)
@@ -128,7 +128,7 @@ def main() -> None:
             mb["old_logp"] = logp * mb["loss_mask"]
 
     # D: valid tokens of the whole mini-batch, summed over micro-batches and data-parallel ranks.
-    num_tokens = sum(local_loss_denominator(mb["loss_mask"], algorithm.loss_agg_mode) for mb in micro).to(device)
+    num_tokens = sum(local_loss_denominator(mb["loss_mask"], loss.loss_agg_mode) for mb in micro).to(device)
     dist.all_reduce(num_tokens, group=dp_group)
 
     def forward_step(data_iterator, model):  # noqa: ANN001, ANN202  (a plain user forward_step_func)
@@ -136,7 +136,7 @@ def main() -> None:
         logits = model(mb["tokens"], positions.expand_as(mb["tokens"]), None)
         loss_func = dapo_loss_func(
             mb["tokens"], mb["loss_mask"], mb["old_logp"], mb["advantages"],
-            num_tokens=num_tokens, algorithm=algorithm, tp_group=tp_group, vocab_size=VOCAB,
+            num_tokens=num_tokens, loss=loss, tp_group=tp_group, vocab_size=VOCAB,
             num_microbatches=len(micro), dp_size=dp_size,
         )  # fmt: skip
         return logits, loss_func

@@ -78,9 +78,6 @@ _WEEK_MINUTES = 7 * 24 * 60
 """Longest timeout in minutes (one week; Python's thread and socket timeouts overflow far above it)."""
 
 FIELD_RANGES: dict[str, Range] = {
-    "algorithm.eps_low": Range(0, 1, "()"),
-    "algorithm.eps_high": Range(0, 10, "(]"),
-    "algorithm.clip_ratio_c": Range(1, 100, "(]", "or null"),
     "algorithm.group_size": Range(2, _MAX_SAMPLES),
     "algorithm.adv_eps": Range(0, 1, "(]"),
     "algorithm.max_gen_batches": Range(0, 10_000, note="0: no cap, with max_gen_minutes > 0"),
@@ -168,17 +165,8 @@ class AlgorithmConfig:
     """DAPO's loss, advantage, sampling and reward-shaping switches (paper section 3)."""
 
     policy_loss: str = "dapo"
-    """Registered policy loss (megatron_dapo.algorithms.POLICY_LOSSES); "dapo" is the clipped surrogate above."""
-    eps_low: float = 0.2
-    """Lower clip range: the ratio is clipped below at 1 - eps_low."""
-    eps_high: float = 0.28
-    """Upper clip range (Clip-Higher): the ratio is clipped above at 1 + eps_high."""
-    clip_higher: bool = True
-    """Ablation switch: False uses eps_high = eps_low (symmetric PPO clip)."""
-    clip_ratio_c: float | None = None
-    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -A*c; None disables it."""
-    loss_agg_mode: str = "token-mean"
-    """"token-mean" (DAPO token-level loss), "seq-mean-token-mean" (GRPO) or "seq-mean-token-sum"."""
+    """Registered policy loss (megatron_dapo/algorithms/losses/: dapo, grpo, dr_grpo, gspo, cispo); its own fields
+    (clip ranges, aggregation) are the `loss` section."""
     group_size: int = 16
     """Responses sampled per prompt (G)."""
     adv_eps: float = 1e-6
@@ -225,19 +213,12 @@ class AlgorithmConfig:
     """MIS: highest ratio kept, >= 1."""
 
     def __post_init__(self) -> None:
-        from megatron_dapo.algorithms import LOSS_AGG_MODES  # noqa: PLC0415
         from megatron_dapo.algorithms import POLICY_LOSSES  # noqa: PLC0415
         from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS  # noqa: PLC0415
         from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTIONS  # noqa: PLC0415
 
         _check_numbers(self, "algorithm")
         _one_of(self.policy_loss, tuple(sorted(POLICY_LOSSES)), "algorithm.policy_loss")
-        _check(
-            self.eps_high >= self.eps_low,
-            "algorithm.eps_high",
-            f"must be >= eps_low {self.eps_low}, got {self.eps_high}",
-        )
-        _one_of(self.loss_agg_mode, LOSS_AGG_MODES, "algorithm.loss_agg_mode")
         _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
         _check(
             self.max_gen_batches > 0 or self.max_gen_minutes > 0 or not self.dynamic_sampling,
@@ -248,9 +229,10 @@ class AlgorithmConfig:
         _one_of(self.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
         _one_of(self.rollout_correction_level, ROLLOUT_CORRECTION_LEVELS, "algorithm.rollout_correction_level")
 
-    @property
-    def effective_eps_high(self) -> float:
-        return self.eps_high if self.clip_higher else self.eps_low
+
+MOVED_TO_LOSS = ("eps_low", "eps_high", "clip_higher", "clip_ratio_c", "loss_agg_mode")
+"""Fields that were in [algorithm] before the policy losses owned their config: a config naming one there is
+refused with one line saying where it lives now."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -586,7 +568,11 @@ class RunConfig:
     """A whole run: one section per component."""
 
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """Loss, advantages, dynamic sampling, overlong shaping."""
+    """Loss choice, advantages, dynamic sampling, overlong shaping."""
+    loss: Any = None
+    """The config of the policy loss algorithm.policy_loss names (a PolicyLossConfig subclass from
+    megatron_dapo/algorithms/losses/); None: that loss's defaults. Dr. GRPO's norm_length 0 resolves to
+    rollout.max_response_length here."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Verifier."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -606,6 +592,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         a, r, t = self.algorithm, self.rollout, self.trainer
+        self.loss = _resolve_loss(a.policy_loss, self.loss, r.max_response_length)
         if a.overlong_penalty:
             _check(
                 a.overlong_buffer < r.max_response_length,
@@ -639,7 +626,53 @@ class RunConfig:
         return mini_batch_rows(self)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out["loss"] = dataclasses.asdict(self.loss)
+        return out
+
+
+def _resolve_loss(name: str, loss: Any, max_response_length: int) -> Any:
+    """The `loss` section as the selected loss's config: its defaults when None, refused when it belongs to another
+    loss; a Dr. GRPO norm_length of 0 becomes the generation cap."""
+    from megatron_dapo.algorithms import get_policy_loss  # noqa: PLC0415
+
+    entry = get_policy_loss(name)
+    if loss is None:
+        loss = entry.make_config()
+    _check(
+        type(loss) is entry.config_cls,
+        "loss",
+        f"is a {type(loss).__name__}, but algorithm.policy_loss {name!r} takes a {entry.config_cls.__name__}",
+    )
+    if getattr(loss, "norm_length", None) == 0:
+        loss = dataclasses.replace(loss, norm_length=max_response_length)
+    return loss
+
+
+def _build_loss(name: str, values: dict[str, Any], source: str) -> Any:
+    """The `loss` section of a file / overrides: each key converted to the selected loss's field type, then checked
+    by the loss's own config class (megatron_dapo/algorithms/losses/<name>.py)."""
+    from megatron_dapo.algorithms import get_policy_loss  # noqa: PLC0415
+
+    try:
+        entry = get_policy_loss(name)
+    except ValueError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    hints = typing.get_type_hints(entry.config_cls)
+    known = sorted(f.name for f in dataclasses.fields(entry.config_cls))
+    converted = {}
+    for key, val in values.items():
+        if key not in known:
+            raise ConfigError(
+                f"{source}: unknown key {key!r} in section [loss] of policy loss {name!r}; known keys: {known}"
+            )
+        converted[key] = _coerce(val, hints[key], f"{source}: loss.{key}")
+        if isinstance(converted[key], float):
+            _check(math.isfinite(converted[key]), f"{source}: loss.{key}", f"must be a finite number, got {val}")
+    try:
+        return entry.make_config(converted)
+    except ValueError as err:
+        raise ConfigError(f"{source}: loss.{err} (policy loss {name!r})") from None
 
 
 def mini_batch_rows(config: Any) -> int:
@@ -715,6 +748,11 @@ def _build_section(name: str, values: dict[str, Any], source: str) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
+        if name == "algorithm" and key in MOVED_TO_LOSS:
+            raise ConfigError(
+                f"{source}: algorithm.{key} moved to the policy loss's own section: write it as loss.{key} (fields of "
+                f"each loss: megatron_dapo/algorithms/losses/)"
+            )
         if key not in known:
             raise ConfigError(f"{source}: unknown key {key!r} in section [{name}]; known keys: {sorted(known)}")
     kwargs = {key: _coerce(val, hints[key], f"{source}: {name}.{key}") for key, val in values.items()}
@@ -730,12 +768,13 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
         raw = {}
     _check(isinstance(raw, dict), source, "the top level must be a mapping of sections")
     for name, values in raw.items():
-        if name not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section {name!r}; known sections: {list(SECTIONS)}")
+        if name not in SECTIONS and name != "loss":
+            raise ConfigError(f"{source}: unknown section {name!r}; known sections: {[*SECTIONS, 'loss']}")
         _check(isinstance(values, dict) or values is None, f"{source}: {name}", "a section must be a mapping")
     sections = {name: _build_section(name, raw.get(name) or {}, source) for name in SECTIONS}
+    loss = _build_loss(sections["algorithm"].policy_loss, raw.get("loss") or {}, source)
     try:
-        return RunConfig(**sections)
+        return RunConfig(**sections, loss=loss)
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
 
@@ -844,8 +883,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _check(isinstance(raw, dict), source, "the top level must be a mapping of sections")
         raw = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in raw.items()}
     for section, values in parse_overrides(overrides or []).items():
-        if section not in SECTIONS:
-            raise ConfigError(f"override --{section}.*: unknown section {section!r}; known sections: {list(SECTIONS)}")
+        if section not in SECTIONS and section != "loss":
+            raise ConfigError(
+                f"override --{section}.*: unknown section {section!r}; known sections: {[*SECTIONS, 'loss']}"
+            )
         raw.setdefault(section, {}).update(values)
         source = f"{source} + overrides" if "overrides" not in source else source
     return config_from_dict(raw, source)

@@ -75,11 +75,17 @@ def row_lengths(groups: Sequence[GroupSummary]) -> list[int]:
     return packed_row_lengths(prompts, torch.cat([g.lengths for g in groups]).tolist() if groups else [])
 
 
-def batch_advantages(groups: Sequence[GroupSummary], algo: AlgorithmConfig) -> tuple[Tensor, Tensor]:
-    """(advantages [B] fp32 group-normalised per group, keep [B] fp32: 0 for overlong-filtered rows)."""
+def batch_advantages(
+    groups: Sequence[GroupSummary], algo: AlgorithmConfig, std_normalize: bool = True
+) -> tuple[Tensor, Tensor]:
+    """(advantages [B] fp32 group-normalised per group, keep [B] fp32: 0 for overlong-filtered rows).
+
+    std_normalize: the policy loss's choice (`loss.std_normalize`; False for Dr. GRPO: A = R - mean)."""
     if not groups:
         return torch.zeros(0), torch.zeros(0)
-    adv = torch.cat([group_normalized_advantages(g.rewards, g.group_size, eps=algo.adv_eps) for g in groups])
+    adv = torch.cat(
+        [group_normalized_advantages(g.rewards, g.group_size, algo.adv_eps, std_normalize) for g in groups]
+    )
     keep = torch.ones(len(adv))
     if algo.overlong_filtering:
         keep = overlong_filter_mask([f.value for g in groups for f in g.finish])
@@ -127,13 +133,15 @@ def sampled_response_metrics(groups: Sequence[GroupSummary]) -> dict[str, float]
     return response_metrics(cat("lengths"), truncated, cat("rewards"), cat("accs"), cat("penalties"))
 
 
-def build_actor_batch(groups: Sequence[RolloutGroup], algo: AlgorithmConfig, pad_token_id: int) -> ActorBatch:
+def build_actor_batch(
+    groups: Sequence[RolloutGroup], algo: AlgorithmConfig, pad_token_id: int, std_normalize: bool = True
+) -> ActorBatch:
     """Every row of `groups` (full records, one process) as one ActorBatch with group-normalised advantages.
 
     loss_mask covers response tokens (EOS included), zeroed for truncated responses under overlong filtering.
     """
     summaries = [g.summary(0, str(i)) for i, g in enumerate(groups)]
-    advantages, keep = batch_advantages(summaries, algo)
+    advantages, keep = batch_advantages(summaries, algo, std_normalize)
     rows = [(r, i) for i, g in enumerate(groups) for r in g.rollouts]
     return rows_to_batch(rows, advantages, keep, pad_token_id)
 

@@ -16,7 +16,8 @@
    out. `get_logprob_impl(name)` is the registry behind `actor.logprob_impl` ("reference", "fused", "fused_linear").
    `PackedLayout.build(tokens, lengths)` packs a micro-batch into one THD row (cu_seqlens for Megatron's
    PackedSeqParams); `dapo_loss_func(..., packed=layout)` then takes the packed output and unpacks per-token values.
-3. `add_dapo_args(parser)` / `dapo_config_from_args(args)`: every AlgorithmConfig field as `--dapo-<field>`.
+3. `add_dapo_args(parser)` / `dapo_config_from_args(args)` / `dapo_loss_config_from_args(args)`: every
+   AlgorithmConfig field as `--dapo-<field>`, every policy loss's own field as `--dapo-loss-<field>`.
 
 Pieces 1 and 2 live in megatron_dapo/actor/loss.py (the actor's own loss plumbing, pure torch) and are re-exported
 here; this module is the stable public face. Normalisation is described there: the loss of one micro-batch is
@@ -24,7 +25,7 @@ sum(l * mask) / D with D = `num_tokens`, the valid-token count of the WHOLE mini
 data-parallel ranks), and the loss is multiplied by num_microbatches * dp_size to undo Megatron's averaging, so the
 final gradient is exactly d(sum over all tokens of l) / D. (The alternative, Megatron's
 `calculate_per_token_loss=True` path, divides by a token count Megatron computes itself; we keep D explicit so the
-sequence-mean aggregations (algorithm.loss_agg_mode "seq-mean-*") work the same way.)
+sequence-mean aggregations (loss.loss_agg_mode "seq-mean-*") work the same way.)
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from megatron_dapo.actor.loss import local_loss_denominator
 from megatron_dapo.actor.loss import sequence_logprobs_and_entropy
 from megatron_dapo.actor.loss import sequence_logprobs_from_hidden
 from megatron_dapo.actor.packing import PackedLayout
+from megatron_dapo.algorithms import POLICY_LOSSES
+from megatron_dapo.algorithms import PolicyLossConfig
+from megatron_dapo.algorithms import get_policy_loss
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.config import ConfigError
 from megatron_dapo.ops import linear_logprobs_and_entropy
@@ -57,6 +61,7 @@ __all__ = [
     "PackedLayout",
     "add_dapo_args",
     "dapo_config_from_args",
+    "dapo_loss_config_from_args",
     "dapo_loss_func",
     "get_logprob_fn",
     "get_logprob_impl",
@@ -68,6 +73,7 @@ __all__ = [
 ]
 
 ARG_PREFIX = "dapo"
+LOSS_PREFIX = "loss_"  # --dapo-loss-<field>: the policy loss's own fields
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -122,34 +128,55 @@ def _flag(name: str) -> str:
     return f"--{ARG_PREFIX}-{name.replace('_', '-')}"
 
 
-def add_dapo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one `--dapo-<field>` argument per AlgorithmConfig field (generated from the dataclass, defaults shown).
-
-    Example: --dapo-eps-low 0.2 --dapo-eps-high 0.28 --dapo-clip-ratio-c none --dapo-overlong-filtering true.
-    Works as Megatron-LM's `extra_args_provider`. Returns the parser.
-    """
-    hints = typing.get_type_hints(AlgorithmConfig)
-    docs = _field_docs(AlgorithmConfig)
-    defaults = AlgorithmConfig()
-    group = parser.add_argument_group("DAPO algorithm (megatron_dapo.config.AlgorithmConfig)")
-    for f in dataclasses.fields(AlgorithmConfig):
-        flag = _flag(f.name)
+def _add_fields(group: argparse._ArgumentGroup, cls: type, defaults: Any, prefix: str, seen: set[str]) -> None:
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        if name in seen:  # a field several losses share (eps_low, loss_agg_mode, ...) is one flag
+            continue
+        seen.add(name)
+        flag = _flag(name)
         default = getattr(defaults, f.name)
         group.add_argument(
             flag,
-            dest=f"{ARG_PREFIX}_{f.name}",
+            dest=f"{ARG_PREFIX}_{name}",
             type=_converter(hints[f.name], flag),
             default=argparse.SUPPRESS,
             metavar=getattr(hints[f.name], "__name__", "VALUE").upper(),
             help=f"{docs.get(f.name, '')} (default: {default})".strip().replace("%", "%%"),
         )
+
+
+def add_dapo_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--dapo-<field>` per AlgorithmConfig field and `--dapo-loss-<field>` per field of the registered policy
+    losses' configs (generated from the dataclasses; defaults shown: the loss's own, DAPO's where losses share one).
+
+    Example: --dapo-policy-loss dapo --dapo-loss-eps-high 0.28 --dapo-loss-clip-ratio-c none
+    --dapo-overlong-filtering true. Works as Megatron-LM's `extra_args_provider`. Returns the parser.
+    """
+    seen: set[str] = set()
+    group = parser.add_argument_group("DAPO algorithm (megatron_dapo.config.AlgorithmConfig)")
+    _add_fields(group, AlgorithmConfig, AlgorithmConfig(), "", seen)
+    group = parser.add_argument_group(
+        "Policy loss (megatron_dapo/algorithms/losses/, the one --dapo-policy-loss names)"
+    )
+    for name in ("dapo", *sorted(set(POLICY_LOSSES) - {"dapo"})):
+        entry = POLICY_LOSSES[name]
+        _add_fields(group, entry.config_cls, entry.make_config(), LOSS_PREFIX, seen)
     return parser
+
+
+def _rename_flags(text: str, names: list[str], section: str, prefix: str) -> str:
+    for name in names:
+        text = text.replace(f"{section}.{name}", _flag(prefix + name))
+    return text
 
 
 def dapo_config_from_args(args: argparse.Namespace) -> AlgorithmConfig:
     """AlgorithmConfig from the `--dapo-*` arguments of `add_dapo_args` (unset ones keep their defaults).
 
-    Raises ConfigError naming the flag when a value breaks a rule (e.g. eps_high < eps_low).
+    Raises ConfigError naming the flag when a value breaks a rule (e.g. max_gen_batches 0 without a time bound).
     """
     values = {}
     for f in dataclasses.fields(AlgorithmConfig):
@@ -159,7 +186,33 @@ def dapo_config_from_args(args: argparse.Namespace) -> AlgorithmConfig:
     try:
         return AlgorithmConfig(**values)
     except ConfigError as err:
+        raise ConfigError(
+            f"--{ARG_PREFIX}-* arguments: {_rename_flags(str(err), list(values), 'algorithm', '')}"
+        ) from None
+
+
+def dapo_loss_config_from_args(args: argparse.Namespace, max_response_length: int | None = None) -> PolicyLossConfig:
+    """The policy loss's config (pass it to `dapo_loss_func(loss=...)`) from `--dapo-policy-loss` and the
+    `--dapo-loss-*` arguments; unset fields keep the loss's defaults. A flag that is not a field of the chosen loss,
+    or a value breaking the loss's rules, raises ConfigError naming the flag. `max_response_length` resolves Dr.
+    GRPO's norm_length 0 (the generation cap); without it dr_grpo needs --dapo-loss-norm-length.
+    """
+    name = getattr(args, f"{ARG_PREFIX}_policy_loss", AlgorithmConfig().policy_loss)
+    try:
+        entry = get_policy_loss(name)
+    except ValueError as err:
+        raise ConfigError(f"{_flag('policy_loss')}: {err}") from None
+    given = {
+        key[len(f"{ARG_PREFIX}_{LOSS_PREFIX}") :]: val
+        for key, val in vars(args).items()
+        if key.startswith(f"{ARG_PREFIX}_{LOSS_PREFIX}")
+    }
+    try:
+        cfg = entry.make_config(given)
+    except ValueError as err:
         text = str(err)
-        for name in values:
-            text = text.replace(f"algorithm.{name}", _flag(name))
-        raise ConfigError(f"--{ARG_PREFIX}-* arguments: {text}") from None
+        field = text.split(":", 1)[0]
+        raise ConfigError(f"{_flag(LOSS_PREFIX + field)}:{text.split(':', 1)[1]} (policy loss {name!r})") from None
+    if getattr(cfg, "norm_length", None) == 0 and max_response_length is not None:
+        cfg = dataclasses.replace(cfg, norm_length=max_response_length)
+    return cfg

@@ -401,7 +401,7 @@ class DAPOTrainer:
         missing = [r for r in mine if r not in received]
         if missing:
             raise RuntimeError(f"rollout routing: rank {self.rank} did not receive rows {missing[:5]} of its plan")
-        advantages, keep = batch_advantages(kept, c.algorithm)
+        advantages, keep = batch_advantages(kept, c.algorithm, c.loss.std_normalize)
         rows = torch.tensor(mine, dtype=torch.int64)
         batch = rows_to_batch([(received[r], index[r][0]) for r in mine], advantages[rows], keep[rows], self.pad_id)
         self.routed_rows = mine

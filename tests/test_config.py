@@ -16,8 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_defaults_are_the_papers():
     c = RunConfig()
-    assert (c.algorithm.eps_low, c.algorithm.eps_high, c.algorithm.group_size) == (0.2, 0.28, 16)
-    assert c.algorithm.loss_agg_mode == "token-mean" and c.algorithm.dynamic_sampling and c.algorithm.overlong_penalty
+    assert c.algorithm.policy_loss == "dapo" and (c.loss.eps_low, c.loss.eps_high, c.algorithm.group_size) == (
+        0.2,
+        0.28,
+        16,
+    )
+    assert c.loss.loss_agg_mode == "token-mean" and c.algorithm.dynamic_sampling and c.algorithm.overlong_penalty
     assert (c.rollout.max_response_length, c.algorithm.overlong_buffer) == (20480, 4096)
     assert c.trainer.prompts_per_step == 512 and c.actor.lr == 1e-6 and c.reward.answer_format == "answer_line"
     assert c.trainer.prompts_per_step * c.algorithm.group_size // (c.trainer.mini_batch_prompts * 16) == 16
@@ -57,33 +61,35 @@ def test_overrides_convert_types():
             "--trainer.total_steps=12",
             "--algorithm.dynamic_sampling=false",
             "--trainer.gen_prompts_per_batch=512",
-            "--algorithm.clip_ratio_c=3",
+            "--loss.clip_ratio_c=3",
             "--data.train_files=a.jsonl,b.parquet",
             "--rollout.engine=transformers",
         ],
     )
     assert c.actor.lr == 2e-6 and isinstance(c.actor.lr, float)
     assert c.trainer.total_steps == 12 and c.algorithm.dynamic_sampling is False
-    assert c.algorithm.clip_ratio_c == 3.0 and isinstance(c.algorithm.clip_ratio_c, float)
+    assert c.loss.clip_ratio_c == 3.0 and isinstance(c.loss.clip_ratio_c, float)
     assert c.data.train_files == ["a.jsonl", "b.parquet"]
-    assert load_config(None, ["--algorithm.clip_ratio_c=null"]).algorithm.clip_ratio_c is None
+    assert load_config(None, ["--loss.clip_ratio_c=null"]).loss.clip_ratio_c is None
 
 
 def test_override_wins_over_file(tmp_path):
     f = tmp_path / "run.yaml"
-    f.write_text("algorithm:\n  eps_high: 0.3\ntrainer:\n  total_steps: 5\n")
-    c = load_config(f, ["--trainer.total_steps=9"])
-    assert c.algorithm.eps_high == 0.3 and c.trainer.total_steps == 9
+    f.write_text("loss:\n  eps_high: 0.3\ntrainer:\n  total_steps: 5\n")
+    c = load_config(f, ["--trainer.total_steps=9", "--loss.eps_low=0.1"])
+    assert c.loss.eps_high == 0.3 and c.loss.eps_low == 0.1 and c.trainer.total_steps == 9
 
 
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("--algorithm.eps_low=0", "algorithm.eps_low: must be in (0, 1)"),
-        ("--algorithm.eps_low=1", "algorithm.eps_low: must be in (0, 1)"),
-        ("--algorithm.eps_high=0.1", "algorithm.eps_high: must be >= eps_low"),
-        ("--algorithm.clip_ratio_c=0.5", "algorithm.clip_ratio_c: must be in (1, 100] (or null), got 0.5"),
-        ("--algorithm.loss_agg_mode=sum", "algorithm.loss_agg_mode: must be one of"),
+        ("--loss.eps_low=0", "loss.eps_low: must be in (0, 1)"),
+        ("--loss.eps_low=1", "loss.eps_low: must be in (0, 1)"),
+        ("--loss.eps_high=0.1", "loss.eps_high: must be >= eps_low"),
+        ("--loss.clip_ratio_c=0.5", "loss.clip_ratio_c: must be in (1, 100] (or null), got 0.5"),
+        ("--loss.loss_agg_mode=sum", "loss.loss_agg_mode: must be one of"),
+        ("--algorithm.eps_high=0.3", "algorithm.eps_high moved to the policy loss's own section: write it as loss."),
+        ("--loss.eps=0.2", "unknown key 'eps' in section [loss] of policy loss 'dapo'"),
         ("--algorithm.policy_loss=ppo2", "algorithm.policy_loss: must be one of"),
         ("--algorithm.group_size=1", "algorithm.group_size: must be in [2, 4096], got 1"),
         ("--algorithm.adv_eps=0", "algorithm.adv_eps: must be in (0, 1]"),
@@ -159,14 +165,16 @@ def test_dynamic_sampling_off_needs_a_full_generation_batch():
     [
         ("algorithm:\n  eps_lo: 0.1\n", "run.yaml: unknown key 'eps_lo' in section [algorithm]"),
         ("algorithms:\n  eps_low: 0.1\n", "run.yaml: unknown section 'algorithms'"),
+        ("algorithm:\n  policy_loss: gspo\nloss:\n  clip_ratio_c: 3\n", "run.yaml: unknown key 'clip_ratio_c' in"),
+        ("algorithm:\n  policy_loss: grpo\nloss:\n  kl_coef: 0.1\n", "run.yaml: loss.kl_coef: 0.1 needs a frozen"),
         ("actor:\n  lr: fast\n", "run.yaml: actor.lr: expected a number, got 'fast'"),
         ("trainer:\n  total_steps: 2.5\n", "run.yaml: trainer.total_steps: expected an integer"),
         ("algorithm:\n  dynamic_sampling: maybe\n", "run.yaml: algorithm.dynamic_sampling: expected a boolean"),
         ("data:\n  train_files: 3\n", "run.yaml: data.train_files: expected a list"),
         ("- a\n- b\n", "run.yaml: the top level must be a mapping"),
         ("algorithm: [1, 2]\n", "run.yaml: algorithm: a section must be a mapping"),
-        ("algorithm:\n  eps_low: [\n", "run.yaml line"),
-        ("algorithm:\n  eps_low: 0.5\n  eps_high: 0.3\n", "run.yaml: algorithm.eps_high: must be >= eps_low"),
+        ("loss:\n  eps_low: [\n", "run.yaml line"),
+        ("loss:\n  eps_low: 0.5\n  eps_high: 0.3\n", "run.yaml: loss.eps_high: must be >= eps_low"),
     ],
 )
 def test_file_errors_name_file_section_and_key(tmp_path, text, message):

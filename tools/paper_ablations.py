@@ -6,9 +6,9 @@
 Arms (the main job, examples/smollm2_arith_cpu.yaml, plus the arm's switches):
     ours                 as shipped: clip-higher 0.2/0.28, dynamic sampling, token-mean, 2 mini-batches per step
     ours_no_ds           dynamic sampling off (every sampled group trains, all-correct / all-wrong ones too)
-    seq_mean_token_mean  loss_agg_mode seq-mean-token-mean (each response's mean, then the mean over responses)
+    seq_mean_token_mean  loss.loss_agg_mode seq-mean-token-mean (each response's mean, then the mean over responses)
     clip_higher_4mb      4 mini-batches per step (the later updates are off-policy, so the ratio leaves 1)
-    symmetric_4mb        4 mini-batches and symmetric clipping 0.2/0.2 (algorithm.clip_higher=false)
+    symmetric_4mb        4 mini-batches and symmetric clipping 0.2/0.2 (loss.clip_higher=false)
 
 Comparisons: clip_higher_4mb vs symmetric_4mb (entropy, clipfrac high/low, ratio max per step); ours vs ours_no_ds
 (useful prompts per step: groups whose accuracy is strictly between 0 and 1; accuracy); ours vs
@@ -36,9 +36,9 @@ from experiment_arms import train_rows  # noqa: E402
 ARMS: dict[str, tuple[str, ...]] = {
     "ours": (),
     "ours_no_ds": ("--algorithm.dynamic_sampling=false",),
-    "seq_mean_token_mean": ("--algorithm.loss_agg_mode=seq-mean-token-mean",),
+    "seq_mean_token_mean": ("--loss.loss_agg_mode=seq-mean-token-mean",),
     "clip_higher_4mb": ("--trainer.mini_batch_prompts=2",),
-    "symmetric_4mb": ("--trainer.mini_batch_prompts=2", "--algorithm.clip_higher=false"),
+    "symmetric_4mb": ("--trainer.mini_batch_prompts=2", "--loss.clip_higher=false"),
 }
 COMPARISONS: dict[str, tuple[tuple[str, ...], dict[str, tuple[str, str]]]] = {
     "clip": (

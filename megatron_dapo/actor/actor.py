@@ -558,7 +558,7 @@ class MegatronActor:
             plan = RowPlan.build(sequence_lengths(mini.response_mask).tolist(), self.groups.dp_size, max(len(mini), 1))
             mini = mini.select(torch.tensor(plan.rows_of(self.groups.dp_rank), dtype=torch.int64))
         micro = self._micro_batches(mini)
-        denom = local_loss_denominator(mini.loss_mask, self.config.algorithm.loss_agg_mode).to(self.device)
+        denom = local_loss_denominator(mini.loss_mask, self.config.loss.loss_agg_mode).to(self.device)
         dist.all_reduce(denom, group=self.groups.dp_group)
         make_loss = partial(self._dapo_loss, denom=denom, num_microbatches=len(micro))
         for chunk in self.model:
@@ -635,7 +635,7 @@ class MegatronActor:
             batch.old_logp,
             batch.advantages,
             num_tokens=denom,
-            algorithm=self.config.algorithm,
+            loss=self.config.loss,
             response_mask=batch.response_mask,
             temperature=self.temperature,
             tp_group=self.groups.tp_group,

@@ -34,8 +34,11 @@ from torch import Tensor
 
 from megatron_dapo.actor.packing import PackedLayout
 from megatron_dapo.actor.packing import SharedPrefixLayout
+from megatron_dapo.algorithms import LossInputs
+from megatron_dapo.algorithms import PolicyLossConfig
 from megatron_dapo.algorithms import get_policy_loss
-from megatron_dapo.config import AlgorithmConfig
+from megatron_dapo.algorithms import loss_name
+from megatron_dapo.algorithms.policy_loss import LOSS_DENOMINATOR_UNIT
 
 __all__ = [
     "LOGPROB_IMPLS",
@@ -53,9 +56,6 @@ __all__ = [
 
 LogProbFn = Callable[..., tuple[Tensor, Tensor]]
 
-# What each registered policy loss divides by (its `num_tokens` argument): "tokens" (token-mean) or "sequences"
-# (seq-mean-* aggregations). Losses not listed divide by tokens.
-LOSS_DENOMINATOR_UNIT = {"token-mean": "tokens", "seq-mean-token-mean": "sequences", "seq-mean-token-sum": "sequences"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,8 +71,8 @@ class LogprobImpl:
             vocab_size); takes_hidden=True: fn(hidden [T, H], weight [V_local, H], labels [T], *, temperature,
             tp_group, vocab_size). Returns (logp, entropy) [T] fp32.
         takes_hidden: the model's last stage must return hidden states (no logits) and the LM-head weight is passed.
-        fused_loss: the policy loss runs its fused kernel (`get_policy_loss(name, fused=True)`, e.g.
-            ops.clipped_pg_loss for "dapo") instead of the pure-torch reference.
+        fused_loss: the policy loss runs the fused kernel (ops.pg_loss.fused_surrogate_loss) instead of the
+            pure-torch reference.
     """
 
     name: str
@@ -288,7 +288,7 @@ def _packed_logprobs_at(
 # ---------------------------------------------------------------------------------------------------------------
 def local_loss_denominator(loss_mask: Tensor, loss_agg_mode: str = "token-mean") -> Tensor:
     """This rank's share of the loss denominator D: valid tokens ("token-mean"), or for the sequence-mean
-    aggregations (algorithm.loss_agg_mode "seq-mean-*") the responses with at least one valid token. Sum it over
+    aggregations (loss.loss_agg_mode "seq-mean-*") the responses with at least one valid token. Sum it over
     micro-batches and all-reduce it (SUM) over data-parallel ranks to get the `num_tokens` of `dapo_loss_func`.
 
     Args:
@@ -299,7 +299,7 @@ def local_loss_denominator(loss_mask: Tensor, loss_agg_mode: str = "token-mean")
     mask = loss_mask.to(torch.float32)
     if loss_agg_mode not in LOSS_DENOMINATOR_UNIT:
         raise ValueError(
-            f"algorithm.loss_agg_mode: unknown {loss_agg_mode!r}; choose one of {list(LOSS_DENOMINATOR_UNIT)}"
+            f"loss.loss_agg_mode: unknown {loss_agg_mode!r}; choose one of {list(LOSS_DENOMINATOR_UNIT)}"
         )
     if LOSS_DENOMINATOR_UNIT[loss_agg_mode] == "sequences":
         return (mask.sum(dim=-1) > 0).to(torch.float32).sum()
@@ -317,7 +317,7 @@ def dapo_loss_func(
     advantages: Tensor,
     *,
     num_tokens: float | Tensor,
-    algorithm: AlgorithmConfig | None = None,
+    loss: PolicyLossConfig | None = None,
     response_mask: Tensor | None = None,
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
@@ -342,7 +342,8 @@ def dapo_loss_func(
         advantages: [B] float.
         num_tokens: D, the denominator of the WHOLE mini-batch: sum of `local_loss_denominator` over micro-batches
             and data-parallel ranks.
-        algorithm: loss hyperparameters (AlgorithmConfig defaults when None).
+        loss: the policy loss's config (a PolicyLossConfig subclass from algorithms/losses/, e.g. RunConfig.loss);
+            its class selects the loss. None: DAPO with the paper's constants.
         response_mask: [B, S] float, tokens whose entropy is reported (default: loss_mask).
         temperature: sampling temperature the logits are divided by.
         tp_group / vocab_size: vocab-parallel group and true vocab size (see `sequence_logprobs_and_entropy`).
@@ -357,8 +358,8 @@ def dapo_loss_func(
             [1, T, H]) for the packed tokens and the per-token values are unpacked to [B, S] before the loss, so the
             loss, its aggregation and the metrics are the padded path's; the LM head runs only on the positions
             that predict response tokens (response_mask or loss_mask).
-        fused_loss: use the policy loss's fused kernel (`get_policy_loss(..., fused=True)`; ops.clipped_pg_loss for
-            "dapo", which falls back to the reference on CPU without the Triton interpreter).
+        fused_loss: run the policy loss through the fused kernel (ops.pg_loss.fused_surrogate_loss, every registered
+            loss), which falls back to the reference on CPU without the Triton interpreter.
         is_weight: [B, S] float or None, rollout-correction importance weights (ActorBatch.is_weight, filled by
             `algorithms.rollout_correction`); passed to the policy loss as `weights` only when given, so
             algorithm.rollout_correction "none" runs exactly the uncorrected call. Rejected tokens (MIS) are already
@@ -371,13 +372,13 @@ def dapo_loss_func(
         (numerator loss * D, denominator this micro-batch's share of D), "clipfrac_high", "clipfrac_low",
         "approx_kl", "entropy" (logits or hidden input only); plus "ratio_max" (0-dim).
     """
-    alg = algorithm if algorithm is not None else AlgorithmConfig()
-    policy_loss = get_policy_loss(alg.policy_loss, fused=fused_loss)
+    loss_cfg = loss if loss is not None else get_policy_loss("dapo").make_config()
+    policy_loss = get_policy_loss(loss_name(loss_cfg))
     resp = (response_mask if response_mask is not None else loss_mask).to(torch.float32)
     mask = loss_mask.to(torch.float32)
     scale = float(num_microbatches * dp_size)
     kwargs = dict(temperature=temperature, tp_group=tp_group, vocab_size=vocab_size, logprob_fn=logprob_fn)
-    extra = {} if is_weight is None else {"weights": is_weight.to(torch.float32)}
+    is_weight_f32 = None if is_weight is None else is_weight.to(torch.float32)
     needed = (resp > 0) | (mask > 0)  # packed: the LM head runs on these predictions only
 
     def loss_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -394,20 +395,11 @@ def dapo_loss_func(
                 f"{tuple(tokens.shape)}, got {tuple(output_tensor.shape)}"
             )
         loss, stats = policy_loss(
-            logp,
-            old_logp,
-            advantages,
-            mask,
-            eps_low=alg.eps_low,
-            eps_high=alg.effective_eps_high,
-            clip_ratio_c=alg.clip_ratio_c,
-            num_tokens=num_tokens,
-            loss_agg_mode=alg.loss_agg_mode,
-            **extra,
+            LossInputs(logp, old_logp, advantages, mask, num_tokens, is_weight_f32), loss_cfg, fused_loss
         )
         count = mask.sum()
         denom = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss.device).clamp_min(1.0)
-        metrics = {"loss": _two(loss.detach() * denom, local_loss_denominator(mask, alg.loss_agg_mode))}
+        metrics = {"loss": _two(loss.detach() * denom, local_loss_denominator(mask, loss_cfg.loss_agg_mode))}
         for key in ("clipfrac_high", "clipfrac_low", "approx_kl"):
             metrics[key] = _two(stats[key] * count, count)
         metrics["ratio_max"] = stats["ratio_max"].detach().float().reshape(())

@@ -6,8 +6,11 @@ import torch
 from torch import Tensor
 
 
-def group_normalized_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
-    """A_i = (R_i - mean_g) / (std_g + eps) within each group of `group_size` contiguous responses.
+def group_normalized_advantages(
+    rewards: Tensor, group_size: int, eps: float = 1e-6, std_normalize: bool = True
+) -> Tensor:
+    """A_i = (R_i - mean_g) / (std_g + eps) within each group of `group_size` contiguous responses; with
+    std_normalize=False (Dr. GRPO) A_i = R_i - mean_g.
 
     std is the unbiased (Bessel-corrected) standard deviation, as in DAPO's reference implementation. A group whose
     rewards are all equal gets A = 0 (std = 0). The advantage is per response; broadcast it over the response's
@@ -26,5 +29,7 @@ def group_normalized_advantages(rewards: Tensor, group_size: int, eps: float = 1
         raise ValueError(f"number of rewards {rewards.numel()} is not a multiple of group_size {group_size}")
     grouped = rewards.to(torch.float32).view(-1, group_size)
     mean = grouped.mean(dim=1, keepdim=True)
+    if not std_normalize:
+        return (grouped - mean).view(-1)
     std = grouped.std(dim=1, keepdim=True, unbiased=True)
     return ((grouped - mean) / (std + eps)).view(-1)

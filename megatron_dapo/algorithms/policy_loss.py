@@ -1,67 +1,139 @@
-"""DAPO's policy loss (decoupled clip, optional dual clip) and loss aggregation modes.
+"""The policy-loss core: loss aggregation, clip bounds, the per-token surrogates and the loss registry.
 
-The fused twin is `megatron_dapo.ops.clipped_pg_loss`; this file is its reference semantics.
+Every policy loss (algorithms/losses/<name>.py: its config dataclass and one function) is one of three per-token
+surrogates, aggregated one of four ways:
+
+    surrogate "clip"  (dapo, grpo, dr_grpo): max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), optional dual clip
+    surrogate "gspo"  (gspo): the same clip on the sequence ratio s_i = exp(mean_t(logp - old_logp)); gradient
+                      d/dlogp_t = -A s_i (unclipped), so seq-mean-token-mean gives GSPO's -A s_i / |y_i| per token
+    surrogate "cispo" (cispo): -sg(clip(r, lo, hi)) A logp: every token keeps a gradient, its IS weight is capped
+    aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (`agg_loss`)
+
+`surrogate_loss` is the reference (CPU fallback and oracle of the fused kernel `ops.pg_loss.fused_surrogate_loss`,
+which runs the same `Surrogate` spec); `dapo_policy_loss` is its DAPO spelling with keyword clip constants.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_DENOMINATOR_UNIT = {
+    "token-mean": "tokens",
+    "seq-mean-token-mean": "sequences",
+    "seq-mean-token-sum": "sequences",
+    "seq-mean-token-sum-norm": "sequences",
+}
+"""Each aggregation (`agg_loss`) and what its global denominator D counts: valid tokens, or responses with at least
+one valid token."""
+LOSS_AGG_MODES = tuple(LOSS_DENOMINATOR_UNIT)
+SURROGATES = ("clip", "gspo", "cispo")
 
 
-class PolicyLossFn(Protocol):
-    def __call__(
-        self,
-        logp: Tensor,
-        old_logp: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        eps_low: float,
-        eps_high: float,
-        clip_ratio_c: float | None,
-        num_tokens: float | Tensor | None,
-        loss_agg_mode: str,
-        weights: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]: ...
+@dataclass(frozen=True)
+class LossInputs:
+    """One call's tensors (the padded [B, T] layout of megatron_dapo.batch; position t is token t).
+
+    logp: [B, T] float, current log-probs (the only differentiable input). old_logp: [B, T] float, behaviour-policy
+    log-probs. advantages: [B] or [B, T] float. mask: [B, T] bool/float, 1 on trained tokens. num_tokens: the
+    global denominator D (valid tokens for token-mean, sequences for the seq-mean modes; see `agg_loss`) as a float
+    or 0-dim tensor, None for this call's own. weights: [B, T] float per-token importance weights (rollout
+    correction) multiplying each token's loss, or None.
+    """
+
+    logp: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    mask: Tensor
+    num_tokens: float | Tensor | None = None
+    weights: Tensor | None = None
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-FUSED_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-"""Kernel implementations of registered losses (same signature, same results to fp32 rounding); the reference in
-POLICY_LOSSES is their oracle and CPU fallback."""
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Base of every policy loss's config (the run config's `loss` section holds the selected loss's fields).
+
+    Subclasses are frozen dataclasses with a `loss_agg_mode` (a field, or a ClassVar where the loss fixes it; the
+    actor reads it for the loss denominator's unit); `AGG_MODES` lists the aggregations the loss accepts (a config
+    naming another is refused with one line), `check()` raises ValueError("field: message") for any other rule."""
+
+    AGG_MODES: ClassVar[tuple[str, ...]] = LOSS_AGG_MODES
+    std_normalize: bool = True
+    """Advantages (R - mean) / (std + eps) per group (True) or R - mean (Dr. GRPO)."""
+
+    loss_agg_mode: ClassVar[str] = "token-mean"
+
+    def check(self) -> None:
+        if self.loss_agg_mode not in self.AGG_MODES:
+            raise ValueError(
+                f"loss_agg_mode: must be one of {list(self.AGG_MODES)} for this loss, got {self.loss_agg_mode!r}"
+            )
 
 
-def register_policy_loss(name: str, *, fused: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register a policy loss under `name` (config field `algorithm.policy_loss`); fused=True registers the kernel
-    implementation of an existing name instead."""
-    table = FUSED_POLICY_LOSSES if fused else POLICY_LOSSES
+PolicyLossFn = Callable[[LossInputs, Any, bool], tuple[Tensor, dict[str, Tensor]]]
+"""fn(inputs, config, fused) -> (loss 0-dim fp32, metrics {clipfrac_high, clipfrac_low, approx_kl, ratio_max});
+fused=True runs the fused kernel path (the reference on CPU without the Triton interpreter)."""
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss: its `algorithm.policy_loss` name, config class and function."""
+
+    name: str
+    config_cls: type[PolicyLossConfig]
+    fn: PolicyLossFn
+
+    def __call__(self, inputs: LossInputs, config: PolicyLossConfig, fused: bool = False):
+        return self.fn(inputs, config, fused)
+
+    def make_config(self, values: dict[str, Any] | None = None) -> PolicyLossConfig:
+        """The config from {field: value} (already type-converted); ValueError "field: message" on a broken rule."""
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(self.config_cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a field of policy loss {self.name!r}; its fields: {sorted(known)}")
+        cfg = self.config_cls(**values)
+        cfg.check()
+        return cfg
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, config_cls: type[PolicyLossConfig]) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register `fn` as policy loss `name` (config `algorithm.policy_loss`) with its config class."""
 
     def wrap(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in table:
-            raise ValueError(f"policy loss {name!r} is already registered{' (fused)' if fused else ''}")
-        table[name] = fn
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = PolicyLoss(name, config_cls, fn)
         return fn
 
     return wrap
 
 
-def get_policy_loss(name: str, *, fused: bool = False) -> PolicyLossFn:
-    """The loss registered as `name`; with fused=True its kernel implementation when one is registered (the
-    reference otherwise). The actor asks for fused when actor.logprob_impl selects a fused path."""
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The loss registered as `name` (the losses in algorithms/losses/ register on import of the package)."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"algorithm.policy_loss: unknown {name!r}; choose one of {sorted(POLICY_LOSSES)}")
-    if fused and name in FUSED_POLICY_LOSSES:
-        return FUSED_POLICY_LOSSES[name]
     return POLICY_LOSSES[name]
+
+
+def loss_name(config: PolicyLossConfig) -> str:
+    """The registered name of a loss config's loss."""
+    for name, entry in POLICY_LOSSES.items():
+        if type(config) is entry.config_cls:
+            return name
+    raise ValueError(f"{type(config).__name__} is not the config of a registered policy loss")
 
 
 def _safe_denominator(num_tokens: float | Tensor | None, mask: Tensor) -> Tensor:
@@ -71,7 +143,11 @@ def _safe_denominator(num_tokens: float | Tensor | None, mask: Tensor) -> Tensor
 
 
 def agg_loss(
-    per_token: Tensor, mask: Tensor, mode: str = "token-mean", num_tokens: float | Tensor | None = None
+    per_token: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    num_tokens: float | Tensor | None = None,
+    norm_length: float | None = None,
 ) -> Tensor:
     """Reduce a per-token loss [B, T] to a scalar.
 
@@ -85,11 +161,15 @@ def agg_loss(
     short ones, so splitting changes nothing within a sequence, but the result is NOT the token-level mean. With
     `num_tokens` it is read as the global number of sequences (for the same split invariance).
 
-    "seq-mean-token-sum": mean over sequences of each sequence's token sum (Dr. GRPO style, no length normalisation).
+    "seq-mean-token-sum": mean over sequences of each sequence's token sum (no length normalisation).
+
+    "seq-mean-token-sum-norm" (Dr. GRPO): mean over sequences of each sequence's token sum divided by the constant
+    `norm_length` (the generation cap), so no response's tokens weigh more for being in a short response.
 
     Args:
         per_token: [B, T] float.
         mask: [B, T] bool or float (1 = valid response token).
+        norm_length: the constant of "seq-mean-token-sum-norm" (> 0), unused otherwise.
     Returns:
         0-dim fp32 tensor.
     """
@@ -104,8 +184,12 @@ def agg_loss(
         seq_val = seq_sum / seq_tokens.clamp_min(1.0)
     elif mode == "seq-mean-token-sum":
         seq_val = seq_sum
+    elif mode == "seq-mean-token-sum-norm":
+        if norm_length is None or not norm_length > 0:
+            raise ValueError(f"agg_loss: seq-mean-token-sum-norm needs norm_length > 0, got {norm_length}")
+        seq_val = seq_sum / float(norm_length)
     else:
-        raise ValueError(f"algorithm.loss_agg_mode: unknown {mode!r}; choose one of {LOSS_AGG_MODES}")
+        raise ValueError(f"loss.loss_agg_mode: unknown {mode!r}; choose one of {LOSS_AGG_MODES}")
     has_tokens = (seq_tokens > 0).to(per_token.dtype)
     num_seqs = has_tokens.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=mask.device)
     return (seq_val * has_tokens).sum() / torch.as_tensor(num_seqs, dtype=torch.float32).clamp_min(1.0)
@@ -139,7 +223,16 @@ class ClipBounds:
     log_c: float  # log(c), 0.0 when clip_ratio_c is None (unused then)
 
     @classmethod
-    def make(cls, eps_low: float, eps_high: float, clip_ratio_c: float | None) -> ClipBounds:
+    def make(cls, eps_low: float | None, eps_high: float, clip_ratio_c: float | None) -> ClipBounds:
+        """Bounds of 1 - eps_low and 1 + eps_high; eps_low None means no lower bound (CISPO's default): lo = 0 and
+        log_lo = -inf, so no log-ratio is below it."""
+        if eps_low is None:
+            if not eps_high >= 0.0:
+                raise ValueError(f"policy loss: need eps_high >= 0, got {eps_high}")
+            log_c = 0.0 if clip_ratio_c is None else _fp32(math.log(clip_ratio_c))
+            c = None if clip_ratio_c is None else _fp32(clip_ratio_c)
+            return cls(lo=0.0, hi=_fp32(1.0 + eps_high), log_lo=-math.inf, log_hi=_fp32(math.log1p(eps_high)),
+                       clip_c=c, log_c=log_c)  # fmt: skip
         if not 0.0 <= eps_low < 1.0 or not eps_high >= 0.0:
             raise ValueError(f"policy loss: need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
         if clip_ratio_c is not None and not clip_ratio_c > 1.0:
@@ -164,6 +257,8 @@ def clipped_token_loss(
     eps_high: float,
     clip_ratio_c: float | None,
     mask: Tensor | None = None,
+    *,
+    bounds: ClipBounds | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token clipped surrogate. Returns (loss [B,T], ratio [B,T], advantages [B,T], log_ratio [B,T]), fp32.
 
@@ -173,9 +268,10 @@ def clipped_token_loss(
     - A < 0 and r > log(c) with dual clip: l = -A c, gradient 0;
     - otherwise l = -A exp(clamp(r, -20, 20)), gradient -A exp(r) for |r| <= 20 and 0 beyond.
     This is max(-A ratio, -A clip(ratio)) (and min(., -A c) for A < 0) with the decision taken on the log-ratio and
-    ties (r exactly on a bound) kept unclipped. With `mask`, invalid tokens get log-ratio 0 so garbage there
-    (padding, overflow) cannot leak NaN into the gradient; their loss is then dropped by the aggregation."""
-    b = ClipBounds.make(eps_low, eps_high, clip_ratio_c)
+    ties (r exactly on a bound) kept unclipped. `bounds` replaces the three constants when given. With `mask`,
+    invalid tokens get log-ratio 0 so garbage there (padding, overflow) cannot leak NaN into the gradient; their loss
+    is then dropped by the aggregation."""
+    b = bounds if bounds is not None else ClipBounds.make(eps_low, eps_high, clip_ratio_c)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.expand_as(logp).to(torch.float32)
@@ -191,7 +287,96 @@ def clipped_token_loss(
     return loss, ratio, advantages, log_ratio
 
 
-@register_policy_loss("dapo")
+def sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """Mean log-ratio of each row over its valid tokens: [B, T] fp32 (0 off the mask) -> [B] fp32 (0 for a row with
+    no valid token). GSPO's log s_i = (1 / |y_i|) sum_t (logp - old_logp)."""
+    valid = mask != 0
+    total = torch.where(valid, log_ratio, torch.zeros_like(log_ratio)).sum(dim=-1)
+    return total / valid.to(torch.float32).sum(dim=-1).clamp_min(1.0)
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """What one policy-loss call computes, shared by the reference and the fused kernel.
+
+    kind: one of SURROGATES. bounds: the clip constants (for "cispo" the IS-weight cap; lower bound optional).
+    agg: the aggregation (LOSS_AGG_MODES). norm_length: the constant of "seq-mean-token-sum-norm", else None.
+    """
+
+    kind: str
+    bounds: ClipBounds
+    agg: str = "token-mean"
+    norm_length: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in SURROGATES:
+            raise ValueError(f"policy loss: unknown surrogate {self.kind!r}; choose one of {SURROGATES}")
+        if self.agg not in LOSS_AGG_MODES:
+            raise ValueError(f"loss.loss_agg_mode: unknown {self.agg!r}; choose one of {LOSS_AGG_MODES}")
+        if self.kind != "clip" and self.bounds.clip_c is not None:
+            raise ValueError(
+                f"policy loss: the dual clip (clip_ratio_c) applies to the clip surrogate, not {self.kind}"
+            )
+
+
+def surrogate_token_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, spec: Surrogate
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-token loss of `spec.kind` (reference semantics of the fused kernel). Returns (loss, ratio, advantages,
+    decision log-ratio), each [B, T] fp32; the decision log-ratio is the token's for "clip" / "cispo" and its
+    sequence's mean for "gspo" (what the clip bounds are compared with, see `policy_metrics`).
+
+    "clip": `clipped_token_loss`. "gspo": the same, with the token's log-ratio replaced by
+    logp - sg(logp) + sg(mean over the row's valid tokens of logp - old_logp) (value: the sequence's log-ratio,
+    gradient 1 w.r.t. logp_t), so the whole sequence is clipped or not and an unclipped token's gradient is -A s_i.
+    "cispo": l = -sg(w) A logp with w = exp(clamp(r, -20, 20)) capped at `bounds.hi` (and floored at `bounds.lo`
+    when there is a lower bound), decisions on the log-ratio as everywhere; the gradient -w A never vanishes.
+    """
+    b = spec.bounds
+    if spec.kind == "clip":
+        return clipped_token_loss(logp, old_logp, advantages, None, None, b.clip_c, mask, bounds=b)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    adv = advantages.expand_as(logp).to(torch.float32)
+    valid = mask != 0
+    token_lr = torch.where(valid, logp.float() - old_logp.float(), torch.zeros_like(logp, dtype=torch.float32))
+    if spec.kind == "gspo":
+        seq_lr = sequence_log_ratio(token_lr.detach(), mask)
+        lp = logp.float()
+        seq_token_lr = torch.where(valid, lp - lp.detach() + seq_lr.unsqueeze(-1), torch.zeros_like(lp))
+        loss, ratio, adv, _ = clipped_token_loss(
+            seq_token_lr, torch.zeros_like(seq_token_lr), adv, None, None, None, mask, bounds=b
+        )
+        return loss, ratio, adv, seq_token_lr.detach()
+    ratio = torch.exp(token_lr.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    w = torch.where(token_lr > b.log_hi, torch.full_like(ratio, b.hi), ratio)
+    w = torch.where(token_lr < b.log_lo, torch.full_like(ratio, b.lo), w)
+    lp = torch.where(valid, logp.float(), torch.zeros_like(logp, dtype=torch.float32))
+    return -adv * w * lp, ratio, adv, token_lr.detach()
+
+
+def surrogate_loss(inputs: LossInputs, spec: Surrogate) -> tuple[Tensor, dict[str, Tensor]]:
+    """The reference policy loss: per-token `surrogate_token_loss`, times `inputs.weights` when given (where mask
+    is non-zero; D and the metrics' token counts unchanged), aggregated by `agg_loss(spec.agg)`.
+
+    Returns:
+        loss: 0-dim fp32. metrics: 0-dim fp32 clipfrac_high, clipfrac_low, approx_kl, ratio_max (`policy_metrics`).
+    """
+    mask = inputs.mask
+    token_loss, ratio, adv, log_ratio = surrogate_token_loss(
+        inputs.logp, inputs.old_logp.detach(), inputs.advantages, mask, spec
+    )
+    if inputs.weights is not None:
+        # where(): a weight off the mask (padding) never reaches the loss or, as 0 * nan, the gradient.
+        w = inputs.weights.detach().to(torch.float32)
+        token_loss = token_loss * torch.where(mask != 0, w, torch.zeros_like(w))
+    loss = agg_loss(token_loss, mask, spec.agg, inputs.num_tokens, spec.norm_length)
+    with torch.no_grad():
+        token_lr = torch.where(mask != 0, inputs.logp.float() - inputs.old_logp.float(), torch.zeros_like(ratio))
+        metrics = policy_metrics(ratio, log_ratio, adv, mask, spec, token_lr)
+    return loss, metrics
+
+
 def dapo_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -205,17 +390,17 @@ def dapo_policy_loss(
     loss_agg_mode: str = "token-mean",
     weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """DAPO's clipped surrogate with Clip-Higher and token-level aggregation.
+    """DAPO's clipped surrogate with Clip-Higher and token-level aggregation (`surrogate_loss` of the "clip" kind).
 
     ratio = exp(logp - old_logp); per token l = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)); with
     `clip_ratio_c` (dual clip, c > 1) tokens with A < 0 use min(l, -A * c). loss = sum(l * mask) / D with
     D = `num_tokens` (global valid-token count of the mini-batch, see `agg_loss`) or mask.sum(); D == 0 gives 0.
     Branches are chosen on the log-ratio (see `clipped_token_loss`): a ratio exactly on a bound keeps the unclipped
     gradient, and log-ratios are clamped to +-LOG_RATIO_CLAMP before exp, so the loss and its gradient stay finite
-    for any finite inputs (verl clamps the same way). `loss_agg_mode` (config algorithm.loss_agg_mode) swaps the
-    token-level mean for GRPO's sequence mean in ablations; `num_tokens` is then the global number of sequences
-    (see `agg_loss`). `weights` (rollout correction, algorithm/rollout_correction.py) multiply each token's loss
-    before the aggregation, l -> w * l, leaving D and the metrics' token counts as they are; None changes nothing.
+    for any finite inputs (verl clamps the same way). `loss_agg_mode` swaps the token-level mean for GRPO's sequence
+    mean; `num_tokens` is then the global number of sequences (see `agg_loss`). `weights` (rollout correction,
+    algorithm/rollout_correction.py) multiply each token's loss before the aggregation, l -> w * l, leaving D and the
+    metrics' token counts as they are; None changes nothing.
 
     Args:
         logp: [B, T] float, current policy log-probs of the response tokens (differentiable).
@@ -226,63 +411,29 @@ def dapo_policy_loss(
     Returns:
         loss: 0-dim fp32. metrics: 0-dim fp32 tensors clipfrac_high, clipfrac_low, approx_kl, ratio_max.
     """
-    token_loss, ratio, adv, log_ratio = clipped_token_loss(
-        logp, old_logp.detach(), advantages, eps_low, eps_high, clip_ratio_c, mask
-    )
-    if weights is not None:
-        # where(): a weight off the mask (padding) never reaches the loss or, as 0 * nan, the gradient.
-        w = weights.detach().to(torch.float32)
-        token_loss = token_loss * torch.where(mask != 0, w, torch.zeros_like(w))
-    loss = agg_loss(token_loss, mask, loss_agg_mode, num_tokens)
-    with torch.no_grad():
-        metrics = policy_metrics(ratio, log_ratio, adv, mask, ClipBounds.make(eps_low, eps_high, clip_ratio_c))
-    return loss, metrics
-
-
-@register_policy_loss("dapo", fused=True)
-def dapo_policy_loss_fused(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    clip_ratio_c: float | None = None,
-    num_tokens: float | Tensor | None = None,
-    loss_agg_mode: str = "token-mean",
-    weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """`dapo_policy_loss` through the fused kernel `ops.clipped_pg_loss` (Triton / CUDA twin on GPU, the Triton
-    interpreter under TRITON_INTERPRET=1, this module's reference otherwise). Same arguments and results."""
-    from megatron_dapo.ops.pg_loss import clipped_pg_loss  # noqa: PLC0415  (Triton imported only when used)
-
-    return clipped_pg_loss(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        clip_ratio_c=clip_ratio_c,
-        num_tokens=num_tokens,
-        loss_agg_mode=loss_agg_mode,
-        weights=weights,
-    )
+    spec = Surrogate("clip", ClipBounds.make(eps_low, eps_high, clip_ratio_c), loss_agg_mode)
+    return surrogate_loss(LossInputs(logp, old_logp, advantages, mask, num_tokens, weights), spec)
 
 
 def policy_metrics(
-    ratio: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, bounds: ClipBounds
+    ratio: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, spec: Surrogate, token_log_ratio: Tensor
 ) -> dict[str, Tensor]:
     """Clip fractions, approximate KL and max ratio over the valid tokens of this call ([B, T] fp32 inputs).
 
-    Clip fractions use the same log-ratio decisions as the loss; approx_kl is the mean of old_logp - logp
-    (= -log_ratio); ratio_max is the largest clamped ratio (at most exp(LOG_RATIO_CLAMP))."""
+    Clip fractions use the loss's own log-ratio decisions (the sequence's for "gspo"): for "clip" / "gspo" high =
+    A > 0 above log(1 + eps_high) and low = A < 0 below log(1 - eps_low); for "cispo" the tokens whose IS weight is
+    capped (above) or floored (below), whatever A. approx_kl is the mean of old_logp - logp over tokens (GSPO's
+    sequence means average to the same); ratio_max is the largest clamped ratio (the sequence ratio for "gspo")."""
+    bounds = spec.bounds
     valid = mask.bool()
     count = valid.to(torch.float32).sum().clamp_min(1.0)
-    high = ((adv > 0) & (log_ratio > bounds.log_hi) & valid).to(torch.float32).sum() / count
-    low = ((adv < 0) & (log_ratio < bounds.log_lo) & valid).to(torch.float32).sum() / count
-    approx_kl = torch.where(valid, -log_ratio, torch.zeros_like(log_ratio)).sum() / count
+    above = log_ratio > bounds.log_hi
+    below = log_ratio < bounds.log_lo
+    if spec.kind != "cispo":
+        above, below = above & (adv > 0), below & (adv < 0)
+    high = (above & valid).to(torch.float32).sum() / count
+    low = (below & valid).to(torch.float32).sum() / count
+    approx_kl = torch.where(valid, -token_log_ratio, torch.zeros_like(token_log_ratio)).sum() / count
     ratio_max = (
         torch.where(valid, ratio.detach(), torch.zeros_like(ratio)).max() if ratio.numel() else ratio.new_zeros(())
     )

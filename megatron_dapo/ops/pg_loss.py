@@ -1,6 +1,8 @@
-"""Fused clipped policy-gradient loss: the twin of `megatron_dapo.algorithms.dapo_policy_loss`.
+"""The fused policy-loss kernel: every registered policy loss (dapo, grpo, dr_grpo, gspo, cispo) runs here, the
+twin of `megatron_dapo.algorithms.policy_loss.surrogate_loss` for a `Surrogate` spec (kind clip / gspo / cispo).
 
-One kernel launch per direction:
+One kernel launch per direction (GSPO adds one before them: `_seq_log_ratio_kernel`, one program per sequence over
+its contiguous tokens, the mean log-ratio of each sequence; no atomics):
 
 - forward: each program reduces BLOCK tokens to 7 partial sums (weighted loss, mask weight, valid count, clip-high
   count, clip-low count, KL sum, ratio max) written to a [num_programs, 8] fp32 buffer; torch then sums that buffer
@@ -14,6 +16,10 @@ reference, this kernel and the CUDA twin pick the same branch for the same input
 log-ratio exactly on a bound keeps the unclipped gradient -A * ratio. r is clamped to [-20, 20] before exp (as verl
 does), so loss and gradient stay finite for log-ratios of any size.
 
+Layouts: the padded rows [B, T] of the actor (sequence = row) or a packed 1-D layout [N] of only the valid tokens
+with cu_seqlens [S + 1] (sequence = segment; `fused_surrogate_loss(..., cu_seqlens=)`), so GSPO's per-sequence
+reduction needs no padding.
+
 Dispatch: `use_triton` (ops/dispatch.py) picks Triton for CUDA tensors and for CPU tensors under TRITON_INTERPRET=1;
 other CPU calls run the reference. MEGATRON_DAPO_KERNEL_BACKEND=cuda (or backend="cuda") selects the CUDA C++ twin
 from csrc/ on GPU, which must then have been built (csrc/README.md).
@@ -21,21 +27,28 @@ from csrc/ on GPU, which must then have been built (csrc/README.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from megatron_dapo.algorithms.policy_loss import LOG_RATIO_CLAMP
-from megatron_dapo.algorithms.policy_loss import LOSS_AGG_MODES
+from megatron_dapo.algorithms.policy_loss import LOSS_DENOMINATOR_UNIT
 from megatron_dapo.algorithms.policy_loss import ClipBounds
-from megatron_dapo.algorithms.policy_loss import dapo_policy_loss
+from megatron_dapo.algorithms.policy_loss import LossInputs
+from megatron_dapo.algorithms.policy_loss import Surrogate
+from megatron_dapo.algorithms.policy_loss import surrogate_loss
 from megatron_dapo.ops.dispatch import kernel_backend
 from megatron_dapo.ops.dispatch import use_triton
 
 BLOCK_TOKENS = 1024
 NUM_PARTIALS = 8  # columns of the per-program partial buffer (7 used, padded to 8)
 _LOG_RATIO_CLAMP = tl.constexpr(LOG_RATIO_CLAMP)
+KIND_CODES = {"clip": 0, "gspo": 1, "cispo": 2}
+"""The kernels' KIND constexpr for each `policy_loss.SURROGATES` kind."""
 
 
 @triton.jit
@@ -44,6 +57,8 @@ def _pg_token_terms(
     old_ptr,
     adv_ptr,
     mask_ptr,
+    seq_lr_ptr,
+    seq_id_ptr,
     offs,
     inb,
     seq_len,
@@ -55,34 +70,74 @@ def _pg_token_terms(
     log_c,
     ADV_PER_TOKEN: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
+    KIND: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
-    """Per-token clamped ratio, log-ratio, loss, gradient factor d l / d logp (unmasked) and mask weight, fp32.
+    """Per-token ratio, decision log-ratio r, token log-ratio, loss, gradient factor d l / d logp (unmasked), mask
+    weight and the clip-high / clip-low decisions, fp32.
 
-    Branches are decided on the log-ratio r (policy_loss.clipped_token_loss): the exp below compiles to ex2.approx on
-    sm_90 and rounds differently from torch's, so a decision on exp(r) could differ between backends at a bound.
+    KIND 0 (clip) / 1 (gspo) / 2 (cispo) as in policy_loss.surrogate_token_loss; for gspo r is the token's sequence
+    mean (seq_lr_ptr). Branches are decided on the log-ratio: the exp below compiles to ex2.approx on sm_90 and
+    rounds differently from torch's, so a decision on exp(r) could differ between backends at a bound.
     """
     # Upcast right after every load: the interpreter keeps bf16 as raw bits.
     logp = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     old = tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+    if PACKED:
+        seq = tl.load(seq_id_ptr + offs, mask=inb, other=0)
+    else:
+        seq = offs // seq_len
     if ADV_PER_TOKEN:
         adv = tl.load(adv_ptr + offs, mask=inb, other=0.0).to(tl.float32)
     else:
-        adv = tl.load(adv_ptr + offs // seq_len, mask=inb, other=0.0).to(tl.float32)
+        adv = tl.load(adv_ptr + seq, mask=inb, other=0.0).to(tl.float32)
     w = tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.float32)
-    r = logp - old
+    token_r = logp - old
+    if KIND == 1:
+        r = tl.load(seq_lr_ptr + seq, mask=inb, other=0.0)
+    else:
+        r = token_r
     # Clamp before exp (verl's bound): the ratio, loss and gradient stay finite in fp32 for any finite inputs.
     ratio = tl.exp(tl.minimum(tl.maximum(r, -_LOG_RATIO_CLAMP), _LOG_RATIO_CLAMP))
-    clip_high = (adv > 0) & (r > log_hi)
-    clip_low = (adv < 0) & (r < log_lo)
-    loss = tl.where(clip_high, -adv * hi, tl.where(clip_low, -adv * lo, -adv * ratio))
-    # Unclipped gradient d(-A r)/dlogp = -A ratio, zero where the clamp is active (as torch.clamp's gradient).
-    active = ~clip_high & ~clip_low & (r >= -_LOG_RATIO_CLAMP) & (r <= _LOG_RATIO_CLAMP)
-    if DUAL_CLIP:
-        capped = (adv < 0) & (r > log_c)
-        loss = tl.where(capped, -adv * clip_c, loss)
-        active = active & ~capped
-    dloss = tl.where(active, -adv * ratio, 0.0)
-    return ratio, r, loss, dloss, adv, w
+    if KIND == 2:
+        # CISPO: the IS weight sg(clip(ratio, lo, hi)) multiplies -A logp; its gradient -A w never vanishes.
+        clip_high = r > log_hi
+        clip_low = r < log_lo
+        is_w = tl.where(clip_high, hi, tl.where(clip_low, lo, ratio))
+        loss = -adv * is_w * logp
+        dloss = -adv * is_w
+    else:
+        clip_high = (adv > 0) & (r > log_hi)
+        clip_low = (adv < 0) & (r < log_lo)
+        loss = tl.where(clip_high, -adv * hi, tl.where(clip_low, -adv * lo, -adv * ratio))
+        # Unclipped gradient d(-A r)/dlogp = -A ratio, zero where the clamp is active (as torch.clamp's gradient).
+        active = ~clip_high & ~clip_low & (r >= -_LOG_RATIO_CLAMP) & (r <= _LOG_RATIO_CLAMP)
+        if DUAL_CLIP:
+            capped = (adv < 0) & (r > log_c)
+            loss = tl.where(capped, -adv * clip_c, loss)
+            active = active & ~capped
+        dloss = tl.where(active, -adv * ratio, 0.0)
+    return ratio, token_r, loss, dloss, w, clip_high, clip_low
+
+
+@triton.jit
+def _seq_log_ratio_kernel(logp_ptr, old_ptr, mask_ptr, starts_ptr, out_ptr, BLOCK: tl.constexpr):
+    """GSPO's pass 1: out[s] = mean of logp - old_logp over the valid tokens (mask != 0) of sequence s, the tokens
+    starts[s] .. starts[s + 1] - 1; 0 for a sequence with none. One program per sequence, a fixed-order loop."""
+    pid = tl.program_id(0)
+    start = tl.load(starts_ptr + pid)
+    end = tl.load(starts_ptr + pid + 1)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    count = tl.zeros((BLOCK,), dtype=tl.float32)
+    for first in range(start, end, BLOCK):
+        offs = first + tl.arange(0, BLOCK)
+        inb = offs < end
+        logp = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+        old = tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+        valid = inb & (tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.float32) != 0.0)
+        total += tl.where(valid, logp - old, 0.0)
+        count += tl.where(valid, 1.0, 0.0)
+    tl.store(out_ptr + pid, tl.sum(total, axis=0) / tl.maximum(tl.sum(count, axis=0), 1.0))
 
 
 @triton.jit
@@ -91,6 +146,8 @@ def _pg_loss_fwd_kernel(
     old_ptr,
     adv_ptr,
     mask_ptr,
+    seq_lr_ptr,
+    seq_id_ptr,
     partial_ptr,
     num_elements,
     seq_len,
@@ -102,23 +159,25 @@ def _pg_loss_fwd_kernel(
     log_c,
     ADV_PER_TOKEN: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
+    KIND: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < num_elements
-    ratio, r, loss, dloss, adv, w = _pg_token_terms(
-        logp_ptr, old_ptr, adv_ptr, mask_ptr, offs, inb, seq_len, lo, hi, clip_c, log_lo, log_hi, log_c,
-        ADV_PER_TOKEN, DUAL_CLIP,
+    ratio, token_r, loss, dloss, w, clip_high, clip_low = _pg_token_terms(
+        logp_ptr, old_ptr, adv_ptr, mask_ptr, seq_lr_ptr, seq_id_ptr, offs, inb, seq_len, lo, hi, clip_c, log_lo,
+        log_hi, log_c, ADV_PER_TOKEN, DUAL_CLIP, KIND, PACKED,
     )  # fmt: skip
     valid = inb & (w != 0.0)
     # tl.where instead of multiplying by the mask: masked-out tokens never leak inf/NaN into the sums.
     loss_sum = tl.sum(tl.where(valid, loss * w, 0.0), axis=0)
     weight_sum = tl.sum(tl.where(valid, w, 0.0), axis=0)
     count = tl.sum(tl.where(valid, 1.0, 0.0), axis=0)
-    high = tl.sum(tl.where(valid & (adv > 0) & (r > log_hi), 1.0, 0.0), axis=0)
-    low = tl.sum(tl.where(valid & (adv < 0) & (r < log_lo), 1.0, 0.0), axis=0)
-    kl = tl.sum(tl.where(valid, -r, 0.0), axis=0)
+    high = tl.sum(tl.where(valid & clip_high, 1.0, 0.0), axis=0)
+    low = tl.sum(tl.where(valid & clip_low, 1.0, 0.0), axis=0)
+    kl = tl.sum(tl.where(valid, -token_r, 0.0), axis=0)
     rmax = tl.max(tl.where(valid, ratio, 0.0), axis=0)
     row = partial_ptr + pid * 8
     tl.store(row + 0, loss_sum)
@@ -137,6 +196,8 @@ def _pg_loss_bwd_kernel(
     old_ptr,
     adv_ptr,
     mask_ptr,
+    seq_lr_ptr,
+    seq_id_ptr,
     grad_out_ptr,
     inv_denom_ptr,
     grad_ptr,
@@ -150,14 +211,16 @@ def _pg_loss_bwd_kernel(
     log_c,
     ADV_PER_TOKEN: tl.constexpr,
     DUAL_CLIP: tl.constexpr,
+    KIND: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < num_elements
-    ratio, r, loss, dloss, adv, w = _pg_token_terms(
-        logp_ptr, old_ptr, adv_ptr, mask_ptr, offs, inb, seq_len, lo, hi, clip_c, log_lo, log_hi, log_c,
-        ADV_PER_TOKEN, DUAL_CLIP,
+    ratio, token_r, loss, dloss, w, clip_high, clip_low = _pg_token_terms(
+        logp_ptr, old_ptr, adv_ptr, mask_ptr, seq_lr_ptr, seq_id_ptr, offs, inb, seq_len, lo, hi, clip_c, log_lo,
+        log_hi, log_c, ADV_PER_TOKEN, DUAL_CLIP, KIND, PACKED,
     )  # fmt: skip
     # Scalars read on device: no host sync for grad_output or a tensor num_tokens.
     scale = tl.load(grad_out_ptr).to(tl.float32) * tl.load(inv_denom_ptr)
@@ -175,12 +238,45 @@ def _bound_args(b: ClipBounds) -> tuple[float, ...]:
     return (b.lo, b.hi, 0.0 if b.clip_c is None else b.clip_c, b.log_lo, b.log_hi, b.log_c)
 
 
-def pg_loss_partials(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, bounds: ClipBounds) -> Tensor:
+@dataclass(frozen=True)
+class _Layout:
+    """How tokens map to sequences in one call: rows of `seq_len` tokens (padded [B, T]), or `seq_ids` [N] int32 per
+    token (packed). `seq_lr` [S] fp32: GSPO's per-sequence mean log-ratio (a dummy for the other kinds)."""
+
+    kind: str
+    bounds: ClipBounds
+    seq_len: int
+    seq_ids: Tensor | None
+    seq_lr: Tensor
+
+    def kernel_args(self, logp: Tensor) -> tuple[Tensor, Tensor]:
+        return self.seq_lr, self.seq_ids if self.seq_ids is not None else logp  # (an unread pointer when padded)
+
+    def constexprs(self, adv: Tensor, logp: Tensor) -> dict[str, Any]:
+        return {
+            "ADV_PER_TOKEN": adv.shape == logp.shape,
+            "DUAL_CLIP": self.bounds.clip_c is not None,
+            "KIND": KIND_CODES[self.kind],
+            "PACKED": self.seq_ids is not None,
+        }
+
+
+def sequence_log_ratio_fused(logp: Tensor, old_logp: Tensor, mask: Tensor, starts: Tensor) -> Tensor:
+    """Triton pass 1 of GSPO: [S] fp32 mean of logp - old_logp over each sequence's valid tokens (mask != 0), the
+    sequences being the token ranges starts[s] .. starts[s + 1] - 1 of the flat inputs (starts: [S + 1] int32)."""
+    num_seqs = starts.numel() - 1
+    out = torch.empty(num_seqs, dtype=torch.float32, device=logp.device)
+    if num_seqs > 0:
+        _seq_log_ratio_kernel[(num_seqs,)](logp, old_logp, mask, starts, out, BLOCK=256)
+    return out
+
+
+def pg_loss_partials(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, layout: _Layout) -> Tensor:
     """Triton forward: per-program partial sums.
 
     Args:
-        logp, old_logp: [B, T] contiguous float. adv: [B] or [B, T] contiguous float. mask: [B, T] contiguous,
-            float or uint8 (bool viewed as uint8).
+        logp, old_logp: [B, T] (or packed [N]) contiguous float. adv: per sequence or per token, contiguous float.
+            mask: same shape as logp, contiguous float or uint8 (bool viewed as uint8).
     Returns:
         [num_programs, 8] fp32: loss*w, w, count, clip-high count, clip-low count, KL sum, ratio max, pad.
     """
@@ -192,27 +288,21 @@ def pg_loss_partials(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, 
         old_logp,
         adv,
         mask,
+        *layout.kernel_args(logp),
         partials,
         num_elements,
-        max(logp.shape[-1], 1),
-        *_bound_args(bounds),
-        ADV_PER_TOKEN=adv.dim() == 2,
-        DUAL_CLIP=bounds.clip_c is not None,
+        max(layout.seq_len, 1),
+        *_bound_args(layout.bounds),
+        **layout.constexprs(adv, logp),
         BLOCK=block,
     )
     return partials
 
 
 def pg_loss_grad(
-    logp: Tensor,
-    old_logp: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    grad_out: Tensor,
-    inv_denom: Tensor,
-    bounds: ClipBounds,
+    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, grad_out: Tensor, inv_denom: Tensor, layout: _Layout
 ) -> Tensor:
-    """Triton backward: d loss / d logp [B, T] in logp's dtype, scaled by grad_out (0-dim) and inv_denom (0-dim)."""
+    """Triton backward: d loss / d logp (logp's shape and dtype), scaled by grad_out (0-dim) and inv_denom (0-dim)."""
     num_elements = logp.numel()
     grad = torch.empty_like(logp)
     if num_elements == 0:
@@ -223,14 +313,14 @@ def pg_loss_grad(
         old_logp,
         adv,
         mask,
+        *layout.kernel_args(logp),
         grad_out.to(torch.float32).reshape(1),
         inv_denom.reshape(1),
         grad,
         num_elements,
-        max(logp.shape[-1], 1),
-        *_bound_args(bounds),
-        ADV_PER_TOKEN=adv.dim() == 2,
-        DUAL_CLIP=bounds.clip_c is not None,
+        max(layout.seq_len, 1),
+        *_bound_args(layout.bounds),
+        **layout.constexprs(adv, logp),
         BLOCK=block,
     )
     return grad
@@ -259,59 +349,163 @@ def _reduce_partials(partials: Tensor) -> Tensor:
     return torch.cat([sums, rmax.reshape(1)])
 
 
-class ClippedPGLossFunction(torch.autograd.Function):
+class FusedSurrogateFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, old_logp, advantages, mask, bounds, num_tokens, backend):
+    def forward(ctx, logp, old_logp, advantages, mask, layout, num_tokens, backend):
         if backend == "cuda":
             from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
 
-            totals = _cuda_twins.pg_loss_totals(logp, old_logp, advantages, mask, bounds)
+            totals = _cuda_twins.pg_loss_totals(logp, old_logp, advantages, mask, layout.bounds)
         else:
-            totals = _reduce_partials(pg_loss_partials(logp, old_logp, advantages, mask, bounds))
+            totals = _reduce_partials(pg_loss_partials(logp, old_logp, advantages, mask, layout))
         loss, inv_denom, metrics = _finish(totals, num_tokens)
         ctx.save_for_backward(logp, old_logp, advantages, mask, inv_denom)
-        ctx.params = (bounds, backend)
+        ctx.params = (layout, backend)
         ctx.mark_non_differentiable(*metrics.values())
         return loss, metrics["clipfrac_high"], metrics["clipfrac_low"], metrics["approx_kl"], metrics["ratio_max"]
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
         logp, old_logp, advantages, mask, inv_denom = ctx.saved_tensors
-        bounds, backend = ctx.params
+        layout, backend = ctx.params
         if backend == "cuda":
             from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
 
-            grad = _cuda_twins.pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, bounds)
+            grad = _cuda_twins.pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, layout.bounds)
         else:
-            grad = pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, bounds)
+            grad = pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, layout)
         return grad, None, None, None, None, None, None
 
 
-def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> None:
-    if logp.dim() != 2:
-        raise ValueError(f"clipped_pg_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
+def _check_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, num_seqs: int | None) -> None:
+    if num_seqs is None and logp.dim() != 2:
+        raise ValueError(f"fused_surrogate_loss: logp must be [B, T], got shape {tuple(logp.shape)}")
+    if num_seqs is not None and logp.dim() != 1:
+        raise ValueError(f"fused_surrogate_loss: packed logp (cu_seqlens given) must be [N], got {tuple(logp.shape)}")
     for name, t in (("old_logp", old_logp), ("mask", mask)):
         if t.shape != logp.shape:
-            raise ValueError(f"clipped_pg_loss: {name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
-    if advantages.shape not in (logp.shape[:1], logp.shape):
+            raise ValueError(f"fused_surrogate_loss: {name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
+    per_seq = logp.shape[:1] if num_seqs is None else (num_seqs,)
+    if advantages.shape not in (per_seq, logp.shape):
         raise ValueError(
-            f"clipped_pg_loss: advantages must be [B] or [B, T] = {tuple(logp.shape)}, got {tuple(advantages.shape)}"
+            f"fused_surrogate_loss: advantages must be per sequence {tuple(per_seq)} or per token "
+            f"{tuple(logp.shape)}, got {tuple(advantages.shape)}"
         )
     if logp.numel() >= 2**31:
-        raise ValueError(f"clipped_pg_loss: {logp.numel()} tokens exceed the int32 indexing of the kernel")
+        raise ValueError(f"fused_surrogate_loss: {logp.numel()} tokens exceed the int32 indexing of the kernel")
 
 
-def _sequence_mean_weights(mask: Tensor, num_tokens: float | Tensor | None, mode: str) -> tuple[Tensor, float | Tensor]:
-    """Per-token weights [B, T] fp32 and denominator that turn the kernel's sum(l * w) / D into `agg_loss`'s
-    sequence-mean modes (w is non-zero exactly where mask is, so the metrics count the same tokens)."""
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"algorithm.loss_agg_mode: unknown {mode!r}; choose one of {LOSS_AGG_MODES}")
-    m = mask.to(torch.float32)
-    seq_tokens = m.sum(dim=-1, keepdim=True)
-    weights = m / seq_tokens.clamp_min(1.0) if mode == "seq-mean-token-mean" else m
+def _aggregation_weights(
+    valid: Tensor, seq_of: Tensor, num_seqs: int, num_tokens: float | Tensor | None, spec: Surrogate
+) -> tuple[Tensor, float | Tensor | None]:
+    """Per-token weights (valid's shape, fp32) and denominator that turn the kernel's sum(l * w) / D into
+    `agg_loss(spec.agg)`: w = 1 (token-mean), 1 / tokens of its sequence (seq-mean-token-mean), 1 (token-sum) or
+    1 / norm_length (token-sum-norm), zero off the mask; D for the sequence modes is the sequences with a valid
+    token unless given. `seq_of`: each token's sequence index (valid's shape, int64)."""
+    m = valid.to(torch.float32)
+    if LOSS_DENOMINATOR_UNIT[spec.agg] == "tokens":
+        return m, num_tokens
+    seq_tokens = torch.zeros(num_seqs, dtype=torch.float32, device=m.device).index_add_(
+        0, seq_of.reshape(-1), m.reshape(-1)
+    )
+    if spec.agg == "seq-mean-token-mean":
+        weights = m / seq_tokens.clamp_min(1.0)[seq_of]
+    elif spec.agg == "seq-mean-token-sum-norm":
+        weights = m / float(spec.norm_length)
+    else:
+        weights = m
     if num_tokens is None:
         num_tokens = (seq_tokens > 0).to(torch.float32).sum()
     return weights, num_tokens
+
+
+def _packed_reference(inputs: LossInputs, spec: Surrogate, cu_seqlens: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The reference on a packed layout: scatter the segments into padded rows and run `surrogate_loss` there."""
+    starts = cu_seqlens.to(torch.long)
+    lengths = starts[1:] - starts[:-1]
+    num_seqs, width = lengths.numel(), int(lengths.max()) if lengths.numel() else 0
+    row = torch.repeat_interleave(torch.arange(num_seqs, device=starts.device), lengths)
+    col = torch.arange(inputs.logp.numel(), device=starts.device) - starts[:-1][row]
+
+    def rows(t: Tensor | None) -> Tensor | None:
+        if t is None:
+            return None
+        out = torch.zeros(num_seqs, width, dtype=t.dtype, device=t.device)
+        return out.index_put((row, col), t)
+
+    adv = inputs.advantages if inputs.advantages.shape == (num_seqs,) else rows(inputs.advantages)
+    padded = LossInputs(
+        rows(inputs.logp), rows(inputs.old_logp), adv, rows(inputs.mask), inputs.num_tokens, rows(inputs.weights)
+    )
+    return surrogate_loss(padded, spec)
+
+
+def fused_surrogate_loss(
+    inputs: LossInputs, spec: Surrogate, *, cu_seqlens: Tensor | None = None, backend: str | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Fused policy loss of any `Surrogate` (the kernel twin of `policy_loss.surrogate_loss`, same loss and metrics
+    to fp32 rounding; the reference itself on CPU without the Triton interpreter).
+
+    Args:
+        inputs: LossInputs with [B, T] tensors (sequence = row), or with cu_seqlens packed [N] tensors of the
+            sequences' tokens back to back (advantages [S] or [N]). logp fp32/bf16/fp16 is the only input that
+            receives a gradient; mask bool or float (float values weight the loss; metrics count mask != 0).
+        spec: the surrogate kind, clip bounds, aggregation and its constant (from the loss's config).
+        cu_seqlens: [S + 1] int32/int64 sequence offsets of a packed layout, or None for padded rows.
+        backend: "triton" or "cuda" for CUDA tensors (default env MEGATRON_DAPO_KERNEL_BACKEND or "triton"); the CUDA
+            twin runs the "clip" kind only.
+    Returns:
+        loss: 0-dim fp32. metrics: 0-dim fp32 clipfrac_high, clipfrac_low, approx_kl, ratio_max.
+    """
+    logp, old_logp, advantages, mask = inputs.logp, inputs.old_logp, inputs.advantages, inputs.mask
+    num_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
+    _check_inputs(logp, old_logp, advantages, mask, num_seqs)
+    chosen = kernel_backend(backend)
+    if not use_triton(logp):
+        return surrogate_loss(inputs, spec) if cu_seqlens is None else _packed_reference(inputs, spec, cu_seqlens)
+    if not logp.is_cuda:
+        chosen = "triton"  # the interpreter; the CUDA twin needs a GPU
+    if chosen == "cuda" and spec.kind != "clip":
+        raise ValueError(f"fused_surrogate_loss: the CUDA twin runs the clip surrogate only, not {spec.kind!r}; use "
+                         f"backend triton (MEGATRON_DAPO_KERNEL_BACKEND=triton)")  # fmt: skip
+    valid = mask != 0
+    if cu_seqlens is None:
+        num_seqs, seq_len = logp.shape[0], max(logp.shape[-1], 1)
+        starts = torch.arange(num_seqs + 1, device=logp.device, dtype=torch.int32) * seq_len
+        seq_of = torch.arange(num_seqs, device=logp.device).unsqueeze(-1).expand_as(logp)
+        seq_ids = None
+    else:
+        seq_len, starts = 1, cu_seqlens.to(device=logp.device, dtype=torch.int32).contiguous()
+        lengths = (starts[1:] - starts[:-1]).to(torch.long)
+        if int(starts[0]) != 0 or int(starts[-1]) != logp.numel() or bool((lengths < 0).any()):
+            raise ValueError(f"fused_surrogate_loss: cu_seqlens must rise from 0 to {logp.numel()}, got {cu_seqlens}")
+        seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=logp.device), lengths)
+        seq_ids = seq_of.to(torch.int32).contiguous()
+    num_tokens = inputs.num_tokens
+    if spec.agg != "token-mean":
+        mask, num_tokens = _aggregation_weights(valid, seq_of, num_seqs, num_tokens, spec)
+    if inputs.weights is not None:
+        weights = inputs.weights
+        if weights.shape != logp.shape:
+            raise ValueError(f"fused_surrogate_loss: weights shape {tuple(weights.shape)} != logp {tuple(logp.shape)}")
+        # sum(l * mask * w) / D: the kernel's float mask weight carries the IS weight (zero stays zero).
+        m = mask.to(torch.float32)
+        if num_tokens is None:
+            num_tokens = m.sum()  # D stays the mask's, not the sum of the weights folded in below
+        mask = torch.where(m != 0, m * weights.detach().to(torch.float32), torch.zeros_like(m))
+    if mask.dtype == torch.bool:
+        mask = mask.contiguous().view(torch.uint8)
+    logp, old_logp, mask = logp.contiguous(), old_logp.detach().contiguous(), mask.contiguous()
+    if spec.kind == "gspo":
+        seq_lr = sequence_log_ratio_fused(logp.detach(), old_logp, mask, starts)
+    else:
+        seq_lr = torch.zeros(1, dtype=torch.float32, device=logp.device)
+    layout = _Layout(spec.kind, spec.bounds, seq_len, seq_ids, seq_lr)
+    outs = FusedSurrogateFunction.apply(
+        logp, old_logp, advantages.detach().contiguous(), mask, layout, num_tokens, chosen
+    )
+    loss, high, low, kl, rmax = outs
+    return loss, {"clipfrac_high": high, "clipfrac_low": low, "approx_kl": kl, "ratio_max": rmax}
 
 
 def clipped_pg_loss(
@@ -328,72 +522,16 @@ def clipped_pg_loss(
     backend: str | None = None,
     weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Fused DAPO clipped surrogate; same arguments, loss and metrics as `dapo_policy_loss` (to fp32 rounding).
+    """Fused DAPO clipped surrogate: `fused_surrogate_loss` of the "clip" kind with keyword clip constants; same
+    arguments, loss and metrics as `policy_loss.dapo_policy_loss` (to fp32 rounding).
 
     ratio = exp(logp - old_logp); l = max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)); with clip_ratio_c,
-    l = min(l, -A c) where A < 0. loss = sum(l * mask) / max(D, 1), D = num_tokens or mask.sum().
-
-    Args:
-        logp: [B, T] fp32/bf16/fp16, current log-probs; the only input that receives a gradient.
-        old_logp: [B, T] float, behaviour-policy log-probs (never differentiated).
-        advantages: [B] or [B, T] float.
-        mask: [B, T] bool or float; float values weight the loss, metrics count tokens with mask != 0.
-        eps_low, eps_high: clip range (1 - eps_low, 1 + eps_high).
-        clip_ratio_c: dual-clip constant (> 1) for A < 0, or None.
-        num_tokens: global valid-token count (float or 0-dim tensor, read on device), or None for mask.sum(); for the
-            seq-mean modes the global number of sequences (None: this call's sequences with a valid token).
-        loss_agg_mode: "token-mean" (DAPO), "seq-mean-token-mean" or "seq-mean-token-sum" (`agg_loss`). The
-            kernel computes sum(l * w) / D; the sequence means are that sum with per-token weights
-            w = mask / tokens of its sequence (token-mean within a sequence) or w = mask, and D = sequences.
-        backend: "triton" or "cuda" for CUDA tensors; default env MEGATRON_DAPO_KERNEL_BACKEND or "triton".
-        weights: [B, T] float or None, per-token importance weights (rollout correction) multiplying each token's
-            loss, l -> w * l. They are folded into the kernel's float mask weights (mask * w), so they must be > 0
-            wherever mask is non-zero for the metrics to count the same tokens; D is unchanged.
-    Returns:
-        loss: 0-dim fp32. metrics: 0-dim fp32 tensors clipfrac_high, clipfrac_low, approx_kl, ratio_max (over the
-        valid tokens of this call; 0 when there are none).
+    l = min(l, -A c) where A < 0. loss = sum(l * mask) / max(D, 1), D = num_tokens or mask.sum(). Shapes: logp,
+    old_logp, mask [B, T]; advantages [B] or [B, T]; weights [B, T] or None (see `fused_surrogate_loss`).
     """
-    _check_inputs(logp, old_logp, advantages, mask)
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clipped_pg_loss: clip_ratio_c must be > 1, got {clip_ratio_c}")
-    chosen = kernel_backend(backend)
-    if not use_triton(logp):
-        return dapo_policy_loss(
-            logp,
-            old_logp,
-            advantages,
-            mask,
-            eps_low=eps_low,
-            eps_high=eps_high,
-            clip_ratio_c=clip_ratio_c,
-            num_tokens=num_tokens,
-            loss_agg_mode=loss_agg_mode,
-            weights=weights,
-        )
-    if loss_agg_mode != "token-mean":
-        mask, num_tokens = _sequence_mean_weights(mask, num_tokens, loss_agg_mode)
-    if weights is not None:
-        if weights.shape != logp.shape:
-            raise ValueError(f"clipped_pg_loss: weights shape {tuple(weights.shape)} != logp {tuple(logp.shape)}")
-        # sum(l * mask * w) / D: the kernel's float mask weight carries the IS weight (zero stays zero).
-        m = mask.to(torch.float32)
-        if num_tokens is None:
-            num_tokens = m.sum()  # D stays the mask's, not the sum of the weights folded in below
-        mask = torch.where(m != 0, m * weights.detach().to(torch.float32), torch.zeros_like(m))
-    if not logp.is_cuda:
-        chosen = "triton"  # the interpreter; the CUDA twin needs a GPU
-    if mask.dtype == torch.bool:
-        mask = mask.contiguous().view(torch.uint8)
     # Bounds formed in float64 and rounded once to fp32, the same numbers the reference compares against.
-    bounds = ClipBounds.make(eps_low, eps_high, clip_ratio_c)
-    outs = ClippedPGLossFunction.apply(
-        logp.contiguous(),
-        old_logp.detach().contiguous(),
-        advantages.detach().contiguous(),
-        mask.contiguous(),
-        bounds,
-        num_tokens,
-        chosen,
-    )
-    loss, high, low, kl, rmax = outs
-    return loss, {"clipfrac_high": high, "clipfrac_low": low, "approx_kl": kl, "ratio_max": rmax}
+    spec = Surrogate("clip", ClipBounds.make(eps_low, eps_high, clip_ratio_c), loss_agg_mode)
+    inputs = LossInputs(logp, old_logp, advantages, mask, num_tokens, weights)
+    return fused_surrogate_loss(inputs, spec, backend=backend)

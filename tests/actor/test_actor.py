@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_dapo.algorithms import dapo_policy_loss
+from megatron_dapo.algorithms.losses.dapo import DAPOConfig
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.config import ActorConfig
 from megatron_dapo.config import AlgorithmConfig
@@ -41,7 +42,8 @@ def _config(hf_dir: str, tp: int, pp: int, **actor: object) -> RunConfig:
     return RunConfig(
         actor=ActorConfig(**actor_kw),
         trainer=TrainerConfig(prompts_per_step=4, gen_prompts_per_batch=4, mini_batch_prompts=4, micro_batch_size=2),
-        algorithm=AlgorithmConfig(group_size=2, eps_low=EPS_LOW, eps_high=EPS_HIGH, overlong_buffer=4),
+        algorithm=AlgorithmConfig(group_size=2, overlong_buffer=4),
+        loss=DAPOConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH),
         rollout=RolloutConfig(engine="transformers", max_response_length=8, temperature=TEMPERATURE),
     )
 

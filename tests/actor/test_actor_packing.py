@@ -50,13 +50,13 @@ def _pass(actor, batch) -> dict:  # noqa: ANN001
     from megatron_dapo.ops import pg_loss  # noqa: PLC0415
 
     calls = []
-    apply = pg_loss.ClippedPGLossFunction.apply
-    pg_loss.ClippedPGLossFunction.apply = lambda *args: calls.append(1) or apply(*args)
+    apply = pg_loss.FusedSurrogateFunction.apply
+    pg_loss.FusedSurrogateFunction.apply = lambda *args: calls.append(1) or apply(*args)
     try:
         logp, ent = actor.compute_logprobs(batch)
         stats = actor._forward_backward(batch)
     finally:
-        pg_loss.ClippedPGLossFunction.apply = apply
+        pg_loss.FusedSurrogateFunction.apply = apply
     return {
         "fused_loss_calls": len(calls),
         "logp": logp,

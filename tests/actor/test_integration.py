@@ -14,11 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_dapo.algorithms import POLICY_LOSSES
 from megatron_dapo.algorithms import dapo_policy_loss
+from megatron_dapo.algorithms.losses.dapo import DAPOConfig
+from megatron_dapo.algorithms.losses.dr_grpo import DrGRPOConfig
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.config import ConfigError
 from megatron_dapo.integration import add_dapo_args
 from megatron_dapo.integration import dapo_config_from_args
+from megatron_dapo.integration import dapo_loss_config_from_args
 from megatron_dapo.integration import dapo_loss_func
 from megatron_dapo.integration import get_logprob_fn
 from megatron_dapo.integration import local_loss_denominator
@@ -59,10 +63,10 @@ def test_sequence_logprobs_alignment_temperature_and_padding() -> None:
 
 def test_loss_func_matches_policy_loss_and_undoes_megatron_scaling() -> None:
     logits, tokens, mask, old, adv, v = _problem()
-    alg = AlgorithmConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
+    loss_cfg = DAPOConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
     denom = local_loss_denominator(mask)
     x = logits.clone().requires_grad_(True)
-    fn = dapo_loss_func(tokens, mask, old, adv, num_tokens=denom, algorithm=alg, temperature=0.6, vocab_size=v,
+    fn = dapo_loss_func(tokens, mask, old, adv, num_tokens=denom, loss=loss_cfg, temperature=0.6, vocab_size=v,
                         num_microbatches=4, dp_size=2, logprob_fn=REF)  # fmt: skip
     loss, metrics = fn(x)
     logp = _oracle_logp(logits, tokens, v, 0.6).float()
@@ -112,16 +116,27 @@ def test_dapo_args_are_generated_from_the_dataclass() -> None:
     flags = {a.option_strings[0] for a in parser._actions if a.option_strings}
     for f in dataclasses.fields(AlgorithmConfig):
         assert f"--dapo-{f.name.replace('_', '-')}" in flags
+    for entry in POLICY_LOSSES.values():  # every loss's own fields, as --dapo-loss-<field>
+        for f in dataclasses.fields(entry.config_cls):
+            assert f"--dapo-loss-{f.name.replace('_', '-')}" in flags
     args = parser.parse_args(
-        ["--dapo-eps-low", "0.1", "--dapo-clip-ratio-c", "3", "--dapo-clip-higher", "false", "--dapo-group-size", "8"]
+        ["--dapo-loss-eps-low", "0.1", "--dapo-loss-clip-ratio-c", "3", "--dapo-loss-clip-higher", "false"]
+        + ["--dapo-group-size", "8"]
     )
-    cfg = dapo_config_from_args(args)
-    assert (cfg.eps_low, cfg.clip_ratio_c, cfg.clip_higher, cfg.group_size) == (0.1, 3.0, False, 8)
-    assert cfg.effective_eps_high == 0.1 and cfg.eps_high == AlgorithmConfig().eps_high
-    assert dapo_config_from_args(parser.parse_args(["--dapo-clip-ratio-c", "none"])).clip_ratio_c is None
+    assert dapo_config_from_args(args).group_size == 8
+    cfg = dapo_loss_config_from_args(args)
+    assert (cfg.eps_low, cfg.clip_ratio_c, cfg.clip_higher) == (0.1, 3.0, False)
+    assert cfg.effective_eps_high == 0.1 and cfg.eps_high == DAPOConfig().eps_high
+    assert dapo_loss_config_from_args(parser.parse_args(["--dapo-loss-clip-ratio-c", "none"])).clip_ratio_c is None
     assert dapo_config_from_args(parser.parse_args([])) == AlgorithmConfig()
-    with pytest.raises(ConfigError, match="--dapo-eps-high"):
-        dapo_config_from_args(parser.parse_args(["--dapo-eps-high", "0.05"]))
+    assert dapo_loss_config_from_args(parser.parse_args([])) == DAPOConfig()
+    with pytest.raises(ConfigError, match="--dapo-loss-eps-high"):
+        dapo_loss_config_from_args(parser.parse_args(["--dapo-loss-eps-high", "0.05"]))
+    # another loss: its own defaults, its norm constant resolved from the generation cap
+    dr = dapo_loss_config_from_args(parser.parse_args(["--dapo-policy-loss", "dr_grpo"]), max_response_length=64)
+    assert dr == DrGRPOConfig(norm_length=64)
+    with pytest.raises(ConfigError, match="--dapo-loss-clip-ratio-c: not a field of policy loss 'gspo'"):
+        dapo_loss_config_from_args(parser.parse_args(["--dapo-policy-loss", "gspo", "--dapo-loss-clip-ratio-c", "3"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--dapo-overlong-filtering", "maybe"])
     assert "Clip-Higher" in parser.format_help()

@@ -19,8 +19,8 @@ from megatron_dapo.actor.loss import local_loss_denominator
 from megatron_dapo.actor.loss import register_logprob_impl
 from megatron_dapo.actor.loss import sequence_logprobs_and_entropy
 from megatron_dapo.actor.loss import sequence_logprobs_from_hidden
+from megatron_dapo.algorithms.losses.dapo import DAPOConfig
 from megatron_dapo.config import ActorConfig
-from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.config import ConfigError
 
 
@@ -76,9 +76,9 @@ def test_hidden_path_equals_full_logits_path() -> None:
     """fused_linear from hidden + weight == reference on logits = hidden @ weight.T: log-probs, entropies, the
     loss, its metrics and the gradients w.r.t. hidden and weight (padded rows get none), fp32 <= 1e-5."""
     hidden, weight, tokens, mask, old, adv, v = _problem()
-    alg = AlgorithmConfig(eps_low=0.2, eps_high=0.28)
+    loss_cfg = DAPOConfig(eps_low=0.2, eps_high=0.28)
     denom = local_loss_denominator(mask)
-    common = dict(num_tokens=denom, algorithm=alg, temperature=0.7, vocab_size=v, num_microbatches=2, dp_size=2)
+    common = dict(num_tokens=denom, loss=loss_cfg, temperature=0.7, vocab_size=v, num_microbatches=2, dp_size=2)
 
     h_ref, w_ref = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     ref_fn = get_logprob_impl("reference").fn

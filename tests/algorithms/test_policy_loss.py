@@ -199,10 +199,10 @@ def test_seq_mean_token_mean_differs_on_unequal_lengths():
 
 
 def test_registry_and_agg_errors():
-    assert get_policy_loss("dapo") is dapo_policy_loss
+    assert get_policy_loss("dapo").config_cls.__name__ == "DAPOConfig"
     with pytest.raises(ValueError, match="algorithm.policy_loss"):
         get_policy_loss("nope")
-    with pytest.raises(ValueError, match="algorithm.loss_agg_mode"):
+    with pytest.raises(ValueError, match="loss.loss_agg_mode"):
         agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "bogus")
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     logp = torch.zeros(2, 3)

@@ -20,8 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90
 MAX_REGISTERS = 255  # per thread on sm_90
-F32_POINTERS = ("stats_ptr", "grad_out_ptr", "dh_ptr", "partial_ptr", "inv_denom_ptr", "old_ptr", "adv_ptr")
+F32_POINTERS = (
+    "stats_ptr", "grad_out_ptr", "dh_ptr", "partial_ptr", "inv_denom_ptr", "old_ptr", "adv_ptr", "seq_lr_ptr", "out_ptr"
+)  # fmt: skip
 I64_POINTERS = ("labels_ptr",)
+I32_POINTERS = ("seq_id_ptr", "starts_ptr")
 F32_SCALARS = ("inv_temp", "lo", "hi", "clip_c", "log_lo", "log_hi", "log_c")
 
 
@@ -36,6 +39,8 @@ def _signature(fn, data_dtype: str, overrides: dict | None = None) -> dict[str, 
             sig[name] = "*fp32"
         elif name in I64_POINTERS:
             sig[name] = "*i64"
+        elif name in I32_POINTERS:
+            sig[name] = "*i32"
         elif name.endswith("_ptr"):
             sig[name] = f"*{data_dtype}"
         elif name in F32_SCALARS:
@@ -66,12 +71,21 @@ def _jobs() -> list[tuple]:
         jobs.append((lle._linear_fwd_kernel, dt, lin, warps, {}))
         jobs.append((lle._linear_bwd_dweight_kernel, dt, {**lin, "BLOCK_HO": bho}, warps, {}))
         jobs.append((lle._linear_bwd_dhidden_kernel, dt, {**lin, "BLOCK_HO": bho}, warps, {}))
+    clip, gspo, cispo = (pg.KIND_CODES[k] for k in ("clip", "gspo", "cispo"))
     for dt in ("bf16", "fp32"):  # logp dtype; old_logp/adv fp32; mask uint8 (bool) or fp32 (weights)
-        for flags, mask in (({"ADV_PER_TOKEN": False, "DUAL_CLIP": True}, "*u8"),
-                            ({"ADV_PER_TOKEN": True, "DUAL_CLIP": False}, "*fp32")):  # fmt: skip
+        # (ADV_PER_TOKEN, DUAL_CLIP, KIND, PACKED, mask pointer)
+        for per_token, dual, kind, packed, mask in (
+            (False, True, clip, False, "*u8"),
+            (True, False, clip, False, "*fp32"),
+            (False, False, gspo, False, "*fp32"),
+            (False, False, gspo, True, "*fp32"),
+            (False, False, cispo, False, "*u8"),
+        ):
+            flags = {"ADV_PER_TOKEN": per_token, "DUAL_CLIP": dual, "KIND": kind, "PACKED": packed}
             consts = {**flags, "BLOCK": pg.BLOCK_TOKENS}
             jobs.append((pg._pg_loss_fwd_kernel, dt, consts, 4, {"mask_ptr": mask}))
             jobs.append((pg._pg_loss_bwd_kernel, dt, consts, 4, {"mask_ptr": mask}))
+        jobs.append((pg._seq_log_ratio_kernel, dt, {"BLOCK": 256}, 4, {"mask_ptr": "*fp32"}))
     return jobs
 
 
@@ -120,7 +134,7 @@ def test_kernels_compile_for_sm90_without_spills():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 3 * 5 + 2 * 4
+    assert len(report) == 3 * 5 + 2 * (5 * 2 + 1)
     assert {r["kernel"] for r in report} >= {"_pg_loss_fwd_kernel", "_pg_loss_bwd_kernel", "_linear_fwd_kernel"}
     for row in report:
         assert row["cubin_bytes"] > 0, row
