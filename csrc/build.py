@@ -32,6 +32,7 @@ EXPORTED_SYMBOLS = (
     "mdapo_pg_loss_workspace_rows",
     "mdapo_pg_loss_fwd",
     "mdapo_pg_loss_bwd",
+    "mdapo_seq_log_ratio",
     "mdapo_error_string",
     "mdapo_abi_version",
 )

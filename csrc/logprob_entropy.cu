@@ -195,6 +195,6 @@ int mdapo_logprob_entropy_bwd(const void* logits, int64_t row_stride, int dtype,
 
 const char* mdapo_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 
-int mdapo_abi_version(void) { return 2; }  // 2: pg entry points take log_lo, log_hi, log_c
+int mdapo_abi_version(void) { return 3; }  // 3: pg entry points take kind, seq_lr, seq_ids; mdapo_seq_log_ratio
 
 }  // extern "C"

@@ -7,8 +7,9 @@ Where the library comes from, first match wins:
 1. env MEGATRON_DAPO_CUDA_LIB: path of a library built with `python csrc/build.py --out DIR`;
 2. megatron_dapo/ops/_megatron_dapo_cuda*.so, built by `MEGATRON_DAPO_BUILD_CUDA=1 pip install -e .`.
 
-Selection at run time: `clipped_pg_loss(..., backend="cuda")` or env MEGATRON_DAPO_KERNEL_BACKEND=cuda; the
-log-prob twin is `logprobs_and_entropy_cuda` below (single rank or one vocab shard via class_start / n_valid).
+Selection at run time: `fused_surrogate_loss(..., backend="cuda")` (every policy loss) or env
+MEGATRON_DAPO_KERNEL_BACKEND=cuda; the log-prob twin is `logprobs_and_entropy_cuda` below (single rank or one vocab
+shard via class_start / n_valid).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from megatron_dapo.algorithms.policy_loss import ClipBounds
 
-ABI_VERSION = 2  # 2: the pg entry points take log_lo, log_hi, log_c (branch decisions on the log-ratio)
+ABI_VERSION = 3  # 3: the pg entry points take kind, seq_lr, seq_ids (every policy loss); mdapo_seq_log_ratio
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _c_int64 = ctypes.c_int64
@@ -35,15 +36,18 @@ _SIGNATURES = {
     "mdapo_pg_loss_fwd": (
         [_ptr, _ptr, _ptr, _ptr, ctypes.c_int, _c_int64, _c_int64, ctypes.c_int]
         + [ctypes.c_float] * 6
-        + [ctypes.c_int, _ptr, _c_int64, _ptr, _ptr],
+        + [ctypes.c_int, ctypes.c_int, _ptr, _ptr]  # dual_clip, kind, seq_lr, seq_ids
+        + [_ptr, _c_int64, _ptr, _ptr],
         ctypes.c_int,
     ),
     "mdapo_pg_loss_bwd": (
         [_ptr, _ptr, _ptr, _ptr, ctypes.c_int, _c_int64, _c_int64, ctypes.c_int]
         + [ctypes.c_float] * 6
-        + [ctypes.c_int, _ptr, _ptr, _ptr, _ptr],
+        + [ctypes.c_int, ctypes.c_int, _ptr, _ptr]
+        + [_ptr, _ptr, _ptr, _ptr],
         ctypes.c_int,
     ),
+    "mdapo_seq_log_ratio": ([_ptr, _ptr, _ptr, ctypes.c_int, _ptr, _c_int64, _ptr, _ptr], ctypes.c_int),
     "mdapo_logprob_entropy_fwd": (
         [_ptr, _c_int64, ctypes.c_int, _ptr, _c_int64, _c_int64, _c_int64, _c_int64, ctypes.c_float, _ptr, _ptr, _ptr],
         ctypes.c_int,
@@ -114,9 +118,23 @@ def _pg_common(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor):
     return logp, old_logp, adv, mask, is_u8
 
 
+def _layout_args(kind: int, seq_lr: Tensor | None, seq_ids: Tensor | None) -> tuple[int, int, int]:
+    """(kind, seq_lr pointer, seq_ids pointer) of the pg entry points; 0 is the C null pointer."""
+    return kind, 0 if seq_lr is None else seq_lr.data_ptr(), 0 if seq_ids is None else seq_ids.data_ptr()
+
+
 @torch.library.custom_op("megatron_dapo::pg_loss_totals_cuda", mutates_args=())
 def _pg_loss_totals_op(
-    logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, bounds: list[float], dual_clip: bool
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    bounds: list[float],
+    dual_clip: bool,
+    kind: int,
+    seq_lr: Tensor | None,
+    seq_ids: Tensor | None,
+    seq_len: int,
 ) -> Tensor:
     lib = load_library()
     lp, old, a, m, is_u8 = _pg_common(logp, old_logp, adv, mask)
@@ -124,17 +142,17 @@ def _pg_loss_totals_op(
     rows = lib.mdapo_pg_loss_workspace_rows(n)
     workspace = torch.empty((rows, 8), dtype=torch.float32, device=lp.device)
     totals = torch.empty(7, dtype=torch.float32, device=lp.device)
-    seq_len = max(lp.shape[-1], 1)
-    args = (lp.data_ptr(), old.data_ptr(), a.data_ptr(), m.data_ptr(), is_u8, n, seq_len, int(a.dim() == 2))
+    args = (lp.data_ptr(), old.data_ptr(), a.data_ptr(), m.data_ptr(), is_u8, n, seq_len, int(a.shape == lp.shape))
     code = lib.mdapo_pg_loss_fwd(
-        *args, *bounds, int(dual_clip), workspace.data_ptr(), rows, totals.data_ptr(), _stream(lp)
-    )
+        *args, *bounds, int(dual_clip), *_layout_args(kind, seq_lr, seq_ids), workspace.data_ptr(), rows,
+        totals.data_ptr(), _stream(lp),
+    )  # fmt: skip
     check(code, "mdapo_pg_loss_fwd")
     return totals
 
 
 @_pg_loss_totals_op.register_fake
-def _(logp, old_logp, adv, mask, bounds, dual_clip):
+def _(logp, old_logp, adv, mask, bounds, dual_clip, kind, seq_lr, seq_ids, seq_len):
     return logp.new_empty(7, dtype=torch.float32)
 
 
@@ -148,24 +166,57 @@ def _pg_loss_grad_op(
     inv_denom: Tensor,
     bounds: list[float],
     dual_clip: bool,
+    kind: int,
+    seq_lr: Tensor | None,
+    seq_ids: Tensor | None,
+    seq_len: int,
 ) -> Tensor:
     lib = load_library()
     lp, old, a, m, is_u8 = _pg_common(logp, old_logp, adv, mask)
     g_out = grad_out.detach().to(torch.float32).reshape(1).contiguous()
     inv_d = inv_denom.detach().to(torch.float32).reshape(1).contiguous()
     grad = torch.empty_like(lp)
-    seq_len = max(lp.shape[-1], 1)
-    args = (lp.data_ptr(), old.data_ptr(), a.data_ptr(), m.data_ptr(), is_u8, lp.numel(), seq_len, int(a.dim() == 2))
-    code = lib.mdapo_pg_loss_bwd(
-        *args, *bounds, int(dual_clip), g_out.data_ptr(), inv_d.data_ptr(), grad.data_ptr(), _stream(lp)
+    args = (
+        lp.data_ptr(),
+        old.data_ptr(),
+        a.data_ptr(),
+        m.data_ptr(),
+        is_u8,
+        lp.numel(),
+        seq_len,
+        int(a.shape == lp.shape),
     )
+    code = lib.mdapo_pg_loss_bwd(
+        *args, *bounds, int(dual_clip), *_layout_args(kind, seq_lr, seq_ids), g_out.data_ptr(), inv_d.data_ptr(),
+        grad.data_ptr(), _stream(lp),
+    )  # fmt: skip
     check(code, "mdapo_pg_loss_bwd")
     return grad
 
 
 @_pg_loss_grad_op.register_fake
-def _(logp, old_logp, adv, mask, grad_out, inv_denom, bounds, dual_clip):
+def _(logp, old_logp, adv, mask, grad_out, inv_denom, bounds, dual_clip, kind, seq_lr, seq_ids, seq_len):
     return torch.empty_like(logp, dtype=torch.float32)
+
+
+@torch.library.custom_op("megatron_dapo::seq_log_ratio_cuda", mutates_args=())
+def seq_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, starts: Tensor) -> Tensor:
+    """CUDA twin of GSPO's pass 1 (pg_loss.sequence_log_ratio_fused): [S] fp32 mean of logp - old_logp over the
+    valid tokens of each sequence, the flat token ranges starts[s] .. starts[s + 1] - 1 (starts [S + 1] int32)."""
+    lib = load_library()
+    lp, old, _, m, is_u8 = _pg_common(logp, old_logp, logp, mask)
+    st = starts.to(torch.int32).contiguous()
+    out = torch.empty(st.numel() - 1, dtype=torch.float32, device=lp.device)
+    code = lib.mdapo_seq_log_ratio(
+        lp.data_ptr(), old.data_ptr(), m.data_ptr(), is_u8, st.data_ptr(), out.numel(), out.data_ptr(), _stream(lp)
+    )
+    check(code, "mdapo_seq_log_ratio")
+    return out
+
+
+@seq_log_ratio.register_fake
+def _(logp, old_logp, mask, starts):
+    return logp.new_empty(starts.numel() - 1, dtype=torch.float32)
 
 
 def _bound_list(b: ClipBounds) -> list[float]:
@@ -173,9 +224,23 @@ def _bound_list(b: ClipBounds) -> list[float]:
     return [b.lo, b.hi, 0.0 if b.clip_c is None else b.clip_c, b.log_lo, b.log_hi, b.log_c]
 
 
-def pg_loss_totals(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, bounds: ClipBounds) -> Tensor:
-    """CUDA twin of the pg forward: [7] fp32 totals in the layout of pg_loss._reduce_partials."""
-    return _pg_loss_totals_op(logp, old_logp, adv, mask, _bound_list(bounds), bounds.clip_c is not None)
+def pg_loss_totals(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    bounds: ClipBounds,
+    kind: int = 0,
+    seq_lr: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+    seq_len: int | None = None,
+) -> Tensor:
+    """CUDA twin of the pg forward: [7] fp32 totals in the layout of pg_loss._reduce_partials. kind: a
+    pg_loss.KIND_CODES value; seq_lr [S] fp32 for GSPO; seq_ids [N] int32 for a packed layout (else rows of
+    seq_len = logp.shape[-1] tokens)."""
+    seq_len = max(logp.shape[-1], 1) if seq_len is None else seq_len
+    dual = bounds.clip_c is not None
+    return _pg_loss_totals_op(logp, old_logp, adv, mask, _bound_list(bounds), dual, kind, seq_lr, seq_ids, seq_len)
 
 
 def pg_loss_grad(
@@ -186,10 +251,17 @@ def pg_loss_grad(
     grad_out: Tensor,
     inv_denom: Tensor,
     bounds: ClipBounds,
+    kind: int = 0,
+    seq_lr: Tensor | None = None,
+    seq_ids: Tensor | None = None,
+    seq_len: int | None = None,
 ) -> Tensor:
-    """CUDA twin of the pg backward: d loss / d logp [B, T] in logp's dtype."""
+    """CUDA twin of the pg backward: d loss / d logp in logp's shape and dtype (arguments as `pg_loss_totals`)."""
+    seq_len = max(logp.shape[-1], 1) if seq_len is None else seq_len
     dual = bounds.clip_c is not None
-    grad = _pg_loss_grad_op(logp, old_logp, adv, mask, grad_out, inv_denom, _bound_list(bounds), dual)
+    grad = _pg_loss_grad_op(
+        logp, old_logp, adv, mask, grad_out, inv_denom, _bound_list(bounds), dual, kind, seq_lr, seq_ids, seq_len
+    )
     return grad.to(logp.dtype)
 
 

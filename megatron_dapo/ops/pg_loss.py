@@ -252,6 +252,10 @@ class _Layout:
     def kernel_args(self, logp: Tensor) -> tuple[Tensor, Tensor]:
         return self.seq_lr, self.seq_ids if self.seq_ids is not None else logp  # (an unread pointer when padded)
 
+    def cuda_args(self) -> tuple[Any, ...]:
+        """(bounds, kind, seq_lr, seq_ids, seq_len) of the CUDA twin's entry points."""
+        return self.bounds, KIND_CODES[self.kind], self.seq_lr, self.seq_ids, self.seq_len
+
     def constexprs(self, adv: Tensor, logp: Tensor) -> dict[str, Any]:
         return {
             "ADV_PER_TOKEN": adv.shape == logp.shape,
@@ -355,7 +359,7 @@ class FusedSurrogateFunction(torch.autograd.Function):
         if backend == "cuda":
             from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
 
-            totals = _cuda_twins.pg_loss_totals(logp, old_logp, advantages, mask, layout.bounds)
+            totals = _cuda_twins.pg_loss_totals(logp, old_logp, advantages, mask, *layout.cuda_args())
         else:
             totals = _reduce_partials(pg_loss_partials(logp, old_logp, advantages, mask, layout))
         loss, inv_denom, metrics = _finish(totals, num_tokens)
@@ -371,7 +375,7 @@ class FusedSurrogateFunction(torch.autograd.Function):
         if backend == "cuda":
             from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
 
-            grad = _cuda_twins.pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, layout.bounds)
+            grad = _cuda_twins.pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, *layout.cuda_args())
         else:
             grad = pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, layout)
         return grad, None, None, None, None, None, None
@@ -452,8 +456,7 @@ def fused_surrogate_loss(
             receives a gradient; mask bool or float (float values weight the loss; metrics count mask != 0).
         spec: the surrogate kind, clip bounds, aggregation and its constant (from the loss's config).
         cu_seqlens: [S + 1] int32/int64 sequence offsets of a packed layout, or None for padded rows.
-        backend: "triton" or "cuda" for CUDA tensors (default env MEGATRON_DAPO_KERNEL_BACKEND or "triton"); the CUDA
-            twin runs the "clip" kind only.
+        backend: "triton" or "cuda" for CUDA tensors (default env MEGATRON_DAPO_KERNEL_BACKEND or "triton").
     Returns:
         loss: 0-dim fp32. metrics: 0-dim fp32 clipfrac_high, clipfrac_low, approx_kl, ratio_max.
     """
@@ -465,9 +468,6 @@ def fused_surrogate_loss(
         return surrogate_loss(inputs, spec) if cu_seqlens is None else _packed_reference(inputs, spec, cu_seqlens)
     if not logp.is_cuda:
         chosen = "triton"  # the interpreter; the CUDA twin needs a GPU
-    if chosen == "cuda" and spec.kind != "clip":
-        raise ValueError(f"fused_surrogate_loss: the CUDA twin runs the clip surrogate only, not {spec.kind!r}; use "
-                         f"backend triton (MEGATRON_DAPO_KERNEL_BACKEND=triton)")  # fmt: skip
     valid = mask != 0
     if cu_seqlens is None:
         num_seqs, seq_len = logp.shape[0], max(logp.shape[-1], 1)
@@ -496,7 +496,11 @@ def fused_surrogate_loss(
     if mask.dtype == torch.bool:
         mask = mask.contiguous().view(torch.uint8)
     logp, old_logp, mask = logp.contiguous(), old_logp.detach().contiguous(), mask.contiguous()
-    if spec.kind == "gspo":
+    if spec.kind == "gspo" and chosen == "cuda":
+        from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
+
+        seq_lr = _cuda_twins.seq_log_ratio(logp.detach(), old_logp, mask, starts)
+    elif spec.kind == "gspo":
         seq_lr = sequence_log_ratio_fused(logp.detach(), old_logp, mask, starts)
     else:
         seq_lr = torch.zeros(1, dtype=torch.float32, device=logp.device)

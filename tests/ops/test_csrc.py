@@ -51,7 +51,16 @@ def test_ctypes_load_and_host_entry_points(built_lib, monkeypatch):
         assert lib.mdapo_logprob_entropy_fwd(None, 1, 7, None, 3, 4, 4, 0, 1.0, None, None, None) == 1
         assert lib.mdapo_logprob_entropy_fwd(None, 1, 0, None, 3, 4, 4, 0, 0.0, None, None, None) == 1
         bounds = (0.8, 1.28, 0.0, math.log(0.8), math.log(1.28), 0.0)
-        assert lib.mdapo_pg_loss_fwd(*([None] * 4), 0, 10, 0, 0, *bounds, 0, None, 0, None, None) == 1
+        assert lib.mdapo_pg_loss_fwd(*([None] * 4), 0, 10, 0, 0, *bounds, 0, 0, None, None, None, 0, None, None) == 1
+        # kind out of range, GSPO without its sequence log-ratios: refused before any launch
+        ws = 1  # rows the workspace would need for 10 tokens
+        assert lib.mdapo_pg_loss_fwd(*([None] * 4), 0, 10, 10, 0, *bounds, 0, 3, None, None, None, ws, None, None) == 1
+        assert lib.mdapo_pg_loss_fwd(*([None] * 4), 0, 10, 10, 0, *bounds, 0, 1, None, None, None, ws, None, None) == 1
+        assert (
+            lib.mdapo_pg_loss_bwd(*([None] * 4), 0, 10, 10, 0, *bounds, 0, 1, None, None, None, None, None, None) == 1
+        )
+        assert lib.mdapo_seq_log_ratio(None, None, None, 0, None, 0, None, None) == 0  # no sequences: nothing to do
+        assert lib.mdapo_seq_log_ratio(None, None, None, 0, None, 3, None, None) == 1  # no offsets
         if not torch.cuda.is_available():
             x = torch.zeros(2, 3)
             with pytest.raises(RuntimeError, match="mdapo_pg_loss_fwd: CUDA error"):
@@ -140,3 +149,49 @@ def test_gpu_pg_loss_twin(built_lib, monkeypatch, clip_c):
     for k, v in m.items():
         torch.testing.assert_close(v, ref_m[k], rtol=1e-5, atol=2e-6, msg=k)
     assert isinstance(_cuda_twins.load_library(), ctypes.CDLL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gspo", "cispo", "dr_grpo", "gspo_packed"])
+def test_gpu_policy_loss_kinds_twin(built_lib, monkeypatch, name):
+    """GSPO, CISPO and Dr. GRPO through the CUDA twin = the reference (padded rows; GSPO also packed)."""
+    from megatron_dapo.algorithms import LossInputs
+    from megatron_dapo.algorithms.policy_loss import ClipBounds
+    from megatron_dapo.algorithms.policy_loss import Surrogate
+    from megatron_dapo.algorithms.policy_loss import surrogate_loss
+    from megatron_dapo.ops.pg_loss import fused_surrogate_loss
+
+    _cuda_env(built_lib, monkeypatch)
+    spec = {
+        "gspo": Surrogate("gspo", ClipBounds.make(3e-4, 4e-4, None), "seq-mean-token-mean"),
+        "gspo_packed": Surrogate("gspo", ClipBounds.make(3e-4, 4e-4, None), "seq-mean-token-mean"),
+        "cispo": Surrogate("cispo", ClipBounds.make(None, 0.28, None), "token-mean"),
+        "dr_grpo": Surrogate("clip", ClipBounds.make(0.2, 0.2, None), "seq-mean-token-sum-norm", 3000.0),
+    }[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    old = -torch.rand(8, 3000, device="cuda", generator=gen) * 3
+    spread = 3e-4 if spec.kind == "gspo" else 0.5
+    logp = (old + (torch.rand(8, 3000, device="cuda", generator=gen) - 0.5) * 2 * spread).requires_grad_()
+    adv = torch.randn(8, device="cuda", generator=gen)
+    mask = (
+        torch.arange(3000, device="cuda")[None, :]
+        < torch.tensor([1, 0, 2999, 3000, 257, 1024, 7, 2048], device="cuda")[:, None]
+    )
+    ref, ref_m = surrogate_loss(LossInputs(logp, old, adv, mask), spec)
+    (ref_grad,) = torch.autograd.grad(ref, logp)
+    if name == "gspo_packed":
+        lengths = mask.sum(-1)
+        cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        x = logp.detach()[mask].requires_grad_()
+        loss, m = fused_surrogate_loss(
+            LossInputs(x, old[mask], adv, torch.ones_like(x, dtype=torch.bool)), spec, cu_seqlens=cu, backend="cuda"
+        )
+        (grad,) = torch.autograd.grad(loss, x)
+        ref_grad = ref_grad[mask]
+    else:
+        loss, m = fused_surrogate_loss(LossInputs(logp, old, adv, mask), spec, backend="cuda")
+        (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=2e-7)
+    for k, v in m.items():
+        torch.testing.assert_close(v, ref_m[k], rtol=1e-5, atol=2e-6, msg=k)
