@@ -54,10 +54,10 @@ def _ext_modules():
     """CUDA C++ twins of the fused ops, built only when MEGATRON_DAPO_BUILD_CUDA=1 (see csrc/README.md)."""
     if os.environ.get("MEGATRON_DAPO_BUILD_CUDA", "0") != "1":
         return [], {}
-    import sys  # noqa: PLC0415
+    import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # build_meta does not put the project on sys.path
-    from csrc.build import cuda_extension  # noqa: PLC0415
+    from csrc.build import cuda_extension
 
     return cuda_extension()
 

@@ -96,8 +96,8 @@ def build_library(output: Path, archs: list[str] | tuple[str, ...] | None = None
 
 def cuda_extension():
     """(ext_modules, cmdclass) for setup.py: one pseudo-extension whose build_ext runs nvcc, not the C compiler."""
-    from setuptools import Extension  # noqa: PLC0415
-    from setuptools.command.build_ext import build_ext  # noqa: PLC0415
+    from setuptools import Extension
+    from setuptools.command.build_ext import build_ext
 
     class NvccBuildExt(build_ext):
         def build_extension(self, ext):

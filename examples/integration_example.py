@@ -29,20 +29,20 @@ VOCAB = 250  # the model pads it to a multiple of 128 * TP; the padded columns m
 
 def build(tp: int):
     """Process groups, a tiny GPTModel (vocab-parallel output), DDP and a Megatron optimizer: user code."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
-    from megatron.core.distributed import DistributedDataParallel  # noqa: PLC0415
-    from megatron.core.distributed import DistributedDataParallelConfig  # noqa: PLC0415
-    from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
-    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
-    from megatron.core.optimizer import OptimizerConfig  # noqa: PLC0415
-    from megatron.core.optimizer import get_megatron_optimizer  # noqa: PLC0415
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
-    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
 
     on_cpu = not torch.cuda.is_available()
     if on_cpu:  # megatron-core assumes CUDA; these explicit shims let it run over gloo
-        from megatron_dapo.actor.cpu_compat import apply_cpu_compat  # noqa: PLC0415
+        from megatron_dapo.actor.cpu_compat import apply_cpu_compat
 
         apply_cpu_compat()
     else:
@@ -108,7 +108,7 @@ def main() -> None:
 
     tp = 2 if int(os.environ.get("WORLD_SIZE", 1)) % 2 == 0 else 1
     model, optimizer, ps = build(tp)
-    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = torch.cuda.current_device()
     tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
@@ -131,7 +131,7 @@ def main() -> None:
     num_tokens = sum(local_loss_denominator(mb["loss_mask"], loss.loss_agg_mode) for mb in micro).to(device)
     dist.all_reduce(num_tokens, group=dp_group)
 
-    def forward_step(data_iterator, model):  # noqa: ANN001, ANN202  (a plain user forward_step_func)
+    def forward_step(data_iterator, model):  # a plain user forward_step_func
         mb = next(data_iterator)
         logits = model(mb["tokens"], positions.expand_as(mb["tokens"]), None)
         loss_func = dapo_loss_func(

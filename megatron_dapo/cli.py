@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = launch_rank_world()
     try:
         if args.command == "plot":
-            from megatron_dapo.metrics import plot_run  # noqa: PLC0415
+            from megatron_dapo.metrics import plot_run
 
             for path in plot_run(args.run_dir):
                 print(path)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "train":
         if (code := plan_preflight(config)) != 0:
             return code
-        from megatron_dapo.trainer import DAPOTrainer  # noqa: PLC0415
+        from megatron_dapo.trainer import DAPOTrainer
 
         exit_with_launcher(config.checkpoint.preempt_grace_s)
         try:
@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_plan(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float, assume: list[str]) -> int:
     """Print the plan of `config` on the layout; 0 when every phase fits, 2 otherwise (or on a bad layout)."""
-    from megatron_dapo.plan import PlanError  # noqa: PLC0415
-    from megatron_dapo.plan import make_plan  # noqa: PLC0415
-    from megatron_dapo.plan import parse_assumptions  # noqa: PLC0415
+    from megatron_dapo.plan import PlanError
+    from megatron_dapo.plan import make_plan
+    from megatron_dapo.plan import parse_assumptions
 
     try:
         plan = make_plan(
@@ -138,15 +138,15 @@ def plan_preflight(config) -> int:
     """`train`'s memory check on CUDA (skipped by trainer.preflight=false): plan the run on this job's layout
     (WORLD_SIZE / LOCAL_WORLD_SIZE under torchrun, SLURM_NTASKS / SLURM_NNODES under srun; the GPU's memory). Every
     rank gets the same answer; rank 0 prints the plan when a phase does not fit and every rank returns 2."""
-    import os  # noqa: PLC0415
+    import os
 
-    import torch  # noqa: PLC0415
+    import torch
 
     if not config.trainer.preflight or not torch.cuda.is_available():
         return 0
-    from megatron_dapo.plan import GiB  # noqa: PLC0415
-    from megatron_dapo.plan import PlanError  # noqa: PLC0415
-    from megatron_dapo.plan import make_plan  # noqa: PLC0415
+    from megatron_dapo.plan import GiB
+    from megatron_dapo.plan import PlanError
+    from megatron_dapo.plan import make_plan
 
     env = os.environ
     world = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
@@ -170,14 +170,14 @@ def _user_error(err: BaseException, rank: int, report_rank: int = 0) -> int:
     if rank == report_rank:
         print(f"error: {err}", file=sys.stderr, flush=True)
     else:
-        import time  # noqa: PLC0415
+        import time
 
         time.sleep(3.0)
     return 2
 
 
 def _destroy_process_group() -> None:
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -186,10 +186,10 @@ def _destroy_process_group() -> None:
 def launch(args: argparse.Namespace, overrides: list[str], config) -> int:
     """torchrun in this process, with checkpoint.preempt_grace_s as its SIGTERM -> SIGKILL window and SIGUSR1/2
     forwarded to the workers (Slurm's --signal); returns 0, the workers' exit code, or 128 + a signal's number."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
-    from torch.distributed.run import get_args_parser  # noqa: PLC0415
-    from torch.distributed.run import run  # noqa: PLC0415
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run
 
     grace = int(math.ceil(config.checkpoint.preempt_grace_s))
     torchrun = [
@@ -223,13 +223,13 @@ def launch(args: argparse.Namespace, overrides: list[str], config) -> int:
 
 def run_eval(config, model_dir: str | None) -> dict[str, float]:
     """Evaluate a HF checkpoint with the rollout engine alone (no actor, one process)."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer
 
-    from megatron_dapo.data import PromptDataset  # noqa: PLC0415
-    from megatron_dapo.data.dataset import prompt_token_ids  # noqa: PLC0415
-    from megatron_dapo.evaluate import evaluate  # noqa: PLC0415
-    from megatron_dapo.reward import Verifier  # noqa: PLC0415
-    from megatron_dapo.rollout import make_engine  # noqa: PLC0415
+    from megatron_dapo.data import PromptDataset
+    from megatron_dapo.data.dataset import prompt_token_ids
+    from megatron_dapo.evaluate import evaluate
+    from megatron_dapo.reward import Verifier
+    from megatron_dapo.rollout import make_engine
 
     model_dir = model_dir or config.actor.model_path
     t = config.trainer
@@ -254,8 +254,8 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
 
 def convert(config, to: str, checkpoint: str | None, out: str) -> None:
     """HF -> Megatron dist checkpoint, or back (every rank of a torchrun job calls this)."""
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
 
     groups = init_distributed(
         config.actor.tensor_parallel, config.actor.pipeline_parallel, timeout_s=config.distributed.timeout_s
@@ -265,9 +265,9 @@ def convert(config, to: str, checkpoint: str | None, out: str) -> None:
         return
     if checkpoint is None:
         raise SystemExit("error: convert --to hf needs --checkpoint DIR")
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
-    from safetensors.torch import save_file  # noqa: PLC0415
+    from safetensors.torch import save_file
 
     actor = MegatronActor(config, groups)
     actor.load_checkpoint(checkpoint, load_optimizer=False)

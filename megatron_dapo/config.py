@@ -213,9 +213,9 @@ class AlgorithmConfig:
     """MIS: highest ratio kept, >= 1."""
 
     def __post_init__(self) -> None:
-        from megatron_dapo.algorithms import POLICY_LOSSES  # noqa: PLC0415
-        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS  # noqa: PLC0415
-        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTIONS  # noqa: PLC0415
+        from megatron_dapo.algorithms import POLICY_LOSSES
+        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS
+        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTIONS
 
         _check_numbers(self, "algorithm")
         _one_of(self.policy_loss, tuple(sorted(POLICY_LOSSES)), "algorithm.policy_loss")
@@ -317,8 +317,8 @@ class RolloutConfig:
         _one_of(self.mode, ("colocated", "server"), "rollout.mode")
         if self.mode == "server":
             _check(bool(self.server_urls), "rollout.server_urls", 'must list at least one URL when mode is "server"')
-            from megatron_dapo.rollout.launch_env import is_loopback  # noqa: PLC0415
-            from megatron_dapo.rollout.launch_env import url_host  # noqa: PLC0415
+            from megatron_dapo.rollout.launch_env import is_loopback
+            from megatron_dapo.rollout.launch_env import url_host
 
             remote = [u for u in self.server_urls if not is_loopback(url_host(u))]
             address = self.weight_sync_master_address
@@ -407,8 +407,8 @@ class ActorConfig:
             "actor.shared_prefix",
             "needs actor.packing=true (the shared micro-batch is one packed row)",
         )
-        from megatron_dapo.actor.loss import LOGPROB_IMPLS  # noqa: PLC0415
-        from megatron_dapo.memory import OFFLOAD_MODES  # noqa: PLC0415
+        from megatron_dapo.actor.loss import LOGPROB_IMPLS
+        from megatron_dapo.memory import OFFLOAD_MODES
 
         _one_of(self.offload, OFFLOAD_MODES, "actor.offload")
 
@@ -634,7 +634,7 @@ class RunConfig:
 def _resolve_loss(name: str, loss: Any, max_response_length: int) -> Any:
     """The `loss` section as the selected loss's config: its defaults when None, refused when it belongs to another
     loss; a Dr. GRPO norm_length of 0 becomes the generation cap."""
-    from megatron_dapo.algorithms import get_policy_loss  # noqa: PLC0415
+    from megatron_dapo.algorithms import get_policy_loss
 
     entry = get_policy_loss(name)
     if loss is None:
@@ -652,7 +652,7 @@ def _resolve_loss(name: str, loss: Any, max_response_length: int) -> Any:
 def _build_loss(name: str, values: dict[str, Any], source: str) -> Any:
     """The `loss` section of a file / overrides: each key converted to the selected loss's field type, then checked
     by the loss's own config class (megatron_dapo/algorithms/losses/<name>.py)."""
-    from megatron_dapo.algorithms import get_policy_loss  # noqa: PLC0415
+    from megatron_dapo.algorithms import get_policy_loss
 
     try:
         entry = get_policy_loss(name)

@@ -76,7 +76,7 @@ def evaluate(
         prompts: token ids per prompt (chat template applied).
         truths: ground truth per prompt.
     """
-    from megatron_dapo.rollout.base import SamplingParams  # noqa: PLC0415
+    from megatron_dapo.rollout.base import SamplingParams
 
     params = SamplingParams(
         n=k,

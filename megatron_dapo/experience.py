@@ -83,9 +83,7 @@ def batch_advantages(
     std_normalize: the policy loss's choice (`loss.std_normalize`; False for Dr. GRPO: A = R - mean)."""
     if not groups:
         return torch.zeros(0), torch.zeros(0)
-    adv = torch.cat(
-        [group_normalized_advantages(g.rewards, g.group_size, algo.adv_eps, std_normalize) for g in groups]
-    )
+    adv = torch.cat([group_normalized_advantages(g.rewards, g.group_size, algo.adv_eps, std_normalize) for g in groups])
     keep = torch.ones(len(adv))
     if algo.overlong_filtering:
         keep = overlong_filter_mask([f.value for g in groups for f in g.finish])
@@ -128,7 +126,7 @@ def sampled_response_metrics(groups: Sequence[GroupSummary]) -> dict[str, float]
     """Reward/length statistics over every response decided in a step (kept or not)."""
     if not groups:
         return {}
-    cat = lambda key: torch.cat([getattr(g, key) for g in groups])  # noqa: E731
+    cat = lambda key: torch.cat([getattr(g, key) for g in groups])
     truncated = torch.tensor([f is FinishReason.LENGTH for g in groups for f in g.finish])
     return response_metrics(cat("lengths"), truncated, cat("rewards"), cat("accs"), cat("penalties"))
 
@@ -156,7 +154,7 @@ def apply_rollout_correction(batch: ActorBatch, algo: AlgorithmConfig) -> dict[s
     `algorithms.rollout_correction.rollout_correction`; a batch without engine log-probs has none, and is an error
     when a correction is asked for.
     """
-    from megatron_dapo.algorithms.rollout_correction import rollout_correction  # noqa: PLC0415
+    from megatron_dapo.algorithms.rollout_correction import rollout_correction
 
     if batch.engine_logp is None:
         if algo.rollout_correction != "none":

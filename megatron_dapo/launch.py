@@ -78,7 +78,7 @@ def _check_engine(rollout: Any) -> None:
         try:
             importlib.import_module(engine)
             return
-        except Exception as err:  # noqa: BLE001  (a broken install raises anything from its imports)
+        except Exception as err:  # a broken install raises anything from its imports
             problem = f"cannot be imported ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
     raise StartupError(
         f"rollout.engine={engine}, but the {engine} package {problem}; pip install -e .[{engine}], "

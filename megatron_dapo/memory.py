@@ -91,7 +91,7 @@ class MemoryActor(Protocol):
 
 
 def _cuda_empty_cache() -> None:
-    import torch  # noqa: PLC0415
+    import torch
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

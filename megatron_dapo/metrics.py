@@ -153,15 +153,15 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
         self.total_steps = total_steps
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if jsonl else None  # noqa: SIM115
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if jsonl else None
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+            from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tb"))
         self._progress = None
         if console == "rich":
-            from rich.progress import Progress  # noqa: PLC0415
+            from rich.progress import Progress
 
             self._progress = Progress(transient=False)
             self._task = self._progress.add_task("DAPO", total=total_steps)
@@ -271,10 +271,10 @@ PLOTS: Sequence[tuple[str, Sequence[str]]] = (
 
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Draw one PNG per curve of PLOTS into run_dir/plots; returns the files written."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
     out_dir = Path(run_dir) / "plots"

@@ -22,10 +22,10 @@ CHAT_TEMPLATE = (
 
 def make_tiny_tokenizer(out_dir: str | Path):
     """Save a character-level PreTrainedTokenizerFast with a ChatML chat template; returns it."""
-    from tokenizers import Tokenizer  # noqa: PLC0415
-    from tokenizers import decoders  # noqa: PLC0415
-    from tokenizers.models import BPE  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(set(CHARS), key=CHARS.index))}
     core = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
@@ -41,8 +41,8 @@ def make_tiny_tokenizer(out_dir: str | Path):
 
 def make_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
     """A random tied-embedding GQA Llama (SmolLM2's architecture, scaled down) with the tiny tokenizer."""
-    from transformers import LlamaConfig  # noqa: PLC0415
-    from transformers import LlamaForCausalLM  # noqa: PLC0415
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
 
     out_dir = Path(out_dir)
     tok = make_tiny_tokenizer(out_dir)
@@ -70,7 +70,7 @@ def make_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, lay
 
 def make_tiny_run(root: str | Path, *, num_train: int = 64, num_test: int = 16, seed: int = 0) -> dict[str, str]:
     """Create root/model (tiny model) and root/data/{train,test}.jsonl (one-digit sums); returns their paths."""
-    from megatron_dapo.data import make_dataset  # noqa: PLC0415
+    from megatron_dapo.data import make_dataset
 
     root = Path(root)
     model_dir = make_tiny_model(root / "model", seed=seed)

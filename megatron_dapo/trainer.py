@@ -64,13 +64,13 @@ class DAPOTrainer:
     """Owns the actor, the engine, data, sampler, checkpoints and logging for one run (construct on every rank)."""
 
     def __init__(self, config: RunConfig) -> None:
-        from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-        from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-        from megatron_dapo.reward import Verifier  # noqa: PLC0415
-        from megatron_dapo.rollout import make_engine  # noqa: PLC0415
-        from megatron_dapo.rollout.factory import sizes_kv_pool_at_start  # noqa: PLC0415
-        from megatron_dapo.rollout.factory import weight_update_target  # noqa: PLC0415
-        from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
+        from megatron_dapo.actor.actor import MegatronActor
+        from megatron_dapo.actor.distributed import init_distributed
+        from megatron_dapo.reward import Verifier
+        from megatron_dapo.rollout import make_engine
+        from megatron_dapo.rollout.factory import sizes_kv_pool_at_start
+        from megatron_dapo.rollout.factory import weight_update_target
+        from megatron_dapo.rollout.weight_sync import WeightSync
 
         self.cfg = c = config
         self.groups = init_distributed(
@@ -173,11 +173,11 @@ class DAPOTrainer:
 
     def _load_inputs(self) -> None:
         """Run-dir lock (rank 0), tokenizer and data: the user-input part of start-up."""
-        from transformers import AutoConfig  # noqa: PLC0415
-        from transformers import AutoTokenizer  # noqa: PLC0415
+        from transformers import AutoConfig
+        from transformers import AutoTokenizer
 
-        from megatron_dapo.data import PromptDataset  # noqa: PLC0415
-        from megatron_dapo.data import PromptIterator  # noqa: PLC0415
+        from megatron_dapo.data import PromptDataset
+        from megatron_dapo.data import PromptIterator
 
         c = self.cfg
         if self.lock is not None:
@@ -323,7 +323,7 @@ class DAPOTrainer:
     # ------------------------------------------------------------------------------------------------ rollout
     def _render(self, example: Any) -> list[int]:
         """Prompt token ids (lengths were checked when the data loaded)."""
-        from megatron_dapo.data.dataset import prompt_token_ids  # noqa: PLC0415
+        from megatron_dapo.data.dataset import prompt_token_ids
 
         return prompt_token_ids(self.tokenizer, example.prompt_messages)
 
@@ -565,7 +565,7 @@ class DAPOTrainer:
         """Write the actor's weights as a Hugging Face checkpoint (rank 0 writes; every rank must call). Only rank 0
         receives the full tensors: the other ranks of its model-parallel group send their shards, the other
         data-parallel replicas do nothing, so no other rank holds a full-model copy."""
-        from safetensors.torch import save_file  # noqa: PLC0415
+        from safetensors.torch import save_file
 
         tensors = {name: t.detach().cpu().contiguous() for name, t in self.actor.export_hf_weights(dst_rank=0)}
         if self.rank == 0:
@@ -602,7 +602,7 @@ class DAPOTrainer:
     def _notice(self, line: str) -> None:
         """A one-line notice on rank 0's stderr, no step prefix (start-up and resume decisions)."""
         if self.rank == 0:
-            import sys  # noqa: PLC0415
+            import sys
 
             print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
 
@@ -631,7 +631,7 @@ def _load_state_file(file: Path) -> Any:
     file runs nothing); CheckpointError naming the file when it cannot be read."""
     try:
         return torch.load(file, weights_only=True)
-    except Exception as err:  # noqa: BLE001  UnpicklingError (a forbidden global), RuntimeError (a damaged archive)
+    except Exception as err:  # UnpicklingError (a forbidden global), RuntimeError (a damaged archive)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{file}: refused to load it ({first[:200]})") from None
 
@@ -717,7 +717,7 @@ def _truncate_metrics(path: Path, step: int, log: Any = print, restore: dict[str
     """Drop metric rows logged after the checkpoint we resume from (a crash between log and save), and lines that are
     not JSON (a torn last line from a kill in mid-write): each such line is named through `log`. `restore`: the
     checkpoint's own row of `step`, written back when the file no longer has that step (logged)."""
-    import json  # noqa: PLC0415
+    import json
 
     if not path.exists() and restore is None:
         return

@@ -43,11 +43,11 @@ class PeakRSS:
 
 
 def main() -> None:
-    import torch  # noqa: PLC0415
-    from safetensors.torch import load_file  # noqa: PLC0415
+    import torch
+    from safetensors.torch import load_file
 
-    from megatron_dapo.config import load_config  # noqa: PLC0415
-    from megatron_dapo.trainer import DAPOTrainer  # noqa: PLC0415
+    from megatron_dapo.config import load_config
+    from megatron_dapo.trainer import DAPOTrainer
 
     out_dir, config_path, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     trainer = DAPOTrainer(load_config(config_path, overrides))
@@ -57,7 +57,7 @@ def main() -> None:
     # What this rank generated (global row id -> tokens), and what routing hands it.
     route = trainer._route
 
-    def recording_route(kept):  # noqa: ANN001, ANN202
+    def recording_route(kept):
         generated = {}
         row = 0
         for summary in kept:
@@ -104,7 +104,7 @@ def main() -> None:
     export = trainer.actor.export_hf_weights
     held = {"bytes": 0, "tensors": 0}
 
-    def counting_export(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def counting_export(*args, **kwargs):
         for name, t in export(*args, **kwargs):
             held["bytes"] += t.numel() * t.element_size()
             held["tensors"] += 1
@@ -112,8 +112,8 @@ def main() -> None:
 
     trainer.actor.export_hf_weights = counting_export
     hf_dir = out_dir / "hf_final"
-    import ctypes  # noqa: PLC0415
-    import gc  # noqa: PLC0415
+    import ctypes
+    import gc
 
     # Hand freed heap pages back to the OS first, so a new full-model copy shows up as resident-set growth instead of
     # reusing memory the training step freed.

@@ -18,7 +18,7 @@ def test_pass_at_k_against_combinatorics():
 def test_majority_vote_and_groups():
     assert majority_vote(["3", None, "4", "4", "3", "4"]) == "4"
     assert majority_vote(["3", "4"]) == "3" and majority_vote([None, None]) is None
-    r = lambda acc, pred: {"acc": acc, "pred": pred}  # noqa: E731
+    r = lambda acc, pred: {"acc": acc, "pred": pred}
     groups = [
         [r(True, "7"), r(False, "8"), r(False, "8"), r(True, "7")],  # tie 7/8 -> first seen "7" -> correct
         [r(False, "1"), r(False, "1"), r(True, "2"), r(False, None)],  # majority wrong

@@ -239,7 +239,7 @@ def test_engine_regions_are_resumed_before_generating_and_unknown_phases_refused
 
 
 def test_offload_config_field_is_checked():
-    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
+    from megatron_dapo.config import ActorConfig
 
     assert ActorConfig().offload == "none"
     assert ActorConfig(offload="all").offload == "all"
@@ -272,7 +272,7 @@ def test_an_engine_that_sizes_its_pool_at_start_starts_in_the_generation_memory_
 
 class _ProbeForBuild:
     def __init__(self) -> None:
-        from megatron_dapo.memory import PARTS  # noqa: PLC0415
+        from megatron_dapo.memory import PARTS
 
         self.actor = set(PARTS)
 
@@ -281,7 +281,7 @@ class _ProbeForBuild:
         return 0
 
     def reload_state(self, parts=None):
-        from megatron_dapo.memory import PARTS  # noqa: PLC0415
+        from megatron_dapo.memory import PARTS
 
         self.actor |= set(PARTS if parts is None else parts)
         return 0

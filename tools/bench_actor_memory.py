@@ -52,8 +52,8 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _batch(rows: int, seq: int, prompt_len: int, vocab: int, seed: int = 0):  # noqa: ANN202
-    from megatron_dapo.batch import ActorBatch  # noqa: PLC0415
+def _batch(rows: int, seq: int, prompt_len: int, vocab: int, seed: int = 0):
+    from megatron_dapo.batch import ActorBatch
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, seq), generator=gen)
@@ -67,13 +67,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, impl: st
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank))
     torch.set_num_threads(args.threads)
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
-    from megatron_dapo.config import AlgorithmConfig  # noqa: PLC0415
-    from megatron_dapo.config import RolloutConfig  # noqa: PLC0415
-    from megatron_dapo.config import RunConfig  # noqa: PLC0415
-    from megatron_dapo.config import TrainerConfig  # noqa: PLC0415
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.config import ActorConfig
+    from megatron_dapo.config import AlgorithmConfig
+    from megatron_dapo.config import RolloutConfig
+    from megatron_dapo.config import RunConfig
+    from megatron_dapo.config import TrainerConfig
 
     groups = init_distributed(1, args.pp)
     cfg = RunConfig(

@@ -33,8 +33,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_actor_memory import SMOLLM2_CACHE  # noqa: E402
-from bench_actor_memory import _free_port  # noqa: E402
+from bench_actor_memory import SMOLLM2_CACHE
+from bench_actor_memory import _free_port
 
 ARMS = {
     "padded": {"packing": False, "logprob_impl": "fused"},
@@ -44,9 +44,9 @@ ARMS = {
 # tools/profile_actor_step.py)
 
 
-def main_job_batch(rows: int, vocab: int, seed: int = 0):  # noqa: ANN201
+def main_job_batch(rows: int, vocab: int, seed: int = 0):
     """ActorBatch shaped like one main-job step (see the module docstring)."""
-    from megatron_dapo.batch import ActorBatch  # noqa: PLC0415
+    from megatron_dapo.batch import ActorBatch
 
     gen = torch.Generator().manual_seed(seed)
     prompts = (140 + torch.randint(-6, 7, (rows,), generator=gen)).tolist()
@@ -67,10 +67,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank))
     torch.set_num_threads(args.threads)
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.loss import get_logprob_impl  # noqa: PLC0415
-    from megatron_dapo.config import load_config  # noqa: PLC0415
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.actor.loss import get_logprob_impl
+    from megatron_dapo.config import load_config
 
     groups = init_distributed(1, 2)
     cfg = load_config(args.config, [f"--actor.model_path={args.model}"])

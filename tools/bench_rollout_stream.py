@@ -49,7 +49,7 @@ def worktree(commit: str, out: Path) -> Path:
     return path
 
 
-def run(args) -> int:  # noqa: ANN001
+def run(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     trees = {"rounds": worktree(args.rounds_commit, args.out), "stream": ROOT}
     for k in range(args.repeats):

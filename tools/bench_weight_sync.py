@@ -48,8 +48,8 @@ def _free_port() -> int:
 
 
 def _tiny_checkpoint(path: Path) -> Path:
-    from transformers import Qwen2Config  # noqa: PLC0415
-    from transformers import Qwen2ForCausalLM  # noqa: PLC0415
+    from transformers import Qwen2Config
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(
@@ -68,17 +68,17 @@ def _tiny_checkpoint(path: Path) -> Path:
 def _worker(rank: int, world: int, port: int, hf_dir: str, bucket_mb: int, repeats: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank))
-    from transformers import AutoConfig  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoConfig
+    from transformers import AutoModelForCausalLM
 
-    from megatron_dapo.actor.distributed import destroy_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.hf_weights import export_hf_weights  # noqa: PLC0415
-    from megatron_dapo.actor.hf_weights import load_hf_into_model  # noqa: PLC0415
-    from megatron_dapo.actor.model import build_gpt_model  # noqa: PLC0415
-    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
-    from megatron_dapo.rollout import TransformersEngine  # noqa: PLC0415
-    from megatron_dapo.rollout import WeightSync  # noqa: PLC0415
+    from megatron_dapo.actor.distributed import destroy_distributed
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.actor.hf_weights import export_hf_weights
+    from megatron_dapo.actor.hf_weights import load_hf_into_model
+    from megatron_dapo.actor.model import build_gpt_model
+    from megatron_dapo.config import ActorConfig
+    from megatron_dapo.rollout import TransformersEngine
+    from megatron_dapo.rollout import WeightSync
 
     groups = init_distributed(world, 1)
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -237,7 +237,7 @@ def main() -> None:
         models["SmolLM2-135M"] = SMOLLM2_CACHE
     csv_path = Path(args.csv)
     csv_path.parent.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoConfig  # noqa: PLC0415
+    from transformers import AutoConfig
 
     measured, skipped = [], []
     for name, path in models.items():

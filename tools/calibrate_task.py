@@ -31,14 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from megatron_dapo.data.reasoning_gym_tasks import generate_items  # noqa: E402
-from megatron_dapo.data.templates import PromptTemplate  # noqa: E402
-from megatron_dapo.data.templates import Shot  # noqa: E402
-from megatron_dapo.data.templates import get_template as get_data_template  # noqa: E402
-from megatron_dapo.reward.dapo_math import compute_score  # noqa: E402
-from megatron_dapo.reward.dapo_math import extract_answer  # noqa: E402
+from megatron_dapo.data.reasoning_gym_tasks import generate_items
+from megatron_dapo.data.templates import PromptTemplate
+from megatron_dapo.data.templates import Shot
+from megatron_dapo.data.templates import get_template as get_data_template
+from megatron_dapo.reward.dapo_math import compute_score
+from megatron_dapo.reward.dapo_math import extract_answer
 
 SHOT_SEED_OFFSET = 200_000_000  # same offset as megatron_dapo.data.generate.SPLIT_SEED_OFFSETS["shots"]
 FORMATS = ("answer_line", "last_number")

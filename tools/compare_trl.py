@@ -40,16 +40,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experiment_arms import ROOT  # noqa: E402
-from experiment_arms import finished  # noqa: E402
-from experiment_arms import heldout  # noqa: E402
-from experiment_arms import main_job_command  # noqa: E402
-from experiment_arms import make_parser  # noqa: E402
-from experiment_arms import mean  # noqa: E402
-from experiment_arms import parse_with_overrides  # noqa: E402
-from experiment_arms import print_report  # noqa: E402
-from experiment_arms import read_metrics  # noqa: E402
-from experiment_arms import train_rows  # noqa: E402
+from experiment_arms import ROOT
+from experiment_arms import finished
+from experiment_arms import heldout
+from experiment_arms import main_job_command
+from experiment_arms import make_parser
+from experiment_arms import mean
+from experiment_arms import parse_with_overrides
+from experiment_arms import print_report
+from experiment_arms import read_metrics
+from experiment_arms import train_rows
 
 sys.path.insert(0, str(ROOT))  # the package from this checkout, as the main job's torchrun -m runs it
 
@@ -69,7 +69,7 @@ def tree_rss(pid: int) -> tuple[int, int]:
     The sum uses the proportional set size (a page shared by k processes counts 1/k in each): a plain RSS sum
     counts a forked helper's copy-on-write pages once per process and read 18.4 GiB for our 2-rank job whose
     largest process held 3.4 GiB. Falls back to RSS where PSS is not available (non-Linux)."""
-    import psutil  # noqa: PLC0415
+    import psutil
 
     try:
         root = psutil.Process(pid)
@@ -118,16 +118,16 @@ def run_sampled(cmd: list[str], env: dict[str, str] | None = None, period_s: flo
 
 
 # ------------------------------------------------------------------------------------------------ TRL arm
-def _heldout(cfg, model, tokenizer, ranks: int = 2) -> dict[str, float]:  # noqa: ANN001
+def _heldout(cfg, model, tokenizer, ranks: int = 2) -> dict[str, float]:
     """Our trainer's held-out evaluation (Trainer.evaluate), reproduced on one process for `model`: the first
     eval_max_prompts prompts split over `ranks` engine ranks as the trainer interleaves them, rank r sampling with
     seed trainer.seed + 7 + r, k = eval_samples, the engine's batch size 32."""
-    from megatron_dapo.data import PromptDataset  # noqa: PLC0415
-    from megatron_dapo.data.dataset import prompt_token_ids  # noqa: PLC0415
-    from megatron_dapo.evaluate import score_groups  # noqa: PLC0415
-    from megatron_dapo.reward import Verifier  # noqa: PLC0415
-    from megatron_dapo.rollout.base import SamplingParams  # noqa: PLC0415
-    from megatron_dapo.rollout.transformers_engine import TransformersEngine  # noqa: PLC0415
+    from megatron_dapo.data import PromptDataset
+    from megatron_dapo.data.dataset import prompt_token_ids
+    from megatron_dapo.evaluate import score_groups
+    from megatron_dapo.reward import Verifier
+    from megatron_dapo.rollout.base import SamplingParams
+    from megatron_dapo.rollout.transformers_engine import TransformersEngine
 
     t = cfg.trainer
     examples = PromptDataset(cfg.data.eval_files, tokenizer=tokenizer, max_prompt_length=cfg.data.max_prompt_length)
@@ -158,21 +158,21 @@ def _heldout(cfg, model, tokenizer, ranks: int = 2) -> dict[str, float]:  # noqa
 def trl_arm(out: Path, steps: int, seed: int, threads: int, extra: list[str]) -> int:
     """TRL's GRPOTrainer on the main job's settings for `steps` of our steps (2 optimizer updates each); writes
     out/metrics.jsonl in our metric names (step 0: held-out evaluation of the initial weights)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     torch.set_num_threads(threads)
-    import trl  # noqa: PLC0415
-    from datasets import Dataset  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-    from transformers import AutoTokenizer  # noqa: PLC0415
-    from transformers import TrainerCallback  # noqa: PLC0415
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
+    from transformers import TrainerCallback
 
-    from megatron_dapo.algorithms import soft_overlong_penalty  # noqa: PLC0415
-    from megatron_dapo.config import load_config  # noqa: PLC0415
-    from megatron_dapo.data import PromptDataset  # noqa: PLC0415
-    from megatron_dapo.data import PromptIterator  # noqa: PLC0415
-    from megatron_dapo.data.dataset import prompt_token_ids  # noqa: PLC0415
-    from megatron_dapo.reward import Verifier  # noqa: PLC0415
+    from megatron_dapo.algorithms import soft_overlong_penalty
+    from megatron_dapo.config import load_config
+    from megatron_dapo.data import PromptDataset
+    from megatron_dapo.data import PromptIterator
+    from megatron_dapo.data.dataset import prompt_token_ids
+    from megatron_dapo.reward import Verifier
 
     if trl.__version__ != TRL_VERSION:
         print(f"compare_trl: trl {trl.__version__} installed, the comparison is pinned to {TRL_VERSION}", flush=True)
@@ -204,7 +204,7 @@ def trl_arm(out: Path, steps: int, seed: int, threads: int, extra: list[str]) ->
 
     state = {"generate": 0.0, "logprobs": 0.0, "tokens": 0, "acc": [], "reward": []}
 
-    def reward(completions, completion_ids, ground_truth, **_):  # noqa: ANN001, ANN202
+    def reward(completions, completion_ids, ground_truth, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         scores = [verifier(text, truth) for text, truth in zip(texts, ground_truth, strict=True)]
         lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.int64)
@@ -225,14 +225,14 @@ def trl_arm(out: Path, steps: int, seed: int, threads: int, extra: list[str]) ->
     reward.__name__ = "dapo_answer_line"
 
     class TimedGRPOTrainer(trl.GRPOTrainer):
-        def _generate_single_turn(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def _generate_single_turn(self, *args, **kwargs):
             start = time.perf_counter()
             try:
                 return super()._generate_single_turn(*args, **kwargs)
             finally:
                 state["generate"] += time.perf_counter() - start
 
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
             if torch.is_grad_enabled():
                 return super()._get_per_token_logps_and_entropies(*args, **kwargs)
             start = time.perf_counter()
@@ -249,14 +249,14 @@ def trl_arm(out: Path, steps: int, seed: int, threads: int, extra: list[str]) ->
             self.losses: list[dict] = []
             self.lrs: list[float] = []
 
-        def on_step_begin(self, args, state_, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        def on_step_begin(self, args, state_, control, **kwargs):
             self.lrs.append(optimizer.param_groups[0]["lr"])  # the rate this optimizer step uses
 
-        def on_log(self, args, state_, control, logs=None, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        def on_log(self, args, state_, control, logs=None, **kwargs):
             if logs:
                 self.losses.append(dict(logs))
 
-        def on_step_end(self, args, state_, control, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        def on_step_end(self, args, state_, control, **kwargs):
             if state_.global_step % updates_per_step:
                 return
             now = time.perf_counter()

@@ -94,10 +94,10 @@ def overlay_plots(
 ) -> list[Path]:
     """One PNG per curve (name -> (metric key, title)) with every arm's per-step values overlaid; returns the paths
     written (a curve no arm logged is skipped)."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     img.mkdir(parents=True, exist_ok=True)
     written = []
@@ -130,10 +130,10 @@ def heldout(rows: list[dict]) -> dict[str, object]:
     return {"heldout_key": key, "heldout_0": float(first[0][key]) if first else float("nan"), "heldout_n": value}
 
 
-def make_parser(doc: str, arms: Iterable[str], steps: int, out: Path, img: bool = True):  # noqa: ANN201
+def make_parser(doc: str, arms: Iterable[str], steps: int, out: Path, img: bool = True):
     """The experiment tools' command line: `run` (--steps, --seed, --arms, --dry-run) and `report` (--img when the
     tool draws plots), both with --out. Returns (parser, subparsers) so a tool can add its own commands."""
-    import argparse  # noqa: PLC0415
+    import argparse
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,7 +150,7 @@ def make_parser(doc: str, arms: Iterable[str], steps: int, out: Path, img: bool 
     return parser, sub
 
 
-def parse_with_overrides(parser, argv: list[str] | None):  # noqa: ANN001, ANN201
+def parse_with_overrides(parser, argv: list[str] | None):
     """parser.parse_args on the arguments before "--"; what follows "--" (config overrides for every arm, e.g. a
     smaller job for a smoke test) becomes args.extra."""
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -28,13 +28,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
 
-    from megatron_dapo.algorithms.rollout_correction import rollout_correction  # noqa: PLC0415
-    from megatron_dapo.rollout import SamplingParams  # noqa: PLC0415
-    from megatron_dapo.rollout import TransformersEngine  # noqa: PLC0415
-    from megatron_dapo.rollout import WeightSync  # noqa: PLC0415
+    from megatron_dapo.algorithms.rollout_correction import rollout_correction
+    from megatron_dapo.rollout import SamplingParams
+    from megatron_dapo.rollout import TransformersEngine
+    from megatron_dapo.rollout import WeightSync
 
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(args.model_dir)

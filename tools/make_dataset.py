@@ -17,11 +17,11 @@ from pathlib import Path
 # Runs from a checkout without `pip install -e .` too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dapo.data.files import FORMATS  # noqa: E402
-from megatron_dapo.data.generate import make_dataset  # noqa: E402
-from megatron_dapo.data.reasoning_gym_tasks import SUPPORTED_TASKS  # noqa: E402
-from megatron_dapo.data.reasoning_gym_tasks import task_config_fields  # noqa: E402
-from megatron_dapo.data.templates import TEMPLATES  # noqa: E402
+from megatron_dapo.data.files import FORMATS
+from megatron_dapo.data.generate import make_dataset
+from megatron_dapo.data.reasoning_gym_tasks import SUPPORTED_TASKS
+from megatron_dapo.data.reasoning_gym_tasks import task_config_fields
+from megatron_dapo.data.templates import TEMPLATES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

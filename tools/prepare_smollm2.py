@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_dapo.hub import default_cache_dir  # noqa: E402
-from megatron_dapo.hub import is_prepared  # noqa: E402
-from megatron_dapo.hub import prepare_smollm2  # noqa: E402
+from megatron_dapo.hub import default_cache_dir
+from megatron_dapo.hub import is_prepared
+from megatron_dapo.hub import prepare_smollm2
 
 
 def main(argv: list[str] | None = None) -> None:

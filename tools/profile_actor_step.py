@@ -45,9 +45,9 @@ CLASSES = ("lm_head", "optimizer", "attention", "linear", "embedding", "other")
 _MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 
 
-def group_batch(groups: int, group_size: int, vocab: int, seed: int = 0):  # noqa: ANN201
+def group_batch(groups: int, group_size: int, vocab: int, seed: int = 0):
     """ActorBatch of `groups` prompt groups x `group_size` rows (see the module docstring)."""
-    from megatron_dapo.batch import ActorBatch  # noqa: PLC0415
+    from megatron_dapo.batch import ActorBatch
 
     gen = torch.Generator().manual_seed(seed)
     rows = groups * group_size
@@ -76,7 +76,7 @@ def group_batch(groups: int, group_size: int, vocab: int, seed: int = 0):  # noq
     )
 
 
-def _classify(event) -> str:  # noqa: ANN001
+def _classify(event) -> str:
     """The class of an op from its enclosing ranges (the profiler's cpu_parent chain), then from its name."""
     if event.name in ("lm_head", "optimizer"):
         return event.name
@@ -102,7 +102,7 @@ def _classify(event) -> str:  # noqa: ANN001
     return "other"
 
 
-def _shares(prof) -> dict[str, float]:  # noqa: ANN001
+def _shares(prof) -> dict[str, float]:
     """Self CPU seconds per class over every profiled event (self times add up to the profiled total; a range's
     or autograd node's own self time is its Python / dispatch overhead)."""
     out: dict[str, float] = defaultdict(float)
@@ -111,9 +111,9 @@ def _shares(prof) -> dict[str, float]:  # noqa: ANN001
     return {k: out.get(k, 0.0) for k in CLASSES}
 
 
-def _arm(actor, batch, shared: bool) -> dict:  # noqa: ANN001
-    from megatron_dapo.actor.packing import prompt_lengths  # noqa: PLC0415
-    from megatron_dapo.actor.packing import sequence_lengths  # noqa: PLC0415
+def _arm(actor, batch, shared: bool) -> dict:
+    from megatron_dapo.actor.packing import prompt_lengths
+    from megatron_dapo.actor.packing import sequence_lengths
 
     actor.config.actor.shared_prefix = shared
     actor.pop_token_stats()
@@ -159,9 +159,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # CPU dispatch, as the main job runs
     torch.set_num_threads(args.threads)
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.config import load_config  # noqa: PLC0415
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.config import load_config
 
     groups = init_distributed(1, 1)
     overrides = [f"--actor.model_path={args.model}", "--actor.pipeline_parallel=1"]

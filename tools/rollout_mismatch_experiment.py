@@ -24,17 +24,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experiment_arms import ROOT  # noqa: E402
-from experiment_arms import heldout  # noqa: E402
-from experiment_arms import main_job_command  # noqa: E402
-from experiment_arms import make_parser  # noqa: E402
-from experiment_arms import mean  # noqa: E402
-from experiment_arms import overlay_plots  # noqa: E402
-from experiment_arms import parse_with_overrides  # noqa: E402
-from experiment_arms import print_report  # noqa: E402
-from experiment_arms import read_metrics  # noqa: E402
-from experiment_arms import run_arms  # noqa: E402
-from experiment_arms import train_rows  # noqa: E402
+from experiment_arms import ROOT
+from experiment_arms import heldout
+from experiment_arms import main_job_command
+from experiment_arms import make_parser
+from experiment_arms import mean
+from experiment_arms import overlay_plots
+from experiment_arms import parse_with_overrides
+from experiment_arms import print_report
+from experiment_arms import read_metrics
+from experiment_arms import run_arms
+from experiment_arms import train_rows
 
 ARMS: dict[str, tuple[str, ...]] = {
     "fp32": ("--rollout.weight_dtype=auto", "--algorithm.rollout_correction=none"),

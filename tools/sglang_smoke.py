@@ -37,30 +37,30 @@ def _skip_reason() -> str:
                 return f"{name} is not installed"
         except ModuleNotFoundError:
             return f"{name} is not installed"
-    import torch  # noqa: PLC0415
+    import torch
 
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
-        import sglang  # noqa: F401, PLC0415
-    except Exception as err:  # noqa: BLE001 -- any import failure (missing kernels, CUDA mismatch) means: skip
+        import sglang  # noqa: F401
+    except Exception as err:  # any import failure (missing kernels, CUDA mismatch) means: skip
         return f"sglang does not import: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
     return ""
 
 
-def _instrument(trainer, rows: list[dict]) -> None:  # noqa: ANN001
+def _instrument(trainer, rows: list[dict]) -> None:
     """Record device memory after every action of trainer.memory (instance attributes shadow the methods)."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from megatron_dapo.memory import PHASES  # noqa: PLC0415
-    from megatron_dapo.memory import STEP_SEQUENCE  # noqa: PLC0415
+    from megatron_dapo.memory import PHASES
+    from megatron_dapo.memory import STEP_SEQUENCE
 
     mem = trainer.memory
     cuda = torch.cuda.is_available()
     for name in {*STEP_SEQUENCE, "start", "finish"} - set(PHASES):
         original = getattr(mem, name)
 
-        def wrapped(original=original, name=name) -> None:  # noqa: ANN001
+        def wrapped(original=original, name=name) -> None:
             peak = torch.cuda.max_memory_allocated() / GiB if cuda else 0.0
             original()
             row = {"step": trainer.step, "action": name}
@@ -78,7 +78,7 @@ def _instrument(trainer, rows: list[dict]) -> None:  # noqa: ANN001
 
 
 def _checks(rows: list[dict], metrics: list[dict], trace: list[str], run_dir: Path, fp8: bool) -> dict[str, bool]:
-    from megatron_dapo.memory import STEP_SEQUENCE  # noqa: PLC0415
+    from megatron_dapo.memory import STEP_SEQUENCE
 
     steps = [m for m in metrics if m.get("step", 0) >= 1]
     by: dict[tuple[int, str], dict] = {}
@@ -121,10 +121,10 @@ def main() -> int:
     if reason:
         print(f"SKIP sglang smoke: {reason}", flush=True)
         return 0
-    from megatron_dapo.config import load_config  # noqa: PLC0415
-    from megatron_dapo.tiny import make_tiny_model  # noqa: PLC0415
-    from megatron_dapo.tiny import make_tiny_run  # noqa: PLC0415
-    from megatron_dapo.trainer import DAPOTrainer  # noqa: PLC0415
+    from megatron_dapo.config import load_config
+    from megatron_dapo.tiny import make_tiny_model
+    from megatron_dapo.tiny import make_tiny_run
+    from megatron_dapo.trainer import DAPOTrainer
 
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)

@@ -56,7 +56,7 @@ def default_model_dir() -> Path:
 
 def encode_prompts(model_dir: Path, n: int) -> tuple[list[list[int]], int]:
     """Chat-templated prompt ids [n][len] and the EOS id."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = []
@@ -70,7 +70,7 @@ def encode_prompts(model_dir: Path, n: int) -> tuple[list[list[int]], int]:
 
 def load_named_tensors(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors (HF names, fp32), as the actor's export yields them (tied duplicates dropped)."""
-    from safetensors.torch import load_file  # noqa: PLC0415
+    from safetensors.torch import load_file
 
     tensors = load_file(str(model_dir / "model.safetensors"))
     return [(n, t.float()) for n, t in tensors.items()]
@@ -90,7 +90,7 @@ class Reference:
     """transformers fp32 on given weights: teacher-forced log-probs of responses (the actor's computation)."""
 
     def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM  # noqa: PLC0415
+        from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
@@ -148,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    import vllm  # noqa: PLC0415
+    import vllm
 
-    from megatron_dapo.rollout.base import SamplingParams  # noqa: PLC0415
-    from megatron_dapo.rollout.types import FinishReason  # noqa: PLC0415
-    from megatron_dapo.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415
-    from megatron_dapo.rollout.weight_sync import WeightSync  # noqa: PLC0415
+    from megatron_dapo.rollout.base import SamplingParams
+    from megatron_dapo.rollout.types import FinishReason
+    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+    from megatron_dapo.rollout.weight_sync import WeightSync
 
     results: dict[str, object] = {
         "vllm": vllm.__version__,
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     if args.weights is not None:
-        from safetensors.torch import load_file  # noqa: PLC0415
+        from safetensors.torch import load_file
 
         new = [(n, t.float()) for n, t in load_file(str(args.weights)).items()]
         results["weights"] = str(args.weights)

@@ -128,10 +128,10 @@ class MegatronActor:
     """
 
     def __init__(self, config: RunConfig, groups: ParallelGroups, hf_dir: str | None = None) -> None:
-        from transformers import AutoConfig  # noqa: PLC0415
+        from transformers import AutoConfig
 
-        from megatron_dapo.actor.model import build_gpt_model  # noqa: PLC0415
-        from megatron_dapo.actor.model import check_shared_prefix  # noqa: PLC0415
+        from megatron_dapo.actor.model import build_gpt_model
+        from megatron_dapo.actor.model import check_shared_prefix
 
         self.config = config
         self.groups = groups
@@ -161,7 +161,7 @@ class MegatronActor:
             post_process=groups.is_last_stage,
         )
         if hf_dir is not None:
-            from megatron_dapo.actor import hf_weights  # noqa: PLC0415
+            from megatron_dapo.actor import hf_weights
 
             hf_weights.load_hf_into_model([model], hf_dir, self.hf_config, groups)
         self.tf_config = model.config
@@ -702,7 +702,7 @@ class MegatronActor:
         HF config's dtype; see `actor.hf_weights.export_hf_weights`. Collective: EVERY rank must iterate it to the
         end (TP gathers and PP broadcasts inside). dst_rank None: every rank receives every tensor; dst_rank = r:
         only rank r does (the others only send their shards and yield nothing)."""
-        from megatron_dapo.actor import hf_weights  # noqa: PLC0415
+        from megatron_dapo.actor import hf_weights
 
         self._require_resident("export_hf_weights", ("params",))
         return hf_weights.export_hf_weights(

@@ -50,7 +50,7 @@ def _shield(parent_pid: int) -> None:
 
 
 def _megatron_writer_module() -> Any:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: PLC0415
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     return filesystem_async
 

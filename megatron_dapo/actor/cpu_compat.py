@@ -137,7 +137,7 @@ _CUDA_TYPE_NAMES = {
 class _CudaToCpuMode(TorchFunctionMode):
     """Maps device "cuda" to the CPU and makes CPU tensors report `torch.cuda.*Tensor` types (cold paths only)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = _map_device(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]

@@ -130,7 +130,7 @@ def init_distributed(
     Returns:
         ParallelGroups for this rank.
     """
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps
 
     if tensor_parallel < 1 or pipeline_parallel < 1:
         raise ValueError(
@@ -158,7 +158,7 @@ def init_distributed(
     else:
         device = torch.device("cpu")
         if not use_cuda:
-            from megatron_dapo.actor.cpu_compat import apply_cpu_compat  # noqa: PLC0415
+            from megatron_dapo.actor.cpu_compat import apply_cpu_compat
 
             apply_cpu_compat()
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -173,7 +173,7 @@ def init_distributed(
         pipeline_model_parallel_size=pipeline_parallel,
         distributed_timeout_minutes=timeout_s / 60.0,  # timedelta(minutes=...): fractions are kept
     )
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(seed)
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -202,7 +202,7 @@ def init_distributed(
 
 def destroy_distributed() -> None:
     """Tear down megatron parallel_state and the default process group (safe to call twice)."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

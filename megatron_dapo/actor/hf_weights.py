@@ -248,7 +248,7 @@ class _SafetensorsDir:
     """Tensors of an HF checkpoint directory (model.safetensors or a sharded index), read on demand."""
 
     def __init__(self, hf_dir: str | Path) -> None:
-        from safetensors import safe_open  # noqa: PLC0415
+        from safetensors import safe_open
 
         self._open = safe_open
         self.dir = Path(hf_dir)
@@ -259,7 +259,7 @@ class _SafetensorsDir:
             self.source = index
         elif single.exists():
             with safe_open(str(single), "pt") as f:
-                self.where = {k: single for k in f.keys()}  # noqa: SIM118
+                self.where = {k: single for k in f.keys()}
             self.source = single
         else:
             raise FileNotFoundError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")

@@ -57,7 +57,6 @@ __all__ = [
 LogProbFn = Callable[..., tuple[Tensor, Tensor]]
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # the log-prob implementation registry (actor.logprob_impl)
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,21 +117,21 @@ def get_logprob_fn(impl: str = "fused") -> LogProbFn:
 # The ops are imported at call time: config validation reads this registry without importing Triton.
 @register_logprob_impl("reference")
 def _reference(logits: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
-    from megatron_dapo.ops.reference import logprobs_and_entropy_chunked  # noqa: PLC0415
+    from megatron_dapo.ops.reference import logprobs_and_entropy_chunked
 
     return logprobs_and_entropy_chunked(logits, labels, **kwargs)
 
 
 @register_logprob_impl("fused", fused_loss=True)
 def _fused(logits: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
-    from megatron_dapo.ops import logprobs_and_entropy  # noqa: PLC0415
+    from megatron_dapo.ops import logprobs_and_entropy
 
     return logprobs_and_entropy(logits, labels, **kwargs)
 
 
 @register_logprob_impl("fused_linear", takes_hidden=True, fused_loss=True)
 def _fused_linear(hidden: Tensor, weight: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
-    from megatron_dapo.ops import linear_logprobs_and_entropy  # noqa: PLC0415
+    from megatron_dapo.ops import linear_logprobs_and_entropy
 
     return linear_logprobs_and_entropy(hidden, weight, labels, **kwargs)
 
@@ -298,9 +297,7 @@ def local_loss_denominator(loss_mask: Tensor, loss_agg_mode: str = "token-mean")
     """
     mask = loss_mask.to(torch.float32)
     if loss_agg_mode not in LOSS_DENOMINATOR_UNIT:
-        raise ValueError(
-            f"loss.loss_agg_mode: unknown {loss_agg_mode!r}; choose one of {list(LOSS_DENOMINATOR_UNIT)}"
-        )
+        raise ValueError(f"loss.loss_agg_mode: unknown {loss_agg_mode!r}; choose one of {list(LOSS_DENOMINATOR_UNIT)}")
     if LOSS_DENOMINATOR_UNIT[loss_agg_mode] == "sequences":
         return (mask.sum(dim=-1) > 0).to(torch.float32).sum()
     return mask.sum()

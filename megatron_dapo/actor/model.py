@@ -106,8 +106,8 @@ def _rope_params(hf_config: Any) -> dict[str, Any]:
 
 def _have_te() -> bool:
     try:
-        from megatron.core.extensions import transformer_engine  # noqa: F401, PLC0415
-    except Exception:  # noqa: BLE001  (TE missing or broken: fall back to the local spec)
+        from megatron.core.extensions import transformer_engine
+    except Exception:  # TE missing or broken: fall back to the local spec
         return False
     return bool(getattr(transformer_engine, "HAVE_TE", True))
 
@@ -170,7 +170,7 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
 
     On CPU the dtype is fp32 whatever actor_config.dtype says, and every fusion that needs CUDA/TE is off.
     """
-    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
+    from megatron.core.transformer import TransformerConfig
 
     arch = model_arch(hf_config)
     tp, pp = actor_config.tensor_parallel, actor_config.pipeline_parallel
@@ -234,7 +234,7 @@ def hidden_output_gpt_class() -> type:
     the output layer (or the tied copy of the embedding on the last stage under PP) keeps existing, is saved, loaded
     and exported, and megatron's finalize_model_grads still all-reduces the tied embedding gradient between the first
     and last stage. Multi-token prediction (unused here) is not supported with return_hidden."""
-    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+    from megatron.core.models.gpt import GPTModel
 
     class HiddenOutputGPTModel(GPTModel):
         return_hidden: bool = False
@@ -282,7 +282,7 @@ def varlen_attention_class() -> type:
     sequence, grouped-query heads repeated); with an attention_mask [1, 1, S, S] and no packed_seq_params (one BSHD
     row of actor.shared_prefix) it runs `masked_block_attention`; with neither, it is DotProductAttention unchanged.
     A small reference path for CPU and debugging: on GPU the Transformer Engine spec is used instead."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: PLC0415
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class VarlenDotProductAttention(DotProductAttention):
         def forward(
@@ -408,12 +408,12 @@ def build_gpt_model(
     [B, S, V_padded / tp] (vocab-parallel), in the compute dtype; with `model.return_hidden = True` the last stage
     returns hidden states instead (see `hidden_output_gpt_class`).
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     on_cpu = groups.device.type == "cpu"
     config = to_transformer_config(hf_config, actor_config, on_cpu=on_cpu)
     if use_transformer_engine(actor_config, on_cpu=on_cpu):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa: PLC0415
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
     else:
@@ -446,7 +446,7 @@ def forward_logits(
     Returns [B, S, V] fp32 logits gathered over tp_group on last-stage ranks (V = vocab_size when given, which
     strips the vocab padding, else the padded vocabulary), None on other stages.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     tokens = tokens.to(groups.device)
     b, s = tokens.shape

@@ -94,9 +94,9 @@ class ActorOffloader:
                 if t.device != self.device:
                     continue
                 s = t.untyped_storage()
-                if s._cdata in seen:  # noqa: SLF001 -- the storage's identity (one StorageImpl, many wrappers)
+                if s._cdata in seen:  # the storage's identity (one StorageImpl, many wrappers)
                     continue
-                seen.add(s._cdata)  # noqa: SLF001
+                seen.add(s._cdata)
                 out[part].append(s)
         return out
 
@@ -122,7 +122,7 @@ class ActorOffloader:
         moved = 0
         for part in todo:
             storages = [s for s in current[part] if s.nbytes() > 0]
-            key = tuple((s._cdata, s.nbytes()) for s in storages)  # noqa: SLF001
+            key = tuple((s._cdata, s.nbytes()) for s in storages)
             buf = self._host.get(part)
             if buf is None or buf.key != key:  # first offload, or the state changed (e.g. a checkpoint load)
                 if buf is not None:

@@ -200,7 +200,7 @@ class _PackedRow:
         """T, the packed length (real tokens plus the alignment pad)."""
         return int(self.tokens.shape[1])
 
-    def to(self, device: torch.device | str):  # noqa: ANN201
+    def to(self, device: torch.device | str):
         """A copy with every tensor field on `device` (other fields unchanged)."""
         moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return dataclasses.replace(self, **{k: v.to(device) for k, v in moved.items() if isinstance(v, Tensor)})

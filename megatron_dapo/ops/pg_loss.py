@@ -357,7 +357,7 @@ class FusedSurrogateFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, old_logp, advantages, mask, layout, num_tokens, backend):
         if backend == "cuda":
-            from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
+            from megatron_dapo.ops import _cuda_twins
 
             totals = _cuda_twins.pg_loss_totals(logp, old_logp, advantages, mask, *layout.cuda_args())
         else:
@@ -373,7 +373,7 @@ class FusedSurrogateFunction(torch.autograd.Function):
         logp, old_logp, advantages, mask, inv_denom = ctx.saved_tensors
         layout, backend = ctx.params
         if backend == "cuda":
-            from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
+            from megatron_dapo.ops import _cuda_twins
 
             grad = _cuda_twins.pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, *layout.cuda_args())
         else:
@@ -497,7 +497,7 @@ def fused_surrogate_loss(
         mask = mask.contiguous().view(torch.uint8)
     logp, old_logp, mask = logp.contiguous(), old_logp.detach().contiguous(), mask.contiguous()
     if spec.kind == "gspo" and chosen == "cuda":
-        from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
+        from megatron_dapo.ops import _cuda_twins
 
         seq_lr = _cuda_twins.seq_log_ratio(logp.detach(), old_logp, mask, starts)
     elif spec.kind == "gspo":

@@ -499,7 +499,7 @@ def _whole(text: str) -> str:
     return f"${text.removesuffix('.')}$"
 
 
-def _math_verify_equal(mv, answer: str, ground_truth: str) -> bool:  # noqa: ANN001
+def _math_verify_equal(mv, answer: str, ground_truth: str) -> bool:
     """math-verify's verdict, without its own time limits (the worker is killed instead); runs in the worker."""
     try:
         gold = mv.parse(_whole(ground_truth), parsing_timeout=None)
@@ -515,7 +515,7 @@ def _serve(parent_pid: int) -> None:
     os.dup2(2, 1)  # whatever math-verify or sympy prints goes to stderr, never into the replies
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     try:
-        import ctypes  # noqa: PLC0415
+        import ctypes
 
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the poll below
@@ -525,7 +525,7 @@ def _serve(parent_pid: int) -> None:
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # per-call warnings: "Timeout is disabled", parse errors
     try:
-        import math_verify  # noqa: PLC0415
+        import math_verify
     except ImportError:
         print("missing", file=replies)
         return

@@ -59,7 +59,7 @@ def make_engine(
     device = device or ("cuda" if cuda else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if rollout.engine == "transformers":
-        from megatron_dapo.rollout.transformers_engine import TransformersEngine  # noqa: PLC0415
+        from megatron_dapo.rollout.transformers_engine import TransformersEngine
 
         return TransformersEngine(
             model_path,
@@ -69,9 +69,9 @@ def make_engine(
             max_context=max_context,
         )
     if rollout.engine == "sglang" and rollout.mode == "server":
-        from megatron_dapo.rollout.launch_env import num_nodes  # noqa: PLC0415
-        from megatron_dapo.rollout.launch_env import weight_sync_master_address  # noqa: PLC0415
-        from megatron_dapo.rollout.sglang_engine import SGLangServerEngine  # noqa: PLC0415
+        from megatron_dapo.rollout.launch_env import num_nodes
+        from megatron_dapo.rollout.launch_env import weight_sync_master_address
+        from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
 
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -84,7 +84,7 @@ def make_engine(
             max_running_requests=rollout.max_running_requests,
         )
     if rollout.engine == "sglang":
-        from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: PLC0415
+        from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine(
             model_path,
@@ -101,7 +101,7 @@ def make_engine(
     if rollout.engine == "vllm":
         if rollout.mode == "server":
             raise ValueError('rollout.mode: "server" is implemented for engine "sglang" only')
-        from megatron_dapo.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415
+        from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(
             model_path,
@@ -127,7 +127,7 @@ def weight_update_target(rollout: RolloutConfig, engine: RolloutEngine | None, r
     worker i reads its bucket from the GPU it shares with actor rank r + i. Collective in that case (it creates one
     gloo group per engine): call it on every rank, after the engines are built."""
     if rollout.engine == "sglang" and rollout.mode == "colocated" and rollout.tensor_parallel > 1:
-        from megatron_dapo.rollout.sglang_engine import colocated_weight_update  # noqa: PLC0415
+        from megatron_dapo.rollout.sglang_engine import colocated_weight_update
 
         return colocated_weight_update(engine, rank, world_size, rollout.tensor_parallel)
     return engine

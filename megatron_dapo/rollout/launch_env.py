@@ -102,7 +102,7 @@ def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: 
     TORCHELASTIC_USE_AGENT_STORE and never touches os.environ (HTTP threads run beside it).
     Returns a torch.distributed.TCPStore.
     """
-    from torch.distributed import TCPStore  # noqa: PLC0415
+    from torch.distributed import TCPStore
 
     if not 0 < port < 2**16:
         raise ValueError(f"rendezvous_store: port must be in 1..65535, got {port}")

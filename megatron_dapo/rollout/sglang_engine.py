@@ -352,7 +352,7 @@ class ColocatedWeightUpdate:
 
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
         """Hand this rank's copy of `bucket` to the TP worker on its GPU (collective over the group)."""
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         payloads, flats = local_ipc_payloads(bucket, self._metadata_cls, self._serialize)
         if self.group is None:
@@ -375,10 +375,10 @@ class ColocatedWeightUpdate:
 def colocated_weight_update(engine: Any, rank: int, world_size: int, tensor_parallel: int) -> ColocatedWeightUpdate:
     """The ColocatedWeightUpdate of this rank: builds one gloo group per engine (ranks r .. r+t-1 for every
     r % t == 0; collective: every rank must call it, in the same order) and returns this rank's."""
-    import torch.distributed as dist  # noqa: PLC0415
-    from sglang.srt.utils.common import MultiprocessingSerializer  # noqa: PLC0415
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # noqa: PLC0415
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata  # noqa: PLC0415
+    import torch.distributed as dist
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
     t = tensor_parallel
     mine = None
@@ -429,10 +429,10 @@ class SGLangEngine(EngineStream):
         max_running_requests: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        import sglang  # noqa: PLC0415
-        from sglang.srt.utils.common import MultiprocessingSerializer  # noqa: PLC0415
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # noqa: PLC0415
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata  # noqa: PLC0415
+        import sglang
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
         args = {
             "model_path": model_path,
@@ -452,9 +452,9 @@ class SGLangEngine(EngineStream):
             # Block-FP8 linear layers (weight float8_e4m3fn + weight_scale_inv per 128x128 block) need the served
             # config to carry this quantization_config; the bf16 checkpoint cannot fill FP8 parameters, so the engine
             # starts from dummy weights and the trainer syncs before the first rollout (rollout/fp8.py).
-            import json  # noqa: PLC0415
+            import json
 
-            from megatron_dapo.rollout.fp8 import SGLANG_FP8_QUANTIZATION_CONFIG  # noqa: PLC0415
+            from megatron_dapo.rollout.fp8 import SGLANG_FP8_QUANTIZATION_CONFIG
 
             args["json_model_override_args"] = json.dumps({"quantization_config": SGLANG_FP8_QUANTIZATION_CONFIG})
             args["load_format"] = "dummy"
@@ -571,15 +571,15 @@ def init_weight_update_group(
     TORCHELASTIC_USE_AGENT_STORE=True and makes rank 0 a client of a store nobody hosts.
     Works with backend "gloo" on CPU (tested, also under torchrun); "nccl" needs GPUs.
     """
-    import torch.distributed as dist  # noqa: PLC0415
-    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     store = rendezvous_store(master_address, master_port, rank, world_size, timeout)
     store = dist.PrefixStore(group_name, store)
-    pg, _ = c10d._new_process_group_helper(  # noqa: SLF001 -- same constructor SGLang's receiver uses
+    pg, _ = c10d._new_process_group_helper(  # same constructor SGLang's receiver uses
         world_size, rank, [], dist.Backend(backend), store, group_name=group_name, timeout=timeout
     )
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # noqa: SLF001
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
@@ -709,7 +709,7 @@ class SGLangServerEngine(ServerStream):
 
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
         """Announce the bucket to every server over HTTP, then broadcast each tensor from rank 0 (NCCL)."""
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         body = {
             "names": [n for n, _ in bucket],
@@ -740,7 +740,7 @@ class SGLangServerEngine(ServerStream):
     def shutdown(self) -> None:
         """Destroy the update group; the servers keep running."""
         if self._group is not None:
-            import torch.distributed as dist  # noqa: PLC0415
+            import torch.distributed as dist
 
             dist.destroy_process_group(self._group)
             self._group = None

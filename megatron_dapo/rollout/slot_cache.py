@@ -64,9 +64,9 @@ def grouped_attention(
 
 def register_attention() -> None:
     """Register `grouped_attention` (and the eager causal mask for it) with transformers; idempotent."""
-    from transformers import AttentionInterface  # noqa: PLC0415
-    from transformers.masking_utils import AttentionMaskInterface  # noqa: PLC0415
-    from transformers.masking_utils import eager_mask  # noqa: PLC0415
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
 
     AttentionInterface.register(ATTENTION_NAME, grouped_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)

@@ -103,8 +103,8 @@ def job_store(rank: int, world_size: int, exchange: Any, timeout_s: float) -> di
     """
     if world_size == 1:
         return dist.HashStore()
-    from megatron_dapo.rollout.launch_env import local_address  # noqa: PLC0415
-    from megatron_dapo.rollout.launch_env import num_nodes  # noqa: PLC0415
+    from megatron_dapo.rollout.launch_env import local_address
+    from megatron_dapo.rollout.launch_env import num_nodes
 
     timeout = timedelta(seconds=timeout_s)
     store = None
@@ -144,7 +144,7 @@ class PeerWatch:
         while True:
             try:
                 client.add(key, 1)
-            except Exception:  # noqa: BLE001  the store is gone: the job is ending
+            except Exception:  # the store is gone: the job is ending
                 return
             time.sleep(HEARTBEAT_S)
 

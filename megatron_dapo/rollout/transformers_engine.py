@@ -91,9 +91,7 @@ def _check_full_attention(config: Any) -> None:
     """The slot cache applies one causal mask to every layer: refuse sliding-window layers."""
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"} or getattr(config, "use_sliding_window", False):
-        raise ValueError(
-            f"TransformersEngine: layer types {sorted(kinds)}: only full-attention models are supported"
-        )
+        raise ValueError(f"TransformersEngine: layer types {sorted(kinds)}: only full-attention models are supported")
 
 
 class TransformersEngine:
@@ -123,7 +121,7 @@ class TransformersEngine:
         max_context: int | None = None,
     ) -> None:
         if isinstance(model, (str, Path)):
-            from transformers import AutoModelForCausalLM  # noqa: PLC0415
+            from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
         if max_running < 1:
@@ -261,14 +259,18 @@ class TransformersEngine:
             return hit
         n = len(key)
         cache = PrefillCache(self.model.config.num_hidden_layers)
-        logits = self.model(
-            input_ids=torch.tensor([key], device=self.device),
-            attention_mask=causal_mask(n, self.model.dtype, self.device),
-            position_ids=torch.arange(n, device=self.device)[None],
-            use_cache=True,
-            **{self._cache_arg: cache},
-            **self._prefill_kwargs,
-        ).logits[0, -1].float()
+        logits = (
+            self.model(
+                input_ids=torch.tensor([key], device=self.device),
+                attention_mask=causal_mask(n, self.model.dtype, self.device),
+                position_ids=torch.arange(n, device=self.device)[None],
+                use_cache=True,
+                **{self._cache_arg: cache},
+                **self._prefill_kwargs,
+            )
+            .logits[0, -1]
+            .float()
+        )
         out = ([k[0] for k in cache.keys], [v[0] for v in cache.values], logits)
         self._prefills[key] = out
         return out
@@ -305,13 +307,17 @@ class TransformersEngine:
         ids[:n, 0] = torch.tensor([row.tokens[-1] for row in self._live], device=self.device)
         positions[:n] = torch.tensor([row.position for row in self._live], device=self.device)
         cache.bind_decode(m, positions)
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=cache.decode_mask(m, positions, self.model.dtype),
-            position_ids=positions[:, None],
-            use_cache=True,
-            **{self._cache_arg: cache},
-        ).logits[:n, -1].float()
+        logits = (
+            self.model(
+                input_ids=ids,
+                attention_mask=cache.decode_mask(m, positions, self.model.dtype),
+                position_ids=positions[:, None],
+                use_cache=True,
+                **{self._cache_arg: cache},
+            )
+            .logits[:n, -1]
+            .float()
+        )
         for row in self._live:
             row.position += 1
         self._take_tokens(list(self._live), logits, list(range(n)), finished)
@@ -380,7 +386,7 @@ class TransformersEngine:
         whatever order or bucket.
         Raises WeightUpdateError naming the tensor on an unknown name or a shape mismatch.
         """
-        from megatron_dapo.rollout.fp8 import SCALE_SUFFIX  # noqa: PLC0415
+        from megatron_dapo.rollout.fp8 import SCALE_SUFFIX
 
         cls = type(self.model).__name__
         for name, tensor in bucket:
@@ -408,7 +414,7 @@ class TransformersEngine:
 
     def _fp8_part(self, name: str, part: str, tensor: Tensor) -> None:
         """Hold one half of an FP8 weight (q or scale_inv); dequantize into the parameter when both are here."""
-        from megatron_dapo.rollout.fp8 import dequantize_block_fp8  # noqa: PLC0415
+        from megatron_dapo.rollout.fp8 import dequantize_block_fp8
 
         pending = self._fp8_pending.setdefault(name, {})
         pending[part] = tensor
@@ -448,7 +454,7 @@ class TransformersEngine:
     # ------------------------------------------------------------------ memory
 
     def release_memory(self, tags: Sequence[str]) -> None:
-        """"kv_cache" frees the KV slots (no request may be in flight; they are reallocated by the next submit). On
+        """ "kv_cache" frees the KV slots (no request may be in flight; they are reallocated by the next submit). On
         CUDA, "weights" moves the model to host memory (its closest equivalent); nothing else ("cuda_graph": none)."""
         if "kv_cache" in tags and self._cache is not None:
             if self.num_unfinished():

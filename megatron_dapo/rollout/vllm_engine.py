@@ -84,7 +84,7 @@ def reload_from_safetensors(worker: Any, files: Sequence[str]) -> int:
     prepacking, and shards for vLLM's TP); files: paths of (hf_name -> full tensor) files, read lazily one tensor
     at a time. Returns the number of tensors streamed.
     """
-    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors import safe_open
 
     count = 0
 
@@ -92,7 +92,7 @@ def reload_from_safetensors(worker: Any, files: Sequence[str]) -> int:
         nonlocal count
         for file in files:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                for name in f.keys():  # safe_open is not a mapping
                     count += 1
                     yield name, f.get_tensor(name)
 
@@ -152,7 +152,7 @@ class VLLMEngine(BlockingStream):
         llm_kwargs: dict[str, Any] | None = None,
     ) -> None:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        import vllm  # noqa: PLC0415
+        import vllm
 
         kwargs = {
             "model": model_path,
@@ -226,7 +226,7 @@ class VLLMEngine(BlockingStream):
         on a name that is not in the checkpoint or a shape that differs from it (vLLM itself would fail later, on
         its workers, with an assertion that does not say which tensor).
         """
-        from safetensors.torch import save_file  # noqa: PLC0415
+        from safetensors.torch import save_file
 
         if self._stage_dir is None:
             raise WeightUpdateError("update_weights: no update session is open (call begin_weight_update)")

@@ -59,7 +59,7 @@ class WeightSync:
     """
 
     def __init__(self, engine: RolloutEngine | None, bucket_bytes: int = 512 * MiB, weight_dtype: str = "auto") -> None:
-        from megatron_dapo.rollout.fp8 import WEIGHT_DTYPES  # noqa: PLC0415
+        from megatron_dapo.rollout.fp8 import WEIGHT_DTYPES
 
         if bucket_bytes < 1:
             raise ValueError(f"WeightSync.bucket_bytes: must be >= 1, got {bucket_bytes}")
@@ -86,7 +86,7 @@ class WeightSync:
         num_tensors = 0
         engine = self.engine
         if self.weight_dtype == "fp8":
-            from megatron_dapo.rollout.fp8 import quantize_named_tensors  # noqa: PLC0415
+            from megatron_dapo.rollout.fp8 import quantize_named_tensors
 
             # Every rank walks the export (collective); only engine ranks need the quantized tensors.
             named_tensors = quantize_named_tensors(named_tensors) if engine is not None else named_tensors

@@ -22,19 +22,19 @@ MODELS = ("llama", "qwen2")
 
 
 def _compat_state() -> dict[str, Any]:
-    from megatron_dapo.actor import cpu_compat  # noqa: PLC0415
+    from megatron_dapo.actor import cpu_compat
 
     return {"applied": cpu_compat.cpu_compat_applied(), "synchronize": id(torch.cuda.synchronize)}
 
 
 def actor_checks(ckpts: dict[str, str], tokens: torch.Tensor) -> dict[str, Any]:
     """Per-rank results: cpu_compat facts, and per (tp, pp, model) logits / export checks."""
-    import megatron_dapo.actor.distributed  # noqa: F401, PLC0415
-    import megatron_dapo.actor.hf_weights  # noqa: F401, PLC0415
-    import megatron_dapo.actor.model  # noqa: F401, PLC0415
-    from megatron_dapo.actor.cpu_compat import apply_cpu_compat  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import destroy_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
+    import megatron_dapo.actor.distributed
+    import megatron_dapo.actor.hf_weights
+    import megatron_dapo.actor.model  # noqa: F401
+    from megatron_dapo.actor.cpu_compat import apply_cpu_compat
+    from megatron_dapo.actor.distributed import destroy_distributed
+    from megatron_dapo.actor.distributed import init_distributed
 
     world = int(os.environ["WORLD_SIZE"])
     out: dict[str, Any] = {"before_init": _compat_state()}
@@ -53,14 +53,14 @@ def actor_checks(ckpts: dict[str, str], tokens: torch.Tensor) -> dict[str, Any]:
 
 
 def _check_model(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int, pp: int) -> dict[str, Any]:
-    from safetensors.torch import load_file  # noqa: PLC0415
-    from transformers import AutoConfig  # noqa: PLC0415
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
 
-    from megatron_dapo.actor.hf_weights import export_hf_weights  # noqa: PLC0415
-    from megatron_dapo.actor.hf_weights import load_hf_into_model  # noqa: PLC0415
-    from megatron_dapo.actor.model import build_gpt_model  # noqa: PLC0415
-    from megatron_dapo.actor.model import forward_logits  # noqa: PLC0415
-    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
+    from megatron_dapo.actor.hf_weights import export_hf_weights
+    from megatron_dapo.actor.hf_weights import load_hf_into_model
+    from megatron_dapo.actor.model import build_gpt_model
+    from megatron_dapo.actor.model import forward_logits
+    from megatron_dapo.config import ActorConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     actor_cfg = ActorConfig(model_path=str(hf_dir), tensor_parallel=tp, pipeline_parallel=pp, dtype="fp32")
@@ -97,11 +97,11 @@ def _check_model(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int, pp: i
 
 def _recompute_grad_err(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int) -> float:
     """Max abs difference of all grads with and without full activation recompute (exercises the RNG shims)."""
-    from transformers import AutoConfig  # noqa: PLC0415
+    from transformers import AutoConfig
 
-    from megatron_dapo.actor.hf_weights import load_hf_into_model  # noqa: PLC0415
-    from megatron_dapo.actor.model import build_gpt_model  # noqa: PLC0415
-    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
+    from megatron_dapo.actor.hf_weights import load_hf_into_model
+    from megatron_dapo.actor.model import build_gpt_model
+    from megatron_dapo.config import ActorConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     grads = []

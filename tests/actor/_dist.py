@@ -49,7 +49,7 @@ def run_distributed(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: 
     procs, logs = [], []
     for rank in range(nprocs):
         env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-        log = open(work / f"rank{rank}.log", "wb")  # noqa: SIM115
+        log = open(work / f"rank{rank}.log", "wb")
         logs.append(log)
         code = f"import sys; sys.path[:0] = {sys.path!r}; from {__name__} import _worker; _worker({str(work)!r})"
         cmd = [sys.executable, "-c", code]

@@ -65,7 +65,7 @@ def make_tiny_qwen2(path: str | Path, *, seed: int = 1, num_layers: int = 2) -> 
 
 def load_hf(path: str | Path) -> torch.nn.Module:
     """The saved checkpoint as a transformers model (fp32, eval mode, eager attention)."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()

@@ -89,7 +89,7 @@ def _oracle_grads(hf_dir: str, batch: ActorBatch) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _hf_named_grads(actor) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _hf_named_grads(actor) -> dict[str, torch.Tensor]:
     """The DP-reduced gradients in the DDP buffers, exported as full HF-named tensors (weights restored after)."""
     params = [p for chunk in actor.model for p in chunk.parameters()]
     saved = [p.data.clone() for p in params]
@@ -104,9 +104,9 @@ def _hf_named_grads(actor) -> dict[str, torch.Tensor]:  # noqa: ANN001
 
 def _layouts_worker(hf_dir: str, batch: ActorBatch) -> list[dict]:
     """Per layout: compute_logprobs and the DAPO gradient for several micro-batch sizes."""
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.loss import get_logprob_impl  # noqa: PLC0415
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.actor.loss import get_logprob_impl
 
     out = []
     # (tp, pp, micro-batch sizes); B=8: TP=2 and PP=2 get 8 rows (1 or 4 micro-batches), DP=2 gets 4 per rank.
@@ -164,13 +164,13 @@ def test_logprobs_and_gradients_match_hf_across_layouts(tiny_dirs: dict[str, str
     torch.testing.assert_close(fused_ent, ref_ent[:2], rtol=0, atol=1e-4)
 
 
-def _snapshot(actor) -> list[torch.Tensor]:  # noqa: ANN001
+def _snapshot(actor) -> list[torch.Tensor]:
     return [p.detach().clone() for chunk in actor.model for p in chunk.parameters()]
 
 
 def _training_worker(hf_dir: str, batch: ActorBatch, ckpt_dir: str) -> dict:
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
 
     groups = init_distributed(1, 1)  # DP=2
     cfg = _config(hf_dir, 1, 1, use_distributed_optimizer=True, grad_clip=1.0, lr_warmup_steps=2, lr=2e-3)

@@ -25,7 +25,7 @@ from tests.actor.test_actor import _make_batch
 LAYOUTS = ((2, 1), (1, 2), (1, 1))  # on 2 ranks: TP=2, PP=2, DP=2
 
 
-def _run_impl(actor, batch) -> dict:  # noqa: ANN001
+def _run_impl(actor, batch) -> dict:
     logp, ent = actor.compute_logprobs(batch)
     stats = actor._forward_backward(batch)
     return {
@@ -38,10 +38,10 @@ def _run_impl(actor, batch) -> dict:  # noqa: ANN001
     }
 
 
-def _parity_worker(ckpts: dict[str, str], batch) -> list[dict]:  # noqa: ANN001
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.loss import get_logprob_impl  # noqa: PLC0415
+def _parity_worker(ckpts: dict[str, str], batch) -> list[dict]:
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.actor.loss import get_logprob_impl
 
     out = []
     for tp, pp in LAYOUTS:

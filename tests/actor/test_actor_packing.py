@@ -29,7 +29,7 @@ BUDGETS = (0, 24)  # 0: trainer.micro_batch_size (4) rows per micro-batch; 24 to
 
 def _skewed_batch(seed: int = 3) -> "ActorBatch":  # noqa: F821, UP037
     """16 rows: prompts of 2-4 tokens, responses of 1-3 tokens except one of 48 (> 10x the mean of 5.2)."""
-    from megatron_dapo.batch import ActorBatch  # noqa: PLC0415
+    from megatron_dapo.batch import ActorBatch
 
     gen = torch.Generator().manual_seed(seed)
     resp_lens = [1, 2, 3, 1, 2, 1, 3, 48, 2, 1, 3, 2, 1, 1, 2, 3]
@@ -46,8 +46,8 @@ def _skewed_batch(seed: int = 3) -> "ActorBatch":  # noqa: F821, UP037
     return ActorBatch(tokens=tokens, loss_mask=loss_mask, response_mask=response, advantages=advantages)
 
 
-def _pass(actor, batch) -> dict:  # noqa: ANN001
-    from megatron_dapo.ops import pg_loss  # noqa: PLC0415
+def _pass(actor, batch) -> dict:
+    from megatron_dapo.ops import pg_loss
 
     calls = []
     apply = pg_loss.FusedSurrogateFunction.apply
@@ -69,10 +69,10 @@ def _pass(actor, batch) -> dict:  # noqa: ANN001
     }
 
 
-def _worker(ckpts: dict[str, str], batch, layouts=LAYOUTS) -> list[dict]:  # noqa: ANN001
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.loss import get_logprob_impl  # noqa: PLC0415
+def _worker(ckpts: dict[str, str], batch, layouts=LAYOUTS) -> list[dict]:
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.actor.loss import get_logprob_impl
 
     out = []
     for tp, pp in layouts:
@@ -97,7 +97,7 @@ def _worker(ckpts: dict[str, str], batch, layouts=LAYOUTS) -> list[dict]:  # noq
     return out
 
 
-def check_parity(ranks: list[list[dict]], batch, layouts, atol: float = 1e-5) -> None:  # noqa: ANN001
+def check_parity(ranks: list[list[dict]], batch, layouts, atol: float = 1e-5) -> None:
     """Every packed / token-budget / fused pass equals the padded reference pass of the same rank and layout."""
     seen = set()
     real = int(sum(int(r.nonzero().max()) + 1 for r in batch.response_mask))

@@ -26,7 +26,7 @@ ARMS = {"packed": (False, 0), "shared": (True, 0), "shared/8": (True, 8)}  # (sh
 
 
 def _group_batch(seed: int = 4) -> "ActorBatch":  # noqa: F821, UP037
-    from megatron_dapo.batch import ActorBatch  # noqa: PLC0415
+    from megatron_dapo.batch import ActorBatch
 
     gen = torch.Generator().manual_seed(seed)
     prompts = [3, 6, 4]
@@ -53,10 +53,10 @@ def _group_batch(seed: int = 4) -> "ActorBatch":  # noqa: F821, UP037
     )
 
 
-def _worker(ckpts: dict[str, str], batch) -> list[dict]:  # noqa: ANN001
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.loss import get_logprob_impl  # noqa: PLC0415
+def _worker(ckpts: dict[str, str], batch) -> list[dict]:
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.actor.loss import get_logprob_impl
 
     out = []
     for (tp, pp), names in LAYOUTS.items():

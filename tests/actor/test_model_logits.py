@@ -107,7 +107,7 @@ def test_to_transformer_config_qwen2_on_cpu():
     ],
 )
 def test_to_transformer_config_rejects(override, actor, match):
-    from megatron_dapo.actor.model import _rope_params  # noqa: PLC0415
+    from megatron_dapo.actor.model import _rope_params
 
     with pytest.raises(ValueError, match=match):
         hf = _hf_config(**override)
@@ -133,7 +133,7 @@ def test_sequence_parallel_only_on_gpu_with_tp():
     CPU (gloo has no reduce-scatter) nor with the local spec (no sequence-parallel norm). The GPU TransformerConfig
     itself cannot be built here (it checks that TE's fused RoPE imports), so the decision is checked directly and
     the CPU config end to end."""
-    from megatron_dapo.actor.model import sequence_parallel_on  # noqa: PLC0415
+    from megatron_dapo.actor.model import sequence_parallel_on
 
     assert sequence_parallel_on(ActorConfig(tensor_parallel=2), use_te=True)
     assert not sequence_parallel_on(ActorConfig(tensor_parallel=1), use_te=True)

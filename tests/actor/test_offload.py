@@ -20,7 +20,7 @@ from tests.actor.test_actor import _config
 from tests.actor.test_actor import _make_batch
 
 
-def _state_bytes(actor) -> dict[str, list[torch.Tensor]]:  # noqa: ANN001
+def _state_bytes(actor) -> dict[str, list[torch.Tensor]]:
     """A copy of every storage's bytes, per part."""
     out = {}
     for part, storages in actor.offloader.storages().items():
@@ -34,10 +34,10 @@ def _same(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) ->
     )
 
 
-def _train(hf_dir: str, batch, offload: str) -> dict:  # noqa: ANN001
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.memory import MemoryChoreographer  # noqa: PLC0415
+def _train(hf_dir: str, batch, offload: str) -> dict:
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.memory import MemoryChoreographer
 
     groups = init_distributed(1, 1)
     actor = MegatronActor(_config(hf_dir, 1, 1, use_distributed_optimizer=True, grad_clip=1.0), groups, hf_dir=hf_dir)
@@ -50,10 +50,10 @@ def _train(hf_dir: str, batch, offload: str) -> dict:  # noqa: ANN001
         def generation() -> None:
             offloaded_in_generation.append(actor.offloader.offloaded)
 
-        def log_probs(b=b) -> None:  # noqa: ANN001
+        def log_probs(b=b) -> None:
             b.old_logp, _ = actor.compute_logprobs(b, with_entropy=False)
 
-        def update(b=b) -> None:  # noqa: ANN001
+        def update(b=b) -> None:
             losses.append(actor.update(b)["actor/loss"])
 
         def sync() -> None:
@@ -80,10 +80,10 @@ def _train(hf_dir: str, batch, offload: str) -> dict:  # noqa: ANN001
     }
 
 
-def _worker(hf_dir: str, batch) -> dict:  # noqa: ANN001
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.offload import ActorOffloader  # noqa: PLC0415
+def _worker(hf_dir: str, batch) -> dict:
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.actor.offload import ActorOffloader
 
     groups = init_distributed(1, 1)  # DP=2
     actor = MegatronActor(_config(hf_dir, 1, 1, use_distributed_optimizer=True, grad_clip=1.0), groups, hf_dir=hf_dir)

@@ -110,7 +110,7 @@ def test_unpack_is_differentiable() -> None:
     assert x.grad[0].tolist() == [0, 1, 1, 1, 0, 1, 0, 1, 1]
 
 
-def _dense_reference(q, k, v, cu, scale):  # noqa: ANN001, ANN202
+def _dense_reference(q, k, v, cu, scale):
     t, heads, dim = q.shape
     seq = torch.zeros(t, dtype=torch.int64)
     for i, (a, b) in enumerate(itertools.pairwise(cu)):
@@ -126,7 +126,7 @@ def _dense_reference(q, k, v, cu, scale):  # noqa: ANN001, ANN202
 
 
 def test_varlen_causal_attention_matches_masked_dense_attention() -> None:
-    from megatron_dapo.actor.model import varlen_causal_attention  # noqa: PLC0415
+    from megatron_dapo.actor.model import varlen_causal_attention
 
     g = torch.Generator().manual_seed(0)
     cu = torch.tensor([0, 5, 6, 13, 16], dtype=torch.int32)

@@ -130,7 +130,7 @@ def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 @pytest.mark.parametrize("seed", range(4))
 def test_masked_block_attention_matches_unshared_rows(seed: int) -> None:
-    from megatron_dapo.actor.model import masked_block_attention  # noqa: PLC0415
+    from megatron_dapo.actor.model import masked_block_attention
 
     tokens, mask, ids = _group_rows(seed + 10)
     lengths = sequence_lengths(mask)
@@ -168,9 +168,9 @@ def test_masked_block_attention_matches_unshared_rows(seed: int) -> None:
 
 def test_rope_at_positions_equals_megatron_table(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # RotaryEmbedding.get_emb moves to it
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # noqa: PLC0415
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_dapo.actor.model import rope_at_positions  # noqa: PLC0415
+    from megatron_dapo.actor.model import rope_at_positions
 
     rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000, use_cpu_initialization=True)
     positions = torch.tensor([0, 1, 2, 2, 3, 4, 2, 0, 1])
@@ -185,9 +185,9 @@ def test_rope_at_positions_equals_megatron_table(monkeypatch: pytest.MonkeyPatch
 def test_packed_logprobs_only_at_needed_positions(shared: bool) -> None:
     """micro_batch_logprobs(needed=...) runs the log-prob op on the needed predictions only, with the same values and
     gradient there as the whole-row computation, and 0 elsewhere."""
-    from megatron_dapo.actor.loss import get_logprob_impl  # noqa: PLC0415
-    from megatron_dapo.actor.loss import micro_batch_logprobs  # noqa: PLC0415
-    from megatron_dapo.actor.packing import PackedLayout  # noqa: PLC0415
+    from megatron_dapo.actor.loss import get_logprob_impl
+    from megatron_dapo.actor.loss import micro_batch_logprobs
+    from megatron_dapo.actor.packing import PackedLayout
 
     tokens, mask, ids = _group_rows(7)
     lengths = sequence_lengths(mask)
@@ -215,8 +215,8 @@ def test_packed_logprobs_only_at_needed_positions(shared: bool) -> None:
 
 
 def test_shared_prefix_refuses_the_transformer_engine_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_dapo.actor import model  # noqa: PLC0415
-    from megatron_dapo.config import ActorConfig  # noqa: PLC0415
+    from megatron_dapo.actor import model
+    from megatron_dapo.config import ActorConfig
 
     on = ActorConfig(shared_prefix=True)
     model.check_shared_prefix(on, on_cpu=True)  # CPU: the local spec

@@ -152,7 +152,7 @@ def test_rollout_correction_weights_multiply_each_tokens_loss(name):
 def test_micro_batch_split_with_the_global_denominator_is_the_whole_batch(name):
     """Each micro-batch's loss with D of the whole batch (tokens or sequences, by the loss's aggregation) sums to
     the whole batch's loss; the same for the gradient."""
-    from megatron_dapo.actor.loss import local_loss_denominator  # noqa: PLC0415
+    from megatron_dapo.actor.loss import local_loss_denominator
 
     spread, seq_spread = (2e-4, 1e-3) if name == "gspo" else (0.3, 0.0)
     logp, old, adv, mask = _problem(5, b=8, spread=spread, seq_spread=seq_spread)

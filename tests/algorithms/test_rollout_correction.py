@@ -220,7 +220,7 @@ def test_apply_rollout_correction_sets_mask_and_weights():
 
 def test_actor_micro_batches_carry_engine_logp_and_weights():
     pytest.importorskip("megatron.core")
-    from megatron_dapo.actor.actor import _cut_columns  # noqa: PLC0415
+    from megatron_dapo.actor.actor import _cut_columns
 
     _, old, engine, mask, adv = _loss_inputs()
     batch = ActorBatch(
@@ -260,7 +260,7 @@ def test_config_rules():
 def test_reference_and_fused_agree_with_weights_on_gpu(mode, backend):
     """The compiled kernels (Triton, and the CUDA twin when csrc was built) with IS weights folded into the mask."""
     if backend == "cuda":
-        from megatron_dapo.ops import _cuda_twins  # noqa: PLC0415
+        from megatron_dapo.ops import _cuda_twins
 
         if not _cuda_twins.available():
             pytest.skip("the CUDA twins are not built (csrc/build.py)")

@@ -87,7 +87,7 @@ def test_packed_layout_equals_padded_rows(name):
 
 def test_packed_reference_fallback_matches(monkeypatch):
     """Without the interpreter (plain CPU), the packed call runs the reference through padded rows: same loss."""
-    import megatron_dapo.ops.pg_loss as pg  # noqa: PLC0415
+    import megatron_dapo.ops.pg_loss as pg
 
     spec = SPECS["gspo"]
     lengths = [4, 9, 1]

@@ -39,7 +39,7 @@ def _slow_train_step(self: DAPOTrainer) -> dict[str, float]:
     return metrics
 
 
-def _slow_save(self: DAPOTrainer):  # noqa: ANN202
+def _slow_save(self: DAPOTrainer):
     _saving[:] = [self.step]
     try:
         return _save(self)
@@ -47,7 +47,7 @@ def _slow_save(self: DAPOTrainer):  # noqa: ANN202
         _saving.clear()
 
 
-def _slow_write_manifest(self: CheckpointManager, path) -> None:  # noqa: ANN001
+def _slow_write_manifest(self: CheckpointManager, path) -> None:
     hook = _hook("SLOW_SAVE")
     if hook and _saving == [hook[0]]:
         if self.rank == 0:
@@ -57,7 +57,7 @@ def _slow_write_manifest(self: CheckpointManager, path) -> None:  # noqa: ANN001
     _write_manifest(self, path)
 
 
-def _slow_fresh(self: DAPOTrainer, offset: int):  # noqa: ANN202
+def _slow_fresh(self: DAPOTrainer, offset: int):
     hook = _hook("SLOW_GEN")
     if hook and self.step == hook[0]:
         self._notice(f"test hook: generation of step {self.step} is slow")

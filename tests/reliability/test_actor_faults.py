@@ -63,7 +63,7 @@ def _batch(b: int = 8, s: int = 10) -> ActorBatch:
     )
 
 
-def _weights(actor) -> list[torch.Tensor]:  # noqa: ANN001
+def _weights(actor) -> list[torch.Tensor]:
     return [p.detach().clone() for chunk in actor.model for p in chunk.parameters()]
 
 
@@ -77,23 +77,23 @@ class _Evil:
         return (os.makedirs, (self.marker,))
 
 
-def _error(fn) -> str | None:  # noqa: ANN001
+def _error(fn) -> str | None:
     try:
         fn()
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         return f"{type(err).__name__}: {err}"
     return None
 
 
 def _checkpoint_worker(hf_dir: str, work: str) -> dict:
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed as dist
 
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
 
     groups = init_distributed(1, 1)
     rank = dist.get_rank()
-    import megatron_dapo  # noqa: PLC0415
+    import megatron_dapo
 
     out: dict = {"module": megatron_dapo.__file__}
     batch = _batch()
@@ -131,7 +131,7 @@ def _checkpoint_worker(hf_dir: str, work: str) -> dict:
     # lr 1e30 (accepted before the config check): one update blows the weights up, then every update is skipped.
     actor = MegatronActor(_config(hf_dir, dist_opt=True, max_skipped=2), groups, hf_dir=hf_dir)
     actor.config.actor.lr = 1e30
-    out["huge_lr"] = [_error(lambda: actor.update(batch)) for _ in range(3)]  # noqa: B023
+    out["huge_lr"] = [_error(lambda: actor.update(batch)) for _ in range(3)]
 
     # lr inf: the step writes non-finite weights; the check after the step stops it.
     actor = MegatronActor(_config(hf_dir, dist_opt=False), groups, hf_dir=hf_dir)
@@ -182,9 +182,9 @@ def test_non_finite_weights_stop_the_update(results):
 
 
 def _stalled_peer_worker(override: str) -> dict:
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed as dist
 
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
+    from megatron_dapo.actor.distributed import init_distributed
 
     cfg = load_config(None, [override])
     groups = init_distributed(1, 1, timeout_s=cfg.distributed.timeout_s)

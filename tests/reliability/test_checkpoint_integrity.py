@@ -120,7 +120,7 @@ def test_checkpoint_without_manifest_loads_with_a_warning_when_allowed(two_check
 def test_disk_full_during_a_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     """A full disk while the trainer state is written (issue 20, item 5): one CheckpointError naming the phase, the
     rank and the file, raised on every rank after they agree (here one); the previous checkpoint still verifies."""
-    import errno  # noqa: PLC0415
+    import errno
 
     manager = CheckpointManager(tmp_path / "ckpt", keep_last=2)
     manager.save(1, {"step": 1}, {"trainer": {}})

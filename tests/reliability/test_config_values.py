@@ -142,7 +142,7 @@ def test_verify_timeout_at_its_bound_still_scores_off_the_main_thread():
     """1e30 overflowed the verifier's thread join, so every answer needing math-verify scored wrong; the top of
     the range works."""
     pytest.importorskip("math_verify")
-    from megatron_dapo.reward import dapo_math  # noqa: PLC0415
+    from megatron_dapo.reward import dapo_math
 
     verifier = dapo_math.Verifier.from_config(load_config(None, ["--reward.verify_timeout_s=3600"]).reward)
     out: dict = {}

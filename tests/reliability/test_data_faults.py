@@ -142,7 +142,7 @@ def test_response_length_leaving_no_room_for_a_prompt_is_a_config_error(data_fil
 
 def _model_dir(path: Path, max_positions: int) -> str:
     """Tokenizer and config.json only: all the trainer's data loading reads of a model."""
-    from transformers import LlamaConfig  # noqa: PLC0415
+    from transformers import LlamaConfig
 
     tok = make_tiny_tokenizer(path)
     LlamaConfig(vocab_size=len(tok), max_position_embeddings=max_positions).save_pretrained(path)

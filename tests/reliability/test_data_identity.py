@@ -130,7 +130,7 @@ def test_state_without_identity_loads_with_a_notice(tmp_path):
 # ------------------------------------------------------------------------------------------------ trainer level
 def bare_trainer(config):
     """A DAPOTrainer with only what start-up needs on one rank (no process group, actor or engine)."""
-    from megatron_dapo.trainer import DAPOTrainer  # noqa: PLC0415
+    from megatron_dapo.trainer import DAPOTrainer
 
     t = object.__new__(DAPOTrainer)
     t.cfg, t.rank, t.world, t.lock, t.step = config, 0, 1, None, 0

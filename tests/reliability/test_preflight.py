@@ -54,7 +54,7 @@ def test_model_dir_without_config_json(setup, tmp_path):
 
 
 def test_engine_package_missing(setup, monkeypatch):
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(StartupError, match=r"rollout.engine=vllm, but the vllm package is not installed"):

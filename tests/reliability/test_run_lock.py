@@ -56,7 +56,7 @@ def test_lock_of_a_killed_job_is_taken_over_and_logged(tmp_path, holder):
 
 
 def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
-    def no_flock(fd, op):  # noqa: ARG001
+    def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_flock)

@@ -46,7 +46,7 @@ def scheduler_child(port: int, timeout_s: float, queue) -> None:
         )
         dist.destroy_process_group()
         queue.put({"ok": True, "env": seen})
-    except Exception as err:  # noqa: BLE001 -- reported to the parent
+    except Exception as err:  # reported to the parent
         queue.put({"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}", "env": seen})
 
 
@@ -105,7 +105,7 @@ def receiver(body: dict, expected: list, queue) -> None:
         t = torch.zeros(len(expected))
         dist.broadcast(t, group_src=0, group=pg)
         queue.put({"ok": t.tolist() == expected, "got": t.tolist()})
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         queue.put({"joined": False, "ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"})
 
 
@@ -141,7 +141,7 @@ def server_group_check() -> dict:
         eng.update_weights([("w", torch.tensor(expected))])
         eng.end_weight_update()
         result = queue.get(timeout=60)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         result = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
     finally:
         eng.shutdown()
@@ -163,7 +163,7 @@ def main(out_path: str) -> None:
     try:
         SGLangEngine("/nonexistent-model", seed=3)
         report["engine"] = StubEngine.last_child
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         report["engine"] = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
     report["agent_store_after"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
 
@@ -171,7 +171,7 @@ def main(out_path: str) -> None:
         url = f"tcp://127.0.0.1:{_free_port()}"
         store, _, _ = next(dist.rendezvous(url, 0, 1, timeout=timedelta(seconds=CHILD_TIMEOUT_S)))
         report["control_group"] = {"ok": True}
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         report["control_group"] = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
 
     report["server_group"] = server_group_check()

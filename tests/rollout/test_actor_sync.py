@@ -57,7 +57,7 @@ def _train_batch() -> ActorBatch:
     return ActorBatch(tokens=tokens, loss_mask=response.clone(), response_mask=response, advantages=advantages)
 
 
-def _as_batch(completions) -> ActorBatch:  # noqa: ANN001
+def _as_batch(completions) -> ActorBatch:
     """Prompt+response rows, right-padded with 0; response_mask on the response tokens."""
     width = max(len(c.prompt_ids) + len(c.response_ids) for c in completions)
     tokens = torch.zeros(len(completions), width, dtype=torch.long)
@@ -82,17 +82,17 @@ def _load_tensor_bucket_module():
 
 
 def _sync_worker(hf_dir: str) -> dict:
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed as dist
 
-    from megatron_dapo.actor.actor import MegatronActor  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import destroy_distributed  # noqa: PLC0415
-    from megatron_dapo.actor.distributed import init_distributed  # noqa: PLC0415
-    from megatron_dapo.rollout import SamplingParams  # noqa: PLC0415
-    from megatron_dapo.rollout import TransformersEngine  # noqa: PLC0415
-    from megatron_dapo.rollout import WeightSync  # noqa: PLC0415
-    from megatron_dapo.rollout import bucket_named_tensors  # noqa: PLC0415
-    from megatron_dapo.rollout.sglang_engine import flattened_bucket_payloads  # noqa: PLC0415
-    from tests.actor._tiny_models import load_hf  # noqa: PLC0415
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import destroy_distributed
+    from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.rollout import SamplingParams
+    from megatron_dapo.rollout import TransformersEngine
+    from megatron_dapo.rollout import WeightSync
+    from megatron_dapo.rollout import bucket_named_tensors
+    from megatron_dapo.rollout.sglang_engine import flattened_bucket_payloads
+    from tests.actor._tiny_models import load_hf
 
     groups = init_distributed(2, 1)
     actor = MegatronActor(_config(hf_dir), groups, hf_dir=hf_dir)
@@ -149,8 +149,7 @@ def _sync_worker(hf_dir: str) -> dict:
     if fp8_engine is not None:
         out["fp8_diff"] = torch.cat(
             [
-                c.engine_logp
-                - fp8_logp[i, len(c.prompt_ids) : len(c.prompt_ids) + len(c.response_ids)]
+                c.engine_logp - fp8_logp[i, len(c.prompt_ids) : len(c.prompt_ids) + len(c.response_ids)]
                 for i, c in enumerate(shared[0])
             ]
         )

@@ -85,7 +85,7 @@ class _RecordingSGLang:
         self.calls: list[list[bytes]] = []
         self.marker = marker
 
-    def update_weights_from_tensor(self, **kw):  # noqa: ANN003, ANN201
+    def update_weights_from_tensor(self, **kw):
         time.sleep(0.3)  # a slow load: the peer must still be waiting in the barrier when it ends
         self.calls.append(kw["named_tensors"])
         self.marker.write_text(str(len(self.calls)))
@@ -94,7 +94,7 @@ class _RecordingSGLang:
 
 
 def _colocated_worker(marker: str) -> dict:
-    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

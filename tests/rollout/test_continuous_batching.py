@@ -118,9 +118,7 @@ def test_a_carried_response_keeps_its_tokens_and_continues_under_the_new_weights
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     engine.weight_version = 4
-    cont = [
-        GenerationRequest(key, PROMPTS[key[0]], completion_seed(8, *key), prefix=carried[key]) for key in carried
-    ]
+    cont = [GenerationRequest(key, PROMPTS[key[0]], completion_seed(8, *key), prefix=carried[key]) for key in carried]
     engine.submit(cont, PARAMS)
     done = {}
     while engine.num_unfinished():

@@ -300,7 +300,7 @@ def test_colocated_session_order(with_session):
 
 def _stub_sglang(monkeypatch) -> list[dict]:
     """sys.modules entries for the names SGLangEngine.__init__ imports; returns the recorded Engine kwargs."""
-    import types  # noqa: PLC0415
+    import types
 
     seen: list[dict] = []
     names = ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.utils.common", "sglang.srt.utils.patch_torch")
@@ -322,8 +322,8 @@ def _stub_sglang(monkeypatch) -> list[dict]:
 
 def test_deterministic_inference_switch_reaches_sglang(monkeypatch):
     """sampling_seed is honoured by SGLang 0.5.23 only under enable_deterministic_inference (SamplingBatchInfo)."""
-    from megatron_dapo.config import RolloutConfig  # noqa: PLC0415
-    from megatron_dapo.rollout.factory import make_engine  # noqa: PLC0415
+    from megatron_dapo.config import RolloutConfig
+    from megatron_dapo.rollout.factory import make_engine
 
     seen = _stub_sglang(monkeypatch)
     first = make_engine(RolloutConfig(engine="sglang"), "/m", device="cuda", seed=5)

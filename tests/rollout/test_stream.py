@@ -140,7 +140,7 @@ def run_step(
             sampling = rule.start()
             result = stream.run(step, sampling, PARAMS, 7, fresh, carry[rank][0], carry[rank][1])
             out[rank] = (result, engine)
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
             exchange.barrier.abort()
 

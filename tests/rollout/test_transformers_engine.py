@@ -71,7 +71,7 @@ def test_same_seed_same_completions_independent_of_batching(engine):
     a = engine.generate(PROMPTS, params)
     b = engine.generate(PROMPTS, params)
     c = TransformersEngine(engine.model, max_running=1).generate(PROMPTS, params)
-    ids = lambda out: [x.response_ids.tolist() for x in out]  # noqa: E731
+    ids = lambda out: [x.response_ids.tolist() for x in out]
     assert ids(a) == ids(b) == ids(c)
     d = engine.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=8, temperature=0.9, top_p=0.95, seed=1235))
     assert ids(a) != ids(d)

@@ -74,7 +74,7 @@ class FakeLLM:
     instances: list[FakeLLM] = []
 
     def __init__(self, **kwargs):
-        import os  # noqa: PLC0415
+        import os
 
         self.kwargs = kwargs
         self.env_at_init = dict(os.environ)

@@ -12,6 +12,6 @@ def run_surrogate(inputs: LossInputs, spec: Surrogate, fused: bool) -> tuple[Ten
     the Triton interpreter, the same reference otherwise). Triton is imported only when the fused path is asked for."""
     if not fused:
         return surrogate_loss(inputs, spec)
-    from megatron_dapo.ops.pg_loss import fused_surrogate_loss  # noqa: PLC0415
+    from megatron_dapo.ops.pg_loss import fused_surrogate_loss
 
     return fused_surrogate_loss(inputs, spec)
