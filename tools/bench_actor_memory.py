@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -28,15 +27,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megatron_dapo.rollout.launch_env import free_port
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SMOLLM2_CACHE = Path.home() / ".cache/megatron_dapo/smollm2-135m-instruct"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rss_mb(field: str) -> float:
@@ -134,7 +129,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as out_dir:
         for impl in args.impls:
-            mp.spawn(_worker, args=(args.pp, _free_port(), args, impl, out_dir), nprocs=args.pp, join=True)
+            mp.spawn(_worker, args=(args.pp, free_port(), args, impl, out_dir), nprocs=args.pp, join=True)
             for rank in range(args.pp):
                 res = json.loads(Path(out_dir, f"{impl}_rank{rank}.json").read_text())
                 print(json.dumps(res), flush=True)

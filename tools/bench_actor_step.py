@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_actor_memory import SMOLLM2_CACHE
-from bench_actor_memory import _free_port
+
+from megatron_dapo.rollout.launch_env import free_port
 
 ARMS = {
     "padded": {"packing": False, "logprob_impl": "fused"},
@@ -108,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)  # CPU dispatch, as the main job runs
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(2, _free_port(), args, out_dir), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), args, out_dir), nprocs=2, join=True)
         rows = json.loads(Path(out_dir, "rows.json").read_text())
     summary: dict = {"config": vars(args), "rows": rows, "median": {}}
     for row in rows:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from megatron_dapo.rollout.launch_env import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,12 +40,6 @@ NVLINK_P2P_GBPS = 400.0  # one GPU's outgoing peer-to-peer copy bandwidth (450 G
 HBM_GBPS = 3000.0  # H100 SXM HBM3 (3.35 TB/s peak)
 PER_BUCKET_OVERHEAD_S = 0.010  # assumption: serialize + ZMQ to scheduler + IPC open + load_weights dispatch
 MODELS_GB = {"Qwen2.5-7B": 7.62e9 * 2 / 1e9, "Qwen2.5-32B": 32.76e9 * 2 / 1e9}  # bf16 parameters, GB (1e9)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tiny_checkpoint(path: Path) -> Path:
@@ -103,7 +98,7 @@ def run_case(hf_dir: Path, tp: int, bucket_mb: int, repeats: int) -> dict:
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out = manager.dict()
-        port = _free_port()
+        port = free_port()
         procs = [
             ctx.Process(target=_worker, args=(r, tp, port, str(hf_dir), bucket_mb, repeats, out)) for r in range(tp)
         ]

@@ -23,11 +23,12 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from megatron_dapo.rollout.launch_env import free_port
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,6 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def first_slurm_host(nodelist: str) -> str:
     """First host of a Slurm nodelist: "gpu[003-005,9],cpu1" -> "gpu003"; "a1,a2" -> "a1"."""
     match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
@@ -104,7 +99,7 @@ def _launch_env() -> tuple[int, int, int, str, int]:
             addr = first_slurm_host(nodelist)
         port = int(env.get("MASTER_PORT") or 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
         return rank, world, local, addr, port
-    return 0, 1, 0, "127.0.0.1", _free_port()
+    return 0, 1, 0, "127.0.0.1", free_port()
 
 
 def init_distributed(

@@ -119,6 +119,14 @@ def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: 
 # ------------------------------------------------------------------------------ a routable address for servers
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (bind to port 0, read it, close): for single-process process
+    groups, test rendezvous and benchmarks. Another process may take it before the caller binds it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def is_loopback(host: str) -> bool:
     """True for localhost, 127.0.0.0/8 and ::1 (an address remote servers cannot reach us at)."""
     host = host.strip().strip("[]").lower()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,15 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.rollout.launch_env import free_port
+
 
 class RankError(RuntimeError):
     """A worker rank failed; the message holds its traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_distributed(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
@@ -41,7 +36,7 @@ def run_distributed(fn: Callable[..., Any], nprocs: int, *args: Any, timeout_s: 
     env = dict(os.environ)
     env.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         WORLD_SIZE=str(nprocs),
         OMP_NUM_THREADS="1",
     )

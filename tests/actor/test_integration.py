@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from megatron_dapo.integration import dapo_loss_func
 from megatron_dapo.integration import get_logprob_fn
 from megatron_dapo.integration import local_loss_denominator
 from megatron_dapo.integration import sequence_logprobs_and_entropy
+from megatron_dapo.rollout.launch_env import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 REF = get_logprob_fn("reference")
@@ -142,16 +142,10 @@ def test_dapo_args_are_generated_from_the_dataclass() -> None:
     assert "Clip-Higher" in parser.format_help()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_integration_example_runs_under_torchrun() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("TRITON_INTERPRET", None)  # as a user runs it: plain CPU torch path of the ops
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += [str(REPO / "examples" / "integration_example.py"), "--steps", "3"]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip

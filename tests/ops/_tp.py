@@ -4,11 +4,12 @@ Worker functions live here (not in test modules) so that spawned processes can i
 """
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_dapo.rollout.launch_env import free_port
 
 # (rtol, atol) per input dtype, flash-attn's cross-entropy table (STYLE.md section 5).
 TOLERANCES = {
@@ -22,12 +23,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     """Compare in float64 with the tolerance of the input dtype."""
     rtol, atol = TOLERANCES[dtype]
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world: int, port: int, fn, args) -> None:

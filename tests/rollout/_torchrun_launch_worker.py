@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import types
@@ -23,13 +22,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.rollout.launch_env import free_port
+
 CHILD_TIMEOUT_S = 4.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def scheduler_child(port: int, timeout_s: float, queue) -> None:
@@ -53,7 +48,7 @@ def scheduler_child(port: int, timeout_s: float, queue) -> None:
 def run_scheduler_child(ctx) -> dict:
     """Spawn scheduler_child as SGLang does (multiprocessing "spawn", parent's environment) and wait for it."""
     queue = ctx.Queue()
-    proc = ctx.Process(target=scheduler_child, args=(_free_port(), CHILD_TIMEOUT_S, queue))
+    proc = ctx.Process(target=scheduler_child, args=(free_port(), CHILD_TIMEOUT_S, queue))
     proc.start()
     result = queue.get(timeout=CHILD_TIMEOUT_S + 60)
     proc.join(timeout=30)
@@ -131,7 +126,7 @@ def server_group_check() -> dict:
     eng = SGLangServerEngine(
         ["http://127.0.0.1:1"],
         master_address="127.0.0.1",
-        master_port=_free_port(),
+        master_port=free_port(),
         group_timeout_s=30.0,  # the receiver process needs a few seconds to import torch
         backend="gloo",
     )
@@ -168,7 +163,7 @@ def main(out_path: str) -> None:
     report["agent_store_after"] = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
 
     try:
-        url = f"tcp://127.0.0.1:{_free_port()}"
+        url = f"tcp://127.0.0.1:{free_port()}"
         store, _, _ = next(dist.rendezvous(url, 0, 1, timeout=timedelta(seconds=CHILD_TIMEOUT_S)))
         report["control_group"] = {"ok": True}
     except Exception as err:

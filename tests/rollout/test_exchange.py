@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import torch.distributed as dist
@@ -10,14 +9,9 @@ import torch.multiprocessing as mp
 
 from megatron_dapo.rollout.exchange import ExchangeTimeout
 from megatron_dapo.rollout.exchange import RolloutExchange
+from megatron_dapo.rollout.launch_env import free_port
 
 TIMEOUT_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out: dict, round2_done) -> None:
@@ -51,7 +45,7 @@ def test_gather_over_gloo_and_timeout():
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         out, round2_done = manager.dict(), manager.Event()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, port, out, round2_done)) for r in range(2)]
         for p in procs:
             p.start()

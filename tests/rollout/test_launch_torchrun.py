@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.rollout.launch_env import free_port
 from megatron_dapo.rollout.launch_env import is_launcher_var
 from megatron_dapo.rollout.launch_env import rendezvous_store
 from megatron_dapo.rollout.launch_env import scrubbed_env
@@ -45,12 +45,6 @@ TORCHRUN_ENV = {
     "MASTER_PORT": "29500",
 }
 KEPT = {"CUDA_VISIBLE_DEVICES": "0,1", "NCCL_NVLS_ENABLE": "0", "SLURM_PROCID": "3", "PATH": "/usr/bin"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_scrubbed_env_removes_launcher_variables_only():
@@ -77,7 +71,7 @@ def test_scrubbed_environ_restores_removed_values_and_keeps_other_changes(monkey
 def test_rendezvous_store_ignores_the_agent_store_variable(monkeypatch):
     """The old code (dist.rendezvous) under this variable makes rank 0 a client: it would time out here."""
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    store = rendezvous_store("127.0.0.1", _free_port(), 0, 1, timedelta(seconds=3))
+    store = rendezvous_store("127.0.0.1", free_port(), 0, 1, timedelta(seconds=3))
     store.set("k", "v")
     assert store.get("k") == b"v"
 
@@ -89,7 +83,7 @@ def test_engine_and_weight_group_start_under_torchrun(tmp_path):
         if k.startswith("TORCHELASTIC_"):
             env.pop(k)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "0"]
-    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", str(WORKER), str(out)]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(WORKER), str(out)]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:

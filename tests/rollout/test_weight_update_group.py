@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_dapo.rollout.launch_env import free_port
 from megatron_dapo.rollout.sglang_engine import init_weight_update_group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(world_rank: int, world_port: int, group_port: int, out: dict) -> None:
@@ -35,7 +28,7 @@ def test_broadcast_from_trainer_rank_zero_over_custom_group():
     with ctx.Manager() as manager:
         out = manager.dict()
         # Both processes need the same ports.
-        ports = (_free_port(), _free_port())
+        ports = (free_port(), free_port())
         procs = [ctx.Process(target=_worker, args=(r, *ports, out)) for r in range(2)]
         for p in procs:
             p.start()
