@@ -29,6 +29,9 @@ from yaml.nodes import MappingNode
 from yaml.nodes import Node
 from yaml.nodes import ScalarNode
 
+from megatron_dapo.net import is_loopback
+from megatron_dapo.net import url_host
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the file (if any), section and field."""
@@ -160,6 +163,34 @@ def _one_of(value: str, choices: tuple[str, ...], where: str) -> None:
     _check(value in choices, where, f"must be one of {list(choices)}, got {value!r}")
 
 
+_CHOICES: dict[str, dict[str, Any]] = {}
+"""The names a choice field accepts, "section.field" -> {name: payload}, registered by the component that owns them
+(the losses, the log-prob implementations, the rollout corrections, the offload modes) when its module is imported;
+this module imports no component. megatron_dapo/__init__.py imports the registering modules, so the names are
+there whenever megatron_dapo.config is."""
+
+
+def register_choices(where: str, *names: str, payload: Any = None) -> None:
+    """Register `names` as values of the choice field `where` ("section.field"); `payload` travels with each (the
+    policy losses register the factory of their config)."""
+    table = _CHOICES.setdefault(where, {})
+    for name in names:
+        if name in table:
+            raise ValueError(f"{where}: {name!r} is already registered")
+        table[name] = payload
+
+
+def choices(where: str) -> dict[str, Any]:
+    """{name: payload} registered for the choice field `where` (KeyError for a field nobody registered)."""
+    if where not in _CHOICES:
+        raise KeyError(f"{where}: no component registered its choices (is megatron_dapo imported as a package?)")
+    return _CHOICES[where]
+
+
+def _one_of_registered(value: str, where: str) -> None:
+    _one_of(value, tuple(sorted(choices(where))), where)
+
+
 @dataclass(kw_only=True, slots=True)
 class AlgorithmConfig:
     """DAPO's loss, advantage, sampling and reward-shaping switches (paper section 3)."""
@@ -213,12 +244,8 @@ class AlgorithmConfig:
     """MIS: highest ratio kept, >= 1."""
 
     def __post_init__(self) -> None:
-        from megatron_dapo.algorithms import POLICY_LOSSES
-        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTION_LEVELS
-        from megatron_dapo.algorithms.rollout_correction import ROLLOUT_CORRECTIONS
-
         _check_numbers(self, "algorithm")
-        _one_of(self.policy_loss, tuple(sorted(POLICY_LOSSES)), "algorithm.policy_loss")
+        _one_of_registered(self.policy_loss, "algorithm.policy_loss")
         _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
         _check(
             self.max_gen_batches > 0 or self.max_gen_minutes > 0 or not self.dynamic_sampling,
@@ -226,8 +253,8 @@ class AlgorithmConfig:
             "0 (no cap) needs a bound in time, algorithm.max_gen_minutes > 0: dynamic sampling on a dataset where "
             "every group is all-correct or all-wrong would sample forever",
         )
-        _one_of(self.rollout_correction, ROLLOUT_CORRECTIONS, "algorithm.rollout_correction")
-        _one_of(self.rollout_correction_level, ROLLOUT_CORRECTION_LEVELS, "algorithm.rollout_correction_level")
+        _one_of_registered(self.rollout_correction, "algorithm.rollout_correction")
+        _one_of_registered(self.rollout_correction_level, "algorithm.rollout_correction_level")
 
 
 MOVED_TO_LOSS = ("eps_low", "eps_high", "clip_higher", "clip_ratio_c", "loss_agg_mode")
@@ -317,9 +344,6 @@ class RolloutConfig:
         _one_of(self.mode, ("colocated", "server"), "rollout.mode")
         if self.mode == "server":
             _check(bool(self.server_urls), "rollout.server_urls", 'must list at least one URL when mode is "server"')
-            from megatron_dapo.rollout.launch_env import is_loopback
-            from megatron_dapo.rollout.launch_env import url_host
-
             remote = [u for u in self.server_urls if not is_loopback(url_host(u))]
             address = self.weight_sync_master_address
             _check(
@@ -407,12 +431,8 @@ class ActorConfig:
             "actor.shared_prefix",
             "needs actor.packing=true (the shared micro-batch is one packed row)",
         )
-        from megatron_dapo.actor.loss import LOGPROB_IMPLS
-        from megatron_dapo.memory import OFFLOAD_MODES
-
-        _one_of(self.offload, OFFLOAD_MODES, "actor.offload")
-
-        _one_of(self.logprob_impl, tuple(sorted(LOGPROB_IMPLS)), "actor.logprob_impl")
+        _one_of_registered(self.offload, "actor.offload")
+        _one_of_registered(self.logprob_impl, "actor.logprob_impl")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -633,33 +653,28 @@ class RunConfig:
 
 def _resolve_loss(name: str, loss: Any, max_response_length: int) -> Any:
     """The `loss` section as the selected loss's config: its defaults when None, refused when it belongs to another
-    loss; a Dr. GRPO norm_length of 0 becomes the generation cap."""
-    from megatron_dapo.algorithms import get_policy_loss
-
-    entry = get_policy_loss(name)
+    loss; then the loss's own `resolve` fills what depends on other sections (Dr. GRPO's norm_length 0: the cap)."""
+    make = choices("algorithm.policy_loss")[name]
+    default = make({})
     if loss is None:
-        loss = entry.make_config()
+        loss = default
     _check(
-        type(loss) is entry.config_cls,
+        type(loss) is type(default),
         "loss",
-        f"is a {type(loss).__name__}, but algorithm.policy_loss {name!r} takes a {entry.config_cls.__name__}",
+        f"is a {type(loss).__name__}, but algorithm.policy_loss {name!r} takes a {type(default).__name__}",
     )
-    if getattr(loss, "norm_length", None) == 0:
-        loss = dataclasses.replace(loss, norm_length=max_response_length)
-    return loss
+    return loss.resolve(max_response_length=max_response_length)
 
 
 def _build_loss(name: str, values: dict[str, Any], source: str) -> Any:
     """The `loss` section of a file / overrides: each key converted to the selected loss's field type, then checked
     by the loss's own config class (megatron_dapo/algorithms/losses/<name>.py)."""
-    from megatron_dapo.algorithms import get_policy_loss
-
-    try:
-        entry = get_policy_loss(name)
-    except ValueError as err:
-        raise ConfigError(f"{source}: {err}") from None
-    hints = typing.get_type_hints(entry.config_cls)
-    known = sorted(f.name for f in dataclasses.fields(entry.config_cls))
+    registered = choices("algorithm.policy_loss")
+    _check(name in registered, f"{source}: algorithm.policy_loss", f"must be one of {sorted(registered)}, got {name!r}")
+    make = registered[name]
+    cls = type(make({}))
+    hints = typing.get_type_hints(cls)
+    known = sorted(f.name for f in dataclasses.fields(cls))
     converted = {}
     for key, val in values.items():
         if key not in known:
@@ -670,7 +685,7 @@ def _build_loss(name: str, values: dict[str, Any], source: str) -> Any:
         if isinstance(converted[key], float):
             _check(math.isfinite(converted[key]), f"{source}: loss.{key}", f"must be a finite number, got {val}")
     try:
-        return entry.make_config(converted)
+        return make(converted)
     except ValueError as err:
         raise ConfigError(f"{source}: loss.{err} (policy loss {name!r})") from None
 

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from typing import Any
 from typing import Protocol
 
+from megatron_dapo.config import register_choices
+
 ENGINE_TAGS = ("weights", "kv_cache", "cuda_graph")
 """Engine memory regions, as SGLang 0.5.23 names them (sglang/srt/constants.py GPU_MEMORY_TYPE_*)."""
 KV_TAGS = ("kv_cache", "cuda_graph")
@@ -42,6 +44,7 @@ KV_TAGS = ("kv_cache", "cuda_graph")
 PARTS = ("params", "grads", "optimizer")
 """Actor state parts (actor/offload.py says what each holds)."""
 OFFLOAD_MODES = ("none", "optimizer", "all")
+register_choices("actor.offload", *OFFLOAD_MODES)
 """actor.offload values."""
 PHASES = ("generation", "log-probs", "update", "sync")
 """The phases whose work the caller supplies (the planner's phases, after "engine start")."""

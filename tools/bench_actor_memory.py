@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from megatron_dapo.rollout.launch_env import free_port
+from megatron_dapo.net import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

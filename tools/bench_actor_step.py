@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_actor_memory import SMOLLM2_CACHE
 
-from megatron_dapo.rollout.launch_env import free_port
+from megatron_dapo.net import free_port
 
 ARMS = {
     "padded": {"packing": False, "logprob_impl": "fused"},

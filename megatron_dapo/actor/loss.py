@@ -39,6 +39,7 @@ from megatron_dapo.algorithms import PolicyLossConfig
 from megatron_dapo.algorithms import get_policy_loss
 from megatron_dapo.algorithms import loss_name
 from megatron_dapo.algorithms.policy_loss import LOSS_DENOMINATOR_UNIT
+from megatron_dapo.config import register_choices
 
 __all__ = [
     "LOGPROB_IMPLS",
@@ -92,6 +93,7 @@ def register_logprob_impl(
         if name in LOGPROB_IMPLS:
             raise ValueError(f"logprob impl {name!r} is already registered")
         LOGPROB_IMPLS[name] = LogprobImpl(name=name, fn=fn, takes_hidden=takes_hidden, fused_loss=fused_loss)
+        register_choices("actor.logprob_impl", name)
         return fn
 
     return wrap

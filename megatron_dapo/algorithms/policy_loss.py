@@ -26,6 +26,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from megatron_dapo.config import register_choices
+
 LOSS_DENOMINATOR_UNIT = {
     "token-mean": "tokens",
     "seq-mean-token-mean": "sequences",
@@ -70,6 +72,10 @@ class PolicyLossConfig:
     """Advantages (R - mean) / (std + eps) per group (True) or R - mean (Dr. GRPO)."""
 
     loss_agg_mode: ClassVar[str] = "token-mean"
+
+    def resolve(self, *, max_response_length: int) -> PolicyLossConfig:
+        """This config with what depends on the rest of the run filled in (RunConfig calls it); default: itself."""
+        return self
 
     def check(self) -> None:
         if self.loss_agg_mode not in self.AGG_MODES:
@@ -116,6 +122,7 @@ def register_policy_loss(name: str, config_cls: type[PolicyLossConfig]) -> Calla
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
         POLICY_LOSSES[name] = PolicyLoss(name, config_cls, fn)
+        register_choices("algorithm.policy_loss", name, payload=POLICY_LOSSES[name].make_config)
         return fn
 
     return wrap

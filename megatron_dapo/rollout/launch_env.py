@@ -32,7 +32,6 @@ children see only the MASTER_ADDR / MASTER_PORT an sbatch script exports, which 
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from collections.abc import Iterator
@@ -40,7 +39,9 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from urllib.parse import urlparse
+
+from megatron_dapo.net import is_loopback
+from megatron_dapo.net import url_host
 
 LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
 """Every variable with one of these prefixes is removed."""
@@ -117,30 +118,6 @@ def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: 
 
 
 # ------------------------------------------------------------------------------ a routable address for servers
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago (bind to port 0, read it, close): for single-process process
-    groups, test rendezvous and benchmarks. Another process may take it before the caller binds it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost, 127.0.0.0/8 and ::1 (an address remote servers cannot reach us at)."""
-    host = host.strip().strip("[]").lower()
-    if host in ("localhost", "localhost.localdomain", "ip6-localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def url_host(url: str) -> str:
-    """Host part of a server URL ("http://node7:30000" -> "node7")."""
-    return urlparse(url if "://" in url else f"http://{url}").hostname or ""
 
 
 def num_nodes(world_size: int, env: Mapping[str, str] | None = None) -> int:

@@ -78,7 +78,7 @@ class _Calls:
         return 1
 
     def _results(self, call: Any, outs: Sequence[dict], *, allow_abort: bool) -> list[tuple[Any, Rollout]]:
-        from megatron_dapo.rollout.sglang_engine import parse_sglang_output
+        from megatron_dapo.rollout.sglang_api import parse_sglang_output
 
         requests, params, _ = self._calls.pop(call)
         outs = [outs] if isinstance(outs, dict) else list(outs)
@@ -92,8 +92,8 @@ class _Calls:
 
     @staticmethod
     def _payload(requests: Sequence[GenerationRequest], params: SamplingParams) -> dict[str, Any]:
-        from megatron_dapo.rollout.sglang_engine import request_input_ids
-        from megatron_dapo.rollout.sglang_engine import sampling_params_dicts
+        from megatron_dapo.rollout.sglang_api import request_input_ids
+        from megatron_dapo.rollout.sglang_api import sampling_params_dicts
 
         return {
             "input_ids": [request_input_ids(r) for r in requests],
@@ -128,9 +128,9 @@ class EngineStream(_Calls):
         return out
 
     def _abort_all(self) -> None:
-        from megatron_dapo.rollout.sglang_engine import _checked
+        from megatron_dapo.rollout.sglang_api import checked
 
-        self._engine.tokenizer_manager.abort_request(**_checked("TokenizerManager.abort_request", {"abort_all": True}))
+        self._engine.tokenizer_manager.abort_request(**checked("TokenizerManager.abort_request", {"abort_all": True}))
 
 
 class ServerStream(_Calls):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_dapo.rollout.launch_env import free_port
+from megatron_dapo.net import free_port
 
 
 class RankError(RuntimeError):

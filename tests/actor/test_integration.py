@@ -26,7 +26,7 @@ from megatron_dapo.integration import dapo_loss_func
 from megatron_dapo.integration import get_logprob_fn
 from megatron_dapo.integration import local_loss_denominator
 from megatron_dapo.integration import sequence_logprobs_and_entropy
-from megatron_dapo.rollout.launch_env import free_port
+from megatron_dapo.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 REF = get_logprob_fn("reference")

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_dapo.rollout.launch_env import free_port
+from megatron_dapo.net import free_port
 
 # (rtol, atol) per input dtype, flash-attn's cross-entropy table (STYLE.md section 5).
 TOLERANCES = {

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.rollout.launch_env import free_port
+from megatron_dapo.net import free_port
 
 CHILD_TIMEOUT_S = 4.0
 

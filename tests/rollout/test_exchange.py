@@ -7,9 +7,9 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_dapo.net import free_port
 from megatron_dapo.rollout.exchange import ExchangeTimeout
 from megatron_dapo.rollout.exchange import RolloutExchange
-from megatron_dapo.rollout.launch_env import free_port
 
 TIMEOUT_S = 2.0
 

@@ -21,7 +21,7 @@ from megatron_dapo.rollout.fp8 import dequantize_block_fp8
 from megatron_dapo.rollout.fp8 import is_fp8_linear
 from megatron_dapo.rollout.fp8 import quantize_block_fp8
 from megatron_dapo.rollout.fp8 import quantize_named_tensors
-from megatron_dapo.rollout.sglang_engine import SGLANG_API
+from megatron_dapo.rollout.sglang_api import SGLANG_API
 from tests.rollout.conftest import tiny_model
 from tests.rollout.test_sglang_adapter import ROOT
 from tests.rollout.test_sglang_adapter import needs_sglang

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.rollout.launch_env import free_port
+from megatron_dapo.net import free_port
 from megatron_dapo.rollout.launch_env import is_launcher_var
 from megatron_dapo.rollout.launch_env import rendezvous_store
 from megatron_dapo.rollout.launch_env import scrubbed_env

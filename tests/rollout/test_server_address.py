@@ -8,9 +8,9 @@ import pytest
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config import RolloutConfig
+from megatron_dapo.net import is_loopback
 from megatron_dapo.rollout import launch_env
 from megatron_dapo.rollout.factory import make_engine
-from megatron_dapo.rollout.launch_env import is_loopback
 from megatron_dapo.rollout.launch_env import num_nodes
 from megatron_dapo.rollout.launch_env import weight_sync_master_address
 

@@ -23,15 +23,15 @@ from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout import TransformersEngine
 from megatron_dapo.rollout import bucket_named_tensors
 from megatron_dapo.rollout.base import requests_for
-from megatron_dapo.rollout.sglang_engine import SGLANG_API
-from megatron_dapo.rollout.sglang_engine import ApiUse
+from megatron_dapo.rollout.sglang_api import SGLANG_API
+from megatron_dapo.rollout.sglang_api import ApiUse
+from megatron_dapo.rollout.sglang_api import checked
+from megatron_dapo.rollout.sglang_api import parse_sglang_output
+from megatron_dapo.rollout.sglang_api import request_input_ids
+from megatron_dapo.rollout.sglang_api import sampling_params_dicts
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.rollout.sglang_engine import _checked
 from megatron_dapo.rollout.sglang_engine import flatten_bucket
 from megatron_dapo.rollout.sglang_engine import flattened_bucket_payloads
-from megatron_dapo.rollout.sglang_engine import parse_sglang_output
-from megatron_dapo.rollout.sglang_engine import request_input_ids
-from megatron_dapo.rollout.sglang_engine import sampling_params_dicts
 from tests.rollout.conftest import tiny_model
 
 
@@ -144,9 +144,9 @@ def test_checker_catches_a_renamed_argument():
 
 def test_adapter_refuses_names_outside_the_list():
     with pytest.raises(KeyError, match="'tensors'"):
-        _checked("Engine.update_weights_from_tensor", {"tensors": []})
+        checked("Engine.update_weights_from_tensor", {"tensors": []})
     with pytest.raises(KeyError, match="not listed"):
-        _checked("Engine.update_weights_from_disk", {})
+        checked("Engine.update_weights_from_disk", {})
 
 
 def _load_sglang_tensor_bucket(monkeypatch):

@@ -20,7 +20,7 @@ from megatron_dapo.rollout import FinishReason
 from megatron_dapo.rollout import GenerationRequest
 from megatron_dapo.rollout import Rollout
 from megatron_dapo.rollout import SamplingParams
-from megatron_dapo.rollout.sglang_engine import MAX_RUNNING_KEY
+from megatron_dapo.rollout.sglang_api import MAX_RUNNING_KEY
 from megatron_dapo.rollout.sglang_engine import SGLangEngine
 from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
 

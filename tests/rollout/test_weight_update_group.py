@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_dapo.rollout.launch_env import free_port
+from megatron_dapo.net import free_port
 from megatron_dapo.rollout.sglang_engine import init_weight_update_group
 
 

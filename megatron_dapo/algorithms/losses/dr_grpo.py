@@ -2,6 +2,7 @@
 R - mean (no division by the group's std) and each response's token sum is divided by a constant, the generation
 cap, instead of its own length; the mean over responses stays."""
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,6 +27,9 @@ class DrGRPOConfig(PolicyLossConfig):
     """Dr. GRPO drops the std normalisation; True restores GRPO's advantages (ablation)."""
 
     loss_agg_mode: ClassVar[str] = "seq-mean-token-sum-norm"
+
+    def resolve(self, *, max_response_length: int) -> "DrGRPOConfig":
+        return dataclasses.replace(self, norm_length=max_response_length) if self.norm_length == 0 else self
 
     def check(self) -> None:
         PolicyLossConfig.check(self)

@@ -1,0 +1,213 @@
+"""The contract with SGLang's source: every SGLang name megatron_dapo uses (Engine methods and their keyword
+arguments, ServerArgs fields, sampling parameters, HTTP routes, request fields) is listed once in SGLANG_API; calls
+go through checked(), which refuses a name not listed there, and tests/rollout/test_sglang_adapter.py checks the
+list against SGLang's source with `ast`. Also the translation of requests and results both SGLang engines share
+(sglang_engine.py, sglang_stream.py). sglang itself is not imported here. Supported versions: SGLANG_VERSIONS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_dapo.rollout.base import SamplingParams
+from megatron_dapo.rollout.base import request_result
+from megatron_dapo.rollout.types import FinishReason
+from megatron_dapo.rollout.types import GenerationRequest
+from megatron_dapo.rollout.types import Rollout
+
+SGLANG_VERSIONS = ("0.5.15", "0.5.23")
+"""Oldest and newest SGLang release whose source was checked against SGLANG_API (CI pins the newest)."""
+
+ENGINE = ("srt/entrypoints/engine.py",)
+SERVER_ARGS = ("srt/server_args.py", "srt/arg_groups/fields/*.py")  # 0.5.23 split ServerArgs into namespaces
+IO_STRUCT = ("srt/managers/io_struct.py",)
+TOKENIZER_MANAGER = ("srt/managers/tokenizer_manager.py",)
+HTTP = ("srt/entrypoints/http_server.py",)
+
+
+@dataclass(frozen=True)
+class ApiUse:
+    """One SGLang name we depend on.
+
+    kind: "params" (owner "Class.method", names = keyword arguments we pass), "fields" (owner a class, or "*" for
+    any class in files, names = annotated fields), "route" (owner an HTTP path, names = (request class,) or ()),
+    "literals" (names = substrings of string constants in files).
+    files: globs relative to the sglang package directory. optional: absent in older releases; used via hasattr.
+    """
+
+    kind: str
+    files: tuple[str, ...]
+    owner: str
+    names: tuple[str, ...]
+    optional: bool = False
+
+
+MAX_RUNNING_KEY = "effective_max_running_requests_per_dp"
+"""The scheduler's internal-state key of its effective max_running_requests (0.5.23)."""
+
+SGLANG_API: tuple[ApiUse, ...] = (
+    ApiUse("params", ENGINE, "Engine.async_generate", ("input_ids", "sampling_params", "return_logprob", "rid")),
+    ApiUse("params", ENGINE, "Engine.get_server_info", ()),
+    ApiUse("params", TOKENIZER_MANAGER, "TokenizerManager.abort_request", ("rid", "abort_all")),
+    ApiUse("literals", ("srt/managers/scheduler_components/*.py",), "*", (MAX_RUNNING_KEY,)),
+    ApiUse("params", ENGINE, "Engine.update_weights_from_tensor", ("named_tensors", "load_format", "flush_cache")),
+    ApiUse("params", ENGINE, "Engine.release_memory_occupation", ("tags",)),
+    ApiUse("params", ENGINE, "Engine.resume_memory_occupation", ("tags",)),
+    ApiUse("params", ENGINE, "Engine.flush_cache", ()),
+    ApiUse("params", ENGINE, "Engine.shutdown", ()),
+    ApiUse("params", ENGINE, "Engine.begin_weight_update", (), optional=True),
+    ApiUse("params", ENGINE, "Engine.end_weight_update", (), optional=True),
+    ApiUse(
+        "fields",
+        SERVER_ARGS,
+        "*",
+        (
+            "model_path",
+            "tp_size",
+            "mem_fraction_static",
+            "enable_memory_saver",
+            "skip_tokenizer_init",
+            "dtype",
+            "base_gpu_id",
+            "random_seed",
+            "enable_deterministic_inference",
+            "json_model_override_args",
+            "load_format",
+            "max_running_requests",
+        ),
+    ),
+    ApiUse(
+        "fields",
+        ("srt/sampling/sampling_params.py",),
+        "SamplingParams",
+        ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "no_stop_trim", "sampling_seed"),
+    ),
+    ApiUse("fields", IO_STRUCT, "GenerateReqInput", ("input_ids", "sampling_params", "return_logprob", "rid")),
+    ApiUse("fields", IO_STRUCT, "AbortReq", ("rid", "abort_all")),  # rid is inherited from BaseReq
+    ApiUse(
+        "fields",
+        IO_STRUCT,
+        "InitWeightsUpdateGroupReqInput",
+        ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
+    ),
+    ApiUse(
+        "fields",
+        IO_STRUCT,
+        "UpdateWeightsFromDistributedReqInput",
+        ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"),
+    ),
+    ApiUse("fields", IO_STRUCT, "BeginWeightUpdateReqInput", (), optional=True),
+    ApiUse("fields", IO_STRUCT, "EndWeightUpdateReqInput", (), optional=True),
+    ApiUse("route", HTTP, "/generate", ("GenerateReqInput",)),
+    ApiUse("route", HTTP, "/abort_request", ("AbortReq",)),
+    ApiUse("route", HTTP, "/get_server_info", ()),
+    ApiUse("route", HTTP, "/init_weights_update_group", ("InitWeightsUpdateGroupReqInput",)),
+    ApiUse("route", HTTP, "/update_weights_from_distributed", ("UpdateWeightsFromDistributedReqInput",)),
+    ApiUse("route", HTTP, "/flush_cache", ()),
+    ApiUse("route", HTTP, "/begin_weight_update", ("BeginWeightUpdateReqInput",), optional=True),
+    ApiUse("route", HTTP, "/end_weight_update", ("EndWeightUpdateReqInput",), optional=True),
+    ApiUse(
+        "fields",
+        ("srt/weight_sync/tensor_bucket.py",),
+        "FlattenedTensorMetadata",
+        ("name", "shape", "dtype", "start_idx", "end_idx", "numel"),
+    ),
+    ApiUse("params", ("srt/utils/common.py",), "MultiprocessingSerializer.serialize", ("obj",)),
+    ApiUse("params", ("srt/utils/patch_torch.py",), "monkey_patch_torch_reductions", ()),
+    # The receiver of load_format="flattened_bucket" reads these two keys of the payload dict.
+    ApiUse(
+        "literals",
+        ("srt/managers/*.py", "srt/model_executor/**/*.py"),
+        "*",
+        ("flattened_bucket", "flattened_tensor", "metadata"),
+    ),
+    # SGLang's restricted unpickler must admit our FlattenedTensorMetadata objects.
+    ApiUse("literals", ("srt/utils/common.py",), "*", ("sglang.srt.weight_sync.tensor_bucket",)),
+)
+
+_ALLOWED: dict[str, frozenset[str]] = {use.owner: frozenset(use.names) for use in SGLANG_API if use.owner != "*"}
+_ALLOWED["ServerArgs"] = frozenset(next(u.names for u in SGLANG_API if u.files == SERVER_ARGS))
+ROUTE_BODY: dict[str, str | None] = {
+    u.owner: (u.names[0] if u.names else None) for u in SGLANG_API if u.kind == "route"
+}
+
+
+def checked(owner: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Return kwargs after checking that every key is listed for owner in SGLANG_API (no drift from the test)."""
+    allowed = _ALLOWED.get(owner)
+    if allowed is None:
+        raise KeyError(f"sglang_engine: {owner!r} is not listed in SGLANG_API")
+    extra = sorted(set(kwargs) - allowed)
+    if extra:
+        raise KeyError(f"sglang_engine: {owner} argument {extra[0]!r} is not listed in SGLANG_API")
+    return kwargs
+
+
+def request_input_ids(request: GenerationRequest) -> list[int]:
+    """What SGLang is asked to continue: the prompt, then the tokens a carried (partial) response already has."""
+    ids = request.prompt_ids.tolist()
+    return ids if request.prefix is None else ids + request.prefix.response_ids.tolist()
+
+
+def sampling_params_dicts(requests: Sequence[GenerationRequest], params: SamplingParams) -> list[dict]:
+    """One SGLang sampling-params dict per request.
+
+    top_k 0 (disabled) becomes SGLang's -1; each request gets its own sampling_seed (honoured under deterministic
+    inference only, docs/rollout.md); max_new_tokens is what the cap leaves after a carried prefix; no_stop_trim
+    keeps the stop token in the output ids.
+    """
+    rows = []
+    for req in requests:
+        row = {
+            "max_new_tokens": params.max_new_tokens - (0 if req.prefix is None else len(req.prefix)),
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "stop_token_ids": list(params.stop_token_ids),
+            "no_stop_trim": True,
+            "sampling_seed": req.seed,
+        }
+        rows.append(checked("SamplingParams", row))
+    return rows
+
+
+def parse_sglang_output(
+    out: dict, request: GenerationRequest, want_logprobs: bool, version: int, *, allow_abort: bool = False
+) -> Rollout:
+    """One SGLang generate result (a dict with "output_ids" and "meta_info") -> the request's Rollout.
+
+    meta_info.output_token_logprobs is a list of (logprob, token_id, text) over every generated token;
+    meta_info.finish_reason is {"type": "stop" | "length" | "abort", "matched": ...}. An abort is an error unless
+    allow_abort (the stream aborted it: the tokens so far come back unfinished).
+    """
+    meta = out.get("meta_info", {})
+    reason = meta.get("finish_reason") or {}
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in ("stop", "length") and not (allow_abort and kind == "abort"):
+        raise RuntimeError(f"sglang: generation ended with finish_reason {reason!r}")
+    token_logprobs = meta.get("output_token_logprobs")
+    if token_logprobs:
+        ids = [int(t[1]) for t in token_logprobs]
+        logps: list[float] | None = [float(t[0]) for t in token_logprobs]
+    else:
+        ids, logps = [int(t) for t in out.get("output_ids", [])], None
+    matched = reason.get("matched") if isinstance(reason, dict) else None
+    if kind == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
+        raise RuntimeError(f"sglang: response does not end with its stop token {matched} (set no_stop_trim)")
+    if want_logprobs and logps is None and ids:
+        raise RuntimeError("sglang: no output_token_logprobs in the result (return_logprob was set)")
+    return request_result(request, ids, logps if want_logprobs else None, FinishReason(kind), version)
+
+
+def effective_max_running(server_info: dict) -> int:
+    """Rows one SGLang scheduler runs at once, from Engine.get_server_info() / GET /get_server_info: its first
+    data-parallel rank's internal state "effective_max_running_requests_per_dp" (0.5.23,
+    scheduler_components/internal_state.py)."""
+    try:
+        return int(server_info["internal_states"][0][MAX_RUNNING_KEY])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise RuntimeError(
+            f"sglang: server info has no internal_states[0][{MAX_RUNNING_KEY!r}]; set rollout.max_running_requests"
+        ) from None

@@ -1,0 +1,83 @@
+"""The package's import structure: every module imports alone in a fresh interpreter, the module graph (module-level
+and function-local imports) has no cycle, and config.py imports no component (components register their names)."""
+
+import ast
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megatron_dapo"
+
+
+def _modules() -> list[str]:
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def _imports(module: str) -> set[str]:
+    """megatron_dapo modules `module` imports anywhere in its file (a `from pkg import name` counts pkg.name when that
+    is a module, else pkg)."""
+    rel = Path(*module.split("."))
+    path = ROOT / rel / "__init__.py" if (ROOT / rel).is_dir() else ROOT / rel.with_suffix(".py")
+    known = set(_modules())
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("megatron_dapo")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron_dapo"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+    return found - {module}
+
+
+def test_config_imports_no_component():
+    """Config names and checks its fields; the components register the names they own (config.register_choices)."""
+    assert _imports("megatron_dapo.config") <= {"megatron_dapo.net"}
+
+
+def test_module_graph_has_no_cycle():
+    """No two modules import each other, directly or around a loop, not even from inside a function (the package
+    __init__, the composition root that imports the registering components, is left out: Python runs it first)."""
+    graph = {m: _imports(m) - {"megatron_dapo"} for m in _modules() if m != "megatron_dapo"}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            # importing pkg.sub runs pkg/__init__ first: an edge to a package is an edge to its __init__
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt) :] + [nxt] if nxt in path else path + [nxt]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if state.get(nxt) is None:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if state.get(module) is None:
+            visit(module, [module])
+
+
+def test_every_module_imports_alone():
+    """Each module in a fresh interpreter (as a user's script or a worker process imports it first)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+
+    def run(module: str) -> tuple[str, int, str]:
+        proc = subprocess.run(
+            [sys.executable, "-c", f"import {module}"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        return module, proc.returncode, proc.stderr[-2000:]
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(run, _modules()))
+    failed = [f"{m}: {err.strip().splitlines()[-1] if err.strip() else rc}" for m, rc, err in results if rc != 0]
+    assert not failed, "\n".join(failed)
+    assert len(results) > 50
