@@ -69,15 +69,19 @@ def test_rollout_rows_reach_only_their_dp_rank(ranks: list[dict]) -> None:
     assert got[0] == set(ranks[0]["plan"][0]) and got[1] == set(ranks[0]["plan"][1])
     assert not got[0] & got[1] and got[0] | got[1] == set(range(num_rows))
     assert got[0] and got[1]
-    # Each received row is exactly what its owner generated, and both ranks generated (and sent) rows.
+    # Each received row is exactly what its generator produced. Both engines take prompts from one shared queue, so
+    # how many each generated depends on timing (on a loaded machine one may take them all): some rows crossed ranks.
     generated = {int(k): v for r in ranks for k, v in r["generated"].items()}
-    assert set(generated) == set(range(num_rows)) and all(r["generated"] for r in ranks)
+    assert set(generated) == set(range(num_rows))
     for r in ranks:
         for k, tokens in r["received"].items():
             assert tokens == generated[int(k)], (r["rank"], k)
-    # A rank receives only its rows: fewer bytes than all ranks sent in total.
+    crossed = [k for r in ranks for k in r["received"] if k not in r["generated"]]
+    assert crossed, "no row was generated on one rank and trained on the other"
+    # Rows travel only to their owner (the sets above): no rank receives more than was sent in total.
     total_sent = sum(r["bytes_sent"] for r in ranks)
-    assert all(0 < r["bytes_received"] < total_sent for r in ranks), [(r["bytes_received"], total_sent) for r in ranks]
+    received = [r["bytes_received"] for r in ranks]
+    assert sum(received) > 0 and all(b <= total_sent for b in received), (received, total_sent)
 
 
 def test_shared_prefix_trains_under_torchrun(ranks: list[dict]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -120,9 +121,9 @@ def test_startup_error_is_one_line_from_rank_0_and_exit_2(tiny, tmp_path, case):
     out = proc.stdout + proc.stderr
     errors = _error_lines(out)
     assert len(errors) == 1 and expected in errors[0], out[-3000:]
-    # torchrun's own ChildFailedError summary follows (rank 0 exited 2 first, torchrun then stopped the others);
-    # the workers add no traceback of their own.
-    assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2" in out, out[-3000:]
+    # torchrun's own ChildFailedError summary follows: every rank finds the same fault and exits 2, whichever is
+    # first on a loaded machine (torchrun then stops the others); the workers add no traceback of their own.
+    assert re.search(r"rank      : [01] \(local_rank: [01]\)\n  exitcode  : 2", out), out[-3000:]
     assert out.count("Traceback (most recent call last)") == 1, out[-3000:]
 
 
