@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_dapo.tiny import make_tiny_run
+from megatron_dapo.dev.tiny import make_tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

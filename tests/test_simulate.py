@@ -1,6 +1,6 @@
-from megatron_dapo.simulate import SimConfig
-from megatron_dapo.simulate import format_table
-from megatron_dapo.simulate import simulate
+from megatron_dapo.dev.simulate import SimConfig
+from megatron_dapo.dev.simulate import format_table
+from megatron_dapo.dev.simulate import simulate
 
 
 def test_simulation_shows_sampling_cost_rising_at_both_ends():

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_dapo.dev.tiny import make_tiny_run
 from megatron_dapo.metrics import STEP_METRICS
-from megatron_dapo.tiny import make_tiny_run
 
 ROOT = Path(__file__).resolve().parents[1]
 VOLATILE = ("time/", "perf/", "stream/", "weight_sync/seconds", "weight_sync/gb_per_s")

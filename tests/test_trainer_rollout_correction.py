@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from megatron_dapo.tiny import make_tiny_run
+from megatron_dapo.dev.tiny import make_tiny_run
 from tests.test_trainer_e2e import _metrics
 from tests.test_trainer_e2e import _train
 

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     from transformers import AutoTokenizer
 
     if args.model is None:
-        from megatron_dapo.hub import prepare_smollm2
+        from megatron_dapo.dev.hub import prepare_smollm2
 
         args.model = str(prepare_smollm2())
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -2,7 +2,7 @@
 
 Usage: ``python tools/prepare_smollm2.py [--out DIR] [--force]``; prints the folder path (the only stdout line).
 Default folder: ``$MEGATRON_DAPO_CACHE/smollm2-135m-instruct`` or ``~/.cache/megatron_dapo/smollm2-135m-instruct``.
-The logic lives in ``megatron_dapo.hub.prepare_smollm2``.
+The logic lives in ``megatron_dapo.dev.hub.prepare_smollm2``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_dapo.hub import default_cache_dir
-from megatron_dapo.hub import is_prepared
-from megatron_dapo.hub import prepare_smollm2
+from megatron_dapo.dev.hub import default_cache_dir
+from megatron_dapo.dev.hub import is_prepared
+from megatron_dapo.dev.hub import prepare_smollm2
 
 
 def main(argv: list[str] | None = None) -> None:

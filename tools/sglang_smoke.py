@@ -122,8 +122,8 @@ def main() -> int:
         print(f"SKIP sglang smoke: {reason}", flush=True)
         return 0
     from megatron_dapo.config import load_config
-    from megatron_dapo.tiny import make_tiny_model
-    from megatron_dapo.tiny import make_tiny_run
+    from megatron_dapo.dev.tiny import make_tiny_model
+    from megatron_dapo.dev.tiny import make_tiny_run
     from megatron_dapo.trainer import DAPOTrainer
 
     out, work = Path(args.out), Path(args.work)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dapo.simulate import SimConfig
-from megatron_dapo.simulate import format_table
-from megatron_dapo.simulate import simulate
+from megatron_dapo.dev.simulate import SimConfig
+from megatron_dapo.dev.simulate import format_table
+from megatron_dapo.dev.simulate import simulate
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,7 +58,7 @@ P = TypeVar("P")
 
 @dataclass
 class Group(Generic[P]):
-    """A minimal scored group for callers without rollout records (simulate.py, tests): accs [G] bool + payload."""
+    """A minimal scored group for callers without rollout records (dev/simulate.py, tests): accs [G] bool + payload."""
 
     accs: Tensor
     payload: P
@@ -213,7 +213,7 @@ class StepSampling:
 
 def sample_step(rule: DynamicSampler, generate: Callable[[int], Scored]) -> tuple[list[Scored], dict[str, float]]:
     """A whole step in one process, positions generated in order: `generate(position)` -> group (callers without
-    engines: simulate.py). The rule must have a cap (an unlimited one could spin forever)."""
+    engines: dev/simulate.py). The rule must have a cap (an unlimited one could spin forever)."""
     if rule.max_sampled_prompts == 0:
         raise ValueError("sample_step: the rule needs max_sampled_prompts > 0")
     step = rule.start()

@@ -32,8 +32,8 @@ from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import checkpoint_files
 from megatron_dapo.checkpoint import hash_files
+from megatron_dapo.dev.tiny import make_tiny_run
 from megatron_dapo.launch import StartupError
-from megatron_dapo.tiny import make_tiny_run
 from tests.actor._dist import run_distributed
 from tests.actor._tiny_models import make_tiny_qwen2
 from tests.reliability.test_actor_faults import _batch

@@ -21,8 +21,8 @@ from megatron_dapo.data import PromptDataset
 from megatron_dapo.data import PromptIterator
 from megatron_dapo.data import iter_rows
 from megatron_dapo.data.dataset import prompt_token_ids
+from megatron_dapo.dev.tiny import make_tiny_tokenizer
 from megatron_dapo.launch import StartupError
-from megatron_dapo.tiny import make_tiny_tokenizer
 from tests.reliability.test_data_identity import bare_trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,10 +17,10 @@ from megatron_dapo.config import load_config
 from megatron_dapo.data import PromptDataset
 from megatron_dapo.data import PromptIterator
 from megatron_dapo.data import write_rows
+from megatron_dapo.dev.tiny import make_tiny_run
+from megatron_dapo.dev.tiny import make_tiny_tokenizer
 from megatron_dapo.launch import StartupError
 from megatron_dapo.rollout.exchange import RolloutExchange
-from megatron_dapo.tiny import make_tiny_run
-from megatron_dapo.tiny import make_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 WAY_OUT = "use a new trainer.run_dir or checkpoint.resume=never"

@@ -85,7 +85,7 @@ def test_a_cut_found_while_sampling_ends_the_step_and_says_by_what():
 # ------------------------------------------------------------------------------------------ whole jobs, torchrun
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from megatron_dapo.tiny import make_tiny_run
+    from megatron_dapo.dev.tiny import make_tiny_run
 
     return make_tiny_run(tmp_path_factory.mktemp("tiny_hangs"), num_train=24, num_test=4)
 

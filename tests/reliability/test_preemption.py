@@ -39,7 +39,7 @@ STEPS = ("--trainer.total_steps=4", "--checkpoint.save_every=1", "--checkpoint.k
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from megatron_dapo.tiny import make_tiny_run
+    from megatron_dapo.dev.tiny import make_tiny_run
 
     return make_tiny_run(tmp_path_factory.mktemp("tiny_preempt"), num_train=48, num_test=4)
 

@@ -16,8 +16,8 @@ import torch
 from megatron_dapo.checkpoint import MANIFEST
 from megatron_dapo.checkpoint import checkpoint_files
 from megatron_dapo.checkpoint import hash_files
+from megatron_dapo.dev.tiny import make_tiny_run
 from megatron_dapo.launch import StartupError
-from megatron_dapo.tiny import make_tiny_run
 from megatron_dapo.trainer import check_architecture
 from tests.reliability.test_data_identity import bare_trainer
 from tests.reliability.test_data_identity import tiny_config

