@@ -200,12 +200,13 @@ class CheckpointManager:
         config: dict[str, Any],
         save_actor: Callable[[Path], None] | None = None,
         *,
-        crash_hook: Callable[[Path], None] | None = None,
+        test_hook: Callable[[str], None] | None = None,
     ) -> Path:
         """Write checkpoint `step` atomically; returns its final path.
 
-        `save_actor(dir)` is called on every rank (it may be collective). `crash_hook` exists for tests: it runs
-        after the actor and trainer files are written but before the checkpoint is marked complete.
+        `save_actor(dir)` is called on every rank (it may be collective). `test_hook(point)` is the trainer's testing
+        hook (DAPOTrainer.test_hook), called at "before_manifest" (actor and trainer files written) and "in_save"
+        (manifest written, the checkpoint not yet marked complete).
         """
         final = self.root / step_dir_name(step)
         partial = self.root / (step_dir_name(step) + ".partial")
@@ -238,9 +239,11 @@ class CheckpointManager:
         if save_actor is not None:
             save_actor(partial / "actor")
         self._agreed(partial, "writing the trainer state", state)
+        if test_hook is not None:
+            test_hook("before_manifest")
         self._write_manifest(partial)
-        if crash_hook is not None:
-            crash_hook(partial)
+        if test_hook is not None:
+            test_hook("in_save")
         self._agreed(partial, "marking it complete", complete)
         return final
 

@@ -231,6 +231,7 @@ class DAPOTrainer:
         while self.step < self.cfg.trainer.total_steps:
             self.step += 1
             metrics = self.train_step()
+            self.test_hook("step_end")
             if metrics is None:  # a preemption signal stopped generation: the step never happened
                 self.step -= 1
                 self._note("a preemption signal stopped generation; the step is dropped, the last one saved, exiting")
@@ -251,7 +252,7 @@ class DAPOTrainer:
             every = self.cfg.checkpoint.save_every
             if preempted or (every and self.step % every == 0) or self.step == self.cfg.trainer.total_steps:
                 self.save()
-            self._fault("after_step")
+            self.test_hook("after_step")
             if preempted:
                 break
         self.close()
@@ -330,6 +331,7 @@ class DAPOTrainer:
     def _fresh(self, offset: int) -> tuple[int, str, list[int]]:
         """(example index, ground truth, prompt ids) of the data's offset-th next prompt (a fresh queue position);
         the training prompts' ids are cached by example index (indices are per dataset: eval ones are not here)."""
+        self.test_hook("fresh_prompt")
         example = self.train_data.peek(offset)
         ids = self._train_prompt_ids.get(example.index)
         if ids is None:
@@ -535,7 +537,7 @@ class DAPOTrainer:
                 self.trainer_state(),
                 self.cfg.to_dict(),
                 lambda d: self.actor.save_checkpoint(str(d)),
-                crash_hook=lambda _d: self._fault("in_save"),
+                test_hook=self.test_hook,
             )
 
         if self.cfg.actor.offload == "none":
@@ -587,13 +589,13 @@ class DAPOTrainer:
             self.lock.release()
 
     # ------------------------------------------------------------------------------------------------ comms
-    def _fault(self, where: str) -> None:
-        """Fault injection for the resume tests: MEGATRON_DAPO_FAULT="after_step:N" or "in_save:N" SIGKILLs every
-        rank at once (after step N's checkpoint, or halfway through writing it). Unset in real runs."""
-
-        if os.environ.get("MEGATRON_DAPO_FAULT") == f"{where}:{self.step}":
-            self._barrier()  # every rank dies at the same point, before a launcher's SIGTERM can reach a survivor
-            os.kill(os.getpid(), signal.SIGKILL)
+    def test_hook(self, point: str) -> None:
+        """The testing hook: a no-op in training, called at named points so that tests can kill or slow a rank
+        there (tests/_hooks_driver.py replaces it; docs/reliability.md, "Testing hooks"). Points, with self.step
+        the step in progress: "fresh_prompt" (generation starts a fresh prompt), "step_end" (the step's work is done,
+        before its boundary: evaluation, logging, preemption check, save), "before_manifest" (a checkpoint's files
+        are written, its manifest not yet), "in_save" (the manifest is written, the checkpoint not yet marked
+        complete), "after_step" (after the step's boundary and save)."""
 
     def _note(self, line: str) -> None:
         """A one-line notice on rank 0's stderr, prefixed with the step (e.g. the preemption decision)."""

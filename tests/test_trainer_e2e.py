@@ -30,7 +30,7 @@ def tiny(tmp_path_factory):
 
 def _cmd(nproc: int) -> list[str]:
     if nproc == 1:
-        return [sys.executable, "-m", "megatron_dapo.cli"]
+        return [sys.executable, "-m", "tests._hooks_driver"]
     return [
         sys.executable,
         "-m",
@@ -38,7 +38,7 @@ def _cmd(nproc: int) -> list[str]:
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "megatron_dapo.cli",
+        "tests._hooks_driver",  # megatron_dapo.cli with the trainer's testing hook read from MEGATRON_DAPO_FAULT
     ]
 
 

@@ -170,7 +170,7 @@ def test_a_stopped_rank_during_generation_ends_the_job_naming_it(tiny, tmp_path)
     kills the stopped process (same host)."""
     cmd = _torchrun(tiny, tmp_path / "run", "--distributed.timeout_minutes=0.5", "--trainer.total_steps=3",
                     "--algorithm.max_gen_batches=10")  # fmt: skip
-    cmd[cmd.index("megatron_dapo.cli")] = "tests.reliability._slow_step_driver"
+    cmd[cmd.index("megatron_dapo.cli")] = "tests._hooks_driver"
     proc, lines = _start(cmd, SLOW_GEN="2:2")
     stopped = None
     try:

@@ -1,5 +1,5 @@
 """Preemption signals after the first checkpoint (issue 20, item 1), launched as users launch (plain torchrun and
-`megatron-dapo launch`, 2 ranks, the tiny CPU job, one phase slowed by tests/reliability/_slow_step_driver.py):
+`megatron-dapo launch`, 2 ranks, the tiny CPU job, one phase slowed by tests/_hooks_driver.py):
 
 - in a step: the step finishes and is saved (before: megatron's checkpoint-writer helper, started at the first save
   in the worker's process group, died of torchrun's killpg(SIGTERM) and the save failed with BrokenPipeError on
@@ -33,7 +33,7 @@ from tests.test_trainer_e2e import _metrics
 from tests.test_trainer_e2e import _stable
 
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = "tests.reliability._slow_step_driver"
+DRIVER = "tests._hooks_driver"
 STEPS = ("--trainer.total_steps=4", "--checkpoint.save_every=1", "--checkpoint.keep_last=4")
 
 

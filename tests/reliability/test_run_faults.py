@@ -215,7 +215,7 @@ def test_run_dir_lock_and_workers_exit_when_the_launcher_dies(tiny, tmp_path):
 def test_sigterm_during_a_step_longer_than_30_s_still_saves_that_step(tiny, tmp_path):
     run_dir = tmp_path / "run"
     cmd = _launch(tiny, run_dir, "--trainer.total_steps=3", "--checkpoint.save_every=0",
-                  "--checkpoint.preempt_grace_s=75", module="tests.reliability._slow_step_driver")  # fmt: skip
+                  "--checkpoint.preempt_grace_s=75", module="tests._hooks_driver")  # fmt: skip
     proc = subprocess.Popen(cmd, env=_env(SLOW_STEP="1:36"), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     lines: list[str] = []

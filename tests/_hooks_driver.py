@@ -1,0 +1,54 @@
+"""megatron_dapo.cli with the trainer's testing hook (DAPOTrainer.test_hook) filled in from the environment:
+`python -m tests._hooks_driver train ...` (under torchrun) stands in for a run that crashes or has one slow phase.
+The trainer itself reads none of these variables.
+
+MEGATRON_DAPO_FAULT="POINT:N": at hook point POINT of step N ("after_step": after step N's checkpoint; "in_save":
+    step N's checkpoint has its manifest but no completion marker), every rank meets at a barrier, then SIGKILLs
+    itself (all die at the same point, before a launcher's SIGTERM can reach a survivor).
+SLOW_STEP="N:SECONDS": after step N's work, before its step boundary ("step_end"), the step sleeps SECONDS more.
+SLOW_SAVE="N:SECONDS": step N's checkpoint sleeps SECONDS after its files are written, before its manifest.
+SLOW_GEN="N:SECONDS": during step N's generation, every fresh prompt the stream starts takes SECONDS longer.
+Each slow hook prints a "test hook: ..." notice (rank 0) when it starts sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from megatron_dapo import cli
+from megatron_dapo.trainer import DAPOTrainer
+
+SLOW = {"step_end": "SLOW_STEP", "before_manifest": "SLOW_SAVE", "fresh_prompt": "SLOW_GEN"}
+NOTICE = {
+    "SLOW_STEP": "step {step} takes {seconds:g} s longer",
+    "SLOW_SAVE": "the save of step {step} takes {seconds:g} s longer",
+    "SLOW_GEN": "generation of step {step} is slow",
+}
+
+
+def _setting(name: str) -> tuple[str, float] | None:
+    if name not in os.environ:
+        return None
+    head, value = os.environ[name].rsplit(":", 1)
+    return head, float(value)
+
+
+def test_hook(self: DAPOTrainer, point: str) -> None:
+    fault = _setting("MEGATRON_DAPO_FAULT")
+    if fault is not None and fault == (point, float(self.step)):
+        self._barrier()
+        os.kill(os.getpid(), signal.SIGKILL)
+    name = SLOW.get(point)
+    slow = _setting(name) if name else None
+    if slow is not None and int(slow[0]) == self.step:
+        self._notice(f"test hook: {NOTICE[name].format(step=self.step, seconds=slow[1])}")
+        time.sleep(slow[1])
+
+
+DAPOTrainer.test_hook = test_hook
+
+if __name__ == "__main__":
+    sys.exit(cli.main())
