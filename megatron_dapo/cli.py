@@ -230,6 +230,7 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     from megatron_dapo.evaluate import evaluate
     from megatron_dapo.reward import Verifier
     from megatron_dapo.rollout import make_engine
+    from megatron_dapo.rollout.factory import sampling_params
 
     model_dir = model_dir or config.actor.model_path
     t = config.trainer
@@ -237,19 +238,12 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     examples = PromptDataset(config.data.eval_files).examples[: t.eval_max_prompts or None]
     engine = make_engine(config.rollout, model_dir, seed=t.seed)
     prompts = [prompt_token_ids(tok, ex.prompt_messages) for ex in examples]
-    return evaluate(
-        engine,
-        prompts,
-        [ex.ground_truth for ex in examples],
-        Verifier.from_config(config.reward),
-        k=t.eval_samples,
-        temperature=t.eval_temperature,
-        top_p=t.eval_top_p,
-        max_new_tokens=config.rollout.max_response_length,
-        stop_token_ids=[tok.eos_token_id],
-        tokenizer=tok,
-        seed=t.seed,
-    )
+    params = sampling_params(
+        config.rollout, t.eval_samples, seed=t.seed, stop_token_ids=[tok.eos_token_id], temperature=t.eval_temperature,
+        top_p=t.eval_top_p, return_logprobs=False,
+    )  # fmt: skip
+    truths = [ex.ground_truth for ex in examples]
+    return evaluate(engine, prompts, truths, Verifier.from_config(config.reward), params, tokenizer=tok)
 
 
 def convert(config, to: str, checkpoint: str | None, out: str) -> None:
@@ -265,17 +259,20 @@ def convert(config, to: str, checkpoint: str | None, out: str) -> None:
         return
     if checkpoint is None:
         raise SystemExit("error: convert --to hf needs --checkpoint DIR")
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     actor = MegatronActor(config, groups)
     actor.load_checkpoint(checkpoint, load_optimizer=False)
-    tensors = {name: t.detach().cpu().contiguous() for name, t in actor.export_hf_weights()}
-    if groups.rank == 0:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
-        actor.hf_config.save_pretrained(out)
+    actor.save_hf(out, tokenizer=_tokenizer_or_none(config.actor.model_path))
+
+
+def _tokenizer_or_none(model_path: str):
+    """The tokenizer of actor.model_path for a converted checkpoint, or None when that folder has none (the export
+    then holds weights and config only, as before)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

@@ -61,32 +61,19 @@ def evaluate(
     prompts: Sequence[list[int]],
     truths: Sequence[str],
     verifier: Any,
+    params: Any,
     *,
-    k: int,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    stop_token_ids: Sequence[int],
     tokenizer: Any,
-    seed: int = 0,
 ) -> dict[str, float]:
-    """Sample k responses per prompt from `engine`, score them with `verifier(text, truth)`, aggregate.
+    """Sample params.n responses per prompt from `engine`, score them with `verifier(text, truth)`, aggregate.
 
     Args:
         prompts: token ids per prompt (chat template applied).
         truths: ground truth per prompt.
+        params: the engine's SamplingParams (`rollout.factory.sampling_params` with the evaluation's temperature
+            and top_p), so `megatron-dapo eval` samples as the trainer's evaluation does.
     """
-    from megatron_dapo.rollout.base import SamplingParams
-
-    params = SamplingParams(
-        n=k,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        stop_token_ids=tuple(stop_token_ids),
-        seed=seed,
-        return_logprobs=False,
-    )
+    k = params.n
     completions = engine.generate(list(prompts), params)
     scored = []
     for i, truth in enumerate(truths):

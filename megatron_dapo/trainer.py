@@ -49,7 +49,6 @@ from megatron_dapo.metrics import metrics_row
 from megatron_dapo.metrics import mismatch_from_sums
 from megatron_dapo.metrics import mismatch_sums
 from megatron_dapo.metrics import plot_run
-from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.exchange import RolloutExchange
 from megatron_dapo.rollout.factory import sampling_params
 from megatron_dapo.rollout.stream import CarryEntry
@@ -368,16 +367,10 @@ class DAPOTrainer:
             return []
         slot = self.engine_ranks.index(self.rank)
         mine = examples[slot :: len(self.engine_ranks)]
-        params = SamplingParams(
-            n=n,
-            max_new_tokens=self.cfg.rollout.max_response_length,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=self.cfg.rollout.top_k,
-            stop_token_ids=tuple(self.stop_ids),
-            seed=seed + self.rank,
-            return_logprobs=False,
-        )
+        params = sampling_params(
+            self.cfg.rollout, n, seed=seed + self.rank, stop_token_ids=self.stop_ids, temperature=temperature,
+            top_p=top_p, return_logprobs=False,
+        )  # fmt: skip
         rollouts = self.engine.generate([self._render(ex) for ex in mine], params) if mine else []
         return [(ex, rollouts[i * n : (i + 1) * n]) for i, ex in enumerate(mine)]
 
@@ -564,19 +557,9 @@ class DAPOTrainer:
         self._barrier()
 
     def export_final_hf(self, out_dir: str | Path) -> None:
-        """Write the actor's weights as a Hugging Face checkpoint (rank 0 writes; every rank must call). Only rank 0
-        receives the full tensors: the other ranks of its model-parallel group send their shards, the other
-        data-parallel replicas do nothing, so no other rank holds a full-model copy."""
-        from safetensors.torch import save_file
-
-        tensors = {name: t.detach().cpu().contiguous() for name, t in self.actor.export_hf_weights(dst_rank=0)}
-        if self.rank == 0:
-            out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-            self.actor.hf_config.save_pretrained(out)
-            self.tokenizer.save_pretrained(out)
-        self._barrier()
+        """Write the actor's weights and the tokenizer as a Hugging Face checkpoint (`MegatronActor.save_hf`: rank 0
+        receives and writes, no other rank holds a full-model copy; every rank must call)."""
+        self.actor.save_hf(str(out_dir), tokenizer=self.tokenizer)
 
     def close(self) -> None:
         self.memory.finish()  # engine released, actor parameters on the device for the export

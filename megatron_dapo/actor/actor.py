@@ -709,6 +709,24 @@ class MegatronActor:
             self.model, self.hf_config, self.groups, bucket_bytes=bucket_bytes, dst_rank=dst_rank
         )
 
+    def save_hf(self, out_dir: str, tokenizer: Any = None) -> None:
+        """Write the current weights as a Hugging Face checkpoint: out_dir/model.safetensors (the HF config's
+        dtype), config.json and, when given, the tokenizer's files. The one HF export (the trainer's final export
+        and `megatron-dapo convert --to hf` both call it). Collective: every rank must call it; only global rank 0
+        receives the full tensors (the others send their shards, other data-parallel replicas do nothing) and
+        writes; every rank returns once the files are written."""
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().cpu().contiguous() for name, t in self.export_hf_weights(dst_rank=0)}
+        if self.groups.rank == 0:
+            os.makedirs(out_dir, exist_ok=True)
+            save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+            self.hf_config.save_pretrained(out_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+        if dist.is_initialized():
+            dist.barrier()
+
     def _sharded_state_dict(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
         model_sd = self._unwrapped().sharded_state_dict()
         state = {"model": model_sd, "actor": {"num_steps": self.num_steps}}

@@ -16,18 +16,28 @@ TRANSFORMERS_MAX_RUNNING = 32
 
 
 def sampling_params(
-    rollout: RolloutConfig, n: int, *, seed: int | None = None, stop_token_ids: Sequence[int] = ()
+    rollout: RolloutConfig,
+    n: int,
+    *,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    temperature: float | None = None,
+    top_p: float | None = None,
+    return_logprobs: bool | None = None,
 ) -> SamplingParams:
-    """Training-time sampling: n = group size, max_new_tokens = rollout.max_response_length."""
+    """The one SamplingParams builder (training, the trainer's evaluation, `megatron-dapo eval`): n responses per
+    prompt, max_new_tokens = rollout.max_response_length, top_k = rollout.top_k; temperature, top_p and
+    return_logprobs from the rollout section unless given (evaluation passes trainer.eval_temperature /
+    eval_top_p and no log-probs)."""
     return SamplingParams(
         n=n,
         max_new_tokens=rollout.max_response_length,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
+        temperature=rollout.temperature if temperature is None else temperature,
+        top_p=rollout.top_p if top_p is None else top_p,
         top_k=rollout.top_k,
         stop_token_ids=tuple(stop_token_ids),
         seed=seed,
-        return_logprobs=rollout.compare_logprobs,
+        return_logprobs=rollout.compare_logprobs if return_logprobs is None else return_logprobs,
     )
 
 
