@@ -1,11 +1,11 @@
 """Atomic, resumable checkpoints: model and optimizer (Megatron dist_checkpointing via the actor), trainer state
-(step, data position, carried rollouts, RNG states), the run's config; keep the newest K; preemption-safe.
+(step, data position, carried rollouts), the run's config; keep the newest K; preemption-safe.
 
     run_dir/checkpoints/
         step_00000004/            complete: has COMPLETE, renamed into place only after every rank wrote
-            actor/                MegatronActor.save_checkpoint (sharded model + optimizer + scheduler)
+            actor/                MegatronActor.save_checkpoint (sharded model + optimizer + scheduler, and each
+                                  rank's RNG states: python, torch, Megatron's tracker, CUDA; the one RNG file)
             trainer_state.pt      step, data iterator, carried rollouts, metrics continuity (weights_only-safe)
-            rng_rank{r}.pt        torch / python RNG states per rank
             config.yaml
             MANIFEST.json         size and sha256 of every other file, written by rank 0 after every rank wrote
             COMPLETE
@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 import signal
 import time
@@ -95,15 +94,6 @@ def check_compatible(saved: dict[str, dict[str, Any]], current: dict[str, dict[s
             f"{where}: cannot resume, the config changed incompatibly ({'; '.join(changed)}); "
             f"use a new trainer.run_dir or checkpoint.resume=never"
         )
-
-
-def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
 
 
 def checkpoint_files(path: str | Path) -> list[str]:
@@ -219,7 +209,6 @@ class CheckpointManager:
                 partial.mkdir()
 
         def state() -> None:
-            torch.save(rng_state(), partial / f"rng_rank{self.rank}.pt")
             if self.rank == 0:
                 torch.save(trainer_state, partial / "trainer_state.pt")
                 (partial / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -364,10 +353,7 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
         self.check_config(path, config)
         if load_actor is not None:
-            load_actor(path / "actor")
-        rng_file = path / f"rng_rank{self.rank}.pt"
-        if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=True))
+            load_actor(path / "actor")  # restores this rank's RNG states too
         return torch.load(path / "trainer_state.pt", weights_only=True)
 
 

@@ -632,8 +632,8 @@ def _is_rng_state(state: Any, keys: tuple[str, ...]) -> bool:
 
 
 def check_state_files(path: Path, rank: int, world: int) -> dict[str, Any]:
-    """The trainer state of checkpoint `path`, after loading it and this rank's RNG files (the trainer's and the
-    actor's) and checking their shape: a crafted, damaged or mismatched file (another step's state, another run's)
+    """The trainer state of checkpoint `path`, after loading it and this rank's RNG file (the actor's) and checking
+    their shape: a crafted, damaged or mismatched file (another step's state, another run's)
     is one CheckpointError naming it, at start-up on every rank, not a traceback in the middle of the actor's load."""
     file = path / "trainer_state.pt"
     state = _load_state_file(file)
@@ -642,12 +642,9 @@ def check_state_files(path: Path, rank: int, world: int) -> dict[str, Any]:
     name = path.name
     if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != state["step"]:
         raise CheckpointError(f"{file}: holds step {state['step']}, but it sits in {name} (copied from another one?)")
-    for rng, keys in (
-        (path / f"rng_rank{rank}.pt", ("torch", "python")),
-        (path / "actor" / f"rng_rank{rank:05d}_of{world}.pt", ("torch", "python", "tracker")),
-    ):
-        if rng.exists() and not _is_rng_state(_load_state_file(rng), keys):
-            raise CheckpointError(f"{rng}: not an RNG state (expected {', '.join(keys)})")
+    rng, keys = path / "actor" / f"rng_rank{rank:05d}_of{world}.pt", ("torch", "python", "tracker")
+    if rng.exists() and not _is_rng_state(_load_state_file(rng), keys):
+        raise CheckpointError(f"{rng}: not an RNG state (expected {', '.join(keys)})")
     return state
 
 

@@ -26,14 +26,12 @@ def test_save_keep_last_and_load(tmp_path):
     for step in (1, 2, 3):
         _save(mgr, step, cfg)
     assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["step_00000002", "step_00000003"]
-    torch.manual_seed(123)
     _save(mgr, 4, cfg)
-    expected = torch.rand(3)
-    torch.rand(5)
     loaded = {}
     state = mgr.load(latest_checkpoint(tmp_path / "ck"), cfg, lambda d: loaded.update(torch.load(d / "w.pt")))
     assert state["step"] == 4 and state["data"]["position"] == 16 and loaded["w"][0] == 4.0
-    assert torch.equal(torch.rand(3), expected)  # RNG restored to the state at save time
+    # The RNG states are the actor's (actor/rng_rank*_of*.pt, restored by its load): the manager writes none.
+    assert not list(latest_checkpoint(tmp_path / "ck").glob("rng*"))
 
 
 def test_crash_during_write_leaves_previous_loadable(tmp_path):
@@ -41,11 +39,12 @@ def test_crash_during_write_leaves_previous_loadable(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=3)
     _save(mgr, 1, cfg)
 
-    def crash(_partial):
-        raise KeyboardInterrupt("killed while saving")
+    def crash(point):
+        if point == "in_save":
+            raise KeyboardInterrupt("killed while saving")
 
     with pytest.raises(KeyboardInterrupt):
-        _save(mgr, 2, cfg, crash_hook=crash)
+        _save(mgr, 2, cfg, test_hook=crash)
     assert (tmp_path / "step_00000002.partial").exists()
     assert latest_checkpoint(tmp_path).name == "step_00000001"
     assert mgr.load(latest_checkpoint(tmp_path), cfg)["step"] == 1

@@ -44,7 +44,7 @@ def two_checkpoints(tmp_path):
 def test_manifest_lists_every_file_with_size_and_sha256(two_checkpoints):
     mgr, lines = two_checkpoints
     manifest = json.loads((mgr.root / "step_00000002" / MANIFEST).read_text())
-    assert sorted(manifest["files"]) == ["actor/.metadata", SHARD, "config.yaml", "rng_rank0.pt", "trainer_state.pt"]
+    assert sorted(manifest["files"]) == ["actor/.metadata", SHARD, "config.yaml", "trainer_state.pt"]
     assert all(len(v["sha256"]) == 64 and v["size"] > 0 for v in manifest["files"].values())
     assert mgr.verify(mgr.root / "step_00000002") == [] and lines == []
     assert mgr.find_resumable().name == "step_00000002"

@@ -87,14 +87,17 @@ def _forge_manifest(ckpt: Path) -> None:
     (ckpt / MANIFEST).write_text(json.dumps({"version": 1, "algorithm": "sha256", "files": files}))
 
 
+RNG = "actor/rng_rank00000_of1.pt"  # the actor's RNG file of rank 0 in a one-process run (bare_trainer)
+
+
 @pytest.mark.parametrize("case", ["crafted_rng", "not_rng", "other_step_state", "garbage_state"])
 def test_crafted_or_mismatched_state_files_are_named(tiny, tmp_path, case):
     _, config = _saved_run(tiny, tmp_path)
     ckpt = Path(config.trainer.run_dir) / "checkpoints" / "step_00000001"
     marker = tmp_path / "marker"
     name, expected = {
-        "crafted_rng": ("rng_rank0.pt", "rng_rank0.pt: refused to load it"),
-        "not_rng": ("rng_rank0.pt", "rng_rank0.pt: not an RNG state (expected torch, python)"),
+        "crafted_rng": (RNG, "rng_rank00000_of1.pt: refused to load it"),
+        "not_rng": (RNG, "rng_rank00000_of1.pt: not an RNG state (expected torch, python, tracker)"),
         "other_step_state": ("trainer_state.pt", "trainer_state.pt: holds step 7, but it sits in step_00000001"),
         "garbage_state": ("trainer_state.pt", "trainer_state.pt: refused to load it"),
     }[case]
