@@ -391,9 +391,10 @@ class ActorConfig:
     recompute_activations: bool = False
     """Full activation recompute per layer (saves memory on long responses)."""
     logprob_impl: str = "fused_linear"
-    """Log-prob/entropy implementation (registry in megatron_dapo/actor/loss.py): "fused_linear" (default; LM head
-    fused in: the last stage returns hidden states, no [T, V] logits), "fused" (megatron_dapo.ops on full logits) or
-    "reference" (chunked plain torch on the logits, for debugging)."""
+    """The run's one kernel switch (registry in megatron_dapo/actor/loss.py), for the log-probs and the policy loss:
+    "fused_linear" (default; LM head fused in: the last stage returns hidden states, no [T, V] logits; Triton),
+    "fused" (megatron_dapo.ops on full logits, Triton), "fused_cuda" (the same on the CUDA C++ twins of csrc/, GPU
+    only) or "reference" (chunked plain torch on the logits, for debugging). docs/kernels.md."""
     packing: bool = True
     """Pack each micro-batch's responses into one row (THD, cu_seqlens; attention and RoPE restart per sequence):
     no padding is computed. False: rows padded to the micro-batch's longest."""

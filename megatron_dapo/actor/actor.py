@@ -645,7 +645,7 @@ class MegatronActor:
             logprob_fn=self.logprob_impl.fn,
             output_weight=self._output_weight(),
             packed=mb.layout.to(self.device) if mb.layout is not None else None,
-            fused_loss=self.logprob_impl.fused_loss,
+            fused_loss=self.logprob_impl.kernel or False,
             is_weight=batch.is_weight,
         )
 

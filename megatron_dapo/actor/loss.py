@@ -71,28 +71,28 @@ class LogprobImpl:
             vocab_size); takes_hidden=True: fn(hidden [T, H], weight [V_local, H], labels [T], *, temperature,
             tp_group, vocab_size). Returns (logp, entropy) [T] fp32.
         takes_hidden: the model's last stage must return hidden states (no logits) and the LM-head weight is passed.
-        fused_loss: the policy loss runs the fused kernel (ops.pg_loss.fused_surrogate_loss) instead of the
-            pure-torch reference.
+        kernel: the GPU implementation of its fused ops, "triton" or "cuda" (the csrc twins), or None for the
+            pure-torch references; the policy loss then runs ops.pg_loss.fused_surrogate_loss on the same backend.
     """
 
     name: str
     fn: LogProbFn
     takes_hidden: bool = False
-    fused_loss: bool = False
+    kernel: str | None = None
 
 
 LOGPROB_IMPLS: dict[str, LogprobImpl] = {}
 
 
 def register_logprob_impl(
-    name: str, *, takes_hidden: bool = False, fused_loss: bool = False
+    name: str, *, takes_hidden: bool = False, kernel: str | None = None
 ) -> Callable[[LogProbFn], LogProbFn]:
     """Register a log-prob/entropy implementation under `name` (config field `actor.logprob_impl`)."""
 
     def wrap(fn: LogProbFn) -> LogProbFn:
         if name in LOGPROB_IMPLS:
             raise ValueError(f"logprob impl {name!r} is already registered")
-        LOGPROB_IMPLS[name] = LogprobImpl(name=name, fn=fn, takes_hidden=takes_hidden, fused_loss=fused_loss)
+        LOGPROB_IMPLS[name] = LogprobImpl(name=name, fn=fn, takes_hidden=takes_hidden, kernel=kernel)
         register_choices("actor.logprob_impl", name)
         return fn
 
@@ -124,14 +124,22 @@ def _reference(logits: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor
     return logprobs_and_entropy_chunked(logits, labels, **kwargs)
 
 
-@register_logprob_impl("fused", fused_loss=True)
+@register_logprob_impl("fused", kernel="triton")
 def _fused(logits: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
     from megatron_dapo.ops import logprobs_and_entropy
 
     return logprobs_and_entropy(logits, labels, **kwargs)
 
 
-@register_logprob_impl("fused_linear", takes_hidden=True, fused_loss=True)
+@register_logprob_impl("fused_cuda", kernel="cuda")
+def _fused_cuda(logits: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
+    """ "fused" on the CUDA C++ twins of csrc/ (GPU only; the library must be built, csrc/README.md)."""
+    from megatron_dapo.ops import logprobs_and_entropy
+
+    return logprobs_and_entropy(logits, labels, backend="cuda", **kwargs)
+
+
+@register_logprob_impl("fused_linear", takes_hidden=True, kernel="triton")
 def _fused_linear(hidden: Tensor, weight: Tensor, labels: Tensor, **kwargs: object) -> tuple[Tensor, Tensor]:
     from megatron_dapo.ops import linear_logprobs_and_entropy
 
@@ -326,7 +334,7 @@ def dapo_loss_func(
     logprob_fn: LogProbFn = _fused,
     output_weight: Tensor | None = None,
     packed: PackedLayout | SharedPrefixLayout | None = None,
-    fused_loss: bool = False,
+    fused_loss: bool | str = False,
     is_weight: Tensor | None = None,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
     """Build the `loss_func(output_tensor)` of one micro-batch for a Megatron forward_step_func.
@@ -358,7 +366,8 @@ def dapo_loss_func(
             loss, its aggregation and the metrics are the padded path's; the LM head runs only on the positions
             that predict response tokens (response_mask or loss_mask).
         fused_loss: run the policy loss through the fused kernel (ops.pg_loss.fused_surrogate_loss, every registered
-            loss), which falls back to the reference on CPU without the Triton interpreter.
+            loss): True or "triton" for the Triton kernel, "cuda" for the CUDA twin (the actor passes its
+            LogprobImpl.kernel); it falls back to the reference on CPU without the Triton interpreter.
         is_weight: [B, S] float or None, rollout-correction importance weights (ActorBatch.is_weight, filled by
             `algorithms.rollout_correction`); passed to the policy loss as `weights` only when given, so
             algorithm.rollout_correction "none" runs exactly the uncorrected call. Rejected tokens (MIS) are already

@@ -84,9 +84,10 @@ class PolicyLossConfig:
             )
 
 
-PolicyLossFn = Callable[[LossInputs, Any, bool], tuple[Tensor, dict[str, Tensor]]]
+PolicyLossFn = Callable[[LossInputs, Any, "bool | str"], tuple[Tensor, dict[str, Tensor]]]
 """fn(inputs, config, fused) -> (loss 0-dim fp32, metrics {clipfrac_high, clipfrac_low, approx_kl, ratio_max});
-fused=True runs the fused kernel path (the reference on CPU without the Triton interpreter)."""
+fused True (or a kernel backend, "triton" / "cuda") runs the fused kernel path (the reference on CPU without the
+Triton interpreter)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class PolicyLoss:
     config_cls: type[PolicyLossConfig]
     fn: PolicyLossFn
 
-    def __call__(self, inputs: LossInputs, config: PolicyLossConfig, fused: bool = False):
+    def __call__(self, inputs: LossInputs, config: PolicyLossConfig, fused: bool | str = False):
         return self.fn(inputs, config, fused)
 
     def make_config(self, values: dict[str, Any] | None = None) -> PolicyLossConfig:

@@ -7,9 +7,9 @@ Where the library comes from, first match wins:
 1. env MEGATRON_DAPO_CUDA_LIB: path of a library built with `python csrc/build.py --out DIR`;
 2. megatron_dapo/ops/_megatron_dapo_cuda*.so, built by `MEGATRON_DAPO_BUILD_CUDA=1 pip install -e .`.
 
-Selection at run time: `fused_surrogate_loss(..., backend="cuda")` (every policy loss) or env
-MEGATRON_DAPO_KERNEL_BACKEND=cuda; the log-prob twin is `logprobs_and_entropy_cuda` below (single rank or one vocab
-shard via class_start / n_valid).
+Selection at run time: actor.logprob_impl "fused_cuda", or per call `fused_surrogate_loss(..., backend="cuda")`
+(every policy loss) / `logprobs_and_entropy(..., backend="cuda")`; the log-prob twin is `logprobs_and_entropy_cuda`
+below (single rank or one vocab shard via class_start / n_valid).
 """
 
 from __future__ import annotations

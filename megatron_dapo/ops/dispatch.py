@@ -11,7 +11,9 @@
 The environment is read once at import time, the same moment Triton reads it, so the two never disagree.
 
 ``kernel_backend(backend)`` picks the GPU implementation: the compiled Triton kernels ("triton", default) or the
-CUDA C++ twins from csrc/ ("cuda"); env MEGATRON_DAPO_KERNEL_BACKEND is read at every call.
+CUDA C++ twins from csrc/ ("cuda"). A run chooses it with its one kernel switch, ``actor.logprob_impl`` (the registry
+in actor/loss.py: "reference", "fused" / "fused_linear" on Triton, "fused_cuda" on the CUDA twins); no environment
+variable selects a backend. ``TRITON_INTERPRET`` is Triton's own debugging switch, used by the tests only.
 """
 
 import os
@@ -45,15 +47,15 @@ KERNEL_BACKENDS = ("triton", "cuda")
 
 
 def kernel_backend(backend: str | None = None) -> str:
-    """The GPU backend name: ``backend`` if given, else env MEGATRON_DAPO_KERNEL_BACKEND, else "triton".
+    """The GPU backend name: ``backend`` if given, else "triton".
 
     Args:
         backend: "triton", "cuda" or None.
 
     Returns:
-        One of KERNEL_BACKENDS; an unknown name raises ValueError naming the variable and the choices.
+        One of KERNEL_BACKENDS; an unknown name raises ValueError naming the choices.
     """
-    name = backend or os.environ.get("MEGATRON_DAPO_KERNEL_BACKEND", "triton") or "triton"
+    name = backend or "triton"
     if name not in KERNEL_BACKENDS:
-        raise ValueError(f"MEGATRON_DAPO_KERNEL_BACKEND / backend: unknown {name!r}; choose one of {KERNEL_BACKENDS}")
+        raise ValueError(f"kernel backend: unknown {name!r}; choose one of {KERNEL_BACKENDS}")
     return name

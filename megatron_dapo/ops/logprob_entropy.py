@@ -13,7 +13,7 @@ logp_t = log softmax(x_t / temperature)[label_t] and H_t = -sum_j p_tj log p_tj,
 - Padding: `vocab_size` (keyword) is the true global vocabulary; global columns >= vocab_size are never read, so
   Megatron's padded rows of the output layer count as probability 0 and get gradient 0. Logits of -inf are fine too.
 - Dispatch (ops/dispatch.py): CUDA tensors and TRITON_INTERPRET=1 use these kernels; plain CPU tensors use
-  `reference.logprobs_and_entropy_chunked`. On CUDA tensors, backend="cuda" (or env MEGATRON_DAPO_KERNEL_BACKEND=cuda)
+  `reference.logprobs_and_entropy_chunked`. On CUDA tensors, backend="cuda" (actor.logprob_impl "fused_cuda")
   swaps both kernels for the CUDA C++ twins in csrc/ (ops/_cuda_twins.py), which write the same [3, T] stats; the
   shard merge over tp_group and the saved state are the same for both backends.
 - Label range is checked on CPU tensors only (a check on CUDA would synchronise); an out-of-range label on CUDA
@@ -218,8 +218,7 @@ def logprobs_and_entropy(
         vocab_size: true global vocab size; global columns >= vocab_size (Megatron's vocab padding) are ignored.
             None: all V_local * tp columns count.
         backend: "triton" or "cuda" (the CUDA C++ twins, which must be built: csrc/README.md) for CUDA tensors;
-            default env MEGATRON_DAPO_KERNEL_BACKEND, else "triton". The environment variable is ignored for CPU
-            tensors, but an explicit backend="cuda" with CPU tensors is an error.
+            default "triton". An explicit backend="cuda" with CPU tensors is an error.
 
     Returns:
         (logp, entropy): [...] fp32 each, identical on every rank of tp_group, differentiable in both. The logits

@@ -21,7 +21,7 @@ with cu_seqlens [S + 1] (sequence = segment; `fused_surrogate_loss(..., cu_seqle
 reduction needs no padding.
 
 Dispatch: `use_triton` (ops/dispatch.py) picks Triton for CUDA tensors and for CPU tensors under TRITON_INTERPRET=1;
-other CPU calls run the reference. MEGATRON_DAPO_KERNEL_BACKEND=cuda (or backend="cuda") selects the CUDA C++ twin
+other CPU calls run the reference. backend="cuda" (actor.logprob_impl "fused_cuda") selects the CUDA C++ twin
 from csrc/ on GPU, which must then have been built (csrc/README.md).
 """
 
@@ -456,7 +456,7 @@ def fused_surrogate_loss(
             receives a gradient; mask bool or float (float values weight the loss; metrics count mask != 0).
         spec: the surrogate kind, clip bounds, aggregation and its constant (from the loss's config).
         cu_seqlens: [S + 1] int32/int64 sequence offsets of a packed layout, or None for padded rows.
-        backend: "triton" or "cuda" for CUDA tensors (default env MEGATRON_DAPO_KERNEL_BACKEND or "triton").
+        backend: "triton" (default) or "cuda" for CUDA tensors.
     Returns:
         loss: 0-dim fp32. metrics: 0-dim fp32 clipfrac_high, clipfrac_low, approx_kl, ratio_max.
     """

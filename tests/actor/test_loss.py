@@ -25,11 +25,11 @@ from megatron_dapo.config import ConfigError
 
 
 def test_one_registry_behind_the_config_field() -> None:
-    assert set(LOGPROB_IMPLS) == {"reference", "fused", "fused_linear"}
+    assert set(LOGPROB_IMPLS) == {"reference", "fused", "fused_cuda", "fused_linear"}
     assert [n for n, impl in LOGPROB_IMPLS.items() if impl.takes_hidden] == ["fused_linear"]
     for name in LOGPROB_IMPLS:
         assert ActorConfig(logprob_impl=name).logprob_impl == name
-    with pytest.raises(ConfigError, match=r"actor.logprob_impl: must be one of \['fused', 'fused_linear'"):
+    with pytest.raises(ConfigError, match=r"actor.logprob_impl: must be one of \[.fused., .fused_cuda., .fused_lin"):
         ActorConfig(logprob_impl="liger")
     with pytest.raises(ValueError, match="actor.logprob_impl: unknown 'liger'"):
         get_logprob_impl("liger")

@@ -47,16 +47,21 @@ def test_explicit_cuda_backend_on_cpu_is_refused():
         le.logprobs_and_entropy(x, labels, backend="cutlass")
 
 
-def test_env_backend_is_ignored_on_cpu(monkeypatch):
-    monkeypatch.setenv("MEGATRON_DAPO_KERNEL_BACKEND", "cuda")
+def test_no_environment_variable_selects_a_backend(monkeypatch):
+    """The one kernel switch is actor.logprob_impl: the removed MEGATRON_DAPO_KERNEL_BACKEND changes nothing."""
+    monkeypatch.setenv("MEGATRON_DAPO_KERNEL_BACKEND", "bogus")
     x, labels = torch.randn(3, 40) * 3, torch.randint(0, 40, (3,))
     g_logp, g_ent = torch.randn(3), torch.randn(3)
     got = _run(le.logprobs_and_entropy, x, labels, g_logp, g_ent)
     for name, a, b in zip(("logp", "entropy", "grad"), got, _oracle(x, labels, g_logp, g_ent)):
         assert_close(a, b, torch.float32, name)
-    monkeypatch.setenv("MEGATRON_DAPO_KERNEL_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="MEGATRON_DAPO_KERNEL_BACKEND"):
-        le.logprobs_and_entropy(x, labels)
+    from megatron_dapo.actor.loss import get_logprob_impl
+
+    assert [get_logprob_impl(n).kernel for n in ("reference", "fused", "fused_cuda", "fused_linear")] == [
+        None, "triton", "cuda", "triton"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
+        get_logprob_impl("fused_cuda").fn(x, labels)
 
 
 def _fake_stats(logits, labels, temperature, class_start, n_valid):
@@ -106,24 +111,25 @@ def cuda_lib(tmp_path_factory):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("via_env", [False, True])
+@pytest.mark.parametrize("via_impl", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_cuda_backend_matches_oracle(cuda_lib, monkeypatch, dtype, via_env):
+def test_gpu_cuda_backend_matches_oracle(cuda_lib, monkeypatch, dtype, via_impl):
     monkeypatch.setenv("MEGATRON_DAPO_CUDA_LIB", str(cuda_lib))
     _cuda_twins.load_library.cache_clear()
     num_tokens, vocab, vocab_size, temperature = 37, 5000, 4900, 0.7
     x = (torch.randn(num_tokens, vocab, device="cuda") * 3).to(dtype)
     labels = torch.randint(0, vocab_size, (num_tokens,), device="cuda")
     g_logp, g_ent = torch.randn(num_tokens, device="cuda"), torch.randn(num_tokens, device="cuda")
-    if via_env:
-        monkeypatch.setenv("MEGATRON_DAPO_KERNEL_BACKEND", "cuda")
-    backend = None if via_env else "cuda"
     calls = []
     real_stats = _cuda_twins.logprob_entropy_stats
     monkeypatch.setattr(_cuda_twins, "logprob_entropy_stats", lambda *a: calls.append(1) or real_stats(*a))
 
     def fn(leaf, lab):
-        return le.logprobs_and_entropy(leaf, lab, temperature=temperature, vocab_size=vocab_size, backend=backend)
+        if via_impl:  # actor.logprob_impl "fused_cuda", the run's switch
+            from megatron_dapo.actor.loss import get_logprob_impl
+
+            return get_logprob_impl("fused_cuda").fn(leaf, lab, temperature=temperature, vocab_size=vocab_size)
+        return le.logprobs_and_entropy(leaf, lab, temperature=temperature, vocab_size=vocab_size, backend="cuda")
 
     try:
         got = _run(fn, x, labels, g_logp, g_ent)

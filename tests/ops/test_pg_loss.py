@@ -241,13 +241,14 @@ def test_bad_inputs_and_backend(monkeypatch):
         clipped_pg_loss(logp[0], old[0], adv, mask[0])
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
         clipped_pg_loss(logp, old, adv, mask, clip_ratio_c=0.9)
-    monkeypatch.setenv("MEGATRON_DAPO_KERNEL_BACKEND", "cuda")
-    assert select_backend() == "cuda" and select_backend("triton") == "triton"
-    loss, _ = clipped_pg_loss(logp, old, adv, mask)  # CPU tensors: the interpreter, whatever the GPU backend
+    monkeypatch.setenv("MEGATRON_DAPO_KERNEL_BACKEND", "cuda")  # removed: no environment variable selects one
+    assert select_backend() == "triton" and select_backend("cuda") == "cuda"
+    loss, _ = clipped_pg_loss(
+        logp, old, adv, mask, backend="cuda"
+    )  # CPU tensors: the interpreter, whatever the GPU one
     torch.testing.assert_close(loss, dapo_policy_loss(logp, old, adv, mask)[0], rtol=RTOL, atol=ATOL)
-    monkeypatch.setenv("MEGATRON_DAPO_KERNEL_BACKEND", "cudnn")
-    with pytest.raises(ValueError, match="MEGATRON_DAPO_KERNEL_BACKEND"):
-        clipped_pg_loss(logp, old, adv, mask)
+    with pytest.raises(ValueError, match="kernel backend: unknown 'cudnn'"):
+        clipped_pg_loss(logp, old, adv, mask, backend="cudnn")
 
 
 @pytest.mark.gpu

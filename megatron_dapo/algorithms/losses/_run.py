@@ -7,11 +7,12 @@ from megatron_dapo.algorithms.policy_loss import Surrogate
 from megatron_dapo.algorithms.policy_loss import surrogate_loss
 
 
-def run_surrogate(inputs: LossInputs, spec: Surrogate, fused: bool) -> tuple[Tensor, dict[str, Tensor]]:
-    """`surrogate_loss` (fused=False) or `ops.pg_loss.fused_surrogate_loss` (fused=True; the kernel on GPU or under
-    the Triton interpreter, the same reference otherwise). Triton is imported only when the fused path is asked for."""
+def run_surrogate(inputs: LossInputs, spec: Surrogate, fused: bool | str) -> tuple[Tensor, dict[str, Tensor]]:
+    """`surrogate_loss` (fused False) or `ops.pg_loss.fused_surrogate_loss` (fused True or a backend name, "triton"
+    or "cuda": the kernel on GPU or under the Triton interpreter, the same reference otherwise). Triton is imported
+    only when the fused path is asked for."""
     if not fused:
         return surrogate_loss(inputs, spec)
     from megatron_dapo.ops.pg_loss import fused_surrogate_loss
 
-    return fused_surrogate_loss(inputs, spec)
+    return fused_surrogate_loss(inputs, spec, backend=fused if isinstance(fused, str) else None)

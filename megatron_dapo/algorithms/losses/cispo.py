@@ -34,6 +34,6 @@ class CISPOConfig(PolicyLossConfig):
 
 
 @register_policy_loss("cispo", CISPOConfig)
-def cispo_loss(inputs: LossInputs, cfg: CISPOConfig, fused: bool):
+def cispo_loss(inputs: LossInputs, cfg: CISPOConfig, fused: bool | str):
     bounds = ClipBounds.make(cfg.eps_low_is, cfg.eps_high_is, None)
     return run_surrogate(inputs, Surrogate("cispo", bounds, cfg.loss_agg_mode), fused)

@@ -44,6 +44,6 @@ class DAPOConfig(PolicyLossConfig):
 
 
 @register_policy_loss("dapo", DAPOConfig)
-def dapo_loss(inputs: LossInputs, cfg: DAPOConfig, fused: bool):
+def dapo_loss(inputs: LossInputs, cfg: DAPOConfig, fused: bool | str):
     bounds = ClipBounds.make(cfg.eps_low, cfg.effective_eps_high, cfg.clip_ratio_c)
     return run_surrogate(inputs, Surrogate("clip", bounds, cfg.loss_agg_mode), fused)

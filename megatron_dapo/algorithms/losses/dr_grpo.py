@@ -40,7 +40,7 @@ class DrGRPOConfig(PolicyLossConfig):
 
 
 @register_policy_loss("dr_grpo", DrGRPOConfig)
-def dr_grpo_loss(inputs: LossInputs, cfg: DrGRPOConfig, fused: bool):
+def dr_grpo_loss(inputs: LossInputs, cfg: DrGRPOConfig, fused: bool | str):
     if cfg.norm_length <= 0:
         raise ValueError("dr_grpo: norm_length is unresolved (0); build the config with RunConfig or set it")
     spec = Surrogate("clip", ClipBounds.make(cfg.eps, cfg.eps, None), cfg.loss_agg_mode, cfg.norm_length)

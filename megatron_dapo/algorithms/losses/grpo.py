@@ -40,6 +40,6 @@ class GRPOConfig(PolicyLossConfig):
 
 
 @register_policy_loss("grpo", GRPOConfig)
-def grpo_loss(inputs: LossInputs, cfg: GRPOConfig, fused: bool):
+def grpo_loss(inputs: LossInputs, cfg: GRPOConfig, fused: bool | str):
     bounds = ClipBounds.make(cfg.eps, cfg.eps, cfg.clip_ratio_c)
     return run_surrogate(inputs, Surrogate("clip", bounds, cfg.loss_agg_mode), fused)

@@ -34,6 +34,6 @@ class GSPOConfig(PolicyLossConfig):
 
 
 @register_policy_loss("gspo", GSPOConfig)
-def gspo_loss(inputs: LossInputs, cfg: GSPOConfig, fused: bool):
+def gspo_loss(inputs: LossInputs, cfg: GSPOConfig, fused: bool | str):
     bounds = ClipBounds.make(cfg.eps_low, cfg.eps_high, None)
     return run_surrogate(inputs, Surrogate("gspo", bounds, cfg.loss_agg_mode), fused)
