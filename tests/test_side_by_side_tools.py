@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.config import load_config
+from megatron_dapo.dev import experiments
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "examples" / "smollm2_arith_cpu.yaml"
@@ -26,7 +27,6 @@ def _load(name: str):
 
 
 compare = _load("compare_trl")
-experiment_arms = _load("experiment_arms")
 ablations = _load("paper_ablations")
 
 
@@ -38,7 +38,7 @@ def test_ablation_arms_differ_from_the_main_job_by_their_switch_only(tmp_path):
     arms = ablations.ARMS
     configs = {}
     for arm, switches in arms.items():
-        cmd = experiment_arms.main_job_command(tmp_path / arm, 3, 11, switches)
+        cmd = experiments.main_job_command(tmp_path / arm, 3, 11, switches)
         cfg = _config_of(cmd)
         assert cfg.trainer.total_steps == 3 and cfg.trainer.seed == 11 and cfg.trainer.eval_every == 3
         configs[arm] = cfg.to_dict()

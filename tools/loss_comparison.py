@@ -22,17 +22,16 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experiment_arms import ROOT  # noqa: E402
-from experiment_arms import heldout  # noqa: E402
-from experiment_arms import make_parser  # noqa: E402
-from experiment_arms import mean  # noqa: E402
-from experiment_arms import overlay_plots  # noqa: E402
-from experiment_arms import parse_with_overrides  # noqa: E402
-from experiment_arms import print_report  # noqa: E402
-from experiment_arms import read_metrics  # noqa: E402
-from experiment_arms import run_arms  # noqa: E402
-from experiment_arms import train_rows  # noqa: E402
+from megatron_dapo.dev import REPO_ROOT
+from megatron_dapo.dev.experiments import heldout
+from megatron_dapo.dev.experiments import make_parser
+from megatron_dapo.dev.experiments import mean
+from megatron_dapo.dev.experiments import overlay_plots
+from megatron_dapo.dev.experiments import parse_with_overrides
+from megatron_dapo.dev.experiments import print_report
+from megatron_dapo.dev.experiments import read_metrics
+from megatron_dapo.dev.experiments import run_arms
+from megatron_dapo.dev.experiments import train_rows
 
 NO_DAPO_DATA = ("--algorithm.dynamic_sampling=false", "--algorithm.overlong_penalty=false")
 ARMS: dict[str, tuple[str, ...]] = {
@@ -114,8 +113,8 @@ def markdown(table: list[dict]) -> str:
 
 def plot(out: Path, img: Path) -> list[Path]:
     """Per-step curves, each arm's mean over the seeds that reached the step."""
-    import json  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
+    import json
+    import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
@@ -137,7 +136,7 @@ def plot(out: Path, img: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, sub = make_parser(__doc__, ARMS, steps=10, out=ROOT / "runs" / "loss_comparison")
+    parser, sub = make_parser(__doc__, ARMS, steps=10, out=REPO_ROOT / "runs" / "loss_comparison")
     sub.choices["run"].add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = parse_with_overrides(parser, argv)
     if args.command == "run":
