@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.net import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-SMOLLM2_CACHE = Path.home() / ".cache/megatron_dapo/smollm2-135m-instruct"
 
 
 def _rss_mb(field: str) -> float:
@@ -115,7 +114,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, impl: st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SMOLLM2_CACHE), help="HF checkpoint folder (prepare_smollm2.py)")
+    parser.add_argument("--model", default=str(default_cache_dir()), help="HF checkpoint folder (prepare_smollm2.py)")
     parser.add_argument("--impls", nargs="+", default=["fused", "fused_linear"], help="actor.logprob_impl values")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (one process each)")
     parser.add_argument("--rows", type=int, default=8, help="responses in the mini-batch")

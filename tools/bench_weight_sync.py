@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.net import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2_CACHE = Path.home() / ".cache/megatron_dapo/smollm2-135m-instruct"
 
 # ---- GPU estimate constants (8x H100 SXM, NVLink 4, one node; sources in the docs section) ----
 NVLINK_ALLGATHER_GBPS = 360.0  # NCCL all-gather bus bandwidth on 8x H100 NVLink (nccl-tests, ~360-380 GB/s)
@@ -228,8 +228,8 @@ def main() -> None:
     models = {"tiny-qwen2": _tiny_checkpoint(tmp / "tiny")}
     for m in args.model or []:
         models[Path(m).name] = Path(m)
-    if args.model is None and (SMOLLM2_CACHE / "model.safetensors").exists():
-        models["SmolLM2-135M"] = SMOLLM2_CACHE
+    if args.model is None and (default_cache_dir() / "model.safetensors").exists():
+        models["SmolLM2-135M"] = default_cache_dir()
     csv_path = Path(args.csv)
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     from transformers import AutoConfig

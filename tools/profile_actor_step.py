@@ -38,9 +38,10 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile
 from torch.profiler import record_function
 
+from megatron_dapo.dev.hub import default_cache_dir
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SMOLLM2_CACHE = Path.home() / ".cache/megatron_dapo/smollm2-135m-instruct"
 CLASSES = ("lm_head", "optimizer", "attention", "linear", "embedding", "other")
 _MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 
@@ -150,7 +151,7 @@ def _arm(actor, batch, shared: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SMOLLM2_CACHE), help="HF checkpoint folder (prepare_smollm2.py)")
+    parser.add_argument("--model", default=str(default_cache_dir()), help="HF checkpoint folder (prepare_smollm2.py)")
     parser.add_argument("--config", default="examples/smollm2_arith_cpu.yaml", help="the main job's config")
     parser.add_argument("--groups", type=int, default=4, help="prompt groups (rows = groups x group_size)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (main job: 1 per rank)")

@@ -48,12 +48,6 @@ PROMPTS = [
 ]
 
 
-def default_model_dir() -> Path:
-    base = os.environ.get("MEGATRON_DAPO_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "megatron_dapo"
-    return root / "smollm2-135m-instruct"
-
-
 def encode_prompts(model_dir: Path, n: int) -> tuple[list[list[int]], int]:
     """Chat-templated prompt ids [n][len] and the EOS id."""
     from transformers import AutoTokenizer
@@ -123,8 +117,10 @@ def same(a, b) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_dapo.dev.hub import default_cache_dir
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=default_model_dir(), help="HF folder (tools/prepare_smollm2.py)")
+    p.add_argument("--model", type=Path, default=default_cache_dir(), help="HF folder (tools/prepare_smollm2.py)")
     p.add_argument("--weights", type=Path, default=None, help="safetensors file of new HF-named weights")
     p.add_argument("--group", type=int, default=4, help="G: samples per prompt")
     p.add_argument("--prompts", type=int, default=2)

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.dev.hub import default_cache_dir
+
 REPO = Path(__file__).resolve().parents[2]
 VENV = os.environ.get("VLLM_CPU_VENV")
-MODEL = Path(os.environ.get("MEGATRON_DAPO_CACHE", Path.home() / ".cache" / "megatron_dapo")) / "smollm2-135m-instruct"
+MODEL = default_cache_dir()
 
 pytestmark = [
     pytest.mark.vllm_cpu,
