@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,8 +28,6 @@ import torch.multiprocessing as mp
 
 from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.net import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _rss_mb(field: str) -> float:

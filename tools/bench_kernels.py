@@ -52,8 +52,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CSV = REPO / "results" / "bench_kernels.csv"
+from megatron_dapo.dev import REPO_ROOT
+
+DEFAULT_CSV = REPO_ROOT / "results" / "bench_kernels.csv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,10 +345,10 @@ def matmul_flops(op: str, mode: str, shape: ModelShape) -> int:
 def version_string() -> str:
     """git short rev (+'-dirty' when megatron_dapo/, csrc/ or tools/ have changes) and torch/triton versions."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "megatron_dapo", "csrc", "tools"],
-            cwd=REPO,
+            cwd=REPO_ROOT,
             capture_output=True,
             text=True,
         )
@@ -583,7 +584,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         worker_main(sys.argv[2])
         sys.exit(0)

@@ -17,7 +17,6 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import datetime
@@ -27,12 +26,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megatron_dapo.dev import REPO_ROOT
 from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.net import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # ---- GPU estimate constants (8x H100 SXM, NVLink 4, one node; sources in the docs section) ----
 NVLINK_ALLGATHER_GBPS = 360.0  # NCCL all-gather bus bandwidth on 8x H100 NVLink (nccl-tests, ~360-380 GB/s)
@@ -164,7 +160,7 @@ def _docs_section(measured: list[dict], skipped: list[str], csv_path: Path) -> s
         )
     if skipped:
         lines += ["", "Not run: " + "; ".join(skipped) + "."]
-    lines += ["", f"Raw rows: `{csv_path.relative_to(ROOT)}`.", ""]
+    lines += ["", f"Raw rows: `{csv_path.relative_to(REPO_ROOT)}`.", ""]
     lines += ["### Estimate: colocated SGLang (TP=8) on 8x H100 SXM, actor TP=8, bf16", ""]
     lines += [
         "Arithmetic (GB = 1e9 bytes; S = model bytes; terms add up because the implemented path is sequential",
@@ -220,8 +216,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--csv", default=str(ROOT / "results/weight_sync.csv"))
-    parser.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"))
+    parser.add_argument("--csv", default=str(REPO_ROOT / "results/weight_sync.csv"))
+    parser.add_argument("--docs", default=str(REPO_ROOT / "docs/benchmarks.md"))
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_ws_"))

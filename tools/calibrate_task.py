@@ -22,14 +22,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from datetime import timezone
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 

@@ -12,10 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
-# Runs from a checkout without `pip install -e .` too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dapo.data.files import FORMATS
 from megatron_dapo.data.generate import make_dataset

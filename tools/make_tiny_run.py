@@ -6,10 +6,6 @@ python tools/make_tiny_run.py --out runs/tiny
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dapo.dev.tiny import make_tiny_run
 

@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.dev.hub import is_prepared
 from megatron_dapo.dev.hub import prepare_smollm2

@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -39,8 +38,6 @@ from torch.profiler import profile
 from torch.profiler import record_function
 
 from megatron_dapo.dev.hub import default_cache_dir
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CLASSES = ("lm_head", "optimizer", "attention", "linear", "embedding", "other")
 _MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")

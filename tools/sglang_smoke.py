@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 GiB = float(1 << 30)
 
 

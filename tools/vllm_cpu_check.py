@@ -33,13 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 # vLLM CPU: KV-cache size in GiB (its default, 4, is more than this 24 GiB, 2-core machine should give a check).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
+import torch
 
 PROMPTS = [
     "What is 7 + 5? Answer with a number.",
