@@ -1,6 +1,7 @@
-"""tools/compare_trl.py and tools/paper_ablations.py: every arm is a valid run of the main job's config that differs
-from it exactly by the arm's switch; reports summarize synthetic metrics; the RSS sampler sees a child's memory; and
-the TRL arm really trains with the pinned TRL (tiny model, one step) and logs the time split and held-out accuracy."""
+"""tools/experiments/compare_trl.py and tools/experiments/paper_ablations.py: every arm is a valid run of the main
+job's config that differs from it exactly by the arm's switch; reports summarize synthetic metrics; the RSS sampler
+sees a child's memory; and the TRL arm really trains with the pinned TRL (tiny model, one step) and logs the time
+split and held-out accuracy."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from megatron_dapo.dev import experiments
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "examples" / "smollm2_arith_cpu.yaml"
+TOOLS = ROOT / "tools" / "experiments"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -159,7 +161,7 @@ def test_trl_arm_trains_the_tiny_model(tmp_path):
         "--trainer.eval_max_prompts=2",
         "--trainer.eval_samples=2",
     ]
-    cmd = [sys.executable, str(ROOT / "tools" / "compare_trl.py"), "_trl", "--out", str(out), "--steps", "2"]
+    cmd = [sys.executable, str(TOOLS / "compare_trl.py"), "_trl", "--out", str(out), "--steps", "2"]
     proc = subprocess.run([*cmd, "--threads", "1", "--", *overrides], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -1,7 +1,6 @@
-"""The CPU experiments' arms, shared by tools/compare_trl.py, tools/paper_ablations.py,
-tools/rollout_mismatch_experiment.py, tools/loss_comparison.py and tools/bench_rollout_stream.py: run the main job
-(examples/run_smollm2_cpu.sh) once per arm with the same seed and number of steps, read each arm's metrics.jsonl,
-summarize and draw one overlay plot per curve.
+"""The CPU experiments' arms, shared by tools/experiments/ (compare_trl, paper_ablations, rollout_mismatch_experiment,
+loss_comparison) and tools/bench/rollout_stream.py: run the main job (examples/run_smollm2_cpu.sh) once per arm with
+the same seed and number of steps, read each arm's metrics.jsonl, summarize and draw one overlay plot per curve.
 
 An arm is a name and the config overrides that make it differ from the main job. Every arm gets the same schedule:
 trainer.total_steps, trainer.seed, a held-out evaluation at step 0 and at the last step (trainer.eval_every = steps)

@@ -4,9 +4,10 @@
     fp8      rollout.weight_dtype=fp8   algorithm.rollout_correction=none   (FP8 rollout weights, uncorrected)
     fp8_tis  rollout.weight_dtype=fp8   algorithm.rollout_correction=tis    (FP8 rollout weights, TIS C=2)
 
-    python tools/rollout_mismatch_experiment.py run --steps 10 [--out runs/rollout_mismatch] [-- --extra.override=1]
-    python tools/rollout_mismatch_experiment.py report [--out runs/rollout_mismatch] [--img docs/img]
-    python tools/rollout_mismatch_experiment.py run --dry-run            (print the commands only)
+    python tools/experiments/rollout_mismatch_experiment.py run --steps 10 [--out runs/rollout_mismatch] \
+        [-- --extra.override=1]
+    python tools/experiments/rollout_mismatch_experiment.py report [--out runs/rollout_mismatch] [--img docs/img]
+    python tools/experiments/rollout_mismatch_experiment.py run --dry-run            (print the commands only)
 
 "run" launches examples/run_smollm2_cpu.sh once per arm (torchrun, 2 ranks; it prepares the model and data on first
 use) with the arm's overrides, the same trainer.seed, total_steps and a held-out evaluation at the last step; an arm

@@ -1,6 +1,6 @@
 """Simulate DAPO's dynamic sampling on a synthetic policy and print prompts sampled per useful prompt per step.
 
-python tools/simulate_dapo.py [--steps 12 --prompts 32 --group-size 16 --seed 0]
+python tools/experiments/simulate_dapo.py [--steps 12 --prompts 32 --group-size 16 --seed 0]
 """
 
 from __future__ import annotations

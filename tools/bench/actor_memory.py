@@ -1,8 +1,8 @@
 """Peak RSS of MegatronActor.compute_logprobs and update: full logits vs the fused LM head (actor.logprob_impl).
 
 Example (CPU, gloo, PP=2, SmolLM2-135M, 8 x 1024 tokens):
-    python tools/prepare_smollm2.py                       # once: GGUF -> safetensors cache
-    python tools/bench_actor_memory.py --model ~/.cache/megatron_dapo/smollm2-135m-instruct \
+    python tools/setup/prepare_smollm2.py                       # once: GGUF -> safetensors cache
+    python tools/bench/actor_memory.py --model ~/.cache/megatron_dapo/smollm2-135m-instruct \
         --impls fused fused_linear --rows 8 --seq 1024 --pp 2 --micro-batch-size 2
 
 Each impl runs in fresh gloo processes (one per pipeline stage, so peaks never mix): build the actor from the HF

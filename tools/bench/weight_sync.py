@@ -1,8 +1,8 @@
 """Weight-sync throughput: actor export (TP gathers) + size-bounded buckets + engine load, on CPU/gloo.
 
 Example:
-    OMP_NUM_THREADS=1 python tools/bench_weight_sync.py                     # tiny model, TP 1 and 2
-    python tools/bench_weight_sync.py --model ~/.cache/megatron_dapo/smollm2-135m-instruct --tp 1 2
+    OMP_NUM_THREADS=1 python tools/bench/weight_sync.py                     # tiny model, TP 1 and 2
+    python tools/bench/weight_sync.py --model ~/.cache/megatron_dapo/smollm2-135m-instruct --tp 1 2
 
 Each (model, TP) runs in TP gloo processes: build the Megatron model from the HF checkpoint, then time
 (a) export only (every rank drains MegatronActor-style export_hf_weights) and (b) export + WeightSync into a
@@ -147,7 +147,7 @@ def gpu_estimate(bucket_gb: float) -> list[dict]:
 
 
 def _docs_section(measured: list[dict], skipped: list[str], csv_path: Path) -> str:
-    lines = ["## Weight sync", "", f"Written by `tools/bench_weight_sync.py` ({datetime.now(timezone.utc):%Y-%m-%d})."]
+    lines = ["## Weight sync", "", f"Written by `tools/bench/weight_sync.py` ({datetime.now(timezone.utc):%Y-%m-%d})."]
     lines += ["", "### Measured on CPU (gloo, fp32, 2 cores; export + buckets + TransformersEngine load)", ""]
     lines += [
         "| model | TP | bucket MiB | MB | buckets | export s | export+load s | GB/s |",

@@ -1,7 +1,7 @@
 """Issue 21 item 3: DAPO against GRPO and Dr. GRPO on the SmolLM2 CPU job, same data, steps and seeds per arm.
 
-    python tools/loss_comparison.py run --steps 10 --seeds 0 1 [--out runs/loss_comparison] [--arms ...]
-    python tools/loss_comparison.py report [--out runs/loss_comparison] [--img docs/img]
+    python tools/experiments/loss_comparison.py run --steps 10 --seeds 0 1 [--out runs/loss_comparison] [--arms ...]
+    python tools/experiments/loss_comparison.py report [--out runs/loss_comparison] [--img docs/img]
 
 Arms (the main job, examples/smollm2_arith_cpu.yaml, plus the arm's switches):
     dapo      as shipped: clip 0.2/0.28, token-mean, dynamic sampling, soft overlong penalty

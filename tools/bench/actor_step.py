@@ -1,8 +1,8 @@
 """Actor time of one main-job step, padded rows vs today's packed defaults, interleaved in the same processes.
 
 Example (CPU, gloo, PP=2, SmolLM2-135M, the main job's step shape):
-    python tools/prepare_smollm2.py
-    python tools/bench_actor_step.py --reps 3 --json results/actor_step_smollm2_pp2.json
+    python tools/setup/prepare_smollm2.py
+    python tools/bench/actor_step.py --reps 3 --json results/actor_step_smollm2_pp2.json
 
 Arms (config overrides applied to one MegatronActor between passes, so both see the same load):
     padded: actor.packing=false, actor.logprob_impl=fused   (rows sorted by length, padded to the micro-batch's
@@ -37,7 +37,7 @@ ARMS = {
     "packed_logits": {"packing": True, "logprob_impl": "fused"},
     "packed": {"packing": True, "logprob_impl": "fused_linear"},
 }  # every arm runs with actor.shared_prefix=false (the batch's rows have distinct prompts; for sharing see
-# tools/profile_actor_step.py)
+# tools/bench/profile_actor_step.py)
 
 
 def main_job_batch(rows: int, vocab: int, seed: int = 0):

@@ -1,8 +1,9 @@
 """Issue 14 item 1: TRL's GRPOTrainer (loss_type "dapo") and our main job on the same CPU work, in one invocation.
 
-    python tools/compare_trl.py run --steps 4 [--out runs/side_by_side] [--arms trl ours_no_ds ours]
-    python tools/compare_trl.py report [--out runs/side_by_side]          (markdown table for docs/benchmarks.md)
-    python tools/compare_trl.py run --steps 1 --out /tmp/smoke -- --trainer.prompts_per_step=2 ...   (overrides)
+    python tools/experiments/compare_trl.py run --steps 4 [--out runs/side_by_side] [--arms trl ours_no_ds ours]
+    python tools/experiments/compare_trl.py report [--out runs/side_by_side]     (markdown table for docs/benchmarks.md)
+    python tools/experiments/compare_trl.py run --steps 1 --out /tmp/smoke -- --trainer.prompts_per_step=2 ...
+                                                                     (overrides after "--" go to every arm)
 
 Arms, run back to back (each in its own process tree; its resident memory, the sum of PSS over the tree, is sampled
 every 2 s):

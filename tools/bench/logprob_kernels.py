@@ -29,8 +29,8 @@ Measurements:
   counted under the Triton interpreter at the "tiny" shape (provider "ours-triton-interp"; no timing).
 
 Examples:
-    OMP_NUM_THREADS=2 python tools/bench_kernels.py --device cpu --configs cpu-small
-    python tools/bench_kernels.py --device cuda --configs qwen2.5-7b llama-3-8b smollm2-135m qwen2.5-32b
+    OMP_NUM_THREADS=2 python tools/bench/logprob_kernels.py --device cpu --configs cpu-small
+    python tools/bench/logprob_kernels.py --device cuda --configs qwen2.5-7b llama-3-8b smollm2-135m qwen2.5-32b
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def setup_logprob_entropy(shape: ModelShape, provider: str, device: str) -> Case
         note = "log-prob only (no entropy); writes the gradient into the logits buffer during forward"
         base.update(loss=lambda out: out)
         return Case(run_op=lambda: ce(logits, labels), modes=("full",), note=note, **base)
-    raise ValueError(f"bench_kernels: unknown provider {provider!r} for logprob_entropy")
+    raise ValueError(f"logprob_kernels: unknown provider {provider!r} for logprob_entropy")
 
 
 def setup_linear_logprob_entropy(shape: ModelShape, provider: str, device: str) -> Case:
@@ -197,7 +197,7 @@ def setup_linear_logprob_entropy(shape: ModelShape, provider: str, device: str) 
         note = "log-prob only (no entropy); grads computed in forward"
         base.update(loss=lambda out: out)
         return Case(run_op=lambda: flce(weight, hidden, labels), modes=("full",), note=note, **base)
-    raise ValueError(f"bench_kernels: unknown provider {provider!r} for linear_logprob_entropy")
+    raise ValueError(f"logprob_kernels: unknown provider {provider!r} for linear_logprob_entropy")
 
 
 SETUPS = {"logprob_entropy": setup_logprob_entropy, "linear_logprob_entropy": setup_linear_logprob_entropy}

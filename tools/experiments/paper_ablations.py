@@ -1,7 +1,7 @@
 """Issue 14 item 3: the DAPO paper's mechanisms one at a time on the SmolLM2 CPU job (same seed and steps per arm).
 
-    python tools/paper_ablations.py run --steps 4 [--out runs/side_by_side] [--arms ...]
-    python tools/paper_ablations.py report [--out runs/side_by_side] [--img docs/img]
+    python tools/experiments/paper_ablations.py run --steps 4 [--out runs/side_by_side] [--arms ...]
+    python tools/experiments/paper_ablations.py report [--out runs/side_by_side] [--img docs/img]
 
 Arms (the main job, examples/smollm2_arith_cpu.yaml, plus the arm's switches):
     ours                 as shipped: clip-higher 0.2/0.28, dynamic sampling, token-mean, 2 mini-batches per step
@@ -12,8 +12,9 @@ Arms (the main job, examples/smollm2_arith_cpu.yaml, plus the arm's switches):
 
 Comparisons: clip_higher_4mb vs symmetric_4mb (entropy, clipfrac high/low, ratio max per step); ours vs ours_no_ds
 (useful prompts per step: groups whose accuracy is strictly between 0 and 1; accuracy); ours vs
-seq_mean_token_mean (response length, accuracy). "ours" and "ours_no_ds" are the same runs as tools/compare_trl.py's
-arms of those names when both tools use the same --out, --steps and --seed: an arm that already finished is skipped.
+seq_mean_token_mean (response length, accuracy). "ours" and "ours_no_ds" are the same runs as
+tools/experiments/compare_trl.py's arms of those names when both tools use the same --out, --steps and --seed: an arm
+that already finished is skipped.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where the actor's time goes in one main-job mini-batch on CPU, with actor.shared_prefix off and on (torch.profiler).
 
 Example (one process, PP=1, fp32, 1 thread as each rank of the main job; SmolLM2-135M from prepare_smollm2.py):
-    python tools/profile_actor_step.py --json results/profile_actor_step.json
+    python tools/bench/profile_actor_step.py --json results/profile_actor_step.json
 
 The batch imitates one mini-batch of examples/smollm2_arith_cpu.yaml: --groups prompt groups (default 4 =
 mini_batch_prompts) of 8 responses; each group shares a prompt of 140 +- 6 random tokens (the few-shot template's

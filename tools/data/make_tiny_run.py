@@ -1,6 +1,6 @@
 """Create the tiny random model and one-digit-sum data that examples/tiny_cpu.yaml trains on.
 
-python tools/make_tiny_run.py --out runs/tiny
+python tools/data/make_tiny_run.py --out runs/tiny
 """
 
 from __future__ import annotations

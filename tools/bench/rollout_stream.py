@@ -2,8 +2,8 @@
 (this tree), interleaved: rounds, stream, rounds, stream ... with the same seed and steps. Runs in
 runs/rollout_stream/<arm>_<k>; `report` writes results/rollout_stream/{<arm>_<k>.jsonl, summary.json, summary.md}.
 
-    python tools/bench_rollout_stream.py run [--rounds-commit 27cfe3c] [--repeats 2] [--steps 5] [-- overrides]
-    python tools/bench_rollout_stream.py report
+    python tools/bench/rollout_stream.py run [--rounds-commit 27cfe3c] [--repeats 2] [--steps 5] [-- overrides]
+    python tools/bench/rollout_stream.py report
 
 Per arm (all repeats): generation seconds per kept group (sum of time/generate / sum of sampling/prompts_kept) and
 per generated token, the median step time, the held-out avg@k at the last step. The rounds arm runs from a detached
