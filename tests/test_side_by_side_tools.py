@@ -51,9 +51,9 @@ def test_ablation_arms_differ_from_the_main_job_by_their_switch_only(tmp_path):
         return {key: v for key, v in changed.items() if key != ("trainer", "run_dir")}
 
     assert diff("ours_no_ds") == {("algorithm", "dynamic_sampling"): False}
-    assert diff("seq_mean_token_mean") == {("algorithm", "loss_agg_mode"): "seq-mean-token-mean"}
+    assert diff("seq_mean_token_mean") == {("loss", "loss_agg_mode"): "seq-mean-token-mean"}
     assert diff("clip_higher_4mb") == {("trainer", "mini_batch_prompts"): 2}
-    assert diff("symmetric_4mb") == {("trainer", "mini_batch_prompts"): 2, ("algorithm", "clip_higher"): False}
+    assert diff("symmetric_4mb") == {("trainer", "mini_batch_prompts"): 2, ("loss", "clip_higher"): False}
     # compare_trl's arms of the same name are the same runs (same command), so either tool can reuse the other's
     for arm, switches in compare.OURS.items():
         assert tuple(switches) == ablations.ARMS[arm]

@@ -307,8 +307,8 @@ def trl_arm(out: Path, steps: int, seed: int, threads: int, extra: list[str]) ->
         top_p=r.top_p,
         top_k=r.top_k,
         loss_type="dapo",
-        epsilon=a.eps_low,
-        epsilon_high=a.eps_high if a.clip_higher else a.eps_low,
+        epsilon=cfg.loss.eps_low,  # the main job's policy loss, dapo (DAPOConfig: the `loss` section)
+        epsilon_high=cfg.loss.effective_eps_high,
         beta=0.0,
         scale_rewards="group",
         mask_truncated_completions=a.overlong_filtering,
