@@ -34,7 +34,7 @@ EXTRAS = {
         "accelerate",
         "tensorboard",
         "matplotlib",
-        "trl==1.16.0",  # tests/test_side_by_side_tools.py runs tools/compare_trl.py's TRL arm on the tiny model
+        "trl==1.16.0",  # tests/test_side_by_side_tools.py runs the TRL arm of tools/experiments/compare_trl.py
     ],
     # SGLang has no CPU wheel; on GPU nodes install the pinned version (see docs/rollout.md).
     "sglang": ["sglang==0.5.23"],
@@ -44,8 +44,8 @@ EXTRAS = {
     "modelopt": ["nvidia-modelopt"],
     "data": ["reasoning-gym==0.1.25"],
     "smollm2": ["gguf", "accelerate"],
-    # Comparison providers: Liger in tools/bench_kernels.py, TRL's GRPOTrainer in tools/compare_trl.py (install torch
-    # first so pip keeps it).
+    # Comparison providers: Liger in tools/bench/logprob_kernels.py, TRL's GRPOTrainer in
+    # tools/experiments/compare_trl.py (install torch first so pip keeps it).
     "bench": ["liger-kernel==0.8.5", "trl==1.16.0"],
 }
 

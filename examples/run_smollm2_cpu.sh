@@ -5,10 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-python tools/prepare_smollm2.py                     # GGUF -> cached safetensors (once, ~1 min)
+python tools/setup/prepare_smollm2.py               # GGUF -> cached safetensors (once, ~1 min)
 data=runs/data/chain_sum_2x2d
 if [ ! -f "$data/train.jsonl" ]; then
-  python tools/make_dataset.py --task chain_sum --num-train 2000 --num-test 200 --seed 0 --template few_shot_compact \
-    --task-kwargs '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}' --out "$data"
+  python tools/data/make_dataset.py --task chain_sum --num-train 2000 --num-test 200 --seed 0 \
+    --template few_shot_compact --task-kwargs '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}' --out "$data"
 fi
 torchrun --standalone --nproc-per-node 2 -m megatron_dapo.cli train --config examples/smollm2_arith_cpu.yaml "$@"

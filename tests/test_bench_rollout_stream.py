@@ -1,10 +1,9 @@
-"""tools/bench_rollout_stream.py: the summary of the rounds-vs-stream runs (the runs themselves are the main job)."""
+"""tools/bench/rollout_stream.py: the summary of the rounds-vs-stream runs (the runs themselves are the main job)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    sys.path.insert(0, str(ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location("bench_rollout_stream", ROOT / "tools" / "bench_rollout_stream.py")
+    spec = importlib.util.spec_from_file_location("rollout_stream", ROOT / "tools" / "bench" / "rollout_stream.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

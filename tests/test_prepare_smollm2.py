@@ -1,7 +1,7 @@
 """Cheap checks of the SmolLM2 source (megatron_dapo.dev.hub): the GGUF is found, the cache path and marker logic work,
 and, only if a converted folder already exists, its config/tokenizer/weight header hold the expected facts.
 
-The conversion itself (~35-60 s, 538 MB) is not run here: the SmolLM2 CPU job runs it (tools/prepare_smollm2.py),
+The conversion itself (~35-60 s, 538 MB) is not run here: the SmolLM2 CPU job runs it (tools/setup/prepare_smollm2.py),
 and CI's end-to-end tests use the tiny random model instead.
 """
 
@@ -44,7 +44,7 @@ def test_folder_without_marker_is_not_prepared(tmp_path):
     assert is_prepared(tmp_path)
 
 
-@pytest.mark.skipif(not is_prepared(), reason="no converted SmolLM2 folder (run tools/prepare_smollm2.py)")
+@pytest.mark.skipif(not is_prepared(), reason="no converted SmolLM2 folder (run tools/setup/prepare_smollm2.py)")
 def test_cached_folder_facts():
     from safetensors import safe_open
     from transformers import AutoConfig

@@ -1,5 +1,5 @@
-"""tools/rollout_mismatch_experiment.py: each arm's command is a valid run of the main job's config, and the report
-summarizes and plots metrics files (synthetic here; the real runs are long)."""
+"""tools/experiments/rollout_mismatch_experiment.py: each arm's command is a valid run of the main job's config, and
+the report summarizes and plots metrics files (synthetic here; the real runs are long)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from megatron_dapo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
-    "rollout_mismatch_experiment", ROOT / "tools/rollout_mismatch_experiment.py"
+    "rollout_mismatch_experiment", ROOT / "tools/experiments/rollout_mismatch_experiment.py"
 )
 exp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(exp)

@@ -1,6 +1,7 @@
-"""tools/compare_trl.py and tools/paper_ablations.py: every arm is a valid run of the main job's config that differs
-from it exactly by the arm's switch; reports summarize synthetic metrics; the RSS sampler sees a child's memory; and
-the TRL arm really trains with the pinned TRL (tiny model, one step) and logs the time split and held-out accuracy."""
+"""tools/experiments/compare_trl.py and tools/experiments/paper_ablations.py: every arm is a valid run of the main
+job's config that differs from it exactly by the arm's switch; reports summarize synthetic metrics; the RSS sampler
+sees a child's memory; and the TRL arm really trains with the pinned TRL (tiny model, one step) and logs the time
+split and held-out accuracy."""
 
 from __future__ import annotations
 
@@ -13,20 +14,21 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.config import load_config
+from megatron_dapo.dev import experiments
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "examples" / "smollm2_arith_cpu.yaml"
+TOOLS = ROOT / "tools" / "experiments"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 compare = _load("compare_trl")
-experiment_arms = _load("experiment_arms")
 ablations = _load("paper_ablations")
 
 
@@ -38,7 +40,7 @@ def test_ablation_arms_differ_from_the_main_job_by_their_switch_only(tmp_path):
     arms = ablations.ARMS
     configs = {}
     for arm, switches in arms.items():
-        cmd = experiment_arms.main_job_command(tmp_path / arm, 3, 11, switches)
+        cmd = experiments.main_job_command(tmp_path / arm, 3, 11, switches)
         cfg = _config_of(cmd)
         assert cfg.trainer.total_steps == 3 and cfg.trainer.seed == 11 and cfg.trainer.eval_every == 3
         configs[arm] = cfg.to_dict()
@@ -49,9 +51,9 @@ def test_ablation_arms_differ_from_the_main_job_by_their_switch_only(tmp_path):
         return {key: v for key, v in changed.items() if key != ("trainer", "run_dir")}
 
     assert diff("ours_no_ds") == {("algorithm", "dynamic_sampling"): False}
-    assert diff("seq_mean_token_mean") == {("algorithm", "loss_agg_mode"): "seq-mean-token-mean"}
+    assert diff("seq_mean_token_mean") == {("loss", "loss_agg_mode"): "seq-mean-token-mean"}
     assert diff("clip_higher_4mb") == {("trainer", "mini_batch_prompts"): 2}
-    assert diff("symmetric_4mb") == {("trainer", "mini_batch_prompts"): 2, ("algorithm", "clip_higher"): False}
+    assert diff("symmetric_4mb") == {("trainer", "mini_batch_prompts"): 2, ("loss", "clip_higher"): False}
     # compare_trl's arms of the same name are the same runs (same command), so either tool can reuse the other's
     for arm, switches in compare.OURS.items():
         assert tuple(switches) == ablations.ARMS[arm]
@@ -159,7 +161,7 @@ def test_trl_arm_trains_the_tiny_model(tmp_path):
         "--trainer.eval_max_prompts=2",
         "--trainer.eval_samples=2",
     ]
-    cmd = [sys.executable, str(ROOT / "tools" / "compare_trl.py"), "_trl", "--out", str(out), "--steps", "2"]
+    cmd = [sys.executable, str(TOOLS / "compare_trl.py"), "_trl", "--out", str(out), "--steps", "2"]
     proc = subprocess.run([*cmd, "--threads", "1", "--", *overrides], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

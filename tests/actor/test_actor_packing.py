@@ -142,7 +142,9 @@ def test_packed_token_budget_fused_path_matches_padded_reference() -> None:
 def test_packed_te_and_fused_linear_match_padded_reference_on_gpu() -> None:
     """On a GPU (one rank, fp32): the packed path on Transformer Engine's attention (the local varlen submodule when
     TE is absent; the attention class is in the failure message) and the compiled fused kernels."""
-    pytest.importorskip("megatron.core", reason="megatron-core not installed (tools/device_check.sh: carry its wheel)")
+    pytest.importorskip(
+        "megatron.core", reason="megatron-core not installed (tools/gpu/device_check.sh: carry its wheel)"
+    )
     ckpts = {k: str(v) for k, v in tiny_checkpoints().items()}
     batch = _skewed_batch()
     check_parity(run_distributed(_worker, 1, ckpts, batch, ((1, 1),), timeout_s=600), batch, ((1, 1),), atol=1e-4)

@@ -14,7 +14,7 @@ from megatron_dapo.data.reasoning_gym_tasks import task_config_fields
 from megatron_dapo.data.reasoning_gym_tasks import validate_task_kwargs
 
 TINY_CHAIN = {"min_terms": 2, "max_terms": 2, "max_digits": 1}  # 200 distinct questions in all
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "make_dataset.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "data" / "make_dataset.py"
 
 
 def _digests(out_dir):

@@ -1,4 +1,4 @@
-"""tools/bench_kernels.py: a tiny CPU run writes one well-formed CSV row (no timing assertions)."""
+"""tools/bench/logprob_kernels.py: a tiny CPU run writes one well-formed CSV row (no timing assertions)."""
 
 import csv
 import importlib.util
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "tools" / "bench_kernels.py"
+SCRIPT = REPO / "tools" / "bench" / "logprob_kernels.py"
 
 
 def _load_module():
-    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
+    spec = importlib.util.spec_from_file_location("logprob_kernels", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_kernels", module)  # dataclasses look their module up by name
+    sys.modules.setdefault("logprob_kernels", module)  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 

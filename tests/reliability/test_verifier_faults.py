@@ -3,7 +3,7 @@
 math-verify runs in a worker process (reward/dapo_math.py): past reward.verify_timeout_s the worker is killed and
 the answer scores as wrong, on any thread (before: sympy held the GIL, so the helper thread's join timeout never
 fired and "Answer: 9^9^9^9" against 1/2 blocked > 120 s off the main thread). These tests drive real math-verify,
-so they skip without it (it is in the `test` extra that tools/install.sh installs).
+so they skip without it (it is in the `test` extra that tools/setup/install.sh installs).
 """
 
 from __future__ import annotations

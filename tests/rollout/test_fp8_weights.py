@@ -223,7 +223,7 @@ def test_engine_logprobs_against_source_model(dtype):
         assert float(diff.max()) < 1e-4
     else:
         # This random tiny model has sharp logits (weights N(0, 0.3)): ~0.2 nats per token here; SmolLM2-135M
-        # measures far less (docs/rollout_correction.md, tools/fp8_logprob_mismatch.py).
+        # measures far less (docs/rollout_correction.md, tools/experiments/fp8_logprob_mismatch.py).
         assert 1e-4 < float(diff.mean()) < 0.5
 
 

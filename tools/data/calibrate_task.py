@@ -12,7 +12,7 @@ Both answer formats ("answer_line" and "last_number") are scored on the same sam
 ``--format`` one fills the headline columns ``acc`` and ``mixed``.
 
 Example (the CPU job's chosen setting, see docs/cpu_job.md):
-    OMP_NUM_THREADS=1 python tools/calibrate_task.py --task chain_sum \
+    OMP_NUM_THREADS=1 python tools/data/calibrate_task.py --task chain_sum \
         --task-kwargs '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}' \
         --template few_shot --format answer_line --temperature 1.0 --max-new-tokens 64
 """
@@ -22,14 +22,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from datetime import timezone
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 

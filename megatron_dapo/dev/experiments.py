@@ -1,6 +1,6 @@
-"""Shared by the CPU experiments in tools/ (rollout_mismatch_experiment.py, paper_ablations.py, compare_trl.py): run
-the main job (examples/run_smollm2_cpu.sh) once per arm with the same seed and number of steps, read each arm's
-metrics.jsonl, summarize and draw one overlay plot per curve.
+"""The CPU experiments' arms, shared by tools/experiments/ (compare_trl, paper_ablations, rollout_mismatch_experiment,
+loss_comparison) and tools/bench/rollout_stream.py: run the main job (examples/run_smollm2_cpu.sh) once per arm with
+the same seed and number of steps, read each arm's metrics.jsonl, summarize and draw one overlay plot per curve.
 
 An arm is a name and the config overrides that make it differ from the main job. Every arm gets the same schedule:
 trainer.total_steps, trainer.seed, a held-out evaluation at step 0 and at the last step (trainer.eval_every = steps)
@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-MAIN_JOB = ROOT / "examples" / "run_smollm2_cpu.sh"
+from megatron_dapo.dev import REPO_ROOT
+
+MAIN_JOB = REPO_ROOT / "examples" / "run_smollm2_cpu.sh"
 
 
 def main_job_command(run_dir: Path, steps: int, seed: int, overrides: Sequence[str]) -> list[str]:
@@ -62,7 +63,7 @@ def run_arms(
             print(f"[{name}] already has step {steps}: skipped", flush=True)
             continue
         print(f"[{name}] {' '.join(cmd)}", flush=True)
-        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        rc = subprocess.run(cmd, cwd=REPO_ROOT).returncode
         if rc != 0:
             print(f"[{name}] exited {rc}; stopping", file=sys.stderr)
             return rc
@@ -144,7 +145,7 @@ def make_parser(doc: str, arms: Iterable[str], steps: int, out: Path, img: bool 
     r.add_argument("--dry-run", action="store_true")
     p = sub.add_parser("report")
     if img:
-        p.add_argument("--img", type=Path, default=ROOT / "docs" / "img")
+        p.add_argument("--img", type=Path, default=REPO_ROOT / "docs" / "img")
     for s in (r, p):
         s.add_argument("--out", type=Path, default=out)
     return parser, sub

@@ -1,15 +1,11 @@
 """Simulate DAPO's dynamic sampling on a synthetic policy and print prompts sampled per useful prompt per step.
 
-python tools/simulate_dapo.py [--steps 12 --prompts 32 --group-size 16 --seed 0]
+python tools/experiments/simulate_dapo.py [--steps 12 --prompts 32 --group-size 16 --seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dapo.dev.simulate import SimConfig
 from megatron_dapo.dev.simulate import format_table

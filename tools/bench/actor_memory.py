@@ -1,8 +1,8 @@
 """Peak RSS of MegatronActor.compute_logprobs and update: full logits vs the fused LM head (actor.logprob_impl).
 
 Example (CPU, gloo, PP=2, SmolLM2-135M, 8 x 1024 tokens):
-    python tools/prepare_smollm2.py                       # once: GGUF -> safetensors cache
-    python tools/bench_actor_memory.py --model ~/.cache/megatron_dapo/smollm2-135m-instruct \
+    python tools/setup/prepare_smollm2.py                       # once: GGUF -> safetensors cache
+    python tools/bench/actor_memory.py --model ~/.cache/megatron_dapo/smollm2-135m-instruct \
         --impls fused fused_linear --rows 8 --seq 1024 --pp 2 --micro-batch-size 2
 
 Each impl runs in fresh gloo processes (one per pipeline stage, so peaks never mix): build the actor from the HF
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,11 +26,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.net import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-SMOLLM2_CACHE = Path.home() / ".cache/megatron_dapo/smollm2-135m-instruct"
 
 
 def _rss_mb(field: str) -> float:
@@ -115,7 +111,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, impl: st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SMOLLM2_CACHE), help="HF checkpoint folder (prepare_smollm2.py)")
+    parser.add_argument("--model", default=str(default_cache_dir()), help="HF checkpoint folder (prepare_smollm2.py)")
     parser.add_argument("--impls", nargs="+", default=["fused", "fused_linear"], help="actor.logprob_impl values")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (one process each)")
     parser.add_argument("--rows", type=int, default=8, help="responses in the mini-batch")

@@ -1,8 +1,8 @@
 """Weight-sync throughput: actor export (TP gathers) + size-bounded buckets + engine load, on CPU/gloo.
 
 Example:
-    OMP_NUM_THREADS=1 python tools/bench_weight_sync.py                     # tiny model, TP 1 and 2
-    python tools/bench_weight_sync.py --model ~/.cache/megatron_dapo/smollm2-135m-instruct --tp 1 2
+    OMP_NUM_THREADS=1 python tools/bench/weight_sync.py                     # tiny model, TP 1 and 2
+    python tools/bench/weight_sync.py --model ~/.cache/megatron_dapo/smollm2-135m-instruct --tp 1 2
 
 Each (model, TP) runs in TP gloo processes: build the Megatron model from the HF checkpoint, then time
 (a) export only (every rank drains MegatronActor-style export_hf_weights) and (b) export + WeightSync into a
@@ -17,7 +17,6 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import datetime
@@ -27,12 +26,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megatron_dapo.dev import REPO_ROOT
+from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.net import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2_CACHE = Path.home() / ".cache/megatron_dapo/smollm2-135m-instruct"
 
 # ---- GPU estimate constants (8x H100 SXM, NVLink 4, one node; sources in the docs section) ----
 NVLINK_ALLGATHER_GBPS = 360.0  # NCCL all-gather bus bandwidth on 8x H100 NVLink (nccl-tests, ~360-380 GB/s)
@@ -151,7 +147,7 @@ def gpu_estimate(bucket_gb: float) -> list[dict]:
 
 
 def _docs_section(measured: list[dict], skipped: list[str], csv_path: Path) -> str:
-    lines = ["## Weight sync", "", f"Written by `tools/bench_weight_sync.py` ({datetime.now(timezone.utc):%Y-%m-%d})."]
+    lines = ["## Weight sync", "", f"Written by `tools/bench/weight_sync.py` ({datetime.now(timezone.utc):%Y-%m-%d})."]
     lines += ["", "### Measured on CPU (gloo, fp32, 2 cores; export + buckets + TransformersEngine load)", ""]
     lines += [
         "| model | TP | bucket MiB | MB | buckets | export s | export+load s | GB/s |",
@@ -164,7 +160,7 @@ def _docs_section(measured: list[dict], skipped: list[str], csv_path: Path) -> s
         )
     if skipped:
         lines += ["", "Not run: " + "; ".join(skipped) + "."]
-    lines += ["", f"Raw rows: `{csv_path.relative_to(ROOT)}`.", ""]
+    lines += ["", f"Raw rows: `{csv_path.relative_to(REPO_ROOT)}`.", ""]
     lines += ["### Estimate: colocated SGLang (TP=8) on 8x H100 SXM, actor TP=8, bf16", ""]
     lines += [
         "Arithmetic (GB = 1e9 bytes; S = model bytes; terms add up because the implemented path is sequential",
@@ -220,16 +216,16 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--csv", default=str(ROOT / "results/weight_sync.csv"))
-    parser.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"))
+    parser.add_argument("--csv", default=str(REPO_ROOT / "results/weight_sync.csv"))
+    parser.add_argument("--docs", default=str(REPO_ROOT / "docs/benchmarks.md"))
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_ws_"))
     models = {"tiny-qwen2": _tiny_checkpoint(tmp / "tiny")}
     for m in args.model or []:
         models[Path(m).name] = Path(m)
-    if args.model is None and (SMOLLM2_CACHE / "model.safetensors").exists():
-        models["SmolLM2-135M"] = SMOLLM2_CACHE
+    if args.model is None and (default_cache_dir() / "model.safetensors").exists():
+        models["SmolLM2-135M"] = default_cache_dir()
     csv_path = Path(args.csv)
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     from transformers import AutoConfig

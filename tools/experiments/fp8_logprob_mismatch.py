@@ -7,7 +7,8 @@ the actor to < 1e-4, tests/rollout/test_actor_sync.py). Prints one JSON object: 
 (mean / max |d logp|, k3 KL, log-ppl difference, the TIS / MIS shares at the default thresholds) and the sync
 bytes of "auto" and "fp8" for the model's fp32 and bf16 weights.
 
-    python tools/fp8_logprob_mismatch.py ~/.cache/megatron_dapo/smollm2-135m-instruct --prompts 8 --tokens 64
+    python tools/experiments/fp8_logprob_mismatch.py ~/.cache/megatron_dapo/smollm2-135m-instruct \
+        --prompts 8 --tokens 64
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Actor time of one main-job step, padded rows vs today's packed defaults, interleaved in the same processes.
 
 Example (CPU, gloo, PP=2, SmolLM2-135M, the main job's step shape):
-    python tools/prepare_smollm2.py
-    python tools/bench_actor_step.py --reps 3 --json results/actor_step_smollm2_pp2.json
+    python tools/setup/prepare_smollm2.py
+    python tools/bench/actor_step.py --reps 3 --json results/actor_step_smollm2_pp2.json
 
 Arms (config overrides applied to one MegatronActor between passes, so both see the same load):
     padded: actor.packing=false, actor.logprob_impl=fused   (rows sorted by length, padded to the micro-batch's
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,11 +29,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_actor_memory import SMOLLM2_CACHE
-
+from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.net import free_port
 
 ARMS = {
@@ -42,7 +37,7 @@ ARMS = {
     "packed_logits": {"packing": True, "logprob_impl": "fused"},
     "packed": {"packing": True, "logprob_impl": "fused_linear"},
 }  # every arm runs with actor.shared_prefix=false (the batch's rows have distinct prompts; for sharing see
-# tools/profile_actor_step.py)
+# tools/bench/profile_actor_step.py)
 
 
 def main_job_batch(rows: int, vocab: int, seed: int = 0):
@@ -101,7 +96,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SMOLLM2_CACHE), help="HF checkpoint folder (prepare_smollm2.py)")
+    parser.add_argument("--model", default=str(default_cache_dir()), help="HF checkpoint folder (prepare_smollm2.py)")
     parser.add_argument("--config", default="examples/smollm2_arith_cpu.yaml", help="the main job's config")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions per arm")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (main job: 1)")

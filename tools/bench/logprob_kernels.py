@@ -29,8 +29,8 @@ Measurements:
   counted under the Triton interpreter at the "tiny" shape (provider "ours-triton-interp"; no timing).
 
 Examples:
-    OMP_NUM_THREADS=2 python tools/bench_kernels.py --device cpu --configs cpu-small
-    python tools/bench_kernels.py --device cuda --configs qwen2.5-7b llama-3-8b smollm2-135m qwen2.5-32b
+    OMP_NUM_THREADS=2 python tools/bench/logprob_kernels.py --device cpu --configs cpu-small
+    python tools/bench/logprob_kernels.py --device cuda --configs qwen2.5-7b llama-3-8b smollm2-135m qwen2.5-32b
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CSV = REPO / "results" / "bench_kernels.csv"
+from megatron_dapo.dev import REPO_ROOT
+
+DEFAULT_CSV = REPO_ROOT / "results" / "bench_kernels.csv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ def setup_logprob_entropy(shape: ModelShape, provider: str, device: str) -> Case
         note = "log-prob only (no entropy); writes the gradient into the logits buffer during forward"
         base.update(loss=lambda out: out)
         return Case(run_op=lambda: ce(logits, labels), modes=("full",), note=note, **base)
-    raise ValueError(f"bench_kernels: unknown provider {provider!r} for logprob_entropy")
+    raise ValueError(f"logprob_kernels: unknown provider {provider!r} for logprob_entropy")
 
 
 def setup_linear_logprob_entropy(shape: ModelShape, provider: str, device: str) -> Case:
@@ -196,7 +197,7 @@ def setup_linear_logprob_entropy(shape: ModelShape, provider: str, device: str) 
         note = "log-prob only (no entropy); grads computed in forward"
         base.update(loss=lambda out: out)
         return Case(run_op=lambda: flce(weight, hidden, labels), modes=("full",), note=note, **base)
-    raise ValueError(f"bench_kernels: unknown provider {provider!r} for linear_logprob_entropy")
+    raise ValueError(f"logprob_kernels: unknown provider {provider!r} for linear_logprob_entropy")
 
 
 SETUPS = {"logprob_entropy": setup_logprob_entropy, "linear_logprob_entropy": setup_linear_logprob_entropy}
@@ -344,10 +345,10 @@ def matmul_flops(op: str, mode: str, shape: ModelShape) -> int:
 def version_string() -> str:
     """git short rev (+'-dirty' when megatron_dapo/, csrc/ or tools/ have changes) and torch/triton versions."""
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "megatron_dapo", "csrc", "tools"],
-            cwd=REPO,
+            cwd=REPO_ROOT,
             capture_output=True,
             text=True,
         )
@@ -583,7 +584,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         worker_main(sys.argv[2])
         sys.exit(0)

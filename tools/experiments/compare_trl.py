@@ -1,8 +1,9 @@
 """Issue 14 item 1: TRL's GRPOTrainer (loss_type "dapo") and our main job on the same CPU work, in one invocation.
 
-    python tools/compare_trl.py run --steps 4 [--out runs/side_by_side] [--arms trl ours_no_ds ours]
-    python tools/compare_trl.py report [--out runs/side_by_side]          (markdown table for docs/benchmarks.md)
-    python tools/compare_trl.py run --steps 1 --out /tmp/smoke -- --trainer.prompts_per_step=2 ...   (overrides)
+    python tools/experiments/compare_trl.py run --steps 4 [--out runs/side_by_side] [--arms trl ours_no_ds ours]
+    python tools/experiments/compare_trl.py report [--out runs/side_by_side]     (markdown table for docs/benchmarks.md)
+    python tools/experiments/compare_trl.py run --steps 1 --out /tmp/smoke -- --trainer.prompts_per_step=2 ...
+                                                                     (overrides after "--" go to every arm)
 
 Arms, run back to back (each in its own process tree; its resident memory, the sum of PSS over the tree, is sampled
 every 2 s):
@@ -39,21 +40,18 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experiment_arms import ROOT
-from experiment_arms import finished
-from experiment_arms import heldout
-from experiment_arms import main_job_command
-from experiment_arms import make_parser
-from experiment_arms import mean
-from experiment_arms import parse_with_overrides
-from experiment_arms import print_report
-from experiment_arms import read_metrics
-from experiment_arms import train_rows
+from megatron_dapo.dev import REPO_ROOT
+from megatron_dapo.dev.experiments import finished
+from megatron_dapo.dev.experiments import heldout
+from megatron_dapo.dev.experiments import main_job_command
+from megatron_dapo.dev.experiments import make_parser
+from megatron_dapo.dev.experiments import mean
+from megatron_dapo.dev.experiments import parse_with_overrides
+from megatron_dapo.dev.experiments import print_report
+from megatron_dapo.dev.experiments import read_metrics
+from megatron_dapo.dev.experiments import train_rows
 
-sys.path.insert(0, str(ROOT))  # the package from this checkout, as the main job's torchrun -m runs it
-
-CONFIG = ROOT / "examples" / "smollm2_arith_cpu.yaml"
+CONFIG = REPO_ROOT / "examples" / "smollm2_arith_cpu.yaml"
 OURS: dict[str, tuple[str, ...]] = {
     "ours_no_ds": ("--algorithm.dynamic_sampling=false",),
     "ours": (),
@@ -93,7 +91,7 @@ def run_sampled(cmd: list[str], env: dict[str, str] | None = None, period_s: flo
     (GiB). Reading PSS (/proc/PID/smaps_rollup) costs CPU: every 0.5 s it took ~17% of one core beside a 2-core job,
     every 2 s about a quarter of that."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
     peak_sum, peak_max = 0, 0
     done = threading.Event()
 
@@ -309,8 +307,8 @@ def trl_arm(out: Path, steps: int, seed: int, threads: int, extra: list[str]) ->
         top_p=r.top_p,
         top_k=r.top_k,
         loss_type="dapo",
-        epsilon=a.eps_low,
-        epsilon_high=a.eps_high if a.clip_higher else a.eps_low,
+        epsilon=cfg.loss.eps_low,  # the main job's policy loss, dapo (DAPOConfig: the `loss` section)
+        epsilon_high=cfg.loss.effective_eps_high,
         beta=0.0,
         scale_rewards="group",
         mask_truncated_completions=a.overlong_filtering,
@@ -429,14 +427,14 @@ def markdown(table: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, sub = make_parser(__doc__, ARMS, steps=4, out=ROOT / "runs" / "side_by_side", img=False)
+    parser, sub = make_parser(__doc__, ARMS, steps=4, out=REPO_ROOT / "runs" / "side_by_side", img=False)
     run_parser = sub.choices["run"]
     run_parser.add_argument("--threads", type=int, default=2, help="torch threads of the TRL process (ours: 2 x 1)")
     q = sub.add_parser("_trl", help="(internal) the TRL arm, run by 'run' in its own process")
     q.add_argument("--steps", type=int, required=True)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--threads", type=int, default=2)
-    q.add_argument("--out", type=Path, default=ROOT / "runs" / "side_by_side")
+    q.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "side_by_side")
     args = parse_with_overrides(parser, argv)
     if args.command == "_trl":
         return trl_arm(args.out, args.steps, args.seed, args.threads, args.extra)

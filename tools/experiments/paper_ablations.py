@@ -1,7 +1,7 @@
 """Issue 14 item 3: the DAPO paper's mechanisms one at a time on the SmolLM2 CPU job (same seed and steps per arm).
 
-    python tools/paper_ablations.py run --steps 4 [--out runs/side_by_side] [--arms ...]
-    python tools/paper_ablations.py report [--out runs/side_by_side] [--img docs/img]
+    python tools/experiments/paper_ablations.py run --steps 4 [--out runs/side_by_side] [--arms ...]
+    python tools/experiments/paper_ablations.py report [--out runs/side_by_side] [--img docs/img]
 
 Arms (the main job, examples/smollm2_arith_cpu.yaml, plus the arm's switches):
     ours                 as shipped: clip-higher 0.2/0.28, dynamic sampling, token-mean, 2 mini-batches per step
@@ -12,8 +12,9 @@ Arms (the main job, examples/smollm2_arith_cpu.yaml, plus the arm's switches):
 
 Comparisons: clip_higher_4mb vs symmetric_4mb (entropy, clipfrac high/low, ratio max per step); ours vs ours_no_ds
 (useful prompts per step: groups whose accuracy is strictly between 0 and 1; accuracy); ours vs
-seq_mean_token_mean (response length, accuracy). "ours" and "ours_no_ds" are the same runs as tools/compare_trl.py's
-arms of those names when both tools use the same --out, --steps and --seed: an arm that already finished is skipped.
+seq_mean_token_mean (response length, accuracy). "ours" and "ours_no_ds" are the same runs as
+tools/experiments/compare_trl.py's arms of those names when both tools use the same --out, --steps and --seed: an arm
+that already finished is skipped.
 """
 
 from __future__ import annotations
@@ -21,17 +22,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from experiment_arms import ROOT
-from experiment_arms import heldout
-from experiment_arms import make_parser
-from experiment_arms import mean
-from experiment_arms import overlay_plots
-from experiment_arms import parse_with_overrides
-from experiment_arms import print_report
-from experiment_arms import read_metrics
-from experiment_arms import run_arms
-from experiment_arms import train_rows
+from megatron_dapo.dev import REPO_ROOT
+from megatron_dapo.dev.experiments import heldout
+from megatron_dapo.dev.experiments import make_parser
+from megatron_dapo.dev.experiments import mean
+from megatron_dapo.dev.experiments import overlay_plots
+from megatron_dapo.dev.experiments import parse_with_overrides
+from megatron_dapo.dev.experiments import print_report
+from megatron_dapo.dev.experiments import read_metrics
+from megatron_dapo.dev.experiments import run_arms
+from megatron_dapo.dev.experiments import train_rows
 
 ARMS: dict[str, tuple[str, ...]] = {
     "ours": (),
@@ -140,7 +140,7 @@ def plot(out: Path, img: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, _ = make_parser(__doc__, ARMS, steps=4, out=ROOT / "runs" / "side_by_side")
+    parser, _ = make_parser(__doc__, ARMS, steps=4, out=REPO_ROOT / "runs" / "side_by_side")
     args = parse_with_overrides(parser, argv)
     if args.command == "run":
         arms = {name: (*switches, *args.extra) for name, switches in ARMS.items()}

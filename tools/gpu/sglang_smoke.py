@@ -1,9 +1,9 @@
 """Colocated-SGLang smoke on one GPU: 2 DAPO steps of a tiny model, with the device memory after every step of the
 memory choreography (megatron_dapo/memory.py) written down.
 
-    torchrun --standalone --nproc-per-node 1 tools/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out DIR
+    torchrun --standalone --nproc-per-node 1 tools/gpu/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out DIR
 
-Run by tools/device_check.sh (phase 6). The model, data and run directory go to --work (default
+Run by tools/gpu/device_check.sh (phase 6). The model, data and run directory go to --work (default
 /tmp/mdapo_sglang_smoke); into DIR (--out) go:
     sglang_smoke_memory.jsonl   one row per choreography action: {"step", "action", "free_gib" (whole device, SGLang's
                                 processes included), "allocated_gib" / "reserved_gib" (this process), "peak_gib" (this
@@ -24,8 +24,6 @@ import shutil
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GiB = float(1 << 30)
 

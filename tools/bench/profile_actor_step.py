@@ -1,7 +1,7 @@
 """Where the actor's time goes in one main-job mini-batch on CPU, with actor.shared_prefix off and on (torch.profiler).
 
 Example (one process, PP=1, fp32, 1 thread as each rank of the main job; SmolLM2-135M from prepare_smollm2.py):
-    python tools/profile_actor_step.py --json results/profile_actor_step.json
+    python tools/bench/profile_actor_step.py --json results/profile_actor_step.json
 
 The batch imitates one mini-batch of examples/smollm2_arith_cpu.yaml: --groups prompt groups (default 4 =
 mini_batch_prompts) of 8 responses; each group shares a prompt of 140 +- 6 random tokens (the few-shot template's
@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -38,9 +37,8 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile
 from torch.profiler import record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megatron_dapo.dev.hub import default_cache_dir
 
-SMOLLM2_CACHE = Path.home() / ".cache/megatron_dapo/smollm2-135m-instruct"
 CLASSES = ("lm_head", "optimizer", "attention", "linear", "embedding", "other")
 _MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 
@@ -150,7 +148,7 @@ def _arm(actor, batch, shared: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(SMOLLM2_CACHE), help="HF checkpoint folder (prepare_smollm2.py)")
+    parser.add_argument("--model", default=str(default_cache_dir()), help="HF checkpoint folder (prepare_smollm2.py)")
     parser.add_argument("--config", default="examples/smollm2_arith_cpu.yaml", help="the main job's config")
     parser.add_argument("--groups", type=int, default=4, help="prompt groups (rows = groups x group_size)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (main job: 1 per rank)")

@@ -1,15 +1,11 @@
 """Create the tiny random model and one-digit-sum data that examples/tiny_cpu.yaml trains on.
 
-python tools/make_tiny_run.py --out runs/tiny
+python tools/data/make_tiny_run.py --out runs/tiny
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dapo.dev.tiny import make_tiny_run
 

@@ -1,7 +1,7 @@
 """Generate DAPO-format train/test files from a reasoning-gym task.
 
 Example:
-    python tools/make_dataset.py --task basic_arithmetic --num-train 2000 --num-test 200 --seed 0 \
+    python tools/data/make_dataset.py --task basic_arithmetic --num-train 2000 --num-test 200 --seed 0 \
         --template dapo --out data/arith --format jsonl --task-kwargs '{"max_terms": 2}'
 
 Writes <out>/train.<fmt>, <out>/test.<fmt> and <out>/manifest.json. The logic lives in megatron_dapo.data.
@@ -12,10 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
-# Runs from a checkout without `pip install -e .` too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dapo.data.files import FORMATS
 from megatron_dapo.data.generate import make_dataset

@@ -12,8 +12,8 @@
 #                                                 or the varlen submodule, fused LM head and fused loss vs the padded
 #                                                 reference; needs megatron-core: carry its wheel in .whl/, e.g.
 #                                                 pip download megatron-core==0.16.1 --no-deps -d .whl)
-#   5. python3 tools/bench_kernels.py --device cuda
-#   6. colocated-SGLang smoke                   (phase_sglang_smoke: tools/sglang_smoke.py under torchrun, 1 GPU: a
+#   5. python3 tools/bench/logprob_kernels.py --device cuda
+#   6. colocated-SGLang smoke                   (phase_sglang_smoke: tools/gpu/sglang_smoke.py under torchrun, 1 GPU: a
 #                                                 tiny model trains 2 steps with SGLang in-process through the memory
 #                                                 choreography, actor offload "all", a checkpoint and the final export;
 #                                                 the device memory after every choreography action is recorded.
@@ -28,7 +28,7 @@
 # sglang_smoke_summary.json.
 #
 # Run from the repository root, e.g. through the device tool:
-#   bash tools/device_check.sh          (with carry [".whl"] if Liger's wheel was downloaded there)
+#   bash tools/gpu/device_check.sh          (with carry [".whl"] if Liger's wheel was downloaded there)
 # Afterwards, append $OUT/bench_kernels.csv's rows to results/bench_kernels.csv and fill the GPU part of
 # docs/benchmarks.md ("Kernels" section).
 # Knobs: BENCH_CONFIGS (default: the four GPU model shapes), BENCH_TIMEOUT, PYTEST_TIMEOUT, SGLANG_SMOKE_TIMEOUT,
@@ -75,7 +75,7 @@ timeout "${PYTEST_ACTOR_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/actor -q -rs
 
 # 5. benchmark (rows go to $OUT/bench_kernels.csv; copy them into results/bench_kernels.csv afterwards)
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench_kernels.py --device cuda --configs $BENCH_CONFIGS \
+timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench/logprob_kernels.py --device cuda --configs $BENCH_CONFIGS \
     --csv "$OUT/bench_kernels.csv" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 
@@ -88,7 +88,7 @@ phase_sglang_smoke() {
         return 0
     fi
     timeout "${SGLANG_SMOKE_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
-        tools/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out "$OUT" --work /tmp/mdapo_sglang_smoke \
+        tools/gpu/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out "$OUT" --work /tmp/mdapo_sglang_smoke \
         >>"$log" 2>&1 || status=1
     tail -n 60 "$log"
 }
@@ -99,8 +99,8 @@ fi
 # 7. FP8 sync into colocated SGLang (ONLY=sglang_fp8 runs phases 1, 2 and 7 alone)
 phase_sglang_fp8() {
     local log="$OUT/sglang_fp8.log"
-    if [ ! -f tools/sglang_smoke.py ]; then
-        echo "SKIP (not run) sglang fp8: needs tools/sglang_smoke.py, the colocated-SGLang smoke of branch mem" | tee "$log"
+    if [ ! -f tools/gpu/sglang_smoke.py ]; then
+        echo "SKIP (not run) sglang fp8: needs tools/gpu/sglang_smoke.py, the colocated-SGLang smoke of branch mem" | tee "$log"
         skipped="$skipped sglang_fp8"
         return 0
     fi
@@ -111,7 +111,7 @@ phase_sglang_fp8() {
     fi
     mkdir -p "$OUT/sglang_fp8"
     timeout "${SGLANG_FP8_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
-        tools/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out "$OUT/sglang_fp8" \
+        tools/gpu/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out "$OUT/sglang_fp8" \
         --work /tmp/mdapo_sglang_fp8 --rollout.weight_dtype=fp8 --algorithm.rollout_correction=tis \
         >>"$log" 2>&1 || status=1
     tail -n 60 "$log"

@@ -2,8 +2,8 @@
 (this tree), interleaved: rounds, stream, rounds, stream ... with the same seed and steps. Runs in
 runs/rollout_stream/<arm>_<k>; `report` writes results/rollout_stream/{<arm>_<k>.jsonl, summary.json, summary.md}.
 
-    python tools/bench_rollout_stream.py run [--rounds-commit 27cfe3c] [--repeats 2] [--steps 5] [-- overrides]
-    python tools/bench_rollout_stream.py report
+    python tools/bench/rollout_stream.py run [--rounds-commit 27cfe3c] [--repeats 2] [--steps 5] [-- overrides]
+    python tools/bench/rollout_stream.py report
 
 Per arm (all repeats): generation seconds per kept group (sum of time/generate / sum of sampling/prompts_kept) and
 per generated token, the median step time, the held-out avg@k at the last step. The rounds arm runs from a detached
@@ -20,20 +20,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+from megatron_dapo.dev import REPO_ROOT
+from megatron_dapo.dev.experiments import finished
+from megatron_dapo.dev.experiments import heldout
+from megatron_dapo.dev.experiments import main_job_command
+from megatron_dapo.dev.experiments import make_parser
+from megatron_dapo.dev.experiments import parse_with_overrides
+from megatron_dapo.dev.experiments import print_report
+from megatron_dapo.dev.experiments import read_metrics
+from megatron_dapo.dev.experiments import train_rows
 
-from experiment_arms import finished  # noqa: E402
-from experiment_arms import heldout  # noqa: E402
-from experiment_arms import main_job_command  # noqa: E402
-from experiment_arms import make_parser  # noqa: E402
-from experiment_arms import parse_with_overrides  # noqa: E402
-from experiment_arms import print_report  # noqa: E402
-from experiment_arms import read_metrics  # noqa: E402
-from experiment_arms import train_rows  # noqa: E402
-
-OUT = ROOT / "runs" / "rollout_stream"
-RESULTS = ROOT / "results" / "rollout_stream"
+OUT = REPO_ROOT / "runs" / "rollout_stream"
+RESULTS = REPO_ROOT / "results" / "rollout_stream"
 ROUNDS_COMMIT = "27cfe3c"
 """The last commit that generated in sequential rounds over static shards (issue 19)."""
 
@@ -42,7 +40,8 @@ def worktree(commit: str, out: Path) -> Path:
     """A detached worktree of `commit` under out/worktree (made once)."""
     path = out / "worktree"
     if not (path / "megatron_dapo").exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), commit], check=True)
+        cmd = ["git", "-C", str(REPO_ROOT), "worktree", "add", "--detach", "-f", str(path), commit]
+        subprocess.run(cmd, check=True)
     head = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     if not commit.startswith(head.stdout.strip()[:7]):
         raise SystemExit(f"{path} is at {head.stdout.strip()}, not {commit}: remove it and rerun")
@@ -51,7 +50,7 @@ def worktree(commit: str, out: Path) -> Path:
 
 def run(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
-    trees = {"rounds": worktree(args.rounds_commit, args.out), "stream": ROOT}
+    trees = {"rounds": worktree(args.rounds_commit, args.out), "stream": REPO_ROOT}
     for k in range(args.repeats):
         for arm, tree in trees.items():
             run_dir = (args.out / f"{arm}_{k}").resolve()
