@@ -130,6 +130,7 @@ def main() -> None:
         written = load_file(str(hf_dir / "model.safetensors"))
         rec["written_matches"] = set(written) == set(full) and all(torch.equal(written[k], full[k]) for k in full)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(rec))
+    trainer.stream.close()
     trainer.exchange.close()
     torch.distributed.destroy_process_group()
 

@@ -20,6 +20,7 @@ under "stream/"). docs/rollout.md, "The stream".
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import signal
@@ -126,6 +127,10 @@ class PeerWatch:
     engine step still beats; a stopped (SIGSTOP) or wedged process does not. `check()` (from the stream loop) raises
     JobError naming a peer whose counter has not moved for `stall_s`, and SIGKILLs it when it runs on this host (it
     could not act on the launcher's SIGTERM; nobody else would clean it up before the launcher's own timeout).
+
+    `close()` stops and joins the thread; it also runs at interpreter exit (atexit, before daemon threads are torn
+    down). A daemon thread left inside the store call at exit is ended by CPython while pybind11's GIL guard is on its
+    C++ stack, which aborts the process ("terminate called without an active exception") after a clean run.
     """
 
     PREFIX = "megatron_dapo/alive/"
@@ -137,7 +142,10 @@ class PeerWatch:
         self.seen: dict[int, tuple[bytes | None, float]] = {r: (None, now) for r in range(world_size) if r != rank}
         self.next = 0.0
         client = dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
-        threading.Thread(target=self._beat, args=(client,), name="megatron_dapo-heartbeat", daemon=True).start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(client,), name="megatron_dapo-heartbeat", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
 
     def _beat(self, client: dist.Store) -> None:
         key = f"{self.PREFIX}beat/{self.rank}"
@@ -146,7 +154,15 @@ class PeerWatch:
                 client.add(key, 1)
             except Exception:  # the store is gone: the job is ending
                 return
-            time.sleep(HEARTBEAT_S)
+            if self._stop.wait(HEARTBEAT_S):
+                return
+
+    def close(self) -> None:
+        """Stop beating and join the thread (idempotent). Peers then see this rank stall only after stall_s."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        atexit.unregister(self.close)
 
     def check(self) -> None:
         now = time.monotonic()
@@ -284,6 +300,11 @@ class RolloutStream:
         self.timeout_s = timeout_s
         self.score = score
         self._keys = 0
+
+    def close(self) -> None:
+        """Stop this rank's heartbeat (end of the job; idempotent)."""
+        if self.peers is not None:
+            self.peers.close()
 
     def new_key(self) -> str:
         """A key unique in the job for a group this rank generates (routing and the carry refer to it)."""

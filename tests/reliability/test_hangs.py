@@ -16,6 +16,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -192,3 +193,26 @@ def test_a_stopped_rank_during_generation_ends_the_job_naming_it(tiny, tmp_path)
     assert f"rank 1 (host {socket.gethostname()}, pid {stopped.pid}, killed) made no progress for 30 s" in errors[0]
     assert waited < 120, f"{waited:.0f} s from SIGSTOP to the end of the job"
     assert not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE
+
+
+_BUSY_HEARTBEAT = """
+import torch.distributed as dist
+from datetime import timedelta
+from megatron_dapo.rollout import stream
+stream.HEARTBEAT_S = 0.0  # the thread is inside the store call almost all the time
+master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+watch = stream.PeerWatch(master, rank=0, world_size=1, stall_s=60.0)
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending", ["pass", "watch.close()"])
+def test_the_heartbeat_thread_does_not_abort_the_process_at_exit(ending):
+    """A daemon thread left in a TCPStore call when the interpreter finalizes aborts the process after a clean run
+    ("terminate called without an active exception"; seen once in CI at the end of a DP=2 job). The heartbeat joins
+    at exit whether or not the job closed it."""
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", _BUSY_HEARTBEAT.format(ending=ending)], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
