@@ -30,6 +30,8 @@ class ActorBatch:
         the rollout correction).
     is_weight: [B, S] float32 or None; rollout-correction importance weights multiplying each token's policy loss
         (algorithm.rollout_correction "tis" / "mis", set by the trainer before the update; None: no correction).
+    ref_logp: [B, S] float32 or None; a frozen reference model's log-probs (losses with a KL term,
+        `algorithms.policy_loss.uses_reference`; filled by the trainer before the update).
     group_ids: [B] int64 or None; rows with one id are the responses of one prompt (they share tokens[:P]). The
         trainer always sets it; None: every row its own group (actor.shared_prefix then shares nothing).
     prompt_lengths: [B] int64 or None; P per row (its prompt is tokens[:P]). None: the column of the row's first
@@ -43,12 +45,13 @@ class ActorBatch:
     old_logp: Tensor | None = None
     engine_logp: Tensor | None = None
     is_weight: Tensor | None = None
+    ref_logp: Tensor | None = None
     group_ids: Tensor | None = None
     prompt_lengths: Tensor | None = None
 
     def __post_init__(self) -> None:
         b, s = self.tokens.shape
-        for name in ("loss_mask", "response_mask", "old_logp", "engine_logp", "is_weight"):
+        for name in ("loss_mask", "response_mask", "old_logp", "engine_logp", "is_weight", "ref_logp"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b, s):
                 raise ValueError(f"ActorBatch.{name}: expected shape {(b, s)}, got {tuple(value.shape)}")

@@ -23,6 +23,8 @@ from megatron_dapo.algorithms import overlong_filter_mask
 from megatron_dapo.algorithms import soft_overlong_penalty
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.config import AlgorithmConfig
+from megatron_dapo.metrics import Stat
+from megatron_dapo.metrics import Stats
 from megatron_dapo.metrics import response_metrics
 from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GroupSummary
@@ -181,8 +183,9 @@ def apply_rollout_correction(batch: ActorBatch, algo: AlgorithmConfig) -> dict[s
     return {key: float(value) for key, value in result.metrics.items()}
 
 
-# How each "rollout_corr/*" metric of one batch combines over data-parallel ranks: the weight of its mean (valid
-# tokens of the loss mask before correction, responses with one, tokens kept after it) or "max".
+# How each "rollout_corr/*" metric of one batch combines over data-parallel ranks: a mean weighted by the valid tokens
+# of the loss mask before correction ("tokens"), the responses with one ("rows") or the tokens kept after it ("kept"),
+# or the maximum ("max"). A key not listed is a token mean.
 ROLLOUT_CORR_COMBINE = {
     "rollout_corr/kl_k1": "tokens",
     "rollout_corr/kl_k3": "tokens",
@@ -197,27 +200,16 @@ ROLLOUT_CORR_COMBINE = {
 }
 
 
-def rollout_correction_parts(batch: ActorBatch, algo: AlgorithmConfig) -> tuple[dict[str, float], dict[str, float]]:
+def rollout_correction_parts(batch: ActorBatch, algo: AlgorithmConfig) -> Stats:
     """`apply_rollout_correction` on one rank's rows (in place: the correction is per row, so each row gets what the
-    whole batch would give it) -> (its metrics, their weights {"tokens", "rows", "kept"}) for
-    `combine_rollout_correction`."""
+    whole batch would give it) -> its metrics as Stats (ROLLOUT_CORR_COMBINE); merged over the ranks
+    (`megatron_dapo.metrics.merge_stats`) they equal the metrics of the whole batch at once."""
     valid = batch.loss_mask != 0
     weights = {"tokens": float(valid.sum()), "rows": float(valid.any(dim=-1).sum())}
     metrics = apply_rollout_correction(batch, algo)
     weights["kept"] = float((batch.loss_mask != 0).sum())
-    return metrics, weights
-
-
-def combine_rollout_correction(parts: Sequence[tuple[dict[str, float], dict[str, float]]]) -> dict[str, float]:
-    """The batch's rollout-correction metrics from every DP rank's `rollout_correction_parts`: weighted means
-    (ROLLOUT_CORR_COMBINE) and maxima, equal to the metrics of the whole batch at once."""
-    out: dict[str, float] = {}
-    for key in sorted({k for metrics, _ in parts for k in metrics}):
+    out: Stats = {}
+    for key, value in metrics.items():
         kind = ROLLOUT_CORR_COMBINE.get(key, "tokens")
-        values = [(metrics[key], weights) for metrics, weights in parts if key in metrics]
-        if kind == "max":
-            out[key] = max(v for v, _ in values)
-        else:
-            total = sum(w[kind] for _, w in values)
-            out[key] = sum(v * w[kind] for v, w in values) / total if total > 0 else 0.0
+        out[key] = Stat.max(value) if kind == "max" else Stat.mean(value * weights[kind], weights[kind])
     return out

@@ -8,13 +8,17 @@ megatron-dapo plot RUN_DIR --> run_dir/plots/*.png
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import os
 import time
+from collections.abc import Iterable
 from collections.abc import Iterator
+from collections.abc import Mapping
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,45 +82,128 @@ def response_metrics(
     }
 
 
+class Reduce(enum.Enum):
+    """How one metric's parts from several ranks (or micro-batches) combine into its value."""
+
+    MEAN = "mean"  # sum of the parts' totals / sum of their weights (0.0 when no weight): a token- or row-mean
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """One part of a metric and its reduction. MEAN: `value` is the sum of what is averaged and `weight` the count
+    (or weight) it is over; SUM / MAX / MIN: `value` is the part's value (weight unused). Build with `Stat.mean`,
+    `Stat.sum`, `Stat.max`, `Stat.min`; combine with `merge_stats` (parts as Python objects, e.g. gathered over the
+    gloo exchange) or `all_reduce_stats` (tensors over process groups); read with `finalize`."""
+
+    reduce: Reduce
+    value: float
+    weight: float = 1.0
+
+    @classmethod
+    def mean(cls, total: float, count: float) -> Stat:
+        return cls(Reduce.MEAN, float(total), float(count))
+
+    @classmethod
+    def sum(cls, value: float) -> Stat:
+        return cls(Reduce.SUM, float(value))
+
+    @classmethod
+    def max(cls, value: float) -> Stat:
+        return cls(Reduce.MAX, float(value))
+
+    @classmethod
+    def min(cls, value: float) -> Stat:
+        return cls(Reduce.MIN, float(value))
+
+    def merge(self, other: Stat) -> Stat:
+        if other.reduce is not self.reduce:
+            raise ValueError(f"Stat.merge: a {self.reduce.value} part met a {other.reduce.value} part")
+        if self.reduce is Reduce.MEAN:
+            return Stat(Reduce.MEAN, self.value + other.value, self.weight + other.weight)
+        if self.reduce is Reduce.SUM:
+            return Stat(Reduce.SUM, self.value + other.value)
+        pick = max if self.reduce is Reduce.MAX else min
+        return Stat(self.reduce, pick(self.value, other.value))
+
+    def result(self) -> float:
+        if self.reduce is Reduce.MEAN:
+            return self.value / self.weight if self.weight > 0 else 0.0
+        return self.value
+
+
+Stats = dict[str, Stat]
+
+
+def merge_stats(parts: Iterable[Mapping[str, Stat]]) -> Stats:
+    """Combine parts in order (keys may differ between parts: a key is over the parts that have it)."""
+    out: Stats = {}
+    for part in parts:
+        for key, stat in part.items():
+            out[key] = out[key].merge(stat) if key in out else stat
+    return out
+
+
+def finalize(stats: Mapping[str, Stat]) -> dict[str, float]:
+    """The metric values: {key: float}."""
+    return {key: stat.result() for key, stat in stats.items()}
+
+
+def all_reduce_stats(stats: Mapping[str, Stat], groups: Sequence[Any], device: torch.device | str = "cpu") -> Stats:
+    """Combine `stats` over each process group of `groups` in turn (None entries are skipped): one fp64 SUM
+    all-reduce of every MEAN/SUM part (value, weight) and one MAX all-reduce of every MAX part and negated MIN part.
+    Collective: every rank of a group passes the same keys with the same reductions (a rank with nothing to add passes
+    `identity(stats)`-like parts: mean 0/0, sum 0, max -inf, min +inf)."""
+    keys = sorted(stats)
+    added = [k for k in keys if stats[k].reduce in (Reduce.MEAN, Reduce.SUM)]
+    extreme = [k for k in keys if stats[k].reduce in (Reduce.MAX, Reduce.MIN)]
+    sums = torch.tensor([[stats[k].value, stats[k].weight] for k in added], dtype=torch.float64, device=device)
+    sign = {Reduce.MAX: 1.0, Reduce.MIN: -1.0}
+    tops = torch.tensor([sign[stats[k].reduce] * stats[k].value for k in extreme], dtype=torch.float64, device=device)
+    for group in groups:
+        if group is None:
+            continue
+        if added:
+            torch.distributed.all_reduce(sums, group=group)
+        if extreme:
+            torch.distributed.all_reduce(tops, op=torch.distributed.ReduceOp.MAX, group=group)
+    out = {k: Stat(stats[k].reduce, float(v), float(w)) for k, (v, w) in zip(added, sums.tolist(), strict=True)}
+    out.update(
+        {k: Stat(stats[k].reduce, sign[stats[k].reduce] * v) for k, v in zip(extreme, tops.tolist(), strict=True)}
+    )
+    return {k: out[k] for k in keys}
+
+
+def identity(reduce: Reduce) -> Stat:
+    """The part that changes nothing when merged or all-reduced (a rank that holds none of the metric)."""
+    return {
+        Reduce.MEAN: Stat(Reduce.MEAN, 0.0, 0.0),
+        Reduce.SUM: Stat(Reduce.SUM, 0.0),
+        Reduce.MAX: Stat(Reduce.MAX, -math.inf),
+        Reduce.MIN: Stat(Reduce.MIN, math.inf),
+    }[reduce]
+
+
+def mismatch_stats(actor_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> Stats:
+    """Train/inference drift as Stats: mean and max |actor - engine| log-prob over response tokens, and the mean
+    importance ratio exp(actor - engine) (1 when both sides agree). actor_logp, engine_logp, mask: [B, S] float;
+    sums in fp64."""
+    diff = (actor_logp.float() - engine_logp.float())[mask.bool()].double()
+    n = float(diff.numel())
+    if not n:
+        return {"rollout/logprob_mismatch": Stat.mean(0.0, 0.0), "rollout/logprob_mismatch_max": Stat.max(0.0)}
+    return {
+        "rollout/logprob_mismatch": Stat.mean(float(diff.abs().sum()), n),
+        "rollout/logprob_mismatch_max": Stat.max(float(diff.abs().max())),
+        "rollout/actor_engine_ratio_mean": Stat.mean(float(diff.exp().sum()), n),
+    }
+
+
 def logprob_mismatch(actor_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> dict[str, float]:
-    """Train/inference drift: mean and max |actor - engine| log-prob over response tokens, and the mean
-    importance ratio exp(actor - engine) (1 when both sides agree).
-
-    Args:
-        actor_logp, engine_logp, mask: [B, S] float.
-    """
-    valid = mask.bool()
-    if not valid.any():
-        return {"rollout/logprob_mismatch": 0.0, "rollout/logprob_mismatch_max": 0.0}
-    diff = (actor_logp.float() - engine_logp.float())[valid]
-    return {
-        "rollout/logprob_mismatch": float(diff.abs().mean()),
-        "rollout/logprob_mismatch_max": float(diff.abs().max()),
-        "rollout/actor_engine_ratio_mean": float(diff.exp().mean()),
-    }
-
-
-def mismatch_sums(actor_logp: Tensor, engine_logp: Tensor, mask: Tensor) -> Tensor:
-    """The parts of `logprob_mismatch` that combine over ranks: [sum |d|, max |d|, sum exp(d), count] fp64,
-    d = actor - engine over response tokens. actor_logp, engine_logp, mask: [B, S] float."""
-    valid = mask.bool()
-    diff = (actor_logp.float() - engine_logp.float())[valid].double()
-    if diff.numel() == 0:
-        return torch.tensor([0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
-    return torch.stack([diff.abs().sum(), diff.abs().max(), diff.exp().sum(), torch.tensor(float(diff.numel()))])
-
-
-def mismatch_from_sums(parts: list[Tensor]) -> dict[str, float]:
-    """`logprob_mismatch` of the union of the ranks whose `mismatch_sums` are `parts`."""
-    total = torch.stack(parts)
-    count = float(total[:, 3].sum())
-    if count == 0:
-        return {"rollout/logprob_mismatch": 0.0, "rollout/logprob_mismatch_max": 0.0}
-    return {
-        "rollout/logprob_mismatch": float(total[:, 0].sum() / count),
-        "rollout/logprob_mismatch_max": float(total[:, 1].max()),
-        "rollout/actor_engine_ratio_mean": float(total[:, 2].sum() / count),
-    }
+    """`mismatch_stats` of one batch, finalized."""
+    return finalize(mismatch_stats(actor_logp, engine_logp, mask))
 
 
 class PhaseTimer:

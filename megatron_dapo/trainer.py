@@ -23,6 +23,7 @@ import torch
 
 from megatron_dapo.actor.packing import RowPlan
 from megatron_dapo.algorithms import DynamicSampler
+from megatron_dapo.algorithms.policy_loss import uses_reference
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import CheckpointManager
@@ -33,7 +34,6 @@ from megatron_dapo.config import RunConfig
 from megatron_dapo.errors import JobError
 from megatron_dapo.evaluate import score_groups
 from megatron_dapo.experience import batch_advantages
-from megatron_dapo.experience import combine_rollout_correction
 from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
 from megatron_dapo.experience import row_lengths
@@ -45,9 +45,12 @@ from megatron_dapo.launch import StartupError
 from megatron_dapo.memory import MemoryChoreographer
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.metrics import PhaseTimer
+from megatron_dapo.metrics import Stat
+from megatron_dapo.metrics import Stats
+from megatron_dapo.metrics import finalize
+from megatron_dapo.metrics import merge_stats
 from megatron_dapo.metrics import metrics_row
-from megatron_dapo.metrics import mismatch_from_sums
-from megatron_dapo.metrics import mismatch_sums
+from megatron_dapo.metrics import mismatch_stats
 from megatron_dapo.metrics import plot_run
 from megatron_dapo.rollout.exchange import RolloutExchange
 from megatron_dapo.rollout.factory import sampling_params
@@ -65,6 +68,8 @@ class DAPOTrainer:
     def __init__(self, config: RunConfig) -> None:
         from megatron_dapo.actor.actor import MegatronActor
         from megatron_dapo.actor.distributed import init_distributed
+        from megatron_dapo.actor.reference import WithReference
+        from megatron_dapo.actor.reference import reference_model
         from megatron_dapo.reward import Verifier
         from megatron_dapo.rollout import make_engine
         from megatron_dapo.rollout.factory import sizes_kv_pool_at_start
@@ -101,10 +106,13 @@ class DAPOTrainer:
         )
         resume_from = self._startup(self._resume_path)
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
+        # A loss with a KL term (GRPO, loss.kl_coef > 0) needs the frozen reference (actor/reference.py).
+        self.reference = reference_model(c, self.groups) if uses_reference(c.loss) else None
         self.engine_ranks = rollout_ranks(c.rollout, self.world)
         # The one owner of device memory moves per step (megatron_dapo/memory.py, docs/rollout.md). A colocated
         # SGLang / vLLM engine starts with the actor offloaded, so its KV pool is sized from the GPU without it.
-        self.memory = MemoryChoreographer(None, self.actor, offload=c.actor.offload, barrier=self._host_barrier)
+        models = self.actor if self.reference is None else WithReference(self.actor, self.reference)
+        self.memory = MemoryChoreographer(None, models, offload=c.actor.offload, barrier=self._host_barrier)
         # A fixed KV capacity per row keeps the embedded engine batch-invariant across the run (slot_cache.py).
         max_context = max(self.longest_prompt, 1) + c.rollout.max_response_length
         self.engine = self.memory.build_engine(
@@ -287,6 +295,8 @@ class DAPOTrainer:
                 batch, plan = routed[0]
                 with timer("logprobs"):
                     batch.old_logp, entropy = self.actor.compute_logprobs(batch, plan=plan)
+                    if self.reference is not None:
+                        batch.ref_logp, _ = self.reference.compute_logprobs(batch, plan=plan, with_entropy=False)
                 # Per row, so the local rows get exactly what the whole batch would; MIS changes D, so before update.
                 correction = rollout_correction_parts(batch, self.cfg.algorithm)
                 metrics.update(self._batch_metrics(batch, entropy, correction))
@@ -403,27 +413,21 @@ class DAPOTrainer:
         """Global row ids this rank received in the last step (tests read it)."""
         return batch, plan
 
-    def _batch_metrics(
-        self, batch: ActorBatch, entropy: torch.Tensor | None, correction: tuple[dict, dict]
-    ) -> dict[str, float]:
+    def _batch_metrics(self, batch: ActorBatch, entropy: torch.Tensor | None, correction: Stats) -> dict[str, float]:
         """Entropy, valid-token count (after rollout correction), engine/actor log-prob mismatch and the rollout
-        correction's metrics over the whole batch: each DP rank's sums (one rank per model-parallel group
-        contributes) combined over the gloo exchange."""
+        correction's metrics (`correction`, this rank's Stats) over the whole batch: each DP rank's Stats (one rank
+        per model-parallel group contributes) merged over the gloo exchange."""
         mask = batch.response_mask
-        local = torch.zeros(3, dtype=torch.float64)
-        if entropy is not None:
-            local[0] = float((entropy * mask).sum())
-        local[1] = float(mask.sum())
-        local[2] = float(batch.loss_mask.sum())
-        mism = None if batch.engine_logp is None else mismatch_sums(batch.old_logp, batch.engine_logp, mask)
+        entropy_sum = float((entropy * mask).sum()) if entropy is not None else 0.0
+        local: Stats = {
+            "actor/entropy": Stat.mean(entropy_sum, float(mask.sum())),
+            "train/valid_tokens": Stat.sum(float(batch.loss_mask.sum())),
+        }
+        if batch.engine_logp is not None:
+            local.update(mismatch_stats(batch.old_logp, batch.engine_logp, mask))
+        local.update(correction)
         first = self.rank == min(self.groups.mp_ranks)
-        parts = self.exchange.all_gather([(local, mism, correction)] if first else [], "batch metrics")
-        sums = sum(p[0] for p in parts)
-        out = {"actor/entropy": float(sums[0] / max(float(sums[1]), 1.0)), "train/valid_tokens": float(sums[2])}
-        if all(p[1] is not None for p in parts):
-            out.update(mismatch_from_sums([p[1] for p in parts]))
-        out.update(combine_rollout_correction([p[2] for p in parts]))
-        return out
+        return finalize(merge_stats(self.exchange.all_gather([local] if first else [], "batch metrics")))
 
     def evaluate(self) -> dict[str, float]:
         t = self.cfg.trainer
@@ -568,6 +572,7 @@ class DAPOTrainer:
             self.logger.close()
             if self.cfg.logging.plots and self.cfg.logging.jsonl:
                 plot_run(self.run_dir)
+        self.stream.close()
         if self.lock is not None:
             self.lock.release()
 

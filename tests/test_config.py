@@ -166,7 +166,7 @@ def test_dynamic_sampling_off_needs_a_full_generation_batch():
         ("algorithm:\n  eps_lo: 0.1\n", "run.yaml: unknown key 'eps_lo' in section [algorithm]"),
         ("algorithms:\n  eps_low: 0.1\n", "run.yaml: unknown section 'algorithms'"),
         ("algorithm:\n  policy_loss: gspo\nloss:\n  clip_ratio_c: 3\n", "run.yaml: unknown key 'clip_ratio_c' in"),
-        ("algorithm:\n  policy_loss: grpo\nloss:\n  kl_coef: 0.1\n", "run.yaml: loss.kl_coef: 0.1 needs a frozen"),
+        ("algorithm:\n  policy_loss: grpo\nloss:\n  kl_coef: 20\n", "run.yaml: loss.kl_coef: must be in [0, 10]"),
         ("actor:\n  lr: fast\n", "run.yaml: actor.lr: expected a number, got 'fast'"),
         ("trainer:\n  total_steps: 2.5\n", "run.yaml: trainer.total_steps: expected an integer"),
         ("algorithm:\n  dynamic_sampling: maybe\n", "run.yaml: algorithm.dynamic_sampling: expected a boolean"),

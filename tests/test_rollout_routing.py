@@ -12,11 +12,12 @@ from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.experience import apply_rollout_correction
 from megatron_dapo.experience import batch_advantages
 from megatron_dapo.experience import build_actor_batch
-from megatron_dapo.experience import combine_rollout_correction
 from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
 from megatron_dapo.experience import row_lengths
 from megatron_dapo.experience import rows_to_batch
+from megatron_dapo.metrics import finalize
+from megatron_dapo.metrics import merge_stats
 from megatron_dapo.rollout import FinishReason
 from megatron_dapo.rollout import Rollout
 from megatron_dapo.rollout import RolloutGroup
@@ -111,7 +112,7 @@ def test_rollout_correction_on_dp_shards_equals_the_whole_batch(mode, level):
     shards = [whole.select(torch.tensor(rows)) for rows in ([0, 3, 4, 9, 11], [1, 2, 5, 6, 7, 8, 10])]
     expected = apply_rollout_correction(whole, algo)
     parts = [rollout_correction_parts(shard, algo) for shard in shards]
-    got = combine_rollout_correction(parts)
+    got = finalize(merge_stats(parts))
     assert got.keys() == expected.keys() and len(got) >= 4
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

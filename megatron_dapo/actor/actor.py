@@ -55,9 +55,11 @@ from torch import Tensor
 
 from megatron_dapo.actor.ckpt_writer import install_writer_queue
 from megatron_dapo.actor.distributed import ParallelGroups
+from megatron_dapo.actor.loss import LOSS_METRICS
 from megatron_dapo.actor.loss import dapo_loss_func
 from megatron_dapo.actor.loss import get_logprob_impl
 from megatron_dapo.actor.loss import local_loss_denominator
+from megatron_dapo.actor.loss import loss_metric_stats
 from megatron_dapo.actor.loss import micro_batch_logprobs
 from megatron_dapo.actor.offload import ActorOffloader
 from megatron_dapo.actor.packing import PackedLayout
@@ -69,10 +71,13 @@ from megatron_dapo.actor.packing import prompt_lengths
 from megatron_dapo.actor.packing import sequence_lengths
 from megatron_dapo.actor.packing import shared_prefix_micro_batches
 from megatron_dapo.actor.safe_unpickle import check_dist_checkpoint
+from megatron_dapo.algorithms.policy_loss import uses_reference
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.config import RunConfig
-
-_TWO_PART = ("loss", "clipfrac_high", "clipfrac_low", "approx_kl", "entropy")
+from megatron_dapo.metrics import all_reduce_stats
+from megatron_dapo.metrics import finalize
+from megatron_dapo.metrics import identity
+from megatron_dapo.metrics import merge_stats
 
 
 @dataclass
@@ -125,9 +130,14 @@ class MegatronActor:
             actor.pipeline_parallel)`.
         hf_dir: Hugging Face checkpoint to load weights from; None builds the architecture from
             `config.actor.model_path` and keeps Megatron's random init (e.g. before `load_checkpoint`).
+        frozen: a reference model (`actor.reference.reference_model`): the same model and log-prob path, no DDP
+            gradient buffers and no optimizer; only compute_logprobs, offload_state / reload_state
+            and export_hf_weights are meant for it.
     """
 
-    def __init__(self, config: RunConfig, groups: ParallelGroups, hf_dir: str | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, groups: ParallelGroups, hf_dir: str | None = None, *, frozen: bool = False
+    ) -> None:
         from transformers import AutoConfig
 
         from megatron_dapo.actor.model import build_gpt_model
@@ -169,6 +179,17 @@ class MegatronActor:
         self.tf_config.calculate_per_token_loss = False  # see the module docstring: D is explicit
         if self.dtype != torch.float32:
             model = Float16Module(self.tf_config, model)
+        self.frozen = frozen
+        if frozen:
+            # Parameters keep requires_grad: megatron's parallel linears take another code path for frozen weights
+            # (tensor_parallel/layers.py, linear_with_frozen_weight) whose results differ from the trained model's in
+            # the last bits, so the reference would not equal the actor before the first update. Nothing builds a
+            # gradient: compute_logprobs runs under no_grad and there is no DDP buffer or optimizer.
+            model.eval()
+            self.model = [model]
+            self.optimizer = None
+            self.offloader = ActorOffloader(self.model, None, self.device)
+            return
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -448,7 +469,7 @@ class MegatronActor:
                 out = self._full_logprobs(batch, with_entropy)
         finally:
             for chunk in self.model:
-                chunk.train()
+                chunk.train(not self.frozen)
         out = out * batch.response_mask.to(torch.float32)
         return out[0], (out[1] if with_entropy else None)
 
@@ -526,6 +547,8 @@ class MegatronActor:
             actor/loss, actor/grad_norm, actor/lr, actor/clipfrac_high, actor/clipfrac_low, actor/approx_kl,
             actor/ratio_max, actor/entropy; and actor/skipped_steps (count), actor/num_updates (count).
         """
+        if self.frozen:
+            raise RuntimeError("MegatronActor.update: this is a frozen (reference) model")
         self._require_resident("update", ("params", "grads", "optimizer"))
         if batch.old_logp is None:
             raise ValueError("MegatronActor.update: batch.old_logp is None; call compute_logprobs first")
@@ -540,7 +563,9 @@ class MegatronActor:
     def _average(results: list[dict[str, float]]) -> dict[str, float]:
         out: dict[str, float] = {}
         ok = [r for r in results if not r["skipped"]]
-        for key in ("loss", "grad_norm", "lr", "clipfrac_high", "clipfrac_low", "approx_kl", "ratio_max", "entropy"):
+        keys = ["loss", "grad_norm", "lr", "clipfrac_high", "clipfrac_low", "approx_kl", "ratio_max", "entropy"]
+        keys += ["ref_kl"] if any("ref_kl" in r for r in results) else []
+        for key in keys:
             values = [r[key] for r in ok if key in r]
             out[f"actor/{key}"] = sum(values) / len(values) if values else float("nan")
         out["actor/skipped_steps"] = float(sum(r["skipped"] for r in results))
@@ -647,24 +672,17 @@ class MegatronActor:
             packed=mb.layout.to(self.device) if mb.layout is not None else None,
             fused_loss=self.logprob_impl.kernel or False,
             is_weight=batch.is_weight,
+            ref_logp=batch.ref_logp,
         )
 
     def _reduce_metrics(self, store: list[dict[str, Tensor]]) -> dict[str, float]:
-        """Sum [numerator, denominator] metrics over micro-batches, PP (from the last stage) and DP; max ratio."""
-        sums = torch.zeros(len(_TWO_PART), 2, dtype=torch.float64, device=self.device)
-        rmax = torch.full((1,), float("-inf"), dtype=torch.float64, device=self.device)
-        if self.groups.is_last_stage:
-            for d in store:
-                for i, key in enumerate(_TWO_PART):
-                    sums[i] += d[key].to(sums)
-                rmax = torch.maximum(rmax, d["ratio_max"].to(rmax).reshape(1))
-        self._from_last_stage(sums)
-        self._from_last_stage(rmax)
-        dist.all_reduce(sums, group=self.groups.dp_group)
-        dist.all_reduce(rmax, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
-        out = {key: float(sums[i, 0] / sums[i, 1].clamp_min(1.0)) for i, key in enumerate(_TWO_PART)}
-        out["ratio_max"] = float(rmax)
-        return out
+        """The loss metrics (LOSS_METRICS) of every micro-batch (on the last pipeline stage), pipeline stage and DP
+        rank, combined by their declared reductions; the same floats on every rank."""
+        parts = [loss_metric_stats(d) for d in store] if self.groups.is_last_stage else []
+        keys = [k for k in LOSS_METRICS if k != "ref_kl" or uses_reference(self.config.loss)]
+        local = merge_stats([{key: identity(LOSS_METRICS[key]) for key in keys}, *parts])
+        pp = self.groups.pp_group if self.groups.pp_size > 1 else None
+        return finalize(all_reduce_stats(local, [pp, self.groups.dp_group], device=self.device))
 
     # ---------------------------------------------------------------------------------------------------------
     # offload (driven by megatron_dapo.memory.MemoryChoreographer)

@@ -40,6 +40,9 @@ from megatron_dapo.algorithms import get_policy_loss
 from megatron_dapo.algorithms import loss_name
 from megatron_dapo.algorithms.policy_loss import LOSS_DENOMINATOR_UNIT
 from megatron_dapo.config import register_choices
+from megatron_dapo.metrics import Reduce
+from megatron_dapo.metrics import Stat
+from megatron_dapo.metrics import Stats
 
 __all__ = [
     "LOGPROB_IMPLS",
@@ -317,6 +320,32 @@ def _two(numerator: Tensor, denominator: Tensor) -> Tensor:
     return torch.stack([numerator.detach().float().reshape(()), denominator.detach().float().reshape(())])
 
 
+LOSS_METRICS: dict[str, Reduce] = {
+    "loss": Reduce.MEAN,
+    "clipfrac_high": Reduce.MEAN,
+    "clipfrac_low": Reduce.MEAN,
+    "approx_kl": Reduce.MEAN,
+    "entropy": Reduce.MEAN,
+    "ratio_max": Reduce.MAX,
+    "ref_kl": Reduce.MEAN,
+}
+"""What `dapo_loss_func`'s loss_func reports and how each combines over micro-batches, pipeline stages and DP ranks:
+MEAN as a 2-element [numerator, denominator] tensor (Megatron-LM's convention), MAX as a 0-dim tensor. "ref_kl" only
+for a loss with a KL term (`algorithms.policy_loss.uses_reference`)."""
+
+
+def loss_metric_stats(metrics: dict[str, Tensor]) -> Stats:
+    """One micro-batch's loss_func metrics as Stats (LOSS_METRICS), for `megatron_dapo.metrics.merge_stats`."""
+    out: Stats = {}
+    for key, value in metrics.items():
+        if LOSS_METRICS[key] is Reduce.MEAN:
+            num, den = value.double().tolist()
+            out[key] = Stat.mean(num, den)
+        else:
+            out[key] = Stat(LOSS_METRICS[key], float(value))
+    return out
+
+
 def dapo_loss_func(
     tokens: Tensor,
     loss_mask: Tensor,
@@ -336,6 +365,7 @@ def dapo_loss_func(
     packed: PackedLayout | SharedPrefixLayout | None = None,
     fused_loss: bool | str = False,
     is_weight: Tensor | None = None,
+    ref_logp: Tensor | None = None,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
     """Build the `loss_func(output_tensor)` of one micro-batch for a Megatron forward_step_func.
 
@@ -372,13 +402,16 @@ def dapo_loss_func(
             `algorithms.rollout_correction`); passed to the policy loss as `weights` only when given, so
             algorithm.rollout_correction "none" runs exactly the uncorrected call. Rejected tokens (MIS) are already
             out of loss_mask, hence out of D.
+        ref_logp: [B, S] float or None, a frozen reference model's log-probs (ActorBatch.ref_logp); required by a
+            loss with a KL term (`algorithms.policy_loss.uses_reference`), which then also reports "ref_kl".
     Returns:
         loss_func(output_tensor) -> (loss, metrics). output_tensor is [B, S, V_local] logits, [B, S, H] hidden
         states (with output_weight) or [B, S] fp32 log-probs aligned with the tokens. loss: 0-dim fp32,
         sum(l * mask) / D * num_microbatches * dp_size. metrics: 2-element fp32 tensors [numerator, denominator]
         (Megatron-LM's reduction convention: sum both over micro-batches and DP ranks, then divide): "loss"
         (numerator loss * D, denominator this micro-batch's share of D), "clipfrac_high", "clipfrac_low",
-        "approx_kl", "entropy" (logits or hidden input only); plus "ratio_max" (0-dim).
+        "approx_kl", "entropy" (logits or hidden input only), "ref_kl" (a loss with a KL term); plus "ratio_max"
+        (0-dim).
     """
     loss_cfg = loss if loss is not None else get_policy_loss("dapo").make_config()
     policy_loss = get_policy_loss(loss_name(loss_cfg))
@@ -403,13 +436,14 @@ def dapo_loss_func(
                 f"{tuple(tokens.shape)}, got {tuple(output_tensor.shape)}"
             )
         loss, stats = policy_loss(
-            LossInputs(logp, old_logp, advantages, mask, num_tokens, is_weight_f32), loss_cfg, fused_loss
+            LossInputs(logp, old_logp, advantages, mask, num_tokens, is_weight_f32, ref_logp), loss_cfg, fused_loss
         )
         count = mask.sum()
         denom = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss.device).clamp_min(1.0)
         metrics = {"loss": _two(loss.detach() * denom, local_loss_denominator(mask, loss_cfg.loss_agg_mode))}
-        for key in ("clipfrac_high", "clipfrac_low", "approx_kl"):
-            metrics[key] = _two(stats[key] * count, count)
+        for key in ("clipfrac_high", "clipfrac_low", "approx_kl", "ref_kl"):
+            if key in stats:
+                metrics[key] = _two(stats[key] * count, count)
         metrics["ratio_max"] = stats["ratio_max"].detach().float().reshape(())
         if entropy is not None:
             metrics["entropy"] = _two((entropy.detach() * resp).sum(), resp.sum())

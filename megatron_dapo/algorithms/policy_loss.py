@@ -48,7 +48,8 @@ class LossInputs:
     log-probs. advantages: [B] or [B, T] float. mask: [B, T] bool/float, 1 on trained tokens. num_tokens: the
     global denominator D (valid tokens for token-mean, sequences for the seq-mean modes; see `agg_loss`) as a float
     or 0-dim tensor, None for this call's own. weights: [B, T] float per-token importance weights (rollout
-    correction) multiplying each token's loss, or None.
+    correction) multiplying each token's loss, or None. ref_logp: [B, T] float, a frozen reference model's log-probs
+    (losses with a KL term: `uses_reference`), or None.
     """
 
     logp: Tensor
@@ -57,6 +58,7 @@ class LossInputs:
     mask: Tensor
     num_tokens: float | Tensor | None = None
     weights: Tensor | None = None
+    ref_logp: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -382,6 +384,35 @@ def surrogate_loss(inputs: LossInputs, spec: Surrogate) -> tuple[Tensor, dict[st
     with torch.no_grad():
         token_lr = torch.where(mask != 0, inputs.logp.float() - inputs.old_logp.float(), torch.zeros_like(ratio))
         metrics = policy_metrics(ratio, log_ratio, adv, mask, spec, token_lr)
+    return loss, metrics
+
+
+def uses_reference(config: PolicyLossConfig) -> bool:
+    """Whether a loss config needs a frozen reference model's log-probs (a KL term: `kl_coef` > 0)."""
+    return float(getattr(config, "kl_coef", 0.0)) > 0.0
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Schulman's k3 estimate of KL(pi || pi_ref) per token, r - log r - 1 with r = pi_ref / pi = exp(ref_logp - logp):
+    unbiased, always >= 0, low variance (the estimator of DeepSeekMath's GRPO objective). logp, ref_logp: [B, T]
+    float -> [B, T] fp32; differentiable in logp only (ref_logp is detached). Not clamped."""
+    d = ref_logp.detach().float() - logp.float()
+    return torch.exp(d) - d - 1.0
+
+
+def add_kl_term(
+    loss: Tensor, metrics: dict[str, Tensor], inputs: LossInputs, coef: float, agg: str, norm_length: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """loss + coef * agg_loss(kl_k3(logp, ref_logp)) with the policy term's aggregation and denominator D (no
+    importance weight: the KL is to the reference, not to the behaviour policy); metrics gain "ref_kl", the token
+    mean of k3 over the mask (0-dim fp32)."""
+    if inputs.ref_logp is None:
+        raise ValueError("kl_coef > 0: LossInputs.ref_logp (the reference model's log-probs) is None")
+    mask = inputs.mask
+    kl = torch.where(mask != 0, kl_k3(inputs.logp, inputs.ref_logp), torch.zeros_like(inputs.logp, dtype=torch.float32))
+    loss = loss + coef * agg_loss(kl, mask, agg, inputs.num_tokens, norm_length)
+    with torch.no_grad():
+        metrics = {**metrics, "ref_kl": (kl.sum() / mask.float().sum().clamp_min(1.0)).float()}
     return loss, metrics
 
 

@@ -37,6 +37,10 @@ import torch.distributed as dist
 
 from megatron_dapo.algorithms.dynamic_sampling import StepSampling
 from megatron_dapo.errors import JobError
+from megatron_dapo.metrics import Stat
+from megatron_dapo.metrics import Stats
+from megatron_dapo.metrics import finalize
+from megatron_dapo.metrics import merge_stats
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import completion_seed
 from megatron_dapo.rollout.exchange import ExchangeTimeout
@@ -483,6 +487,25 @@ class _Run:
             self.sampling.stop_at(cut, f"algorithm.max_gen_minutes={minutes:g} (the queue was cut at {cut} prompts)")
         return False
 
+    def rank_stats(self, wasted: int) -> Stats:
+        """This rank's part of the stream's timing-dependent cost ("stream/*"): on an engine rank, the engine busy
+        fraction (share of the stream's wall time spent in engine.step; per rank, mean and min over engine ranks) and
+        the seconds idle on the queue (window full or nothing left to take; mean over engine ranks); on every rank
+        the prompts it started and the tokens it generated and wasted (aborted at the cut without rollout.partial)."""
+        s = self.s
+        out: Stats = {
+            "stream/prompts_started": Stat.sum(self.started),
+            "stream/tokens_generated": Stat.sum(self.tokens),
+            "stream/tokens_aborted": Stat.sum(wasted),
+        }
+        if s.engine is not None:
+            busy = self.busy / max(time.perf_counter() - self.t0, 1e-9)
+            out[f"stream/engine_busy_fraction/rank{s.rank}"] = Stat.max(busy)
+            out["stream/engine_busy_fraction"] = Stat.mean(busy, 1.0)
+            out["stream/engine_busy_fraction_min"] = Stat.min(busy)
+            out["stream/queue_wait_s"] = Stat.mean(self.wait, 1.0)
+        return out
+
     def finish(self) -> StreamResult:
         """At the cut: abort what is in flight, carry it (rollout.partial) or drop it, agree on the carry. When any
         rank stopped the step (preemption), every rank returns an interrupted result instead."""
@@ -519,16 +542,14 @@ class _Run:
             key = s.new_key()
             entries.append((self.held, CarryEntry(index, truth, s.rank, key)))
             rows_out[key] = [_unfinished(prompt) for _ in range(s.group_size)]
-        stats = {"rank": s.rank, "engine": s.engine is not None, "busy": self.busy, "wait": self.wait}
-        stats["tokens"] = self.tokens
-        stats.update(wasted=wasted, started=self.started)
-        gathered = s.exchange.all_gather([(entries, stats)], "rollout stream")
+        gathered = s.exchange.all_gather([(entries, self.rank_stats(wasted))], "rollout stream")
         carry = sorted((e for part, _ in gathered for e in part), key=lambda pe: pe[0])
         taken = self.queue.taken()  # final: every rank has left its loop
         self.queue.delete(self.published)  # every rank has left its loop: nobody reads them any more
         kept, metrics = self.sampling.result()
         keep = {x.key for x in kept if x.owner == s.rank}
-        metrics.update(_stream_metrics(self.step, [st for _, st in gathered], kept, carry, self.t0))
+        metrics.update(finalize(merge_stats(st for _, st in gathered)))
+        metrics.update(_stream_metrics(self.step, kept, carry))
         return StreamResult(
             kept=kept,
             decided=[self.decided[p] for p in range(cut)],
@@ -540,26 +561,13 @@ class _Run:
         )
 
 
-def _stream_metrics(step: int, stats: list[dict], kept: list[GroupSummary], carry: list, t0: float) -> dict:
-    """Timing-dependent cost of the stream ("stream/*"): engine busy fraction (share of the stream's wall time an
-    engine rank spent in engine.step: per engine rank, their mean and min), seconds an engine rank sat idle on the queue
-    (window full or nothing left to take: mean over engine ranks), tokens generated and wasted (aborted at the cut
-    without rollout.partial), groups carried out (and how many unfinished), and the age in steps of the kept
-    responses (weight versions behind the one generating now; > 0 only for responses carried in)."""
-    elapsed = max(time.perf_counter() - t0, 1e-9)
-    engines = [st for st in stats if st["engine"]]
-    busy = [st["busy"] / elapsed for st in engines]
+def _stream_metrics(step: int, kept: list[GroupSummary], carry: list) -> dict:
+    """The stream's outcome beyond the per-rank parts (`_Run.rank_stats`): groups carried out (and how many
+    unfinished), and the age in steps of the kept responses (weight versions behind the one generating now; > 0 only
+    for responses carried in)."""
     ages = [step - 1 - v for x in kept for v in x.oldest_versions if v >= 0]
     carried = sum(1 for _, e in carry if e.summary is None)
-    per_rank = {f"stream/engine_busy_fraction/rank{st['rank']}": b for st, b in zip(engines, busy, strict=True)}
     return {
-        **per_rank,
-        "stream/engine_busy_fraction": sum(busy) / len(busy) if busy else 0.0,
-        "stream/engine_busy_fraction_min": min(busy) if busy else 0.0,
-        "stream/queue_wait_s": sum(st["wait"] for st in engines) / max(len(engines), 1),
-        "stream/prompts_started": float(sum(st["started"] for st in stats)),
-        "stream/tokens_generated": float(sum(st["tokens"] for st in stats)),
-        "stream/tokens_aborted": float(sum(st["wasted"] for st in stats)),
         "stream/groups_carried": float(len(carry)),
         "stream/groups_carried_unfinished": float(carried),
         "stream/response_age_max": float(max(ages, default=0)),

@@ -203,7 +203,9 @@ def test_config_section_is_the_selected_losses_own():
         (["--algorithm.policy_loss=cispo", "--loss.clip_ratio_c=3"], "unknown key 'clip_ratio_c'"),
         (["--algorithm.policy_loss=cispo", "--loss.loss_agg_mode=seq-mean-token-sum-norm"], "loss.loss_agg_mode"),
         (["--algorithm.policy_loss=dr_grpo", "--loss.loss_agg_mode=token-mean"], "unknown key 'loss_agg_mode'"),
-        (["--algorithm.policy_loss=grpo", "--loss.kl_coef=0.001"], "needs a frozen reference model"),
+        (["--algorithm.policy_loss=grpo", "--loss.kl_coef=11"], "loss.kl_coef: must be in [0, 10]"),
+        (["--algorithm.policy_loss=grpo", "--loss.kl_coef=-0.1"], "loss.kl_coef: must be in [0, 10]"),
+        (["--algorithm.policy_loss=dapo", "--loss.kl_coef=0.1"], "unknown key 'kl_coef'"),
         (["--algorithm.policy_loss=grpo", "--loss.eps=1.5"], "loss.eps: must be in (0, 1)"),
         (["--algorithm.policy_loss=gspo", "--loss.eps_high=nan"], "loss.eps_high: must be a finite number"),
         (["--algorithm.policy_loss=cispo", "--loss.eps_low_is=1"], "loss.eps_low_is: must be in (0, 1) or null"),
@@ -227,3 +229,52 @@ def test_cispo_keeps_the_gradient_of_tokens_the_clip_would_drop():
         loss.backward()
         assert float(x.grad[0, 0]) == pytest.approx(first, abs=1e-6), name
         assert float(metrics["clipfrac_high"]) == 0.5
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grpo_kl_term_equals_the_fp64_objective(seed, fused):
+    """GRPO with kl_coef: the clipped surrogate plus beta * the k3 estimate of KL(pi || pi_ref), each response's token
+    mean averaged over responses (DeepSeekMath eq. 3-4), in float64 with its gradient."""
+    logp, old, adv, mask = _problem(seed)
+    ref = old + 0.4 * (torch.rand(old.shape, generator=torch.Generator().manual_seed(seed + 50)) - 0.5)
+    cfg = dataclasses.replace(_config("grpo"), kl_coef=0.3)
+    x = logp.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss("grpo")(LossInputs(x, old, adv, mask, ref_logp=ref), cfg, fused)
+    loss.backward()
+    pg, pg_grad = _fp64_oracle("grpo", cfg, logp, old, adv, mask)
+    lp = logp.detach().double().requires_grad_(True)
+    m = mask.double()
+    n_tok, has = m.sum(-1), (m.sum(-1) > 0).double()
+    k3 = (ref.double() - lp).exp() - (ref.double() - lp) - 1  # pi_ref / pi - log(pi_ref / pi) - 1
+    kl = (((k3 * m).sum(-1) / n_tok.clamp_min(1)) * has).sum() / has.sum()
+    kl.backward()
+    torch.testing.assert_close(loss.double(), pg + 0.3 * kl.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(x.grad.double(), pg_grad + 0.3 * lp.grad, rtol=1e-4, atol=1e-6)
+    token_mean = float((k3.detach() * m).sum() / m.sum())
+    assert float(metrics["ref_kl"]) == pytest.approx(token_mean, rel=1e-5)
+
+
+def test_k3_matches_trl_and_verl_spellings():
+    """TRL's GRPOTrainer (per_token_kl = exp(ref - logp) - (ref - logp) - 1) and verl's "low_var_kl" (kl = ref - logp,
+    exp(kl) - kl - 1, clamped to [-10, 10]) read from their sources and written here: equal to kl_k3 where verl's
+    clamp is inactive; >= 0 everywhere, 0 exactly at the reference."""
+    from megatron_dapo.algorithms.policy_loss import kl_k3
+
+    gen = torch.Generator().manual_seed(7)
+    logp, ref = -torch.rand(4, 33, generator=gen) * 4, -torch.rand(4, 33, generator=gen) * 4
+    trl = torch.exp(ref - logp) - (ref - logp) - 1
+    d = ref - logp
+    verl = (torch.exp(d) - d - 1).clamp(-10, 10)
+    ours = kl_k3(logp, ref)
+    torch.testing.assert_close(ours, trl, rtol=0, atol=0)
+    inside = trl < 10
+    torch.testing.assert_close(ours[inside], verl[inside], rtol=0, atol=0)
+    assert bool((ours >= 0).all()) and bool((kl_k3(logp, logp) == 0).all())
+
+
+def test_a_kl_loss_without_reference_logprobs_is_refused():
+    logp, old, adv, mask = _problem(0)
+    cfg = dataclasses.replace(_config("grpo"), kl_coef=0.1)
+    with pytest.raises(ValueError, match="ref_logp"):
+        get_policy_loss("grpo")(LossInputs(logp, old, adv, mask), cfg, False)

@@ -1,5 +1,6 @@
 """GRPO (DeepSeekMath, arXiv 2402.03300) as verl and TRL ship it: symmetric PPO clip, each response's token mean
-averaged over responses, std-normalised group advantages, no KL term by default."""
+averaged over responses, std-normalised group advantages, no KL term by default (loss.kl_coef > 0: the k3 KL to a
+frozen reference model)."""
 
 from dataclasses import dataclass
 
@@ -8,6 +9,7 @@ from megatron_dapo.algorithms.policy_loss import ClipBounds
 from megatron_dapo.algorithms.policy_loss import LossInputs
 from megatron_dapo.algorithms.policy_loss import PolicyLossConfig
 from megatron_dapo.algorithms.policy_loss import Surrogate
+from megatron_dapo.algorithms.policy_loss import add_kl_term
 from megatron_dapo.algorithms.policy_loss import register_policy_loss
 
 
@@ -22,7 +24,9 @@ class GRPOConfig(PolicyLossConfig):
     loss_agg_mode: str = "seq-mean-token-mean"
     """GRPO's per-response token mean averaged over responses; "token-mean" / "seq-mean-token-sum" for ablations."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL estimate to a frozen reference model. 0 (the default, as in DAPO and Dr. GRPO): no term."""
+    """Weight of the k3 KL estimate to a frozen reference model (`policy_loss.kl_k3`, aggregated as the policy term;
+    DeepSeekMath used 0.04). 0, the default as in DAPO and Dr. GRPO: no term and no reference model. > 0: the trainer
+    builds the reference, a second frozen Megatron model of actor.model_path (docs/memory.md, "Reference model")."""
 
     AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
 
@@ -32,14 +36,14 @@ class GRPOConfig(PolicyLossConfig):
             raise ValueError(f"eps: must be in (0, 1), got {self.eps}")
         if self.clip_ratio_c is not None and not 1 < self.clip_ratio_c <= 100:
             raise ValueError(f"clip_ratio_c: must be in (1, 100] (or null), got {self.clip_ratio_c}")
-        if self.kl_coef != 0.0:
-            # Not faked: the actor holds no reference model yet (a second frozen Megatron model, issue 21 item 1).
-            raise ValueError(
-                f"kl_coef: {self.kl_coef} needs a frozen reference model, which the actor does not build yet; use 0"
-            )
+        if not 0.0 <= self.kl_coef <= 10.0:
+            raise ValueError(f"kl_coef: must be in [0, 10], got {self.kl_coef}")
 
 
 @register_policy_loss("grpo", GRPOConfig)
 def grpo_loss(inputs: LossInputs, cfg: GRPOConfig, fused: bool | str):
     bounds = ClipBounds.make(cfg.eps, cfg.eps, cfg.clip_ratio_c)
-    return run_surrogate(inputs, Surrogate("clip", bounds, cfg.loss_agg_mode), fused)
+    loss, metrics = run_surrogate(inputs, Surrogate("clip", bounds, cfg.loss_agg_mode), fused)
+    if cfg.kl_coef > 0.0:
+        loss, metrics = add_kl_term(loss, metrics, inputs, cfg.kl_coef, cfg.loss_agg_mode, None)
+    return loss, metrics
