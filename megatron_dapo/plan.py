@@ -24,6 +24,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.algorithms.policy_loss import uses_reference
 from megatron_dapo.config import mini_batch_rows
 from megatron_dapo.fp8_format import fp8_weight_bytes
 from megatron_dapo.memory import PARTS
@@ -301,6 +302,12 @@ def actor_stages(m: ModelShape, tp: int, pp: int) -> list[_Stage]:
     return stages
 
 
+def _has_reference(config: Any) -> bool:
+    """Whether the run builds the frozen reference model (a loss with a KL term; actor/reference.py)."""
+    loss = getattr(config, "loss", None)
+    return loss is not None and uses_reference(loss)
+
+
 def actor_state_bytes_per_param(dtype: str, dp: int, distributed: bool) -> tuple[float, float, float]:
     """(param, grad, optimizer) bytes per parameter with megatron-core 0.16.1's DDP and optimizer as actor.py builds
     them: params in the param buffer (2 bytes bf16/fp16, 4 fp32), grads in the fp32 main-grad buffer
@@ -483,12 +490,16 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
         Term("actor grads", grads, f"{n:,} x {g_b:g} B (fp32 main grads)"),
         Term("actor optimizer", opt, f"{n:,} x {o_b:.4g} B (fp32 master + Adam m, v / dp {dp})"),
     ]
+    parts = list(PARTS)
+    if _has_reference(s.config):  # the frozen reference (actor/reference.py): parameters only, moved with the actor's
+        state.append(Term("reference params", params, f"{n:,} params x {p_b:g} B (frozen, loss.kl_coef > 0)"))
+        parts.append("params")
     # What of the actor is on the device in each phase: the choreography's own sequence, run with probes.
     resident = resident_by_phase(s.offload)
 
     def actor_terms(phase: str) -> list[Term]:
         on = resident[phase]["actor"]
-        return [t if part in on else Term(t.name, 0.0, "offloaded") for part, t in zip(PARTS, state)]
+        return [t if part in on else Term(t.name, 0.0, "offloaded") for part, t in zip(parts, state, strict=True)]
 
     # -- actor phases (engine memory released: only its process runtime stays)
     per_layer = layer_activation_bytes(m, tp, s.recompute, s.b, s.sp)
@@ -529,7 +540,7 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
     generating = resident["generation"]["actor"]
     at_start = [
         t if part in generating else Term(t.name, 0.0, "in host memory while the engine starts (actor.offload)")
-        for part, t in zip(PARTS, state)
+        for part, t in zip(parts, state, strict=True)
     ]
     at_start[2] = Term("actor master params", master, "fp32 master / dp") if "optimizer" in generating else at_start[2]
     pre_free = s.gpu_memory_gb - a.trainer_overhead_gib - engine_rt.gib - sum(t.gib for t in at_start)
@@ -618,13 +629,16 @@ def step_times(
     fwd_per_token = 2 * n + 2 * m.layers * m.q_dim * seq  # 2N + attention (QK^T and AV, causal: ctx S/2 each)
     flops_s = world * a.peak_tflops * 1e12 * a.mfu
     bubble = 1 + (act.pipeline_parallel - 1) / num_micro
-    times["log-probs"] = rows * seq * fwd_per_token * bubble / flops_s
+    passes = 2 if _has_reference(config) else 1  # the frozen reference's forward (loss.kl_coef > 0)
+    times["log-probs"] = passes * rows * seq * fwd_per_token * bubble / flops_s
     update_mult = 4 if recompute == "full" else 3  # fwd + 2x bwd (+ fwd again under full recompute)
     times["update"] = tr.ppo_epochs * update_mult * rows * seq * fwd_per_token * bubble / flops_s
     base = (
         f"{rows} rows x {seq:.0f} tokens x (2N + 2*L*q_dim*S = {fwd_per_token / 1e9:.1f} GFLOP) x bubble {bubble:.3f}"
     )
     formulas["log-probs"] = f"{base} / ({world} GPUs x {a.peak_tflops:g} TFLOP/s x MFU {a.mfu})"
+    if passes == 2:
+        formulas["log-probs"] = f"2 passes (actor, frozen reference) x {formulas['log-probs']}"
     formulas["update"] = f"{tr.ppo_epochs} epoch(s) x {update_mult} x {base} / (same)"
     fp8 = getattr(ro, "weight_dtype", "auto") == "fp8"
     size = engine_weight_bytes(m, 1, a.dtype_bytes, fp8)  # what one sync sends (the whole model, HF layout)

@@ -521,3 +521,32 @@ def test_docs_show_the_current_planner_output():
     for cfg, nodes in [(CFG_32B, 4), (CFG_7B, 1)]:
         report = make_plan(load_config(cfg), nodes=nodes, gpus_per_node=8, gpu_memory_gb=80).report()
         assert report in docs, f"docs/planning.md: refresh the output of `megatron-dapo plan --config {cfg.name}`"
+
+
+def test_a_kl_loss_plans_the_frozen_reference_model():
+    """GRPO with loss.kl_coef > 0 builds a second, frozen copy of the parameters (actor/reference.py): 2 B/param in
+    bf16 wherever the actor's parameters are on the GPU (they move together under actor.offload), and a second
+    log-prob pass."""
+    from megatron_dapo.algorithms.losses.grpo import GRPOConfig
+
+    base = load_config(CFG_32B)
+    n = 2_048_361_472  # stage 1 params per GPU
+
+    def grpo(offload: str, kl: float):
+        cfg = _with(_with(base, "actor", offload=offload), "algorithm", policy_loss="grpo")
+        cfg.loss = GRPOConfig(kl_coef=kl)
+        return make_plan(cfg, nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+
+    for offload in ("none", "all"):
+        without, with_ref = grpo(offload, 0.0), grpo(offload, 0.04)
+        for phase in ("log-probs", "update"):
+            extra = _stage(with_ref, phase, 1).total_gib - _stage(without, phase, 1).total_gib
+            assert extra == pytest.approx(_gib(2 * n), abs=1e-9), (offload, phase)
+            assert _stage(with_ref, phase, 1).term("reference params") == pytest.approx(_gib(2 * n), abs=1e-9)
+        gen = _stage(with_ref, "generation", 1).total_gib - _stage(without, "generation", 1).total_gib
+        # Resident while generating (none): the engine started beside it and took 0.6 of what was left; offloaded
+        # with the actor's parameters (all): nothing changes.
+        expected = _gib(2 * n) - 0.6 * _gib(2 * n) if offload == "none" else 0.0
+        assert gen == pytest.approx(expected, abs=1e-9), offload
+        assert with_ref.times_s["log-probs"] == pytest.approx(2 * without.times_s["log-probs"])
+        assert "reference" in with_ref.time_formulas["log-probs"]
