@@ -64,7 +64,10 @@ class ActorOffloader:
                 yield from chunk.parameters()
         elif part == "grads":
             for chunk in self.model:
-                for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
+                # DDP's gradient buffers (lists); a model without DDP (the frozen reference) has none, and its
+                # `buffers` is nn.Module.buffers, a method.
+                ddp = [getattr(chunk, name, None) for name in ("buffers", "expert_parallel_buffers")]
+                for buffer in [b for bufs in ddp if isinstance(bufs, list | tuple) for b in bufs]:
                     if getattr(buffer, "grad_data", None) is not None:
                         yield buffer.grad_data
                 for p in chunk.parameters():
