@@ -12,8 +12,8 @@ Arms (the main job, examples/smollm2_arith_cpu.yaml, plus the arm's switches):
 
 Runs go seed-major (every arm of seed 0, then seed 1, ...) into OUT/seed<S>/<arm>; an arm that already has its
 last step is skipped. The report gives, per arm, the mean over seeds and its standard error (sample std / sqrt(n)) of
-held-out accuracy at the last step, training accuracy, entropy, response length and clip fractions, and overlays the
-per-step curves (mean over seeds).
+held-out accuracy at the last step, training accuracy, entropy, response length and clip fractions, overlays the
+per-step curves (mean over seeds) and plots held-out accuracy at every evaluated step with its standard error.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megatron_dapo.dev import REPO_ROOT
 from megatron_dapo.dev.experiments import heldout
+from megatron_dapo.dev.experiments import last_eval
 from megatron_dapo.dev.experiments import make_parser
 from megatron_dapo.dev.experiments import mean
 from megatron_dapo.dev.experiments import overlay_plots
@@ -135,6 +136,48 @@ def plot(out: Path, img: Path) -> list[Path]:
         return overlay_plots(runs, CURVES, img, "loss_comparison")
 
 
+def plot_heldout(out: Path, img: Path) -> Path | None:
+    """Held-out avg@k at every step a run evaluated: each arm's mean over seeds with its standard error as error bars
+    (arms offset a little along x so the bars do not overlap)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    key = None
+    for i, arm in enumerate(ARMS):
+        by_step: dict[int, list[float]] = {}
+        for d in seed_dirs(out):
+            rows = read_metrics(d / arm)
+            key = key or last_eval(rows)[0]
+            for r in rows:
+                if key is not None and r.get(key) is not None:
+                    by_step.setdefault(int(r["step"]), []).append(float(r[key]))
+        if not by_step:
+            continue
+        steps = sorted(by_step)
+        stats = [mean_se(by_step[s]) for s in steps]
+        x = [s + (i - (len(ARMS) - 1) / 2) * 0.12 for s in steps]
+        errors = [se if math.isfinite(se) else 0.0 for _, se, _ in stats]
+        ax.errorbar(
+            x, [m for m, _, _ in stats], yerr=errors, marker="o", markersize=4, capsize=3, linestyle="--", label=arm
+        )
+    if key is None:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("step")
+    ax.set_title(f"held-out {key.split('/')[-1]} (mean ± standard error over seeds)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    img.mkdir(parents=True, exist_ok=True)
+    path = img / "loss_comparison_heldout.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, sub = make_parser(__doc__, ARMS, steps=10, out=REPO_ROOT / "runs" / "loss_comparison")
     sub.choices["run"].add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -147,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 return rc
         return 0
     table = summarize(args.out)
-    return print_report(args.out, table, markdown(table) if table else "", plot(args.out, args.img) if table else ())
+    plots = [*plot(args.out, args.img), *filter(None, [plot_heldout(args.out, args.img)])] if table else []
+    return print_report(args.out, table, markdown(table) if table else "", plots)
 
 
 if __name__ == "__main__":
