@@ -64,6 +64,16 @@ def step_dir_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
+def checkpoint_root(run_dir: str | Path) -> Path:
+    """Where a run keeps its checkpoints: RUN_DIR/checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
+def step_of(path: str | Path) -> int:
+    """The step of a checkpoint directory named by `step_dir_name`."""
+    return int(Path(path).name[len(PREFIX) :])
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under root, oldest first."""
     root = Path(root)
@@ -74,7 +84,7 @@ def list_checkpoints(root: str | Path) -> list[Path]:
         for p in root.iterdir()
         if p.is_dir() and p.name.startswith(PREFIX) and "." not in p.name and (p / COMPLETE).exists()
     ]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(done, key=step_of)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

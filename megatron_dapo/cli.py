@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
 import sys
 
 from megatron_dapo.config import ConfigError
@@ -45,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="the start-up checks of train, without starting anything")
     check.add_argument("--config", required=True)
     check.add_argument("--world-size", type=int, default=None, help="processes the job will run (default: env)")
+    status = sub.add_parser(
+        "status", help=f"exit 0 when the run has saved trainer.total_steps, {EXIT_RESUMABLE} when it can resume"
+    )
+    status.add_argument("--config", required=True)
+    status.add_argument(
+        "--requeue", action="store_true", help="when resumable inside a Slurm job, `scontrol requeue` it (sbatch files)"
+    )
     plot = sub.add_parser("plot", help="draw PNG curves of a run")
     plot.add_argument("run_dir")
     conv = sub.add_parser("convert", help="HF <-> Megatron dist checkpoint")
@@ -63,8 +72,41 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_RESUMABLE = 3
+"""`megatron-dapo status`: the run has not saved its last step; resuming continues it (the sbatch files requeue)."""
+
+
+def run_status(config, requeue: bool = False) -> int:
+    """One line on the run's newest complete checkpoint; 0 when it is at trainer.total_steps, else EXIT_RESUMABLE.
+
+    requeue: when resumable and SLURM_JOB_ID is set, requeue the job (`scontrol requeue`; checkpoint.resume=auto then
+    resumes it). The sbatch files call this after a time-limit or preemption signal and a clean exit: Slurm's own
+    --requeue covers node failure and preemption, not the time limit."""
+    from megatron_dapo.checkpoint import checkpoint_root
+    from megatron_dapo.checkpoint import latest_checkpoint
+    from megatron_dapo.checkpoint import step_of
+
+    total = config.trainer.total_steps
+    newest = latest_checkpoint(checkpoint_root(config.trainer.run_dir))
+    step = step_of(newest) if newest is not None else 0
+    where = newest if newest is not None else f"no checkpoint under {config.trainer.run_dir}"
+    if step >= total:
+        print(f"finished: step {step} of {total} ({where})")
+        return 0
+    print(f"resumable: step {step} of {total} ({where})")
+    job = os.environ.get("SLURM_JOB_ID")
+    if requeue and job:
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"error: scontrol requeue {job} failed ({proc.returncode}): {proc.stderr.strip()[:300]}")
+            return 1
+        print(f"requeued: Slurm job {job} (resumes from step {step})")
+    return EXIT_RESUMABLE
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done (also after a preemption save), 2 a user error (one `error:` line, printed by rank 0)."""
+    """Exit codes: 0 done (also after a preemption save), 2 a user error (one `error:` line, printed by rank 0);
+    `status`: 0 finished, EXIT_RESUMABLE not yet."""
     args, overrides = _parser().parse_known_args(argv)
     rank, world = launch_rank_world()
     try:
@@ -83,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             preflight(config, world)
     except (ConfigError, StartupError, ValueError, FileNotFoundError) as err:
         return _user_error(err, rank)
+    if args.command == "status":
+        return run_status(config, requeue=args.requeue)
     if args.command == "plan":
         return run_plan(config, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.assume)
     if args.command == "check":

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ def preflight(config: Any, world_size: int) -> None:
     """Checks that need no process group and give every rank the same answer; raises StartupError.
 
     Covers: actor.tensor_parallel x pipeline_parallel dividing the world size, the model directory and its
-    config.json (attention and KV heads divisible by TP, layers by PP), the rollout engine's package, the data files.
+    config.json (attention and KV heads divisible by TP, layers by PP), the rollout engine's package, the data files,
+    the network interfaces GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name (`check_socket_ifnames`).
     """
     a = config.actor
     model_parallel = a.tensor_parallel * a.pipeline_parallel
@@ -59,12 +61,38 @@ def preflight(config: Any, world_size: int) -> None:
         )
     _check_model(a.model_path, a.tensor_parallel, a.pipeline_parallel)
     _check_engine(config.rollout)
+    check_socket_ifnames(os.environ)
     if not config.data.train_files:
         raise StartupError("data.train_files: no data files given")
     for key in ("train_files", "eval_files"):
         for i, path in enumerate(getattr(config.data, key)):
             if not os.path.isfile(path):
                 raise StartupError(f"data.{key}[{i}]: {path} does not exist")
+
+
+def check_socket_ifnames(env: Mapping[str, str], available: list[str] | None = None) -> None:
+    """The interfaces GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name must exist on this host (the sbatch files set
+    both from DAPO_SOCKET_IFNAME; docs/cluster.md says how to pick one). A wrong name otherwise fails much later: gloo
+    raises in the first new_group, NCCL hangs or falls back to another network. Gloo: a comma-separated list of exact
+    names, each must exist. NCCL: comma-separated prefixes ("eth" matches eth0), "=name" for an exact name, a leading
+    "^" excludes the list instead; some interface must match an including list. Raises StartupError (one line)."""
+    names = available if available is not None else [name for _, name in socket.if_nameindex()]
+    gloo = [n.strip() for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    missing = [n for n in gloo if n not in names]
+    if missing:
+        raise StartupError(
+            f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']}: no interface {', '.join(missing)} on this host "
+            f"(it has {', '.join(names)}); set DAPO_SOCKET_IFNAME to one of them (docs/cluster.md)"
+        )
+    nccl = env.get("NCCL_SOCKET_IFNAME", "").strip()
+    if nccl and not nccl.startswith("^"):
+        exact = nccl.startswith("=")
+        wanted = [w.strip() for w in nccl.lstrip("=").split(",") if w.strip()]
+        if not any(n == w if exact else n.startswith(w) for n in names for w in wanted):
+            raise StartupError(
+                f"NCCL_SOCKET_IFNAME={nccl}: no interface on this host matches (it has {', '.join(names)}); set "
+                "DAPO_SOCKET_IFNAME to one of them (docs/cluster.md)"
+            )
 
 
 def _check_engine(rollout: Any) -> None:

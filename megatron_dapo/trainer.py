@@ -28,6 +28,7 @@ from megatron_dapo.batch import ActorBatch
 from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import PreemptionFlag
+from megatron_dapo.checkpoint import checkpoint_root
 from megatron_dapo.checkpoint import latest_checkpoint
 from megatron_dapo.checkpoint import step_dir_name
 from megatron_dapo.config import RunConfig
@@ -94,7 +95,7 @@ class DAPOTrainer:
         self.verifier = Verifier.from_config(c.reward)
         self.sampler = DynamicSampler.from_config(c.algorithm, c.trainer)
         self.ckpt = CheckpointManager(
-            self.run_dir / "checkpoints",
+            checkpoint_root(self.run_dir),
             c.checkpoint.keep_last,
             self.rank,
             self._barrier,

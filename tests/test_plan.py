@@ -497,11 +497,19 @@ def test_shipped_sbatch_layouts_fit(sbatch):
     nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M).group(1))
     per_node = int(re.search(r"^#SBATCH --ntasks-per-node=(\d+)$", text, re.M).group(1))
     assert per_node == int(re.search(r"^#SBATCH --gpus-per-node=(\d+)$", text, re.M).group(1))  # one task per GPU
+    assert per_node == int(re.search(r"^GPUS_PER_NODE=(\d+)$", text, re.M).group(1))
     config = re.search(r"^CONFIG=\$\{CONFIG:-(\S+)\}$", text, re.M).group(1)
     memory = float(re.search(r"^GPU_MEMORY_GB=\$\{GPU_MEMORY_GB:-([\d.]+)\}", text, re.M).group(1))
-    assert "megatron_dapo.cli plan" in text  # the pre-flight runs before the launch
-    assert re.search(r"^srun [^\n]*\\\n\s+python -m megatron_dapo.cli train", text, re.M)  # srun starts the trainers
-    assert not re.search(r"^\s*torchrun\b", text, re.M)
+    assert re.search(r'^source "\$\{SLURM_SUBMIT_DIR:-\$PWD\}/examples/slurm/job.sh" "\$@"$', text, re.M)
+    assert "#SBATCH --requeue" in text and re.search(r"^#SBATCH --signal=B:USR1@\d+", text, re.M)
+    job = (ROOT / "examples/slurm/job.sh").read_text()
+    # the pre-flight runs before the launch; srun starts the trainers; one variable sets both socket interfaces; a
+    # signalled clean exit asks the run whether to requeue (tests/reliability/test_slurm_job.py runs it)
+    assert job.index("megatron_dapo.cli check") < job.index("megatron_dapo.cli plan") < job.index("cli train")
+    assert re.search(r"^srun [^\n]*\\\n\s+python -m megatron_dapo.cli train", job, re.M)
+    assert 'GLOO_SOCKET_IFNAME="$DAPO_SOCKET_IFNAME" NCCL_SOCKET_IFNAME="$DAPO_SOCKET_IFNAME"' in job
+    assert "megatron_dapo.cli status --config \"$CONFIG\" --requeue" in job
+    assert not re.search(r"^\s*torchrun\b", text + job, re.M)
     plan = make_plan(load_config(ROOT / config), nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=memory)
     assert plan.exit_code == 0, plan.report()
     # an H100 80GB reports 79.6 GiB: still fits

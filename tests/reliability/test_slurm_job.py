@@ -1,0 +1,175 @@
+"""The shipped sbatch file run by bash as Slurm would run it, with fake `srun` and `scontrol` on PATH (issue 22, items 2
+and 6): the time-limit signal (USR1 to the batch script) is forwarded to the trainer, which saves at the step boundary
+and exits 0; the script then asks the run whether it is finished and requeues the job when it is not; the requeued job
+resumes and finishes, and a finished run is not requeued. A DAPO_SOCKET_IFNAME naming no interface of the host stops
+the job before training with one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.cli import EXIT_RESUMABLE
+from megatron_dapo.net import free_port
+from tests.reliability.test_run_faults import _wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+SBATCH = ROOT / "examples" / "slurm" / "dapo_qwen2.5_7b.sbatch"
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun's options are all --name or --name=value here: drop them, run the command as the one task.
+while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do shift; done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+case "$1" in
+  show) echo localhost ;;
+  requeue) echo "requeue $2" >> "$FAKE_SLURM_LOG" ;;
+  *) echo "fake scontrol: $*" >&2; exit 1 ;;
+esac
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from megatron_dapo.dev.tiny import make_tiny_run
+
+    return make_tiny_run(tmp_path_factory.mktemp("tiny_slurm"), num_train=48, num_test=4)
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "GLOO_", "NCCL_"))}
+    env.update(
+        PATH=f"{bin_dir}:{Path(sys.executable).parent}:{env['PATH']}",
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_NNODES="1",
+        SLURM_CPUS_PER_TASK="1",
+        SLURM_SUBMIT_DIR=str(ROOT),
+        SLURM_PROCID="0",
+        SLURM_NTASKS="1",
+        SLURM_LOCALID="0",
+        MASTER_PORT=str(free_port()),
+        CONFIG=str(ROOT / "examples" / "tiny_cpu.yaml"),
+        **extra,
+    )
+    return env
+
+
+def _args(tiny, run_dir: Path, steps: int) -> list[str]:
+    return [
+        f"--actor.model_path={tiny['model']}",
+        f"--data.train_files={tiny['train']}",
+        f"--data.eval_files={tiny['test']}",
+        f"--trainer.run_dir={run_dir}",
+        "--actor.tensor_parallel=1",
+        f"--trainer.total_steps={steps}",
+        "--checkpoint.save_every=1",
+        "--trainer.eval_every=0",
+        "--logging.console=plain",
+        "--algorithm.max_gen_batches=10",
+    ]
+
+
+def _sbatch(env: dict[str, str], args: list[str], signal_after: str | None = None) -> tuple[int, str]:
+    """Run the sbatch file with bash; with signal_after, send USR1 to the script (Slurm's --signal=B:USR1) once a
+    line containing it appears. Returns (exit code, output)."""
+    proc = subprocess.Popen(["bash", str(SBATCH), *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        if signal_after is not None:
+            _wait_for(lambda: any(signal_after in x for x in lines), 240, repr(signal_after))
+            proc.send_signal(signal.SIGUSR1)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    return proc.returncode, "".join(lines)
+
+
+@pytest.mark.slow
+def test_time_limit_signal_saves_requeues_and_the_requeued_job_finishes(tiny, tmp_path):
+    run_dir = tmp_path / "run"
+    env, args = _env(tmp_path), _args(tiny, run_dir, steps=6)
+    log = tmp_path / "slurm.log"
+
+    code, out = _sbatch(env, args, signal_after="step 1 |")
+    assert code == 0, out[-4000:]
+    assert "resumable: step" in out and "requeued: Slurm job 4242" in out, out[-3000:]
+    assert log.read_text() == "requeue 4242\n"
+    saved = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir() if (p / "COMPLETE").exists())
+    assert 1 <= saved < 6
+
+    # The requeued job: resumes from that save, finishes, and is not requeued (no signal, and finished).
+    code, out = _sbatch(env, args)
+    assert code == 0, out[-4000:]
+    assert "step 6 |" in out and log.read_text() == "requeue 4242\n", out[-3000:]
+    status = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "status", "--config", env["CONFIG"],
+                             "--requeue", *args], env=env, cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert status.returncode == 0 and status.stdout.startswith("finished: step 6 of 6"), status.stdout
+    assert log.read_text() == "requeue 4242\n"  # a finished run is never requeued
+
+
+def test_status_of_a_run_without_a_checkpoint_is_resumable_and_requeues(tiny, tmp_path):
+    env = _env(tmp_path)
+    args = _args(tiny, tmp_path / "none", steps=2)
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", "status", "--config", env["CONFIG"], *args]
+    plain = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    assert plain.returncode == EXIT_RESUMABLE and plain.stdout.startswith("resumable: step 0 of 2"), plain.stdout
+    assert not (tmp_path / "slurm.log").exists()
+    requeue = subprocess.run([*cmd, "--requeue"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert requeue.returncode == EXIT_RESUMABLE and (tmp_path / "slurm.log").read_text() == "requeue 4242\n"
+
+
+def test_a_socket_interface_the_host_lacks_stops_the_job_with_one_line(tiny, tmp_path):
+    env = _env(tmp_path, DAPO_SOCKET_IFNAME="nosuchif0")
+    code, out = _sbatch(env, _args(tiny, tmp_path / "run", steps=1))
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1, out[-3000:]
+    assert "GLOO_SOCKET_IFNAME=nosuchif0: no interface nosuchif0 on this host" in errors[0]
+    assert not (tmp_path / "run").exists()  # stopped at the batch node's check, before any training process
+
+
+@pytest.mark.parametrize(
+    "env, error",
+    [
+        ({"GLOO_SOCKET_IFNAME": "ib0"}, None),
+        ({"GLOO_SOCKET_IFNAME": "ib0,eth0"}, None),
+        ({"GLOO_SOCKET_IFNAME": "ib0,ib1"}, "GLOO_SOCKET_IFNAME=ib0,ib1: no interface ib1 on this host"),
+        ({"NCCL_SOCKET_IFNAME": "ib"}, None),  # NCCL: a prefix
+        ({"NCCL_SOCKET_IFNAME": "=ib"}, "NCCL_SOCKET_IFNAME==ib: no interface on this host matches"),  # exact
+        ({"NCCL_SOCKET_IFNAME": "=ib0"}, None),
+        ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, None),  # exclusions only
+        ({"NCCL_SOCKET_IFNAME": "bond"}, "NCCL_SOCKET_IFNAME=bond: no interface on this host matches"),
+        ({}, None),
+    ],
+)
+def test_socket_interface_names_follow_gloo_and_nccl_rules(env, error):
+    from megatron_dapo.launch import StartupError
+    from megatron_dapo.launch import check_socket_ifnames
+
+    available = ["lo", "eth0", "ib0", "docker0"]
+    if error is None:
+        check_socket_ifnames(env, available)
+    else:
+        with pytest.raises(StartupError, match="^" + error.replace("^", "\\^")) as err:
+            check_socket_ifnames(env, available)
+        assert "\n" not in str(err.value) and "it has lo, eth0, ib0, docker0" in str(err.value)
