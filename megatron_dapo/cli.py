@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--assume", action="append", default=[], metavar="NAME=VALUE", help="override a planner assumption"
     )
+    plan.add_argument(
+        "--lead-time", action="store_true", help="print only the preemption lead time in whole seconds (job.sh)"
+    )
     return parser
 
 
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return run_status(config, requeue=args.requeue)
     if args.command == "plan":
-        return run_plan(config, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.assume)
+        return run_plan(config, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.assume, args.lead_time)
     if args.command == "check":
         a = config.actor
         print(f"ok: {world} processes = TP {a.tensor_parallel} x PP {a.pipeline_parallel} x DP "
@@ -157,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_plan(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float, assume: list[str]) -> int:
-    """Print the plan of `config` on the layout; 0 when every phase fits, 2 otherwise (or on a bad layout)."""
+def run_plan(
+    config, nodes: int, gpus_per_node: int, gpu_memory_gb: float, assume: list[str], lead_time: bool = False
+) -> int:
+    """Print the plan of `config` on the layout; 0 when every phase fits, 2 otherwise (or on a bad layout).
+    lead_time: print only the preemption lead time in whole seconds (rounded up), exit 0 unless the layout is bad."""
     from megatron_dapo.plan import PlanError
     from megatron_dapo.plan import make_plan
     from megatron_dapo.plan import parse_assumptions
@@ -174,6 +180,9 @@ def run_plan(config, nodes: int, gpus_per_node: int, gpu_memory_gb: float, assum
     except PlanError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if lead_time:
+        print(math.ceil(plan.preempt_lead_s))
+        return 0
     print(plan.report())
     return plan.exit_code
 

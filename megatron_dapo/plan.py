@@ -188,6 +188,8 @@ class Assumptions:
     remapping tens of GiB), and the flush of its cache."""
     offload_gbps: float = 25.0
     """Actor state to / from pinned host memory per GPU (PCIe Gen5 x16, ~40% of its 64 GB/s each way)."""
+    preempt_margin_s: float = 120.0
+    """Added to the preemption lead time: start-up of the last save, file-system stalls, the signal's path."""
     checkpoint_gbps_per_node: float = 2.0
     """Checkpoint write bandwidth per node to the shared file system."""
     eval_prompts: int = 30
@@ -246,6 +248,9 @@ class Plan:
     time_formulas: dict[str, str]
     assumptions: Assumptions
     notes: list[str] = field(default_factory=list)
+    preempt_lead_s: float = 0.0
+    """Seconds between the time-limit signal and the end of the job that a save needs (`preemption_lead`)."""
+    preempt_lead_formula: str = ""
 
     def peak(self, phase: str) -> Phase:
         """The stage of `phase` that fails (an error first, then the highest total) or else has the highest total."""
@@ -473,7 +478,8 @@ def make_plan(
         notes.append("server mode: the SGLang servers' GPUs are not planned here (only the actor's)")
     if ro.engine != "sglang":
         notes.append(f"rollout.engine {ro.engine}: engine memory is planned with SGLang's rules")
-    return Plan(m, source, layout, gpu_memory_gb - a.safety_gib, phases, times, formulas, a, notes)
+    lead, lead_formula = preemption_lead(config, m, nodes, a, times)
+    return Plan(m, source, layout, gpu_memory_gb - a.safety_gib, phases, times, formulas, a, notes, lead, lead_formula)
 
 
 def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
@@ -705,6 +711,25 @@ def checkpoint_time(config: Any, m: ModelShape, nodes: int, a: Assumptions) -> t
     )
 
 
+def preemption_lead(
+    config: Any, m: ModelShape, nodes: int, a: Assumptions, times: dict[str, float]
+) -> tuple[float, str]:
+    """How long before the time limit the signal must come so that the save completes: a signal in generation drops
+    the step at once, in any later phase the step runs to its end, so the worst case is the signal at the start of
+    log-probs: log-probs + update + sync + offload, then the step boundary's evaluation (when that step evaluates)
+    and one whole checkpoint, plus a margin (assumption preempt_margin_s). The sbatch files send USR1 this long
+    before the job's end (examples/slurm/job.sh)."""
+    every = config.trainer.eval_every
+    eval_once = times.get("eval", 0.0) * every if every else 0.0
+    save_once = 14 * m.num_params / (nodes * a.checkpoint_gbps_per_node * 1e9)
+    phases = sum(times.get(k, 0.0) for k in ("log-probs", "update", "sync", "offload"))
+    total = phases + eval_once + save_once + a.preempt_margin_s
+    return total, (
+        f"log-probs + update + sync + offload {phases:,.0f} s + one evaluation {eval_once:,.0f} s + one save "
+        f"{save_once:,.0f} s + margin {a.preempt_margin_s:g} s"
+    )
+
+
 def format_plan(plan: Plan) -> str:
     """The human-readable report: layout, per-phase peak (worst stage) with every term, step time, assumptions."""
     lines = [f"model: {plan.layout['model']}", f"  shape from {plan.model_source}"]
@@ -725,6 +750,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"step time model: {total:,.0f} s per step")
     for name, secs in plan.times_s.items():
         lines.append(f"  {name:<11} {secs:9.1f} s   {plan.time_formulas[name]}")
+    lines.append(f"preemption lead time: {plan.preempt_lead_s:,.0f} s ({plan.preempt_lead_formula})")
     lines.append("")
     lines.append("assumptions (override with --assume NAME=VALUE):")
     for f in fields(plan.assumptions):

@@ -512,6 +512,9 @@ def test_shipped_sbatch_layouts_fit(sbatch):
     assert not re.search(r"^\s*torchrun\b", text + job, re.M)
     plan = make_plan(load_config(ROOT / config), nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=memory)
     assert plan.exit_code == 0, plan.report()
+    # the backstop signal gives at least the planner's preemption lead time (job.sh's own timer uses exactly it)
+    backstop = int(re.search(r"^#SBATCH --signal=B:USR1@(\d+)", text, re.M).group(1))
+    assert plan.preempt_lead_s <= backstop <= 65535, (plan.preempt_lead_s, plan.preempt_lead_formula)
     # an H100 80GB reports 79.6 GiB: still fits
     assert make_plan(load_config(ROOT / config), nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=79.6).exit_code == 0
 

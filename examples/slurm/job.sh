@@ -12,8 +12,8 @@
 # torchrun agent and no TORCHELASTIC_* variable for SGLang's processes to inherit. Every task sees all GPUs of its
 # node (--gpu-bind=none): the colocated engine of local rank r runs on GPUs r .. r + rollout.tensor_parallel - 1.
 #
-# Time limit and preemption: Slurm sends USR1 to this script (#SBATCH --signal=B:USR1@...) before the limit. It is
-# forwarded to the trainer processes only (matched by their command line; SGLang's scheduler processes do not handle
+# Time limit and preemption: USR1 reaches this script before the limit (from the timer below, or #SBATCH
+# --signal=B:USR1@...). It is forwarded to the trainer processes only (matched by their command line; SGLang's scheduler processes do not handle
 # USR1 and would die); they save at the step boundary and exit 0. Slurm's --requeue restarts a job after a node
 # failure or a preemption, not after its time limit, so after a signal and a clean exit this script asks the run
 # whether it is finished (`megatron-dapo status --requeue`): if not, it requeues the job, and checkpoint.resume=auto
@@ -36,6 +36,22 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_NCCL_AVOID_RECORD_STREAMS=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
+# The time-limit signal comes from the planner: USR1 to this script `plan --lead-time` seconds before the job's end
+# (the worst-case log-probs + update + sync + evaluation + one save + margin of this config on this layout; docs/
+# cluster.md). #SBATCH --signal=B:USR1@N stays as a backstop (a second USR1 changes nothing).
+lead=$(python -m megatron_dapo.cli plan --config "$CONFIG" --nodes "$SLURM_NNODES" --gpus-per-node "$GPUS_PER_NODE" \
+  --gpu-memory-gb "$GPU_MEMORY_GB" --lead-time "$@")
+end=${SLURM_JOB_END_TIME:-$(date -d "$(squeue -h -j "$SLURM_JOB_ID" -o %e)" +%s)}
+wait_s=$((end - lead - $(date +%s)))
+timer=
+if [ "$wait_s" -gt 0 ]; then
+  echo "time limit: USR1 to the trainers in ${wait_s} s (${lead} s before the end of the job)"
+  (sleep "$wait_s"; kill -USR1 $$) &
+  timer=$!
+else
+  echo "warning: ${lead} s of preemption lead time do not fit in the job's remaining time; only #SBATCH --signal applies"
+fi
+
 signalled=0
 forward_usr1() {
   signalled=1
@@ -53,6 +69,7 @@ while true; do
   rc=0; wait "$step" || rc=$?
   kill -0 "$step" 2>/dev/null || break
 done
+if [ -n "$timer" ]; then kill "$timer" 2>/dev/null || true; fi   # the timer, when the job ended before it fired
 if [ "$rc" -eq 0 ] && [ "$signalled" -eq 1 ]; then
   python -m megatron_dapo.cli status --config "$CONFIG" --requeue "$@" || true
 fi

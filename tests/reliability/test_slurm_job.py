@@ -35,6 +35,11 @@ case "$1" in
 esac
 """
 
+FAKE_SQUEUE = """#!/usr/bin/env bash
+# squeue -h -j JOB -o %e: the job's end time, a day from now
+date -d '+1 day' +%Y-%m-%dT%H:%M:%S
+"""
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -46,7 +51,7 @@ def tiny(tmp_path_factory):
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("squeue", FAKE_SQUEUE)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "GLOO_", "NCCL_"))}
@@ -114,6 +119,7 @@ def test_time_limit_signal_saves_requeues_and_the_requeued_job_finishes(tiny, tm
     code, out = _sbatch(env, args, signal_after="step 1 |")
     assert code == 0, out[-4000:]
     assert "resumable: step" in out and "requeued: Slurm job 4242" in out, out[-3000:]
+    assert "time limit: USR1 to the trainers in 86" in out  # the timer, armed from squeue's end time, had not fired
     assert log.read_text() == "requeue 4242\n"
     saved = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").iterdir() if (p / "COMPLETE").exists())
     assert 1 <= saved < 6
@@ -173,3 +179,48 @@ def test_socket_interface_names_follow_gloo_and_nccl_rules(env, error):
         with pytest.raises(StartupError, match="^" + error.replace("^", "\\^")) as err:
             check_socket_ifnames(env, available)
         assert "\n" not in str(err.value) and "it has lo, eth0, ib0, docker0" in str(err.value)
+
+
+FAKE_CLI = """
+import os, signal, sys, time
+command = sys.argv[1]
+log = open(os.environ["FAKE_CLI_LOG"], "a")
+print(" ".join(sys.argv[1:3] + [a for a in sys.argv[3:] if a in ("--lead-time", "--requeue")]), file=log, flush=True)
+if command == "plan" and "--lead-time" in sys.argv:
+    print(os.environ["FAKE_LEAD_S"])
+elif command == "train":
+    got = []
+    signal.signal(signal.SIGUSR1, lambda *_: got.append(time.time()))
+    deadline = time.time() + 60
+    while not got and time.time() < deadline:
+        time.sleep(0.05)
+    t0 = float(os.environ["FAKE_T0"])
+    print(f"train got USR1 after {got[0] - t0:.1f} s" if got else "train: no signal", file=log)
+elif command == "status":
+    sys.exit(3)
+"""
+
+
+def test_the_planner_lead_time_arms_the_time_limit_signal(tmp_path):
+    """job.sh alone, with a stand-in megatron_dapo CLI: the lead time comes from `plan --lead-time`, USR1 reaches the
+    trainer process at the job's end minus that lead, and a signalled clean exit asks `status --requeue`."""
+    import time
+
+    fake = tmp_path / "fake_pkg" / "megatron_dapo"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "cli.py").write_text(FAKE_CLI)
+    t0 = time.time()
+    lead, wanted = 1000, 4  # the signal should come 4 s after the start: end = start + 4 + lead
+    env = _env(tmp_path, FAKE_CLI_LOG=str(tmp_path / "cli.log"), FAKE_LEAD_S=str(lead), FAKE_T0=str(t0),
+               SLURM_JOB_END_TIME=str(int(t0) + wanted + lead))  # fmt: skip
+    env["PYTHONPATH"] = str(tmp_path / "fake_pkg")
+    # run from tmp_path: `python -m megatron_dapo.cli` must find the stand-in, not the repository's package
+    proc = subprocess.run(["bash", str(SBATCH)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "time limit: USR1 to the trainers in" in proc.stdout
+    calls = (tmp_path / "cli.log").read_text().splitlines()
+    assert calls[:3] == ["check --config", "plan --config", "plan --config --lead-time"], calls
+    got = next(line for line in calls if line.startswith("train got USR1"))
+    assert wanted - 2 <= float(got.split()[-2]) <= wanted + 3, got
+    assert calls[-1] == "status --config --requeue", calls
