@@ -508,7 +508,7 @@ def test_shipped_sbatch_layouts_fit(sbatch):
     assert job.index("megatron_dapo.cli check") < job.index("megatron_dapo.cli plan") < job.index("cli train")
     assert re.search(r"^srun [^\n]*\\\n\s+python -m megatron_dapo.cli train", job, re.M)
     assert 'GLOO_SOCKET_IFNAME="$DAPO_SOCKET_IFNAME" NCCL_SOCKET_IFNAME="$DAPO_SOCKET_IFNAME"' in job
-    assert "megatron_dapo.cli status --config \"$CONFIG\" --requeue" in job
+    assert 'megatron_dapo.cli status --config "$CONFIG" --requeue' in job
     assert not re.search(r"^\s*torchrun\b", text + job, re.M)
     plan = make_plan(load_config(ROOT / config), nodes=nodes, gpus_per_node=per_node, gpu_memory_gb=memory)
     assert plan.exit_code == 0, plan.report()
