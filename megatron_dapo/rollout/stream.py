@@ -138,6 +138,7 @@ class PeerWatch:
     """
 
     PREFIX = "megatron_dapo/alive/"
+    JOIN_S = 10.0
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, stall_s: float) -> None:
         self.store, self.rank, self.world, self.stall_s = store, rank, world_size, stall_s
@@ -162,10 +163,12 @@ class PeerWatch:
                 return
 
     def close(self) -> None:
-        """Stop beating and join the thread (idempotent). Peers then see this rank stall only after stall_s."""
+        """Stop beating and join the thread (idempotent). Peers then see this rank stall only after stall_s. The join
+        is bounded (JOIN_S): a beat blocked on an unreachable store host (stopped, partitioned) must not hold the
+        process's exit for the store's whole timeout."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(self.JOIN_S)
         atexit.unregister(self.close)
 
     def check(self) -> None:
