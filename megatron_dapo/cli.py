@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer = DAPOTrainer(config)
         except StartupError as err:
             _destroy_process_group()
-            return _user_error(err, rank)
+            return _user_error(err, rank, report_rank=err.report_rank)
         try:
             trainer.fit()
         except JobError as err:  # found while training (sampling bound, stalled peer): one line, exit 2
@@ -241,6 +241,7 @@ def launch(args: argparse.Namespace, overrides: list[str], config) -> int:
     forwarded to the workers (Slurm's --signal); returns 0, the workers' exit code, or 128 + a signal's number."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run
 
@@ -255,11 +256,20 @@ def launch(args: argparse.Namespace, overrides: list[str], config) -> int:
     else:
         if not args.rdzv_endpoint:
             return _user_error(StartupError("launch --nnodes > 1 needs --rdzv-endpoint HOST:PORT"), 0)
+        wait = int(math.ceil(config.distributed.timeout_s))  # how long the nodes wait for each other at start
         torchrun += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
-                     f"--rdzv-endpoint={args.rdzv_endpoint}"]  # fmt: skip
+                     f"--rdzv-endpoint={args.rdzv_endpoint}",
+                     f"--rdzv-conf=join_timeout={wait},read_timeout={wait}"]  # fmt: skip
     torchrun += ["-m", args.module, "train", "--config", args.config, *overrides]
     try:
         run(get_args_parser().parse_args(torchrun))
+    except RendezvousError as err:  # node 0 dead or unreachable, or a node that never started
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"error: launch node {args.node_rank} of {args.nnodes}: no rendezvous at {args.rdzv_endpoint} within "
+              f"distributed.timeout_minutes={config.distributed.timeout_minutes:g} ({detail}); is the endpoint node "
+              "0's address and reachable from this node (docs/cluster.md), and did every node start?",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 2
     except SignalException as sig:
         print(f"megatron-dapo launch: {sig.sigval.name}: workers had checkpoint.preempt_grace_s={grace} s to save "
               f"and exit", file=sys.stderr, flush=True)  # fmt: skip

@@ -31,7 +31,13 @@ LOCK_NAME = ".lock"
 
 
 class StartupError(Exception):
-    """A problem with the run's inputs or environment, found before training starts; the message is one line."""
+    """A problem with the run's inputs or environment, found before training starts; the message is one line.
+    report_rank: the rank that prints it (0: every rank found the same problem; a rank's own number when the ranks
+    cannot agree, e.g. before the process group exists)."""
+
+    def __init__(self, message: str, report_rank: int = 0) -> None:
+        super().__init__(message)
+        self.report_rank = report_rank
 
 
 def launch_rank_world() -> tuple[int, int]:

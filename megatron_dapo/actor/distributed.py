@@ -158,9 +158,20 @@ def init_distributed(
             apply_cpu_compat()
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout
-        )
+        try:
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout
+            )
+        except dist.DistError as err:  # a dead or unreachable rendezvous host, a rank that never started
+            from megatron_dapo.launch import StartupError
+
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise StartupError(
+                f"rank {rank} of {world}: no rendezvous at {addr}:{port} within distributed.timeout_minutes="
+                f"{timeout_s / 60:g} ({first}); is MASTER_ADDR node 0's address and reachable from this node "
+                "(docs/cluster.md), the port free, and every rank started?",
+                report_rank=rank,
+            ) from None
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

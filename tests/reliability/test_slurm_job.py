@@ -224,3 +224,38 @@ def test_the_planner_lead_time_arms_the_time_limit_signal(tmp_path):
     got = next(line for line in calls if line.startswith("train got USR1"))
     assert wanted - 2 <= float(got.split()[-2]) <= wanted + 3, got
     assert calls[-1] == "status --config --requeue", calls
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rendezvous_that_never_completes_is_one_line_per_rank(tiny, tmp_path, rank):
+    """Rank 1 with nobody listening at MASTER_ADDR:MASTER_PORT (a dead node 0), or rank 0 whose peer never starts:
+    after distributed.timeout_minutes, one `error:` line naming the rank, the address and the timeout, exit 2, no
+    traceback (was: torch's DistNetworkError / DistStoreError traceback, docs/reliability.md row 54)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # fmt: skip
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"),
+           *_args(tiny, tmp_path / "run", steps=1), "--distributed.timeout_minutes=0.1"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"rank {rank} of 2: no rendezvous at 127.0.0.1:{port} within distributed.timeout_minutes=0.1" in errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_launch_on_a_node_that_never_meets_node_0_is_one_line(tiny, tmp_path):
+    """`megatron-dapo launch --nnodes 2` on node 1 while node 0 never starts: torchrun's c10d rendezvous gives up after
+    distributed.timeout_minutes (passed as its join/read timeouts) and launch prints one line, exit 2 (was: torchrun's
+    RendezvousTimeoutError traceback after its own 600 s default)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", "launch", "--nproc-per-node=1", "--nnodes=2", "--node-rank=1",
+           f"--rdzv-endpoint={endpoint}", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"),
+           *_args(tiny, tmp_path / "run", steps=1), "--distributed.timeout_minutes=0.1"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert f"launch node 1 of 2: no rendezvous at {endpoint} within distributed.timeout_minutes=0.1" in errors[0]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
