@@ -2,7 +2,8 @@
 against the KL's own algebra: the reference's log-probs equal the actor's before any update, bit for bit, and HF's
 (fp64-free oracle nobody here wrote); its weights never move; the k3 term is exactly 0 with zero gradient at the
 reference (step 1 trains the same weights with or without it) and pulls the policy once it has moved (step 2 differs);
-the reference has no gradients, no DDP gradient buffers, no optimizer and refuses to update.
+the reference has no gradients, no DDP gradient buffers, no optimizer and refuses to update; offloaded with the
+actor's parameters (WithReference) it comes back bit for bit.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def _params(model) -> list[torch.Tensor]:
 def _worker(hf_dir: str) -> dict:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.distributed import init_distributed
+    from megatron_dapo.actor.reference import WithReference
     from megatron_dapo.actor.reference import reference_model
 
     groups = init_distributed(2, 1)
@@ -60,6 +62,13 @@ def _worker(hf_dir: str) -> dict:
             weights.append(_params(actor.model))
         runs[kl] = (metrics, weights)
         out[f"ref_unchanged_{kl}"] = all(torch.equal(a, b) for a, b in zip(ref_before, _params(reference.model)))
+        if kl:  # actor.offload moves the reference with the actor's parameters, and back bit for bit
+            both = WithReference(actor, reference)
+            moved = both.offload_state(("params",))
+            out["offloaded_bytes"] = (moved, actor.offloader.offloaded, reference.offloader.offloaded)
+            both.reload_state(None)
+            out["reloaded"] = all(torch.equal(a, b) for a, b in zip(ref_before, _params(reference.model)))
+            out["ref_logp_after_reload"] = reference.compute_logprobs(_make_batch(seed=3), with_entropy=False)[0]
         out["ref_grads"] = any(p.grad is not None for p in reference.model[0].parameters())
         out["ref_ddp"] = type(reference.model[0]).__name__ == "DistributedDataParallel"
         out["ref_optimizer"] = reference.optimizer
@@ -98,3 +107,6 @@ def test_reference_model_and_grpo_kl_term_at_tp2(tiny_qwen2: str) -> None:
         assert r["no_kl_metric_without_kl"]
         assert r["step1_same"], "k3 at the reference must add exactly zero gradient"
         assert r["step2_differs"], "the KL term did not change the second update"
+        moved, actor_away, ref_away = r["offloaded_bytes"]
+        assert moved == 2 * r["ref_param_bytes"] and "params" in actor_away and "params" in ref_away
+        assert r["reloaded"] and torch.equal(r["ref_logp_after_reload"], r["ref_logp"])
