@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_dapo.dev.tiny import make_tiny_run
+from megatron_dapo.dev.tiny import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,13 +30,7 @@ def _cli(*args, timeout=240):
 
 
 def _overrides(tiny, run_dir):
-    return [
-        f"--actor.model_path={tiny['model']}",
-        f"--data.train_files={tiny['train']}",
-        f"--data.eval_files={tiny['test']}",
-        f"--trainer.run_dir={run_dir}",
-        "--actor.tensor_parallel=1",
-    ]
+    return tiny_overrides(tiny, run_dir)
 
 
 def test_config_error_is_one_line_and_exit_2(tmp_path):

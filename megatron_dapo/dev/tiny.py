@@ -100,3 +100,14 @@ def make_tiny_run(root: str | Path, *, num_train: int = 64, num_test: int = 16, 
     }
     (root / "paths.json").write_text(json.dumps(paths, indent=1))
     return paths
+
+
+def tiny_overrides(paths: dict[str, str], run_dir: str | Path) -> list[str]:
+    """The config overrides that point a run at `make_tiny_run`'s model and data, in run_dir, on one TP rank."""
+    return [
+        f"--actor.model_path={paths['model']}",
+        f"--data.train_files={paths['train']}",
+        f"--data.eval_files={paths['test']}",
+        f"--trainer.run_dir={run_dir}",
+        "--actor.tensor_parallel=1",
+    ]

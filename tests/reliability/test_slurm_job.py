@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.cli import EXIT_RESUMABLE
+from megatron_dapo.dev.tiny import tiny_overrides
 from megatron_dapo.net import free_port
 from tests.reliability.test_run_faults import _wait_for
 
@@ -77,11 +78,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _args(tiny, run_dir: Path, steps: int) -> list[str]:
     return [
-        f"--actor.model_path={tiny['model']}",
-        f"--data.train_files={tiny['train']}",
-        f"--data.eval_files={tiny['test']}",
-        f"--trainer.run_dir={run_dir}",
-        "--actor.tensor_parallel=1",
+        *tiny_overrides(tiny, run_dir),
         f"--trainer.total_steps={steps}",
         "--checkpoint.save_every=1",
         "--trainer.eval_every=0",
