@@ -23,6 +23,7 @@ import sys
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config import load_config
 from megatron_dapo.errors import JobError
+from megatron_dapo.launch import NO_SHARED_STORE
 from megatron_dapo.launch import StartupError
 from megatron_dapo.launch import exit_with_launcher
 from megatron_dapo.launch import launch_rank_world
@@ -54,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--requeue", action="store_true", help="when resumable inside a Slurm job, `scontrol requeue` it (sbatch files)"
     )
+    get = sub.add_parser("get", help="print one field of the config (section.field), after overrides (sbatch files)")
+    get.add_argument("--config", required=True)
+    get.add_argument("field")
     plot = sub.add_parser("plot", help="draw PNG curves of a run")
     plot.add_argument("run_dir")
     conv = sub.add_parser("convert", help="HF <-> Megatron dist checkpoint")
@@ -108,8 +112,9 @@ def run_status(config, requeue: bool = False) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done (also after a preemption save), 2 a user error (one `error:` line, printed by rank 0);
-    `status`: 0 finished, EXIT_RESUMABLE not yet."""
+    """Exit codes: 0 done (also after a preemption save), 2 a user error (one `error:` line, printed by rank 0), 1 a
+    failure a restart may get past (a traceback, or one `error:` line for a stalled or dead peer); `status`: 0
+    finished, EXIT_RESUMABLE not yet; `get`: 2 for a field the config does not have."""
     args, overrides = _parser().parse_known_args(argv)
     rank, world = launch_rank_world()
     try:
@@ -130,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         return _user_error(err, rank)
     if args.command == "status":
         return run_status(config, requeue=args.requeue)
+    if args.command == "get":
+        section, _, field = args.field.partition(".")
+        part = getattr(config, section, None) if section in type(config).__dataclass_fields__ else None
+        if part is None or field not in getattr(type(part), "__dataclass_fields__", {}):
+            return _user_error(ValueError(f"get: the config has no field {args.field!r}"), rank)
+        print(getattr(part, field))
+        return 0
     if args.command == "plan":
         return run_plan(config, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.assume, args.lead_time)
     if args.command == "check":
@@ -141,18 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "train":
         if (code := plan_preflight(config)) != 0:
             return code
-        from megatron_dapo.trainer import DAPOTrainer
-
-        exit_with_launcher(config.checkpoint.preempt_grace_s)
-        try:
-            trainer = DAPOTrainer(config)
-        except StartupError as err:
-            _destroy_process_group()
-            return _user_error(err, rank, report_rank=err.report_rank)
-        try:
-            trainer.fit()
-        except JobError as err:  # found while training (sampling bound, stalled peer): one line, exit 2
-            return _user_error(err, rank, report_rank=err.report_rank)
+        return train(config, rank)
     elif args.command == "eval":
         print(json.dumps(run_eval(config, args.model), indent=1))
     elif args.command == "convert":
@@ -229,6 +230,40 @@ def _user_error(err: BaseException, rank: int, report_rank: int = 0) -> int:
     return 2
 
 
+def train(config, rank: int) -> int:
+    """One attempt of the job (megatron_dapo/restarts.py): after a failed attempt, rank 0 says why and the job
+    resumes from its last verified checkpoint, unless the failure was an error a restart repeats (exit 2 at once). An
+    exception is recorded for the next attempt, then raised as before (traceback, exit 1)."""
+    from megatron_dapo import restarts
+    from megatron_dapo.trainer import DAPOTrainer
+
+    run_dir, attempt = config.trainer.run_dir, restarts.attempt_number()
+    if attempt > 0:
+        previous = restarts.previous_attempt(run_dir, attempt, config.distributed.max_restarts)
+        if rank == 0 and previous.line:
+            print(f"[megatron_dapo] {previous.line}", file=sys.stderr, flush=True)
+        if not previous.retry:
+            restarts.carry_refusal(run_dir, attempt, rank, previous)
+            return 2
+    if rank == 0:
+        restarts.record_start(run_dir, attempt, launch_rank_world()[1])
+    exit_with_launcher(config.checkpoint.preempt_grace_s)
+    trainer = None
+    try:
+        trainer = DAPOTrainer(config)
+        trainer.fit()
+    except (StartupError, JobError) as err:  # one line; a JobError is found while training (sampling bound, peer)
+        restarts.record_failure(run_dir, attempt, rank, trainer and trainer.step, err, restarts.is_retryable(err))
+        if trainer is None:
+            _destroy_process_group()
+        code = _user_error(err, rank, report_rank=err.report_rank)
+        return 1 if restarts.is_retryable(err) else code
+    except Exception as err:
+        restarts.record_failure(run_dir, attempt, rank, trainer and trainer.step, err, restarts.is_retryable(err))
+        raise
+    return 0
+
+
 def _destroy_process_group() -> None:
     import torch.distributed as dist
 
@@ -249,6 +284,7 @@ def launch(args: argparse.Namespace, overrides: list[str], config) -> int:
     torchrun = [
         f"--nproc-per-node={args.nproc_per_node}",
         f"--shutdown-timeout={grace}",
+        f"--max-restarts={config.distributed.max_restarts}",
         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
     ]
     if args.nnodes == 1:
@@ -261,6 +297,7 @@ def launch(args: argparse.Namespace, overrides: list[str], config) -> int:
                      f"--rdzv-endpoint={args.rdzv_endpoint}",
                      f"--rdzv-conf=join_timeout={wait},read_timeout={wait}"]  # fmt: skip
     torchrun += ["-m", args.module, "train", "--config", args.config, *overrides]
+    os.environ[NO_SHARED_STORE] = "1"  # each restarted attempt gets a fresh store (megatron_dapo/launch.py)
     try:
         run(get_args_parser().parse_args(torchrun))
     except RendezvousError as err:  # node 0 dead or unreachable, or a node that never started

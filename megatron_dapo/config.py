@@ -134,6 +134,7 @@ FIELD_RANGES: dict[str, Range] = {
     "checkpoint.keep_last": Range(1, 10_000),
     "checkpoint.preempt_grace_s": Range(0, 24 * 3600, "(]"),
     "distributed.timeout_minutes": Range(0, _WEEK_MINUTES, "(]"),
+    "distributed.max_restarts": Range(0, 1_000),
 }
 """Allowed range of every int and float field, by "section.field" (a test checks that none is missing)."""
 
@@ -545,6 +546,11 @@ class DistributedConfig:
     timeout_minutes: float = 30.0
     """Collective timeout (init_process_group and megatron's groups; Megatron-LM --distributed-timeout-minutes): a
     rank that stops answering fails the job after this long instead of stalling it."""
+    max_restarts: int = 2
+    """After a failure (a rank's exception, an out-of-memory kill, a dead engine or peer), restart the whole job from
+    its last verified checkpoint at most this many times (`megatron-dapo launch`: torchrun --max-restarts; the sbatch
+    files: srun again). Errors a restart would repeat (a bad config or input) are not restarted
+    (megatron_dapo/restarts.py)."""
 
     def __post_init__(self) -> None:
         _check_numbers(self, "distributed")

@@ -7,8 +7,11 @@ class JobError(RuntimeError):
     """A condition found while training that ends the job; the message is one line naming what and why.
 
     report_rank: the rank that prints it (the lowest rank that found it and is still alive; 0 by default).
+    retryable: whether restarting the job from its last checkpoint can help (a stalled or dead peer, a failed write:
+    yes; a condition of the data or config that a restart meets again: no, the default); megatron_dapo/restarts.py.
     """
 
-    def __init__(self, message: str, report_rank: int = 0) -> None:
+    def __init__(self, message: str, report_rank: int = 0, retryable: bool = False) -> None:
         super().__init__(message)
         self.report_rank = report_rank
+        self.retryable = retryable

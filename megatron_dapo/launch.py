@@ -68,12 +68,32 @@ def preflight(config: Any, world_size: int) -> None:
     _check_model(a.model_path, a.tensor_parallel, a.pipeline_parallel)
     _check_engine(config.rollout)
     check_socket_ifnames(os.environ)
+    check_restart_store(os.environ)
     if not config.data.train_files:
         raise StartupError("data.train_files: no data files given")
     for key in ("train_files", "eval_files"):
         for i, path in enumerate(getattr(config.data, key)):
             if not os.path.isfile(path):
                 raise StartupError(f"data.{key}[{i}]: {path} does not exist")
+
+
+# torchrun's c10d rendezvous shares its TCPStore with the workers (torch >= 2.5) and keeps it across restarts: a
+# restarted attempt's ranks can read the previous attempt's process-group keys (gloo addresses, NCCL unique ids) and
+# fail to connect or hang (pytorch/pytorch#135712, #167288). With sharing off, each attempt's rank 0 hosts a fresh
+# store on a fresh port. `megatron-dapo launch` sets it; a plain torchrun with restarts must.
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def check_restart_store(env: Mapping[str, str]) -> None:
+    """Refuse (StartupError, one line) a torchrun launch that can restart its workers on the rendezvous store it
+    shares with them (see NO_SHARED_STORE)."""
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    if restarts > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise StartupError(
+            f"torchrun --max-restarts={restarts} with the rendezvous store shared with the workers: a restarted "
+            f"attempt can read the previous one's addresses and fail or hang (pytorch#135712); export "
+            f"{NO_SHARED_STORE}=1 before torchrun, or use megatron-dapo launch"
+        )
 
 
 def check_socket_ifnames(env: Mapping[str, str], available: list[str] | None = None) -> None:

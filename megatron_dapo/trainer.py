@@ -53,6 +53,7 @@ from megatron_dapo.metrics import merge_stats
 from megatron_dapo.metrics import metrics_row
 from megatron_dapo.metrics import mismatch_stats
 from megatron_dapo.metrics import plot_run
+from megatron_dapo.restarts import attempt_number
 from megatron_dapo.rollout.exchange import RolloutExchange
 from megatron_dapo.rollout.factory import sampling_params
 from megatron_dapo.rollout.stream import CarryEntry
@@ -163,6 +164,7 @@ class DAPOTrainer:
         """The metrics row of the last logged step (checkpointed with it: a torn metrics.jsonl loses no row)."""
         if resume_from is not None:
             self._load(resume_from)
+            self._notice(f"resumed from {resume_from} (step {self.step} of {c.trainer.total_steps})")
         elif c.rollout.weight_dtype != "auto":
             # The engine starts from the checkpoint in full precision (SGLang from dummy weights): the first rollouts
             # must already see the weights the sync sends.
@@ -449,6 +451,10 @@ class DAPOTrainer:
     def _resume_path(self) -> Path | None:
         """The checkpoint to resume from (verified, config compatible) or None; CheckpointError names a bad one."""
         resume = self.cfg.checkpoint.resume
+        restarted = attempt_number() > 0 and resume != "auto" and self.ckpt.find_resumable() is not None
+        if restarted:  # a restart continues this job from its own last save (megatron_dapo/restarts.py)
+            self._notice(f"restart: resuming this job's own last checkpoint (instead of checkpoint.resume={resume})")
+            resume = "auto"
         if resume == "never":
             return None
         if resume == "auto":
@@ -523,7 +529,7 @@ class DAPOTrainer:
         try:
             return self._save()
         except CheckpointError as err:
-            raise JobError(str(err)) from None
+            raise JobError(str(err), retryable=True) from None
 
     def _save(self) -> Path:
         if self.logger is not None:

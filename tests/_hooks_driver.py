@@ -5,6 +5,9 @@ The trainer itself reads none of these variables.
 MEGATRON_DAPO_FAULT="POINT:N": at hook point POINT of step N ("after_step": after step N's checkpoint; "in_save":
     step N's checkpoint has its manifest but no completion marker), every rank meets at a barrier, then SIGKILLs
     itself (all die at the same point, before a launcher's SIGTERM can reach a survivor).
+MEGATRON_DAPO_CRASH="POINT:N:RANK:KIND": in the job's first attempt only (megatron_dapo/restarts.py), rank RANK alone
+    fails at hook point POINT of step N: KIND "raise" raises RuntimeError, "kill" SIGKILLs itself (as the OOM killer
+    would); the other ranks carry on until the launcher stops them. A restarted attempt runs clean.
 SLOW_STEP="N:SECONDS": after step N's work, before its step boundary ("step_end"), the step sleeps SECONDS more.
 SLOW_SAVE="N:SECONDS": step N's checkpoint sleeps SECONDS after its files are written, before its manifest.
 SLOW_GEN="N:SECONDS": during step N's generation, every fresh prompt the stream starts takes SECONDS longer.
@@ -19,6 +22,7 @@ import sys
 import time
 
 from megatron_dapo import cli
+from megatron_dapo.restarts import attempt_number
 from megatron_dapo.trainer import DAPOTrainer
 
 SLOW = {"step_end": "SLOW_STEP", "before_manifest": "SLOW_SAVE", "fresh_prompt": "SLOW_GEN"}
@@ -41,6 +45,13 @@ def test_hook(self: DAPOTrainer, point: str) -> None:
     if fault is not None and fault == (point, float(self.step)):
         self._barrier()
         os.kill(os.getpid(), signal.SIGKILL)
+    crash = os.environ.get("MEGATRON_DAPO_CRASH")
+    if crash is not None and attempt_number() == 0:
+        where, step, rank, kind = crash.split(":")
+        if (where, int(step), int(rank)) == (point, self.step, self.rank):
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"test hook: rank {rank} fails at {point} of step {step}")
     name = SLOW.get(point)
     slow = _setting(name) if name else None
     if slow is not None and int(slow[0]) == self.step:

@@ -78,7 +78,7 @@ def _stable(rows):
 
 
 @pytest.mark.slow
-def test_dapo_steps_resume_after_hard_kill_and_kill_during_save(tiny, tmp_path):
+def test_dapo_steps_resume_after_hard_kill(tiny, tmp_path):
     # 4 steps straight.
     straight = tmp_path / "straight"
     _train(tiny, straight, "--trainer.total_steps=4")
@@ -109,15 +109,7 @@ def test_dapo_steps_resume_after_hard_kill_and_kill_during_save(tiny, tmp_path):
     final_resumed = load_file(str(resumed / "hf_final" / "model.safetensors"))
     assert all(torch.equal(final[k], final_resumed[k]) for k in final)
 
-    # A kill while step 3's checkpoint is being written leaves step 2's loadable; the resumed run ends identical.
-    crashed = tmp_path / "crashed"
-    assert _train(tiny, crashed, "--trainer.total_steps=4", fault="in_save:3", check=False).returncode != 0
-    assert (crashed / "checkpoints" / "step_00000003.partial").exists()
-    assert not (crashed / "checkpoints" / "step_00000003").exists()
-    _train(tiny, crashed, "--trainer.total_steps=4")
-    assert _stable(_metrics(crashed)) == _stable(rows)
-    final_crashed = load_file(str(crashed / "hf_final" / "model.safetensors"))
-    assert all(torch.equal(final[k], final_crashed[k]) for k in final)
+    # A kill while a checkpoint is being written: tests/reliability/test_preemption.py (a rank killed mid-save).
 
 
 @pytest.mark.slow

@@ -203,6 +203,7 @@ class PeerWatch:
             f"{', '.join(parts)} made no progress for {self.stall_s:g} s (distributed.timeout_minutes): stopped "
             "(SIGSTOP), hung or swapping; ending the job, which resumes from its last checkpoint",
             report_rank=min(alive),
+            retryable=True,
         )
 
 
@@ -339,6 +340,7 @@ class RolloutStream:
                 f"rollout stream (step {step}): the queue's store on rank 0 did not answer ({why}): rank 0 is "
                 "stopped, hung or dead; ending the job, which resumes from its last checkpoint",
                 report_rank=1 if self.rank else 0,
+                retryable=True,
             ) from None
         result = run.finish()
         if sampling.decided and not result.interrupted:

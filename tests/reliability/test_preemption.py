@@ -13,6 +13,7 @@ weights) to one that was never interrupted.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -115,6 +116,29 @@ def test_preemption_after_the_first_checkpoint_saves_and_resumes_exactly(tiny, s
     resumed = subprocess.run(_torchrun(tiny, run_dir), env=_env(), cwd=ROOT, capture_output=True, text=True,
                              timeout=300)  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert _stable(_metrics(run_dir)) == _stable(_metrics(straight))
+    final, expected = (load_file(str(d / "hf_final" / "model.safetensors")) for d in (run_dir, straight))
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_restarts_the_job_which_ends_as_if_uninterrupted(tiny, straight, tmp_path):
+    """Rank 1 alone SIGKILLed (as the OOM killer would) while writing step 3's checkpoint: `megatron-dapo launch`
+    restarts the job (distributed.max_restarts), rank 0 says why in one line, and the restarted attempt resumes from
+    step 2's checkpoint and ends with the metrics and weights of a run that was never interrupted (issue 22, item 3)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(_launch(tiny, run_dir), env=_env(MEGATRON_DAPO_CRASH="before_manifest:3:1:kill"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=420)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    lines = [x for x in out.splitlines() if "restart 1 of 2 (distributed.max_restarts): attempt 0 ended:" in x]
+    assert len(lines) == 1, out[-4000:]
+    assert "no rank recorded an error" in lines[0] or "rank 1 recorded nothing (killed by a signal" in lines[0]
+    assert lines[0].endswith("resuming from the last verified checkpoint")
+    assert re.search(r"checkpoint \S*step_00000003.partial is incomplete", out), out[-4000:]  # killed mid-save
+    assert re.search(r"resumed from \S*step_00000002 \(step 2 of 4\)", out), out[-4000:]
+    assert not list((run_dir / "checkpoints").glob("*.partial"))
+    assert _metric_steps(run_dir) == [1, 2, 3, 4]
     assert _stable(_metrics(run_dir)) == _stable(_metrics(straight))
     final, expected = (load_file(str(d / "hf_final" / "model.safetensors")) for d in (run_dir, straight))
     assert all(torch.equal(final[k], expected[k]) for k in expected)
