@@ -506,7 +506,7 @@ def test_shipped_sbatch_layouts_fit(sbatch):
     # the pre-flight runs before the launch; srun starts the trainers; one variable sets both socket interfaces; a
     # signalled clean exit asks the run whether to requeue (tests/reliability/test_slurm_job.py runs it)
     assert job.index("megatron_dapo.cli check") < job.index("megatron_dapo.cli plan") < job.index("cli train")
-    assert re.search(r"^srun [^\n]*\\\n\s+python -m megatron_dapo.cli train", job, re.M)
+    assert re.search(r"^\s*srun [^\n]*\\\n\s+python -m megatron_dapo.cli train", job, re.M)
     assert 'GLOO_SOCKET_IFNAME="$DAPO_SOCKET_IFNAME" NCCL_SOCKET_IFNAME="$DAPO_SOCKET_IFNAME"' in job
     assert 'megatron_dapo.cli status --config "$CONFIG" --requeue' in job
     assert not re.search(r"^\s*torchrun\b", text + job, re.M)

@@ -60,14 +60,25 @@ forward_usr1() {
 }
 trap forward_usr1 USR1
 
-# srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it, or each task gets one core.
-srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --gpu-bind=none --cpu-bind=cores \
-  python -m megatron_dapo.cli train --config "$CONFIG" "$@" &
-step=$!
-# `wait` returns early when a trapped signal arrives: keep waiting until the step itself has exited.
+# A failed attempt (a rank's exception, an OOM kill, a dead engine or peer: exit code other than 0 and 2) is run
+# again, at most distributed.max_restarts times; each attempt resumes from the last verified checkpoint and rank 0
+# prints why the previous one ended (megatron_dapo/restarts.py). Exit 2 (a user error) and a signalled job end the loop.
+max_restarts=$(python -m megatron_dapo.cli get --config "$CONFIG" distributed.max_restarts "$@")
+attempt=0
 while true; do
-  rc=0; wait "$step" || rc=$?
-  kill -0 "$step" 2>/dev/null || break
+  export DAPO_RESTART_COUNT=$attempt
+  # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it, or each task gets one core.
+  srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --gpu-bind=none --cpu-bind=cores \
+    python -m megatron_dapo.cli train --config "$CONFIG" "$@" &
+  step=$!
+  # `wait` returns early when a trapped signal arrives: keep waiting until the step itself has exited.
+  while true; do
+    rc=0; wait "$step" || rc=$?
+    kill -0 "$step" 2>/dev/null || break
+  done
+  if [ "$rc" -eq 0 ] || [ "$rc" -eq 2 ] || [ "$signalled" -eq 1 ] || [ "$attempt" -ge "$max_restarts" ]; then break; fi
+  attempt=$((attempt + 1))
+  echo "attempt $((attempt - 1)) failed (srun exit code $rc): restart $attempt of $max_restarts (distributed.max_restarts)"
 done
 if [ -n "$timer" ]; then kill "$timer" 2>/dev/null || true; fi   # the timer, when the job ended before it fired
 if [ "$rc" -eq 0 ] && [ "$signalled" -eq 1 ]; then

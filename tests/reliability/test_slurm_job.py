@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,15 +19,22 @@ import pytest
 from megatron_dapo.cli import EXIT_RESUMABLE
 from megatron_dapo.dev.tiny import tiny_overrides
 from megatron_dapo.net import free_port
+from tests.reliability.test_run_faults import _metric_steps
 from tests.reliability.test_run_faults import _wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "dapo_qwen2.5_7b.sbatch"
 
 FAKE_SRUN = """#!/usr/bin/env bash
-# srun's options are all --name or --name=value here: drop them, run the command as the one task.
+# srun's options are all --name or --name=value here: drop them, run the command as the one task (with
+# FAKE_SRUN_MODULE in place of megatron_dapo.cli when set: the testing hooks' driver).
 while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do shift; done
-exec "$@"
+args=()
+for a in "$@"; do
+  if [ "$a" = megatron_dapo.cli ] && [ -n "${FAKE_SRUN_MODULE:-}" ]; then a=$FAKE_SRUN_MODULE; fi
+  args+=("$a")
+done
+exec "${args[@]}"
 """
 FAKE_SCONTROL = """#!/usr/bin/env bash
 case "$1" in
@@ -256,3 +264,23 @@ def test_launch_on_a_node_that_never_meets_node_0_is_one_line(tiny, tmp_path):
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert f"launch node 1 of 2: no rendezvous at {endpoint} within distributed.timeout_minutes=0.1" in errors[0]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_failed_attempt_runs_again_and_resumes_from_its_last_checkpoint(tiny, tmp_path):
+    """A rank's exception in step 2 (after step 1's save): the sbatch body runs srun again (distributed.max_restarts,
+    DAPO_RESTART_COUNT=1), the trainer says why the first attempt ended, resumes from step 1 and finishes; nothing
+    is requeued (issue 22, item 3)."""
+    run_dir = tmp_path / "run"
+    env = _env(tmp_path, FAKE_SRUN_MODULE="tests._hooks_driver", MEGATRON_DAPO_CRASH="step_end:2:0:raise")
+    code, out = _sbatch(env, _args(tiny, run_dir, steps=3))
+    assert code == 0, out[-4000:]
+    assert out.count("attempt 0 failed (srun exit code 1): restart 1 of 2 (distributed.max_restarts)") == 1, out[-4000:]
+    why = (
+        f"restart 1 of 2 (distributed.max_restarts): attempt 0 ended: rank 0 (host {socket.gethostname()}) at step "
+        "2: RuntimeError: test hook: rank 0 fails at step_end of step 2; resuming from the last verified checkpoint"
+    )
+    assert why in out, out[-4000:]
+    assert "resumed from" in out and "(step 1 of 3)" in out, out[-4000:]
+    assert _metric_steps(run_dir) == [1, 2, 3]
+    assert not (tmp_path / "slurm.log").exists()
