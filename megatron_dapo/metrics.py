@@ -291,6 +291,16 @@ def metrics_row(step: int, metrics: dict[str, float]) -> dict[str, Any]:
     return {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
 
 
+TIMING_PREFIXES = ("time/", "perf/", "stream/", "weight_sync/seconds", "weight_sync/gb_per_s")
+"""Metrics that depend on timing (phase seconds, rates, the stream's scheduling); the rest of a row is the same in
+every run of a deterministic job, interrupted and resumed or not."""
+
+
+def without_timing(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """metrics.jsonl rows without their TIMING_PREFIXES keys: what a resumed or restarted run must reproduce."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING_PREFIXES)} for r in rows]
+
+
 def _finite_or_none(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

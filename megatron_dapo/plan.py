@@ -714,18 +714,20 @@ def checkpoint_time(config: Any, m: ModelShape, nodes: int, a: Assumptions) -> t
 def preemption_lead(
     config: Any, m: ModelShape, nodes: int, a: Assumptions, times: dict[str, float]
 ) -> tuple[float, str]:
-    """How long before the time limit the signal must come so that the save completes: a signal in generation drops
-    the step at once, in any later phase the step runs to its end, so the worst case is the signal at the start of
-    log-probs: log-probs + update + sync + offload, then the step boundary's evaluation (when that step evaluates)
-    and one whole checkpoint, plus a margin (assumption preempt_margin_s). The sbatch files send USR1 this long
-    before the job's end (examples/slurm/job.sh)."""
+    """How long before the time limit the signal must come so that the save completes. A signal before the step's
+    first optimizer step drops the step (in generation at once, in the log-probs pass at its end) and saves the last
+    one; a signal in the update lets the step run to its end (update + sync + offload, then the step boundary's
+    evaluation when that step evaluates). The worst case is the larger of the two, then one whole checkpoint and a
+    margin (assumption preempt_margin_s). The sbatch files send USR1 this long before the job's end
+    (examples/slurm/job.sh)."""
     every = config.trainer.eval_every
     eval_once = times.get("eval", 0.0) * every if every else 0.0
     save_once = 14 * m.num_params / (nodes * a.checkpoint_gbps_per_node * 1e9)
-    phases = sum(times.get(k, 0.0) for k in ("log-probs", "update", "sync", "offload"))
-    total = phases + eval_once + save_once + a.preempt_margin_s
+    logprobs = times.get("log-probs", 0.0)
+    finish = sum(times.get(k, 0.0) for k in ("update", "sync", "offload")) + eval_once
+    total = max(logprobs, finish) + save_once + a.preempt_margin_s
     return total, (
-        f"log-probs + update + sync + offload {phases:,.0f} s + one evaluation {eval_once:,.0f} s + one save "
+        f"max(log-probs {logprobs:,.0f} s, update + sync + offload + one evaluation {finish:,.0f} s) + one save "
         f"{save_once:,.0f} s + margin {a.preempt_margin_s:g} s"
     )
 

@@ -152,6 +152,8 @@ class DAPOTrainer:
         """Groups carried into the next step (rollout.partial), in queue order; the same on every rank."""
         self.carry_rows: dict[str, list[Rollout]] = {}
         """The rollouts of the carried groups this rank owns, by key."""
+        self._pending: Any = None
+        """The generation of the step in progress until its update commits it (`_commit_generation`)."""
         self.rows: dict[str, RolloutGroup] = {}
         """This rank's kept groups of the current step, by key, until routed to the DP rank that trains them."""
         # Colocated SGLang with rollout TP > 1: every rank of an engine's group hands SGLang its own GPU's copy.
@@ -242,9 +244,12 @@ class DAPOTrainer:
             self.step += 1
             metrics = self.train_step()
             self.test_hook("step_end")
-            if metrics is None:  # a preemption signal stopped generation: the step never happened
+            if metrics is None:  # a preemption signal before the step's first optimizer step: it never happened
                 self.step -= 1
-                self._note("a preemption signal stopped generation; the step is dropped, the last one saved, exiting")
+                self._note(
+                    f"a preemption signal came before step {self.step + 1}'s update; the step is dropped, the last "
+                    "one saved, exiting"
+                )
                 newest = latest_checkpoint(self.ckpt.root)
                 unsaved = self.step > 0 and (newest is None or newest.name != step_dir_name(self.step))
                 if self._all_reduce_max(torch.tensor([int(unsaved)])).item():  # one decision on every rank
@@ -275,8 +280,10 @@ class DAPOTrainer:
         return last
 
     def train_step(self) -> dict[str, float] | None:
-        """One step (collective): its metrics, or None when a preemption signal stopped generation (nothing trained;
-        the data position and the carry are those before the step)."""
+        """One step (collective): its metrics, or None when a preemption signal came before the step's first
+        optimizer step (in generation, which stops at once, or by the end of the log-probs pass): nothing trained, and
+        the data position and the carry are those before the step. A signal during the update lets the step finish
+        (docs/reliability.md, "Preemption: giving the save time")."""
         timer, start = PhaseTimer(), time.perf_counter()
         metrics: dict[str, float] = {}
         routed: list = []  # [(this DP rank's rows, RowPlan)] when dynamic sampling kept any group
@@ -293,7 +300,15 @@ class DAPOTrainer:
             if result.kept:
                 routed.append(self._route(result.kept))
 
+        def abandon() -> bool:
+            """Whether a preemption signal reached any rank (collective; every rank calls it at the same points)."""
+            if not interrupted and self.preempt.requested(self._all_reduce_max):
+                interrupted.append(True)
+            return bool(interrupted)
+
         def log_probs() -> None:
+            if abandon():
+                return
             if routed:
                 batch, plan = routed[0]
                 with timer("logprobs"):
@@ -303,8 +318,13 @@ class DAPOTrainer:
                 # Per row, so the local rows get exactly what the whole batch would; MIS changes D, so before update.
                 correction = rollout_correction_parts(batch, self.cfg.algorithm)
                 metrics.update(self._batch_metrics(batch, entropy, correction))
+            self.test_hook("logprobs_end")
+            abandon()
 
         def update() -> None:
+            if interrupted:
+                return
+            self._commit_generation()
             if routed:
                 batch, plan = routed[0]
                 with timer("update"):
@@ -369,9 +389,18 @@ class DAPOTrainer:
         )
         if result.interrupted:
             return result
-        self.train_data.skip(result.consumed)
-        self.carry, self.carry_rows, self.rows = result.carry, result.carry_rows, result.groups
+        self.rows = result.groups
+        self._pending = result
         return result
+
+    def _commit_generation(self) -> None:
+        """The step's generation becomes the run's state (at its first optimizer step; a step dropped before it leaves
+        the data position and the carry as they were): the data moves past the positions it consumed, the carry is
+        the unfinished groups it left."""
+        result, self._pending = self._pending, None
+        if result is not None:
+            self.train_data.skip(result.consumed)
+            self.carry, self.carry_rows = result.carry, result.carry_rows
 
     def _sample(self, examples: list, n: int, temperature: float, top_p: float, seed: int) -> list:
         """Evaluation: n responses for this rank's share of `examples` (interleaved by engine rank); returns

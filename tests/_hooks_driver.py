@@ -11,6 +11,7 @@ MEGATRON_DAPO_CRASH="POINT:N:RANK:KIND": in the job's first attempt only (megatr
 SLOW_STEP="N:SECONDS": after step N's work, before its step boundary ("step_end"), the step sleeps SECONDS more.
 SLOW_SAVE="N:SECONDS": step N's checkpoint sleeps SECONDS after its files are written, before its manifest.
 SLOW_GEN="N:SECONDS": during step N's generation, every fresh prompt the stream starts takes SECONDS longer.
+SLOW_LOGP="N:SECONDS": after step N's log-probs pass, before its update, the step sleeps SECONDS more.
 Each slow hook prints a "test hook: ..." notice (rank 0) when it starts sleeping.
 """
 
@@ -25,11 +26,17 @@ from megatron_dapo import cli
 from megatron_dapo.restarts import attempt_number
 from megatron_dapo.trainer import DAPOTrainer
 
-SLOW = {"step_end": "SLOW_STEP", "before_manifest": "SLOW_SAVE", "fresh_prompt": "SLOW_GEN"}
+SLOW = {
+    "step_end": "SLOW_STEP",
+    "before_manifest": "SLOW_SAVE",
+    "fresh_prompt": "SLOW_GEN",
+    "logprobs_end": "SLOW_LOGP",
+}
 NOTICE = {
     "SLOW_STEP": "step {step} takes {seconds:g} s longer",
     "SLOW_SAVE": "the save of step {step} takes {seconds:g} s longer",
     "SLOW_GEN": "generation of step {step} is slow",
+    "SLOW_LOGP": "the log-probs of step {step} take {seconds:g} s longer",
 }
 
 

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from megatron_dapo.dev.tiny import make_tiny_run
 from megatron_dapo.metrics import STEP_METRICS
+from megatron_dapo.metrics import without_timing
 
 ROOT = Path(__file__).resolve().parents[1]
-VOLATILE = ("time/", "perf/", "stream/", "weight_sync/seconds", "weight_sync/gb_per_s")
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,7 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def _stable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+_stable = without_timing
 
 
 @pytest.mark.slow

@@ -1,11 +1,13 @@
 """Preemption signals after the first checkpoint (issue 20, item 1), launched as users launch (plain torchrun and
 `megatron-dapo launch`, 2 ranks, the tiny CPU job, one phase slowed by tests/_hooks_driver.py):
 
-- in a step: the step finishes and is saved (before: megatron's checkpoint-writer helper, started at the first save
-  in the worker's process group, died of torchrun's killpg(SIGTERM) and the save failed with BrokenPipeError on
-  every rank, leaving step_N.partial);
-- in a save: that save completes; the next step stops in its generation and the job exits on that save;
+- in a save: that save completes (before: megatron's checkpoint-writer helper, started at the first save in the
+  worker's process group, died of torchrun's killpg(SIGTERM) and the save failed with BrokenPipeError on every rank,
+  leaving step_N.partial); the next step stops in its generation and the job exits on that save;
 - in generation: the stream stops at once, the step is abandoned and the job exits on the last saved state;
+- in the log-probs pass (before the step's first optimizer step, issue 22 item 1): the step is abandoned at the end
+  of the pass, as in generation (a signal during the update lets the step finish and save it:
+  test_run_faults.py::test_sigterm_during_a_step_longer_than_30_s_still_saves_that_step);
 
 then nothing is left `.partial`, no process of the job outlives it, and the resumed job ends identical (metrics and
 weights) to one that was never interrupted.
@@ -88,7 +90,7 @@ def _interrupt(cmd: list[str], sig: signal.Signals, hook: dict[str, str], when: 
 CASES = {
     # name: (launcher, signal, slow phase, the line after which the signal is sent, last checkpoint saved). Plain
     # torchrun's SIGTERM reaches the writer helper in the save case (started by step 1's save, used by step 2's).
-    "launch_sigusr1_in_a_step": (_launch, signal.SIGUSR1, {"SLOW_STEP": "2:10"}, "test hook: step 2", 2),
+    "launch_sigusr1_in_logprobs": (_launch, signal.SIGUSR1, {"SLOW_LOGP": "2:10"}, "log-probs of step 2", 1),
     "torchrun_sigterm_in_a_save": (_torchrun, signal.SIGTERM, {"SLOW_SAVE": "2:10"}, "the save of step 2", 2),
     "launch_sigterm_in_generation": (_launch, signal.SIGTERM, {"SLOW_GEN": "2:4"}, "generation of step 2", 1),
 }
@@ -109,6 +111,8 @@ def test_preemption_after_the_first_checkpoint_saves_and_resumes_exactly(tiny, s
     newest = max(int(p.name.split("_")[1]) for p in ckpts.iterdir() if (p / "COMPLETE").exists())
     assert newest == saved, out[-4000:]
     assert _metric_steps(run_dir) == list(range(1, saved + 1))
+    dropped = "a preemption signal came before step 2's update; the step is dropped, the last one saved, exiting"
+    assert (dropped in out) == (saved == 1), out[-4000:]
     time.sleep(2)
     alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"left running after the job: {[(p.pid, p.cmdline()[:4]) for p in alive]}"
