@@ -77,6 +77,13 @@ def record_start(run_dir: str | Path, attempt: int, world: int, paths: tuple[str
     _write(_dir(run_dir) / f"attempt-{attempt}.start.json", {**record, "oom_kills": oom_kills(paths)})
 
 
+GPU_OOM_HINT = (
+    " (GPU out of memory: check the layout with `megatron-dapo plan`; lower actor.max_tokens_per_microbatch or "
+    "rollout.mem_fraction, or set actor.offload)"
+)
+"""Appended to a torch.OutOfMemoryError's line: a restart repeats the same step, so it says what to change."""
+
+
 def record_failure(
     run_dir: str | Path, attempt: int, rank: int, step: int | None, err: BaseException, retryable: bool
 ) -> None:
@@ -89,7 +96,8 @@ def record_failure(
         "pid": os.getpid(),
         "time": time.time(),
         "step": step,
-        "error": f"{type(err).__name__}: {first}"[:400],
+        "error": f"{type(err).__name__}: {first}"[:400]
+        + (GPU_OOM_HINT if type(err).__name__ == "OutOfMemoryError" else ""),
         "retryable": retryable,
     }
     try:

@@ -65,7 +65,8 @@ def test_an_exception_names_the_rank_step_and_error_and_the_silent_ranks(tmp_pat
     assert got.retry and got.refusal is None
     assert got.line == (
         f"restart 1 of 2 (distributed.max_restarts): attempt 0 ended: rank 2 (host {host}) at step 7: "
-        "OutOfMemoryError: CUDA out of memory. Tried (1 more rank raised after it); ranks 1, 3 recorded nothing "
+        f"OutOfMemoryError: CUDA out of memory. Tried{restarts.GPU_OOM_HINT} (1 more rank raised after it); ranks 1, 3 "
+        "recorded nothing "
         "(killed by a signal (kill -9, the OOM killer, a crash in native code), lost with its node, or stopped by the "
         "launcher after the first failure); resuming from the last verified checkpoint"
     )
