@@ -235,6 +235,9 @@ def train(config, rank: int) -> int:
     resumes from its last verified checkpoint, unless the failure was an error a restart repeats (exit 2 at once). An
     exception is recorded for the next attempt, then raised as before (traceback, exit 1)."""
     from megatron_dapo import restarts
+    from megatron_dapo.actor.cpu_compat import import_megatron_core
+
+    import_megatron_core()  # first, so that on CPU megatron's fusions are not torch.compile'd (seconds per rank)
     from megatron_dapo.trainer import DAPOTrainer
 
     run_dir, attempt = config.trainer.run_dir, restarts.attempt_number()

@@ -21,10 +21,13 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from megatron_dapo import cli
 from megatron_dapo.restarts import attempt_number
-from megatron_dapo.trainer import DAPOTrainer
+
+if TYPE_CHECKING:
+    from megatron_dapo.trainer import DAPOTrainer
 
 SLOW = {
     "step_end": "SLOW_STEP",
@@ -66,7 +69,11 @@ def test_hook(self: DAPOTrainer, point: str) -> None:
         time.sleep(slow[1])
 
 
-DAPOTrainer.test_hook = test_hook
-
 if __name__ == "__main__":
+    from megatron_dapo.actor.cpu_compat import import_megatron_core
+
+    import_megatron_core()  # before the trainer imports it (as cli.train does)
+    from megatron_dapo.trainer import DAPOTrainer
+
+    DAPOTrainer.test_hook = test_hook
     sys.exit(cli.main())

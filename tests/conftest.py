@@ -8,6 +8,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 import pytest
 import torch
 
+from megatron_dapo.actor.cpu_compat import import_megatron_core
+
+import_megatron_core()  # before any test imports it: on CPU, megatron's fusions are not torch.compile'd (~5 s)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -83,6 +83,9 @@ def _worker(work_dir: str) -> None:
     work = Path(work_dir)
     rank = int(os.environ["RANK"])
     try:
+        from megatron_dapo.actor.cpu_compat import import_megatron_core
+
+        import_megatron_core()  # before the job's modules import it: on CPU, megatron's fusions are not compiled
         module_name, qualname, args = pickle.loads((work / "job.pkl").read_bytes())
         target: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
