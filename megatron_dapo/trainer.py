@@ -167,10 +167,13 @@ class DAPOTrainer:
         if resume_from is not None:
             self._load(resume_from)
             self._notice(f"resumed from {resume_from} (step {self.step} of {c.trainer.total_steps})")
-        elif c.rollout.weight_dtype != "auto":
-            # The engine starts from the checkpoint in full precision (SGLang from dummy weights): the first rollouts
-            # must already see the weights the sync sends.
-            self.weight_sync.sync(self.actor.export_hf_weights())
+        else:
+            if self.rank == 0:  # rows of an earlier start that saved no checkpoint: this start logs them again
+                _drop_unsaved_metrics(self.run_dir / "metrics.jsonl", self._notice)
+            if c.rollout.weight_dtype != "auto":
+                # The engine starts from the checkpoint in full precision (SGLang from dummy weights): the first
+                # rollouts must already see the weights the sync sends.
+                self.weight_sync.sync(self.actor.export_hf_weights())
         self.logger = (
             MetricsLogger(
                 self.run_dir,
@@ -734,6 +737,17 @@ def rollout_ranks(rollout: Any, world_size: int) -> list[int]:
     if rollout.engine == "sglang" and rollout.mode == "colocated":
         return [r for r in range(world_size) if r % rollout.tensor_parallel == 0]
     return [0]
+
+
+def _drop_unsaved_metrics(path: Path, log: Any = print) -> None:
+    """A start from step 0 in a run dir whose metrics.jsonl has rows (an attempt or run that failed before its first
+    checkpoint, then restarted or run again): those steps are trained and logged again, so their old rows go (named
+    through `log`) instead of appearing twice."""
+    if not path.exists() or not path.read_text(errors="replace").strip():
+        return
+    lines = len([x for x in path.read_text(errors="replace").splitlines() if x.strip()])
+    _truncate_metrics(path, -1, log=lambda _: None)
+    log(f"{path}: dropped {lines} row(s) of an earlier start that saved no checkpoint; this run starts at step 0")
 
 
 def _truncate_metrics(path: Path, step: int, log: Any = print, restore: dict[str, Any] | None = None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from megatron_dapo.metrics import metrics_row
+from megatron_dapo.trainer import _drop_unsaved_metrics
 from megatron_dapo.trainer import _truncate_metrics
 
 
@@ -47,3 +48,20 @@ def test_torn_row_of_the_checkpointed_step_is_restored_from_the_checkpoint(tmp_p
     path.unlink()
     _truncate_metrics(path, 3, lines.append, restore=rows[3])  # the whole file lost
     assert [json.loads(x) for x in path.read_text().splitlines()] == rows[3:]
+
+
+def test_a_start_from_step_0_drops_the_rows_of_an_earlier_start_that_saved_nothing(tmp_path):
+    """A restarted attempt (or a rerun) whose first attempt failed before its first checkpoint logs steps 0.. again:
+    the old rows go, named, instead of appearing twice (found by tools/experiments/restart_trials.py: a rank raising
+    in step 1's save left `1 1 2 3 4`)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "actor/lo')
+    lines: list[str] = []
+    _drop_unsaved_metrics(path, lines.append)
+    assert path.read_text() == ""
+    assert lines == [
+        f"{path}: dropped 3 row(s) of an earlier start that saved no checkpoint; this run starts at step 0"
+    ]
+    _drop_unsaved_metrics(tmp_path / "none.jsonl", lines.append)  # no file, or an empty one: nothing to say
+    _drop_unsaved_metrics(path, lines.append)
+    assert len(lines) == 1
