@@ -27,6 +27,12 @@ LAYOUTS = ((2, 1), (1, 2), (1, 1))  # on 2 ranks: TP=2, PP=2, DP=2
 BUDGETS = (0, 24)  # 0: trainer.micro_batch_size (4) rows per micro-batch; 24 tokens: the 50-token row alone
 
 
+def _budgets(layout: tuple[int, int]) -> tuple[int, ...]:
+    """Every budget under DP=2 (where token balancing over ranks happens); the token budget alone under TP and PP,
+    whose packed path does not depend on how rows are grouped (saves a quarter of this test's interpreter time)."""
+    return BUDGETS if layout == (1, 1) else BUDGETS[1:]
+
+
 def _skewed_batch(seed: int = 3) -> "ActorBatch":  # noqa: F821, UP037
     """16 rows: prompts of 2-4 tokens, responses of 1-3 tokens except one of 48 (> 10x the mean of 5.2)."""
     from megatron_dapo.batch import ActorBatch
@@ -90,7 +96,7 @@ def _worker(ckpts: dict[str, str], batch, layouts=LAYOUTS) -> list[dict]:
             res["reference"] = _pass(actor, batch)
             actor.config.actor.packing = True
             actor.logprob_impl = get_logprob_impl("fused_linear")
-            for budget in BUDGETS:
+            for budget in _budgets((tp, pp)):
                 actor.config.actor.max_tokens_per_microbatch = budget
                 res[f"packed/{budget}"] = _pass(actor, batch)
             out.append(res)
@@ -106,7 +112,7 @@ def check_parity(ranks: list[list[dict]], batch, layouts, atol: float = 1e-5) ->
             ref = res["reference"]
             assert ref["logp"].abs().sum() > 0 and ref["clipfrac"] > 0
             assert ref["fused_loss_calls"] == 0
-            for budget in BUDGETS:
+            for budget in _budgets(res["layout"]):
                 where = f"rank {rank} tp,pp={res['layout']} model={res['model']} budget={budget} {res['attention']}"
                 new = res[f"packed/{budget}"]
                 torch.testing.assert_close(new["logp"], ref["logp"], rtol=0, atol=atol, msg=where)

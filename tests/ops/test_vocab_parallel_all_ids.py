@@ -22,9 +22,10 @@ from tests.ops._tp import run_gloo
 from tests.ops._tp import shard
 
 F32 = torch.float32
-# (V_local, global vocab_size): 150 and 70 are multiples of none of the tiles (32, 128, 2048, 4096); the second
-# and third cases carry Megatron vocab padding (rank 1 holds 113 / 47 real columns).
-CASES = [(150, 300), (150, 263), (70, 117)]
+# (V_local, global vocab_size): 150 and 70 are multiples of none of the tiles (32, 128, 2048, 4096), so rank 0's
+# last tile overhangs its shard in both; both carry Megatron vocab padding too (rank 1 holds 113 / 47 real columns).
+# An unpadded case (150, 300) added nothing these two miss and cost a third of this file's interpreter time.
+CASES = [(150, 263), (70, 117)]
 
 
 def _pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
