@@ -5,9 +5,21 @@ the requirements below only name ranges that an installed torch already satisfie
 """
 
 import os
+import re
 
 from setuptools import find_packages
 from setuptools import setup
+
+
+def _gpu_pins() -> dict[str, str]:
+    """requirements/gpu.in's requirement lines by project name: the GPU stack's versions are written there once."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "requirements", "gpu.in")) as f:
+        lines = [line.split("#", 1)[0].strip() for line in f]
+    return {re.split(r"[\[=<>!~; ]", line, maxsplit=1)[0].lower(): line for line in lines if line}
+
+
+GPU_PINS = _gpu_pins()
+TE_VERSION = GPU_PINS["transformer-engine"].split("==")[1]
 
 INSTALL_REQUIRES = [
     "torch>=2.4",
@@ -36,12 +48,14 @@ EXTRAS = {
         "matplotlib",
         "trl==1.16.0",  # tests/test_side_by_side_tools.py runs the TRL arm of tools/experiments/compare_trl.py
     ],
-    # SGLang has no CPU wheel; on GPU nodes install the pinned version (see docs/rollout.md).
-    "sglang": ["sglang==0.5.23"],
+    # SGLang has no CPU wheel; on GPU nodes install the pinned version (see docs/rollout.md). The GPU extras' pins
+    # come from requirements/gpu.in; requirements/gpu.lock is the whole resolved stack.
+    "sglang": [GPU_PINS["sglang"]],
     "vllm": ["vllm>=0.10"],
-    "te": ["transformer-engine[pytorch]"],
-    "apex": ["apex"],
-    "modelopt": ["nvidia-modelopt"],
+    # TE's PyTorch extension is source only: it compiles against the installed torch (tools/gpu/Dockerfile does the
+    # same from the lock). No apex extra: the PyPI project named apex is another package (the Dockerfile builds it).
+    "te": [f"transformer-engine[pytorch,core-cu13]=={TE_VERSION}"],
+    "modelopt": [GPU_PINS["nvidia-modelopt"]],
     "data": ["reasoning-gym==0.1.25"],
     "smollm2": ["gguf", "accelerate"],
     # Comparison providers: Liger in tools/bench/logprob_kernels.py, TRL's GRPOTrainer in

@@ -1,5 +1,8 @@
 import os
 import random
+import subprocess
+import tempfile
+from typing import IO
 
 # Triton switches to the interpreter when @triton.jit runs, so this must precede any kernel import.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -30,3 +33,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multi_gpu" in item.keywords and num_gpus < 2:
             item.add_marker(skip_multi)
+
+
+# Tests marked early_subprocess(argv): the command starts when collection ends and runs beside the other tests (it
+# waits on the network, not the CPU: pip's resolver in tests/test_gpu_stack.py); the test itself runs last and takes
+# the finished process from the `early_subprocess` fixture.
+_EARLY: dict[str, tuple[subprocess.Popen, IO[str]]] = {}
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    early = [item for item in session.items if item.get_closest_marker("early_subprocess")]
+    for item in early:
+        output = tempfile.TemporaryFile(mode="w+")
+        argv = item.get_closest_marker("early_subprocess").args[0]
+        _EARLY[item.nodeid] = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, text=True), output
+    session.items[:] = [item for item in session.items if item not in early] + early
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc, output in _EARLY.values():
+        if proc.poll() is None:
+            proc.kill()
+        output.close()
+
+
+@pytest.fixture
+def early_subprocess(request) -> tuple[int, str]:
+    """(exit code, output) of the test's early_subprocess command, waiting for it to end."""
+    proc, output = _EARLY[request.node.nodeid]
+    code = proc.wait()
+    output.seek(0)
+    return code, output.read()

@@ -6,6 +6,8 @@
 #   DAPO_SOCKET_IFNAME   the network interface for gloo and NCCL (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME); the
 #                        start-up check fails with one line if the host has no such interface (docs/cluster.md)
 #   MASTER_PORT          the rendezvous port (default: derived from the job id)
+#   DAPO_SRUN_ARGS       more srun options for the training tasks, e.g. the image of tools/gpu/Dockerfile through
+#                        pyxis: "--container-image=/shared/megatron-dapo.sqsh --container-mounts=/shared"
 #
 # Launch: srun starts the training processes directly (one task per GPU; SLURM_PROCID / SLURM_NTASKS /
 # SLURM_LOCALID give rank, world and local rank, megatron_dapo/actor/distributed.py reads them), so there is no
@@ -68,7 +70,8 @@ attempt=0
 while true; do
   export DAPO_RESTART_COUNT=$attempt
   # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it, or each task gets one core.
-  srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --gpu-bind=none --cpu-bind=cores \
+  # shellcheck disable=SC2086  # DAPO_SRUN_ARGS is a list of options
+  srun ${DAPO_SRUN_ARGS:-} --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" --gpu-bind=none --cpu-bind=cores \
     python -m megatron_dapo.cli train --config "$CONFIG" "$@" &
   step=$!
   # `wait` returns early when a trapped signal arrives: keep waiting until the step itself has exited.

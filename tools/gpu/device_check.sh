@@ -4,14 +4,15 @@
 #
 # Phases, each under its own timeout, ~10 minutes for 1-5 (the smoke adds up to 7: under the 10-minute limit of one
 # device command run it apart with ONLY=sglang_smoke); a failing phase does not stop the later ones:
-#   1. environment report                       (nvidia-smi, python3 / torch / triton versions)
+#   1. environment report                       (nvidia-smi, python3 / torch / triton versions; pins.txt: the
+#                                                 installed versions beside requirements/gpu.lock's)
 #   2. optional wheels carried in .whl/          (e.g. liger_kernel-*.whl, installed --no-deps into /tmp/site)
 #   3. build the CUDA C++ twins                  (python3 csrc/build.py --arch 90)
 #   4. pytest -m gpu tests/ops tests/algorithms (TRITON_INTERPRET=0: compiled kernels on the GPU, IS weights too)
 #   4b. pytest -m gpu tests/actor                (the actor on the GPU: packed THD on Transformer Engine's attention
 #                                                 or the varlen submodule, fused LM head and fused loss vs the padded
 #                                                 reference; needs megatron-core: carry its wheel in .whl/, e.g.
-#                                                 pip download megatron-core==0.16.1 --no-deps -d .whl)
+#                                                 pip download --no-deps -d .whl the lock's megatron-core pin)
 #   5. python3 tools/bench/logprob_kernels.py --device cuda
 #   6. colocated-SGLang smoke                   (phase_sglang_smoke: tools/gpu/sglang_smoke.py under torchrun, 1 GPU: a
 #                                                 tiny model trains 2 steps with SGLang in-process through the memory
@@ -51,6 +52,12 @@ skipped=""
 # 1. environment
 timeout 60 bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print(\"triton\", triton.__version__)'; nvcc --version" \
     >"$OUT/env.txt" 2>&1 || status=1
+
+# 1b. the device's stack against the project's pins (requirements/gpu.lock, the versions tools/gpu/Dockerfile
+# installs): a report, not a gate (a lent machine has what it has); carry wheels of the pinned versions in .whl/,
+# e.g. pip download --no-deps -d .whl "$(grep -E '^megatron-core==' requirements/gpu.lock)"
+timeout 60 "$PY" tools/gpu/lock_gpu_stack.py --compare-installed >"$OUT/pins.txt" 2>&1 \
+    || echo "pins: the device's versions differ from requirements/gpu.lock (table in pins.txt)" >>"$OUT/env.txt"
 
 # 2. carried wheels (optional): never from a registry (also for ONLY=sglang_smoke: megatron-core may come from here)
 if compgen -G ".whl/*.whl" >/dev/null; then

