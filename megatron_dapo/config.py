@@ -129,6 +129,7 @@ FIELD_RANGES: dict[str, Range] = {
     "trainer.eval_temperature": Range(0.001, 10),
     "trainer.eval_top_p": Range(0, 1, "(]"),
     "trainer.eval_max_prompts": Range(0, _SEED_END, "[)", "0: all"),
+    "trainer.eval_timeout_minutes": Range(0, _WEEK_MINUTES, "(]"),
     "trainer.max_skipped_steps": Range(0, _MAX_STEPS, note="0: never stop"),
     "checkpoint.save_every": Range(0, _MAX_STEPS, note="0: only at the end"),
     "checkpoint.keep_last": Range(1, 10_000),
@@ -454,10 +455,18 @@ class DataConfig:
     the file and row, or dropped with filter_overlong_prompts."""
     filter_overlong_prompts: bool = False
     """Drop over-long prompts at load (logged with their count) instead of stopping (verl's option of this name)."""
+    drop_duplicates: bool = True
+    """Drop rows whose prompt and ground truth repeat an earlier row's, logged with their count (DAPO-Math-17k as
+    published repeats each prompt ~100 times; an evaluation file with one row per sample repeats each k times)."""
+    cache_dir: str = "~/.cache/megatron_dapo/prompts"
+    """The prompt cache (megatron_dapo/data/cache.py): the data parsed, de-duplicated and tokenised once per dataset
+    version, tokenizer and template, memory-mapped by every rank and every later start. A folder every rank of a node
+    can write (node-local or shared); "" reads and tokenises the files on every rank at every start."""
 
     def __post_init__(self) -> None:
         self.train_files = [_expand(p) for p in self.train_files]
         self.eval_files = [_expand(p) for p in self.eval_files]
+        self.cache_dir = _expand(self.cache_dir)
         _check_numbers(self, "data")
         for key in ("train_files", "eval_files"):
             value = getattr(self, key)
@@ -495,6 +504,10 @@ class TrainerConfig:
     """Eval nucleus threshold (paper: 0.7)."""
     eval_max_prompts: int = 0
     """Evaluate at most this many prompts (0 = all)."""
+    eval_timeout_minutes: float = 60.0
+    """How long a rank waits for the slowest rank's evaluation (its own gloo group, apart from
+    rollout.generation_timeout_minutes): one evaluation is eval prompts x eval_samples generations, which the planner
+    estimates (`megatron-dapo plan`; the pre-flight refuses an estimate above this)."""
     max_skipped_steps: int = 10
     """Stop with an error after this many optimizer steps in a row were skipped for a non-finite loss or gradient
     (0 = never stop)."""

@@ -88,6 +88,11 @@ class DAPOTrainer:
         self.preempt.install()
         # Generation waits and rollout objects go over gloo (CPU), bounded by the generation timeout, not NCCL.
         self.exchange = RolloutExchange(self.world, timeout_s=c.rollout.generation_timeout_minutes * 60.0)
+        self.eval_exchange = (
+            RolloutExchange(self.world, timeout_s=c.trainer.eval_timeout_minutes * 60.0,
+                            setting="trainer.eval_timeout_minutes")
+            if c.data.eval_files else None
+        )  # fmt: skip
         self.dp_of_rank = [int(d) for d in self.exchange.all_gather([self.groups.dp_rank], "dp ranks")]
         """Data-parallel rank of every global rank (destinations of the rollout rows)."""
         self.run_dir = Path(c.trainer.run_dir)
@@ -209,6 +214,8 @@ class DAPOTrainer:
             "max_positions": getattr(hf_config, "max_position_embeddings", None),
             "max_response_length": c.rollout.max_response_length,
             "filter_overlong": c.data.filter_overlong_prompts,
+            "drop_duplicates": c.data.drop_duplicates,
+            "cache_dir": c.data.cache_dir or None,
             "log": self._notice,
         }
         train = PromptDataset(c.data.train_files, **prompts)
@@ -219,6 +226,7 @@ class DAPOTrainer:
         self.eval_examples = evals.examples if evals is not None else []
         self.longest_prompt = max(train.longest_prompt or 0, (evals.longest_prompt or 0) if evals else 0)
         self._train_prompt_ids: dict[int, list[int]] = {}
+        self._cached_prompt_ids = train.cache.prompt_ids_of_index if train.cache is not None else None
 
     def _startup(self, fn: Any) -> Any:
         """Run a start-up step on every rank; a user error on any rank (a bad input, a held run-dir lock, no usable
@@ -365,9 +373,12 @@ class DAPOTrainer:
 
     def _fresh(self, offset: int) -> tuple[int, str, list[int]]:
         """(example index, ground truth, prompt ids) of the data's offset-th next prompt (a fresh queue position);
-        the training prompts' ids are cached by example index (indices are per dataset: eval ones are not here)."""
+        the ids come from the prompt cache, or without it are kept by example index once rendered (indices are per
+        dataset: eval ones are not here)."""
         self.test_hook("fresh_prompt")
         example = self.train_data.peek(offset)
+        if self._cached_prompt_ids is not None:  # the prompt cache's mapped token ids
+            return example.index, example.ground_truth, self._cached_prompt_ids(example.index)
         ids = self._train_prompt_ids.get(example.index)
         if ids is None:
             ids = self._train_prompt_ids[example.index] = self._render(example)
@@ -475,7 +486,7 @@ class DAPOTrainer:
         for ex, rollouts in self._sample(examples, t.eval_samples, t.eval_temperature, t.eval_top_p, seed=t.seed + 7):
             texts = self.tokenizer.batch_decode([x.response_ids for x in rollouts], skip_special_tokens=True)
             local.append([self.verifier(text, ex.ground_truth) for text in texts])
-        metrics = score_groups(self.exchange.all_gather(local, "eval"), t.eval_samples)
+        metrics = score_groups(self.eval_exchange.all_gather(local, "eval"), t.eval_samples)
         metrics["time/eval"] = time.perf_counter() - start
         return metrics
 

@@ -106,7 +106,7 @@ def test_length_filter_keeping_other_rows_is_named(tmp_path):
     path = _write(tmp_path / "a.jsonl", rows)
     kw = {"tokenizer": tok, "filter_overlong": True, "log": lambda _line: None}
     state = _saved_state([path], max_prompt_length=200, **kw)
-    with pytest.raises(ValueError, match=r"the files are unchanged but the length filter kept 5 prompts, 6 when"):
+    with pytest.raises(ValueError, match=r"the length filter and duplicate removal kept 5 prompts, 6 when"):
         _iterator([path], max_prompt_length=40, **kw).load_state_dict(state)
 
 
