@@ -214,7 +214,8 @@ def plan_preflight(config) -> int:
         return 0
     if plan.exit_code and (env.get("RANK") or env.get("SLURM_PROCID") or "0") == "0":
         print(plan.report(), file=sys.stderr)
-        print("preflight: a phase does not fit (see above); set --trainer.preflight=false to skip", file=sys.stderr)
+        print("preflight: a phase does not fit or outlasts its timeout (see above); set --trainer.preflight=false to "
+              "skip", file=sys.stderr)  # fmt: skip
     return plan.exit_code
 
 

@@ -251,6 +251,8 @@ class Plan:
     preempt_lead_s: float = 0.0
     """Seconds between the time-limit signal and the end of the job that a save needs (`preemption_lead`)."""
     preempt_lead_formula: str = ""
+    over_timeouts: list[str] = field(default_factory=list)
+    """Waits planned longer than their config timeouts (`over_timeouts`): the run would end at the first one."""
 
     def peak(self, phase: str) -> Phase:
         """The stage of `phase` that fails (an error first, then the highest total) or else has the highest total."""
@@ -265,7 +267,7 @@ class Plan:
 
     @property
     def exit_code(self) -> int:
-        return 2 if self.failing else 0
+        return 2 if self.failing or self.over_timeouts else 0
 
     def report(self) -> str:
         return format_plan(self)
@@ -479,7 +481,22 @@ def make_plan(
     if ro.engine != "sglang":
         notes.append(f"rollout.engine {ro.engine}: engine memory is planned with SGLang's rules")
     lead, lead_formula = preemption_lead(config, m, nodes, a, times)
-    return Plan(m, source, layout, gpu_memory_gb - a.safety_gib, phases, times, formulas, a, notes, lead, lead_formula)
+    plan = Plan(m, source, layout, gpu_memory_gb - a.safety_gib, phases, times, formulas, a, notes, lead, lead_formula)
+    plan.over_timeouts = over_timeouts(config, times)
+    return plan
+
+
+def over_timeouts(config: Any, times: dict[str, float]) -> list[str]:
+    """The waits the plan says outlast their config timeouts, in words: one evaluation (eval prompts x eval_samples,
+    then one exchange that waits for the slowest rank) against trainer.eval_timeout_minutes, which would end the job
+    with an exchange timeout. (Generation's rollout.generation_timeout_minutes bounds a wait without progress, not
+    the step's generation, so it is not compared here.)"""
+    every = config.trainer.eval_every
+    once, minutes = times.get("eval", 0.0) * every, config.trainer.eval_timeout_minutes
+    if every and once > minutes * 60:
+        return [f"one evaluation is planned at {once / 60:,.1f} min, more than trainer.eval_timeout_minutes={minutes:g}"
+                " (lower trainer.eval_max_prompts or trainer.eval_samples, or raise the timeout)"]  # fmt: skip
+    return []
 
 
 def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
@@ -767,6 +784,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"DOES NOT FIT: {names} > {plan.usable_gib:.2f} GiB usable")
     else:
         lines.append("fits: every phase is within the usable memory")
+    for line in plan.over_timeouts:
+        lines.append(f"OUTLASTS ITS TIMEOUT: {line}")
     return "\n".join(lines)
 
 

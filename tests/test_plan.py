@@ -269,6 +269,21 @@ def test_a_layout_that_does_not_fit_exits_2_naming_the_phase():
     assert make_plan(cfg, nodes=1, gpus_per_node=8, gpu_memory_gb=141).exit_code == 0
 
 
+def test_an_evaluation_planned_longer_than_its_timeout_exits_2_naming_the_fields():
+    """The shipped 32B job plans one evaluation at ~9.4 min (30 AIME prompts x 32 samples, eval_every 10): within
+    trainer.eval_timeout_minutes=60, outside 5; 32 rows per AIME prompt would be de-duplicated (data.drop_duplicates)
+    and eval_max_prompts caps the prompts."""
+    assert make_plan(load_config(CFG_32B), nodes=4, gpus_per_node=8, gpu_memory_gb=80).over_timeouts == []
+    short = make_plan(load_config(CFG_32B, ["--trainer.eval_timeout_minutes=5"]), nodes=4, gpus_per_node=8,
+                      gpu_memory_gb=80)  # fmt: skip
+    assert short.exit_code == 2 and not short.failing
+    (line,) = short.over_timeouts
+    assert line.startswith("one evaluation is planned at 9.4 min, more than trainer.eval_timeout_minutes=5 (lower ")
+    assert f"OUTLASTS ITS TIMEOUT: {line}" in short.report()
+    fewer = ["--trainer.eval_timeout_minutes=10", "--trainer.eval_max_prompts=10"]  # 6.9 min
+    assert make_plan(load_config(CFG_32B, fewer), nodes=4, gpus_per_node=8, gpu_memory_gb=80).exit_code == 0
+
+
 def test_kv_cache_smaller_than_one_sequence_fails_engine_start():
     cfg = load_config(CFG_32B, ["--rollout.mem_fraction=0.26"])
     plan = make_plan(cfg, nodes=4, gpus_per_node=8, gpu_memory_gb=80)

@@ -29,12 +29,16 @@ class RolloutExchange:
     """all_gather of Python objects over a gloo group of every rank (build it on every rank, in the same order).
 
     timeout_s: how long a rank may wait for the slowest rank's generation (config: rollout.generation_timeout_minutes)
+    setting: the config field timeout_s comes from, named when it expires (evaluation has its own group and field)
     world_size: ranks in the job; with 1 nothing is created and all_gather returns its input.
     """
 
-    def __init__(self, world_size: int, *, timeout_s: float) -> None:
+    def __init__(
+        self, world_size: int, *, timeout_s: float, setting: str = "rollout.generation_timeout_minutes"
+    ) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.setting = setting
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world_size > 1 else None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -92,7 +96,7 @@ class RolloutExchange:
         if "timed out" not in text.lower() and "timeout" not in text.lower():
             return err
         return ExchangeTimeout(
-            f"rollout exchange ({what}): not every rank arrived within rollout.generation_timeout_minutes="
+            f"rollout exchange ({what}): not every rank arrived within {self.setting}="
             f"{self.timeout_s / 60:g} (a rank's generation ran longer, or a rank died: see its log); "
             f"gloo: {text.splitlines()[0][:200]}"
         )

@@ -18,6 +18,7 @@ def _worker(rank: int, port: int, out: dict, round2_done) -> None:
     # The default group's own timeout is long: only the exchange's timeout can end the wait below in time.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     ex = RolloutExchange(2, timeout_s=TIMEOUT_S)
+    evaluation = RolloutExchange(2, timeout_s=TIMEOUT_S, setting="trainer.eval_timeout_minutes")  # the trainer's
     out[f"backend{rank}"] = dist.get_backend(ex.group)
     # Round 1: only rank 0 has an engine; rank 1 contributes nothing and waits while rank 0 "generates".
     if rank == 0:
@@ -35,6 +36,11 @@ def _worker(rank: int, port: int, out: dict, round2_done) -> None:
         except ExchangeTimeout as err:
             out["round2"] = str(err)
         out["round2_s"] = time.perf_counter() - start
+        try:  # evaluation's own group names its own field
+            evaluation.all_gather(["y"], "eval")
+            out["eval"] = "no error"
+        except ExchangeTimeout as err:
+            out["eval"] = str(err)
         round2_done.set()
     else:
         round2_done.wait(timeout=60)  # stay alive (but absent) until rank 0 has timed out
@@ -61,6 +67,7 @@ def test_gather_over_gloo_and_timeout():
     assert out["round2"].startswith("rollout exchange (rollouts): not every rank arrived within ")
     assert "rollout.generation_timeout_minutes=" in out["round2"] and "\n" not in out["round2"]
     assert out["round2_s"] < 30  # the exchange's timeout ended it, not the default group's (30 min)
+    assert out["eval"].startswith("rollout exchange (eval): not every rank arrived within trainer.eval_timeout_minut")
     assert out.get("done0") and out.get("done1")
 
 
