@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["FORMATS", "file_format", "iter_rows", "write_rows"]
+__all__ = ["FORMATS", "check_data_file", "file_format", "iter_rows", "write_rows"]
 
 FORMATS = ("jsonl", "parquet")
 _PARQUET_BATCH_ROWS = 65536
@@ -29,6 +29,16 @@ def file_format(path: str | os.PathLike) -> str:
     raise ValueError(f"{os.fspath(path)}: unknown data file extension (expected .jsonl, .json or .parquet)")
 
 
+def check_data_file(path: str | os.PathLike) -> str:
+    """The file's format; FileNotFoundError for a missing file, ValueError for an unknown extension (one line each,
+    the errors iter_rows raises before reading anything)."""
+    path = os.fspath(path)
+    fmt = file_format(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    return fmt
+
+
 def iter_rows(path: str | os.PathLike) -> Iterator[tuple[int, int | None, Any]]:
     """Yield ``(row_number, line_number, row)`` for each data row of a jsonl or parquet file.
 
@@ -37,9 +47,7 @@ def iter_rows(path: str | os.PathLike) -> Iterator[tuple[int, int | None, Any]]:
     jsonl lines are skipped. The row is returned as parsed (validation is the caller's job).
     """
     path = os.fspath(path)
-    fmt = file_format(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path}")
+    fmt = check_data_file(path)
     if fmt == "jsonl":
         yield from _iter_jsonl(path)
     else:

@@ -14,7 +14,7 @@ from megatron_dapo.data.dataset import PromptLimit
 from megatron_dapo.data.dataset import _paths
 from megatron_dapo.data.dataset import check_prompt_lengths
 from megatron_dapo.data.dataset import read_examples
-from megatron_dapo.data.files import iter_rows
+from megatron_dapo.data.files import check_data_file
 from megatron_dapo.data.identity import data_identity
 
 __all__ = ["PromptDataset"]
@@ -53,7 +53,7 @@ class PromptDataset:
         checked = tokenizer is not None and max_prompt_length is not None
         if checked and cache_dir:
             for path in self.files:  # a missing file or an unknown extension: the same one line as without the cache
-                next(iter_rows(path), None)
+                check_data_file(path)
             limit = PromptLimit.of(max_prompt_length, max_positions, max_response_length)
             self.cache = PromptCache.open(cache_dir, self.files, tokenizer, limit, prompt_key=prompt_key,
                                           filter_overlong=filter_overlong, drop_duplicates=drop_duplicates,
