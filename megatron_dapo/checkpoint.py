@@ -34,6 +34,7 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,22 +193,31 @@ class CheckpointManager:
         self.log = log
         self.allow_unverified = allow_unverified
         self.check_pickles = check_pickles
+        self.pending: _Pending | None = None
+        """A save whose actor files are still being written in the background (`save(..., background=True)`)."""
 
     def save(
         self,
         step: int,
         trainer_state: dict[str, Any],
         config: dict[str, Any],
-        save_actor: Callable[[Path], None] | None = None,
+        save_actor: Callable[..., Any] | None = None,
         *,
         test_hook: Callable[[str], None] | None = None,
+        background: bool = False,
     ) -> Path:
         """Write checkpoint `step` atomically; returns its final path.
 
         `save_actor(dir)` is called on every rank (it may be collective). `test_hook(point)` is the trainer's testing
         hook (DAPOTrainer.test_hook), called at "before_manifest" (actor and trainer files written) and "in_save"
         (manifest written, the checkpoint not yet marked complete).
+
+        background: `save_actor(dir, background=True)` returns a write still in progress (an object with `wait()`,
+        the error text or None, and a collective `finalize()`: actor/background_save.py); the checkpoint stays
+        `.partial` until `finish_pending()`, which every rank calls later (the trainer: at the next step boundary)
+        and which hashes, marks and renames it as a synchronous save does. A save first finishes the one pending.
         """
+        self.finish_pending()
         final = self.root / step_dir_name(step)
         partial = self.root / (step_dir_name(step) + ".partial")
 
@@ -235,16 +245,40 @@ class CheckpointManager:
                     shutil.rmtree(old, ignore_errors=True)
 
         self._agreed(partial, "creating its directory", start)
-        if save_actor is not None:
+        write = None
+        if save_actor is not None and background:
+            write = save_actor(partial / "actor", background=True)
+        elif save_actor is not None:
             save_actor(partial / "actor")
         self._agreed(partial, "writing the trainer state", state)
-        if test_hook is not None:
-            test_hook("before_manifest")
-        self._write_manifest(partial)
-        if test_hook is not None:
-            test_hook("in_save")
-        self._agreed(partial, "marking it complete", complete)
+        self.pending = _Pending(partial, complete, write, test_hook)
+        if write is None:
+            self.finish_pending()
         return final
+
+    def finish_pending(self) -> Path | None:
+        """Finish the pending save (collective; nothing when none is pending): wait for its background write on every
+        rank, agree on its errors (CheckpointError on every rank; the previous checkpoint is intact), finalise it,
+        hash it and mark it complete. Returns the checkpoint's final path."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        if pending.write is not None:
+            error = pending.write.wait()
+            errors = [e for e in self.gather(f"rank {self.rank}: {error}" if error else None) if e]
+            if errors:
+                raise CheckpointError(
+                    f"checkpoint {pending.partial}: the background write failed ({errors[0]}); the previous "
+                    "checkpoint is intact"
+                )
+            pending.write.finalize()
+        if pending.test_hook is not None:
+            pending.test_hook("before_manifest")
+        self._write_manifest(pending.partial)
+        if pending.test_hook is not None:
+            pending.test_hook("in_save")
+        self._agreed(pending.partial, "marking it complete", pending.complete)
+        return pending.partial.with_name(pending.partial.name.removesuffix(".partial"))
 
     def _agreed(self, partial: Path, what: str, write: Callable[[], None]) -> None:
         """Run this rank's part of a save phase, then agree (collective, and a barrier): an OSError on any rank (a
@@ -365,6 +399,17 @@ class CheckpointManager:
         if load_actor is not None:
             load_actor(path / "actor")  # restores this rank's RNG states too
         return torch.load(path / "trainer_state.pt", weights_only=True)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A save between its writes and its completion (Checkpointer.finish_pending)."""
+
+    partial: Path
+    complete: Callable[[], None]
+    write: Any
+    """The actor's background write (wait() -> error text or None; finalize(), collective), or None."""
+    test_hook: Callable[[str], None] | None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -542,6 +542,11 @@ class CheckpointConfig:
     boundary). `megatron-dapo launch` gives torchrun this --shutdown-timeout (torchrun's own default SIGKILLs after
     30 s); under Slurm pair it with --signal=B:USR1@<at least this> (docs/reliability.md). It also bounds how long a
     worker outlives a dead torchrun."""
+    async_save: bool = False
+    """Write periodic checkpoints in the background: the actor's tensors are copied to host memory at the step
+    boundary and written by a thread while the next step runs; the checkpoint is hashed and marked complete at the
+    next step boundary (until then the previous one is the one to resume from). Saves on a preemption signal and at
+    the last step stay synchronous. Costs one host copy of each rank's checkpoint share (docs/cluster.md)."""
     allow_unverified: bool = False
     """Resume from a checkpoint that has no MANIFEST.json (copied without it, or written before manifests existed).
     Off: such a checkpoint is refused with one line. On: it loads unverified, with a warning; its pickled metadata is

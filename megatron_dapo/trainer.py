@@ -254,6 +254,7 @@ class DAPOTrainer:
         while self.step < self.cfg.trainer.total_steps:
             self.step += 1
             metrics = self.train_step()
+            self._finish_save()  # the previous step's background save, written while this step ran
             self.test_hook("step_end")
             if metrics is None:  # a preemption signal before the step's first optimizer step: it never happened
                 self.step -= 1
@@ -275,9 +276,9 @@ class DAPOTrainer:
             preempted = self.preempt.requested(self._all_reduce_max)
             if preempted:
                 self._preemption_notice()
-            every = self.cfg.checkpoint.save_every
-            if preempted or (every and self.step % every == 0) or self.step == self.cfg.trainer.total_steps:
-                self.save()
+            every, last_step = self.cfg.checkpoint.save_every, self.step == self.cfg.trainer.total_steps
+            if preempted or (every and self.step % every == 0) or last_step:
+                self.save(background=self.cfg.checkpoint.async_save and not (preempted or last_step))
             self.test_hook("after_step")
             if preempted:
                 break
@@ -566,15 +567,24 @@ class DAPOTrainer:
             if owner == self.rank:
                 self.carry_rows[key] = rollouts
 
-    def save(self) -> Path:
+    def save(self, background: bool = False) -> Path:
         """Checkpoint this step (collective). A write that fails on any rank (a full disk) ends the job with one
-        line on every rank (JobError); the previous checkpoint stays the one to resume from."""
+        line on every rank (JobError); the previous checkpoint stays the one to resume from. background: the actor's
+        files are written while training goes on and the checkpoint is completed by `_finish_save` at the next step
+        boundary (checkpoint.async_save)."""
         try:
-            return self._save()
+            return self._save(background)
         except CheckpointError as err:
             raise JobError(str(err), retryable=True) from None
 
-    def _save(self) -> Path:
+    def _finish_save(self) -> None:
+        """Complete a background save (collective; nothing when none is pending)."""
+        try:
+            self.ckpt.finish_pending()
+        except CheckpointError as err:
+            raise JobError(str(err), retryable=True) from None
+
+    def _save(self, background: bool = False) -> Path:
         if self.logger is not None:
             self.logger.sync()  # the step's metrics row is on disk before its checkpoint says the step is done
 
@@ -583,8 +593,9 @@ class DAPOTrainer:
                 self.step,
                 self.trainer_state(),
                 self.cfg.to_dict(),
-                lambda d: self.actor.save_checkpoint(str(d)),
+                lambda d, background=False: self.actor.save_checkpoint(str(d), background=background),
                 test_hook=self.test_hook,
+                background=background,
             )
 
         if self.cfg.actor.offload == "none":
@@ -616,6 +627,7 @@ class DAPOTrainer:
         self.actor.save_hf(str(out_dir), tokenizer=self.tokenizer)
 
     def close(self) -> None:
+        self._finish_save()  # a background save still pending (collective)
         self.memory.finish()  # engine released, actor parameters on the device for the export
         self.export_final_hf(self.run_dir / "hf_final")
         if self.logger is not None:

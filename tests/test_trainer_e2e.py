@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_dapo.checkpoint import MANIFEST
 from megatron_dapo.dev.tiny import make_tiny_run
 from megatron_dapo.metrics import STEP_METRICS
 from megatron_dapo.metrics import without_timing
@@ -98,13 +99,20 @@ def test_dapo_steps_resume_after_hard_kill(tiny, tmp_path):
     assert all(r["rollout/logprob_mismatch_max"] < 1e-4 for r in train_rows[1:])
     assert (straight / "plots" / "accuracy.png").exists()
 
-    # 2 steps, then a hard kill (SIGKILL of every rank right after step 2's checkpoint), then resume for 2 more.
+    # Background saves (checkpoint.async_save), then a hard kill (SIGKILL of every rank) right after step 2's save
+    # began: step 1's checkpoint, written while step 2 ran and completed at its end, is the newest complete one and
+    # verifies; step 2's is still .partial. The resume (background saves again) runs steps 2-4 as the straight run.
     resumed = tmp_path / "resumed"
-    killed = _train(tiny, resumed, "--trainer.total_steps=4", fault="after_step:2", check=False)
+    background = ("--trainer.total_steps=4", "--checkpoint.async_save=true")
+    killed = _train(tiny, resumed, *background, fault="after_step:2", check=False)
     assert killed.returncode != 0
-    assert (resumed / "checkpoints" / "step_00000002" / "COMPLETE").exists()
-    _train(tiny, resumed, "--trainer.total_steps=4")
+    checkpoints = resumed / "checkpoints"
+    assert (checkpoints / "step_00000001" / "COMPLETE").exists() and (checkpoints / "step_00000001" / MANIFEST).exists()
+    assert (checkpoints / "step_00000002.partial").is_dir() and not (checkpoints / "step_00000002").exists()
+    _train(tiny, resumed, *background)
+    assert "(step 1 of 4)" in Path(resumed).with_suffix(".run.log").read_text()
     assert _stable(_metrics(resumed)) == _stable(rows)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000003", "step_00000004"]  # keep_last 2
     final_resumed = load_file(str(resumed / "hf_final" / "model.safetensors"))
     assert all(torch.equal(final[k], final_resumed[k]) for k in final)
 

@@ -53,6 +53,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
+from megatron_dapo.actor.background_save import BackgroundWrite
 from megatron_dapo.actor.ckpt_writer import install_writer_queue
 from megatron_dapo.actor.distributed import ParallelGroups
 from megatron_dapo.actor.loss import LOSS_METRICS
@@ -787,19 +788,30 @@ class MegatronActor:
             if state:
                 state["step"] = torch.tensor(float(self.num_steps), dtype=state["step"].dtype)
 
-    def save_checkpoint(self, ckpt_dir: str) -> None:
+    def save_checkpoint(self, ckpt_dir: str, *, background: bool = False) -> BackgroundWrite | None:
         """Save model, optimizer, step count (megatron dist_checkpointing) and this rank's RNG states.
 
         Collective. `ckpt_dir` is created if missing and must be empty (the trainer makes it atomic on top). See
-        `load_checkpoint` for resharding; RNG states are restored only with the same world size.
+        `load_checkpoint` for resharding; RNG states are restored only with the same world size. With background,
+        the tensors are copied to host memory and written by a thread while training goes on: the returned
+        BackgroundWrite must be waited for and finalised on every rank before the directory is a checkpoint
+        (actor/background_save.py; the trainer does it at the next step boundary).
         """
         os.makedirs(ckpt_dir, exist_ok=True)
         install_writer_queue()  # megatron's writer helper survives preemption signals (actor/ckpt_writer.py)
         dist.barrier()
+        pending = None
         with self._resident():
-            dist_checkpointing.save(self._sharded_state_dict(is_loading=False), ckpt_dir)
+            if background:
+                request = dist_checkpointing.save(
+                    self._sharded_state_dict(is_loading=False), ckpt_dir, async_sharded_save=True
+                )
+                pending = BackgroundWrite(request)  # the host copy is taken here, while the state is resident
+            else:
+                dist_checkpointing.save(self._sharded_state_dict(is_loading=False), ckpt_dir)
         torch.save(_rng_state(), os.path.join(ckpt_dir, f"rng_rank{dist.get_rank():05d}_of{dist.get_world_size()}.pt"))
         dist.barrier()
+        return pending
 
     @staticmethod
     def check_checkpoint(ckpt_dir: str | os.PathLike) -> None:

@@ -31,8 +31,9 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _manager: SyncManager | None = None
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In the helper: ask for SIGKILL when the process that started it exits (Linux; elsewhere nothing)."""
+def die_with_parent(parent_pid: int) -> None:
+    """In a child: ask for SIGKILL when the thread that started it exits (with its process; Linux; elsewhere
+    nothing); exit at once when parent_pid is already gone."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -46,7 +47,7 @@ def _shield(parent_pid: int) -> None:
     """Initializer of the helper process (runs in it, spawned: importable at module level)."""
     for sig in SHIELDED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
 
 
 def _megatron_writer_module() -> Any:
