@@ -4,7 +4,7 @@ dataset version, then memory-mapped by every rank of every later start.
 Without it each rank of each start parses and tokenises the whole file: DAPO-Math-17k as published has 1.79 M rows,
 minutes per rank and GBs of Python objects each (README.md, "Data at scale", has the measurement).
 
-Key: sha256 over the cache format version, each file's size and content sha256 (in order), the tokenizer's
+Key: sha256 over the cache format version, each file's path, size and content sha256 (in order), the tokenizer's
 fingerprint (its class, the serialised fast tokenizer or the vocabulary, the special tokens and the chat template),
 the prompt field, the prompt limit, filter_overlong and drop_duplicates. Any change gives a new entry; entries are
 never updated in place. Entry ``<cache_dir>/<key>/``:
@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from megatron_dapo.data.identity import data_identity
 
 __all__ = ["CACHE_VERSION", "CachedExamples", "PromptCache", "cache_key", "file_sha256", "tokenizer_fingerprint"]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Bumped when the entry's layout or what goes into it changes (old entries are then never read)."""
 _CHUNK = 1 << 23
 
@@ -78,7 +79,11 @@ def cache_key(
     """The entry name of this data under this tokenizer and these settings (sha256 hex)."""
     described = {
         "version": CACHE_VERSION,
-        "files": [{"bytes": os.path.getsize(p), "sha256": file_sha256(p)} for p in files],
+        # the path too: examples, notes and the identity name their file as given (a moved file is read again)
+        "files": [
+            {"path": p, "abspath": os.path.abspath(p), "bytes": os.path.getsize(p), "sha256": file_sha256(p)}
+            for p in files
+        ],
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "prompt_key": prompt_key,
         "limit": [limit.tokens, limit.rule],
@@ -195,7 +200,7 @@ def _build(
     )
     kept_at = {id(ex) for ex in kept}
     kept_ids = [x for ex, x in zip(read.examples, ids, strict=True) if id(ex) in kept_at]
-    tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
+    tmp = entry.with_name(f".{entry.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # unique on a shared disk
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

@@ -102,10 +102,13 @@ def test_the_key_changes_with_content_tokenizer_template_limit_and_options(tmp_p
         keys.add(cache_key([path], tokenizer, limit, **opts))
     finally:
         tokenizer.chat_template = template
+    moved = tmp_path / "moved.jsonl"  # the same content elsewhere: its examples and notes name the new path
+    moved.write_bytes(open(path, "rb").read())
+    keys.add(cache_key([str(moved)], tokenizer, limit, **opts))
     with open(path, "a") as f:  # one more row: new content, new entry
         f.write(json.dumps(_row("9+9=?", "18")) + "\n")
     keys.add(cache_key([path], tokenizer, limit, **opts))
-    assert base not in keys and len(keys) == 6
+    assert base not in keys and len(keys) == 7
 
 
 def test_a_damaged_entry_is_rebuilt_with_one_line(tmp_path, tokenizer):
