@@ -168,11 +168,18 @@ class PromptCache:
         """The entry of this data, built under the entry's lock when absent or damaged. Errors in the data are the
         same one-line ValueErrors as without the cache (raised by every process that tries)."""
         root = Path(cache_dir)
-        root.mkdir(parents=True, exist_ok=True)
         key = cache_key(files, tokenizer, limit, prompt_key=prompt_key, filter_overlong=filter_overlong,
                         drop_duplicates=drop_duplicates)  # fmt: skip
         entry = root / key
-        with open(root / f"{key}.lock", "w") as lock:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            lock = open(root / f"{key}.lock", "w")  # closed by the with below
+        except OSError as err:
+            raise OSError(
+                f"data.cache_dir={root}: cannot write there ({err.strerror or err}); set it to a writable folder, or "
+                '"" to read the data files at every start'
+            ) from None
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if (entry / "meta.json").exists():

@@ -27,7 +27,7 @@ class PromptDataset:
     max_positions (the model's max_position_embeddings) with max_response_length lowers the limit (PromptLimit.of).
     drop_duplicates drops rows that repeat an earlier row's prompt and ground truth (read_examples). With cache_dir
     as well, the result comes from the prompt cache (cache.py: built once per dataset version, memory-mapped; the
-    examples are then decoded on access and ``prompt_ids`` reads their token ids). ``identity`` fingerprints the
+    examples are then decoded on access and ``cache.prompt_ids`` reads their token ids). ``identity`` fingerprints the
     content for checkpoints (identity.py); the same data gives the same examples, identity and log lines either way.
     """
 
@@ -51,10 +51,10 @@ class PromptDataset:
         self.cache: Any = None
         """The prompt cache entry the examples come from (cache.PromptCache), when cache_dir was given."""
         checked = tokenizer is not None and max_prompt_length is not None
-        if checked and cache_dir:
+        limit = PromptLimit.of(max_prompt_length, max_positions, max_response_length) if checked else None
+        if limit is not None and cache_dir:
             for path in self.files:  # a missing file or an unknown extension: the same one line as without the cache
                 check_data_file(path)
-            limit = PromptLimit.of(max_prompt_length, max_positions, max_response_length)
             self.cache = PromptCache.open(cache_dir, self.files, tokenizer, limit, prompt_key=prompt_key,
                                           filter_overlong=filter_overlong, drop_duplicates=drop_duplicates,
                                           log=log)  # fmt: skip
@@ -67,8 +67,7 @@ class PromptDataset:
         for note in read.notes:
             log(note)
         self.examples = read.examples
-        if checked:
-            limit = PromptLimit.of(max_prompt_length, max_positions, max_response_length)
+        if limit is not None:
             self.examples, self.longest_prompt = check_prompt_lengths(
                 self.examples, tokenizer, limit, filter_overlong=filter_overlong, log=log
             )

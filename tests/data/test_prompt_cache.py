@@ -155,3 +155,13 @@ def test_processes_started_together_build_once_and_read_the_same(tmp_path):
         results = pool.map(_open_in_child, [(path, str(tok_dir), str(tmp_path / "c"))] * 3)
     assert sorted(r[2] for r in results) == [0, 0, 1] and {r[1] for r in results} == {8}
     assert len([p for p in (tmp_path / "c").iterdir() if p.is_dir()]) == 1
+
+
+def test_an_unwritable_cache_dir_is_one_line_naming_the_field(tmp_path, tokenizer):
+    path = write_rows(_rows(), tmp_path / "d.jsonl")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError) as err:
+        _load(path, tokenizer, blocker / "cache")
+    assert str(err.value).startswith(f"data.cache_dir={blocker / 'cache'}: cannot write there (")
+    assert "\n" not in str(err.value)
