@@ -256,6 +256,12 @@ class CheckpointManager:
             self.finish_pending()
         return final
 
+    def wait_written(self) -> None:
+        """Wait for this rank's background write of the pending save, if any (not collective; finish_pending still
+        completes it). Before anything that may kill this process's children: the writer runs in them."""
+        if self.pending is not None and self.pending.write is not None:
+            self.pending.write.wait()
+
     def finish_pending(self) -> Path | None:
         """Finish the pending save (collective; nothing when none is pending): wait for its background write on every
         rank, agree on its errors (CheckpointError on every rank; the previous checkpoint is intact), finalise it,

@@ -105,6 +105,9 @@ FIELD_RANGES: dict[str, Range] = {
     "rollout.max_running_requests": Range(0, _MAX_COUNT, note="0: the engine's default"),
     "rollout.max_inflight_prompts": Range(0, _MAX_COUNT, note="0: trainer.gen_prompts_per_batch"),
     "rollout.over_sampling": Range(0, 100, note="0: off"),
+    "rollout.engine_restarts": Range(0, _MAX_COUNT, note="0: an engine that dies ends the job"),
+    "rollout.prompt_retries": Range(0, 100),
+    "rollout.engine_stall_minutes": Range(0, _WEEK_MINUTES, note="0: off"),
     "actor.tensor_parallel": Range(1, _MAX_PARALLEL),
     "actor.pipeline_parallel": Range(1, _MAX_PARALLEL),
     # Adam moves each weight by about lr per step: lr > 1 destroys any model in one step.
@@ -325,6 +328,18 @@ class RolloutConfig:
     an engine only when p < (positions decided so far) + max_inflight_prompts, so at most this many prompts are being
     generated or wait to be decided (over-sampling, as slime's over_sampling_batch_size / AReaL's
     max_concurrent_rollouts bound it). 0: trainer.gen_prompts_per_batch."""
+    engine_restarts: int = 3
+    """In-place restarts of one rank's engine in a run. An engine that dies while generating (its process exited, or
+    it returned nothing for engine_stall_minutes) is shut down and built again on its rank, every rank meets to load
+    it with the actor's weights, and its lost requests are re-queued (docs/rollout.md, "Engine failures"). Past this
+    many the job ends and restarts from its last checkpoint (distributed.max_restarts). Colocated engines only: an
+    SGLang server (mode "server") is its launcher's to restart, and its failure ends the job."""
+    prompt_retries: int = 2
+    """Engine failures a prompt may be in flight for: past it its group is given up (logged, counted in
+    sampling/prompts_given_up, never trained on) rather than re-queued again (a prompt that kills engines)."""
+    engine_stall_minutes: float = 30.0
+    """An engine with requests in flight that returns no response for this long is declared dead and restarted
+    (a health check; longer than the slowest single response: 20480 tokens at 12 tokens/s take 28 min). 0: off."""
     over_sampling: float = 1.5
     """How far past what dynamic sampling still needs the queue runs: positions past the decided ones start only while
     fewer than over_sampling x (groups still missing) / (keep ratio: the step's so far, else the last step's) are in

@@ -30,8 +30,10 @@ Pure Python: torch is imported only to empty the CUDA cache (skipped without CUD
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import Any
 from typing import Protocol
 
@@ -172,6 +174,30 @@ class MemoryChoreographer:
         if sized_at_start and parts:
             self.barrier()
         return self.engine
+
+    def replace_engine(self, make: Callable[[], Any]) -> Any:
+        """Adopt a rebuilt engine (the old one died while generating): make() runs in the generation phase's memory
+        state, as the first build did (an engine sizing its KV pool at start sizes it alike); nothing is released."""
+        self.trace.append("engine_restart")
+        self.engine = make()
+        self.released = set()
+        return self.engine
+
+    @contextmanager
+    def sync_beside_generation(self) -> Iterator[None]:
+        """Around a weight sync in the generation phase (a restarted engine's): the actor's parameters are read by the
+        export, so with actor.offload=all they come back for it and leave after; the cache is emptied after (the
+        export's buckets), then a barrier. Every other engine stays resident: the sync's peak beside them is one
+        bucket plus one gathered tensor, the headroom an engine's mem_fraction leaves (docs/rollout.md)."""
+        self.trace.append("sync_beside_generation")
+        if self.after_sync:
+            self.actor.reload_state(self.after_sync)
+        try:
+            yield
+        finally:
+            if self.after_sync:
+                self.actor.offload_state(self.after_sync)
+            self.empty_cache()
 
     def start(self) -> None:
         """Before the first generation: offload what actor.offload keeps off the GPU while generating (the actor is

@@ -55,6 +55,7 @@ from megatron_dapo.metrics import mismatch_stats
 from megatron_dapo.metrics import plot_run
 from megatron_dapo.restarts import attempt_number
 from megatron_dapo.rollout.exchange import RolloutExchange
+from megatron_dapo.rollout.factory import restarts_in_place
 from megatron_dapo.rollout.factory import sampling_params
 from megatron_dapo.rollout.stream import CarryEntry
 from megatron_dapo.rollout.stream import RolloutStream
@@ -122,15 +123,14 @@ class DAPOTrainer:
         self.memory = MemoryChoreographer(None, models, offload=c.actor.offload, barrier=self._host_barrier)
         # A fixed KV capacity per row keeps the embedded engine batch-invariant across the run (slot_cache.py).
         max_context = max(self.longest_prompt, 1) + c.rollout.max_response_length
+        self._engine_args = {
+            "base_gpu_id": self.groups.local_rank,
+            "seed": c.trainer.seed,
+            "max_context": -(-max_context // 64) * 64,
+        }
         self.engine = self.memory.build_engine(
             lambda: (
-                make_engine(
-                    c.rollout,
-                    c.actor.model_path,
-                    base_gpu_id=self.groups.local_rank,
-                    seed=c.trainer.seed,
-                    max_context=-(-max_context // 64) * 64,
-                )
+                make_engine(c.rollout, c.actor.model_path, **self._engine_args)
                 if self.rank in self.engine_ranks
                 else None
             ),
@@ -152,6 +152,12 @@ class DAPOTrainer:
             stop=lambda: self.preempt.flag,
             max_gen_s=c.algorithm.max_gen_minutes * 60.0,
             stall_s=c.distributed.timeout_s if self.world > 1 else 0.0,
+            restart=self._restart_engine if restarts_in_place(c.rollout) else None,
+            resync=self._resync_engines,
+            max_restarts=c.rollout.engine_restarts,
+            prompt_retries=c.rollout.prompt_retries,
+            engine_stall_s=c.rollout.engine_stall_minutes * 60.0,
+            log=self._rank_notice,
         )
         self.carry: list[CarryEntry] = []
         """Groups carried into the next step (rollout.partial), in queue order; the same on every rank."""
@@ -408,6 +414,43 @@ class DAPOTrainer:
         self._pending = result
         return result
 
+    def _restart_engine(self) -> Any:
+        """This rank's engine died while generating (the stream's restart): shut it down, build it again in the
+        generation phase's memory (its KV pool sized as at start), hand it to the weight sync; its weights come in the
+        stream's next meeting (`_resync_engines`)."""
+        from megatron_dapo.rollout import make_engine
+        from megatron_dapo.rollout.factory import retarget
+
+        c = self.cfg
+        self.ckpt.wait_written()  # SGLang's shutdown kills every child of this process, a checkpoint writer's too
+        try:
+            self.engine.shutdown()
+        except Exception as err:  # already gone with its process: the new one must start anyway
+            self._rank_notice(f"shutting the dead engine down failed ({type(err).__name__}: {err}); starting anew")
+        self.test_hook("engine_restart")
+        self.engine = self.memory.replace_engine(
+            lambda: make_engine(c.rollout, c.actor.model_path, **self._engine_args)
+        )
+        self.weight_sync.engine = retarget(self.weight_sync.engine, self.engine)
+        return self.engine
+
+    def _resync_engines(self, ranks: list[int]) -> None:
+        """The stream's meeting after engines on `ranks` restarted (collective): every rank walks the actor's export
+        (TP/PP gathers); the restarted engines (with colocated SGLang TP > 1, every rank of their group) load it.
+        The other engines keep their requests in flight and are not written."""
+        from megatron_dapo.rollout.factory import update_group_size
+        from megatron_dapo.rollout.weight_sync import WeightSync
+
+        t = update_group_size(self.cfg.rollout)
+        mine = any(r // t == self.rank // t for r in ranks)
+        sync = WeightSync(
+            self.weight_sync.engine if mine else None,
+            bucket_bytes=self.weight_sync.bucket_bytes,
+            weight_dtype=self.weight_sync.weight_dtype,
+        )
+        with self.memory.sync_beside_generation():
+            sync.sync(self.actor.export_hf_weights())
+
     def _commit_generation(self) -> None:
         """The step's generation becomes the run's state (at its first optimizer step; a step dropped before it leaves
         the data position and the carry as they were): the data moves past the positions it consumed, the carry is
@@ -650,6 +693,12 @@ class DAPOTrainer:
     def _note(self, line: str) -> None:
         """A one-line notice on rank 0's stderr, prefixed with the step (e.g. the preemption decision)."""
         self._notice(f"step {self.step}: {line}")
+
+    def _rank_notice(self, line: str) -> None:
+        """A one-line notice on this rank's stderr (what only this rank knows, e.g. its engine died)."""
+        import sys
+
+        print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
 
     def _notice(self, line: str) -> None:
         """A one-line notice on rank 0's stderr, no step prefix (start-up and resume decisions)."""

@@ -13,6 +13,10 @@ SLOW_SAVE="N:SECONDS": step N's checkpoint sleeps SECONDS after its files are wr
 SLOW_GEN="N:SECONDS": during step N's generation, every fresh prompt the stream starts takes SECONDS longer.
 SLOW_LOGP="N:SECONDS": after step N's log-probs pass, before its update, the step sleeps SECONDS more.
 Each slow hook prints a "test hook: ..." notice (rank 0) when it starts sleeping.
+MEGATRON_DAPO_ENGINE_KILL="SEED:COUNT": each rank's embedded engine dies COUNT times in the run while the rollout
+    stream drives it, at the rank's engine steps (counted over the run) drawn from Random(SEED, rank) in
+    1..ENGINE_KILL_SPAN: its model is dropped (everything in flight is lost) and the step raises EngineDied, as a
+    crashed engine process would. Evaluation is left alone (an engine failure there ends the job: docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -50,6 +54,43 @@ def _setting(name: str) -> tuple[str, float] | None:
     return head, float(value)
 
 
+ENGINE_KILL_SPAN = 300
+"""Within the engine steps of one rank in the 4-step tiny run (~110 a step), so nearly every drawn kill lands."""
+
+
+def _kill_engines(seed: int, count: int) -> None:
+    """MEGATRON_DAPO_ENGINE_KILL: TransformersEngine.step dies at seeded points while RolloutStream.run is running."""
+    import random
+
+    from megatron_dapo.rollout import EngineDied
+    from megatron_dapo.rollout.stream import RolloutStream
+    from megatron_dapo.rollout.transformers_engine import TransformersEngine
+
+    rng = random.Random(f"{seed}:{os.environ.get('RANK', '0')}")
+    deaths = sorted(rng.sample(range(1, ENGINE_KILL_SPAN + 1), count))
+    state = {"in_stream": False, "steps": 0}
+    step, run = TransformersEngine.step, RolloutStream.run
+
+    def dying_step(engine):
+        if state["in_stream"]:
+            n = state["steps"] = state["steps"] + 1
+            if deaths and n >= deaths[0]:
+                deaths.pop(0)
+                engine.shutdown()
+                raise EngineDied(f"test hook: the engine was killed at engine step {n} of this rank")
+        return step(engine)
+
+    def streaming_run(stream, *args, **kwargs):
+        state["in_stream"] = True
+        try:
+            return run(stream, *args, **kwargs)
+        finally:
+            state["in_stream"] = False
+
+    TransformersEngine.step = dying_step
+    RolloutStream.run = streaming_run
+
+
 def test_hook(self: DAPOTrainer, point: str) -> None:
     fault = _setting("MEGATRON_DAPO_FAULT")
     if fault is not None and fault == (point, float(self.step)):
@@ -76,4 +117,7 @@ if __name__ == "__main__":
     from megatron_dapo.trainer import DAPOTrainer
 
     DAPOTrainer.test_hook = test_hook
+    if "MEGATRON_DAPO_ENGINE_KILL" in os.environ:
+        kill_seed, kill_count = os.environ["MEGATRON_DAPO_ENGINE_KILL"].split(":")
+        _kill_engines(int(kill_seed), int(kill_count))
     sys.exit(cli.main())

@@ -291,3 +291,23 @@ class _ProbeForBuild:
 
     def resume_memory(self, tags):
         pass
+
+
+@pytest.mark.parametrize("offload", OFFLOAD_MODES)
+def test_a_restarted_engines_sync_reads_the_parameters_and_leaves_generation_memory_as_it_was(offload):
+    """replace_engine adopts a rebuilt engine with nothing released; sync_beside_generation brings the parameters back
+    for the export when actor.offload keeps them away while generating, and leaves the generation state after it."""
+    probe, trace = _ProbeForBuild(), []
+    chor = MemoryChoreographer(None, probe, offload=offload, barrier=lambda: trace.append("barrier"), trace=trace)
+    chor.build_engine(lambda: probe, sized_at_start=True)
+    chor.run_step({})  # one step: the engine's regions were released and resumed, the actor as in generation
+    generating = tuple(p for p in PARTS if p in probe.actor)
+    assert generating == resident_by_phase(offload)["generation"]["actor"]
+    new = _ProbeForBuild()
+    assert chor.replace_engine(lambda: new) is new and chor.engine is new and chor.released == set()
+    seen = {}
+    with chor.sync_beside_generation():
+        seen["during"] = tuple(p for p in PARTS if p in probe.actor)
+    assert "params" in seen["during"]
+    assert tuple(p for p in PARTS if p in probe.actor) == generating
+    assert trace[-1] == "barrier"  # the cache emptied, every rank past it

@@ -43,7 +43,7 @@ def _cmd(nproc: int) -> list[str]:
     ]
 
 
-def _train(tiny, run_dir, *overrides, nproc=2, fault=None, timeout=300, check=True):
+def _train(tiny, run_dir, *overrides, nproc=2, fault=None, timeout=300, check=True, env_extra=None):
     tp = 2 if nproc == 2 else 1
     args = _cmd(nproc) + [
         "train",
@@ -62,6 +62,7 @@ def _train(tiny, run_dir, *overrides, nproc=2, fault=None, timeout=300, check=Tr
     env.pop("MEGATRON_DAPO_FAULT", None)
     if fault:
         env["MEGATRON_DAPO_FAULT"] = fault
+    env.update(env_extra or {})
     log = Path(run_dir).with_suffix(f".{fault or 'run'}.log".replace(":", "_"))
     with open(log, "w") as out:
         proc = subprocess.run(args, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
@@ -77,11 +78,17 @@ def _metrics(run_dir):
 _stable = without_timing
 
 
+@pytest.fixture(scope="module")
+def straight(tiny, tmp_path_factory):
+    """4 DAPO steps straight under torchrun (TP=2): the oracle of the interrupted runs below."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    _train(tiny, run_dir, "--trainer.total_steps=4")
+    return run_dir
+
+
 @pytest.mark.slow
-def test_dapo_steps_resume_after_hard_kill(tiny, tmp_path):
+def test_dapo_steps_resume_after_hard_kill(tiny, straight, tmp_path):
     # 4 steps straight.
-    straight = tmp_path / "straight"
-    _train(tiny, straight, "--trainer.total_steps=4")
     rows = _metrics(straight)
     train_rows = [r for r in rows if r["step"] >= 1]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
@@ -117,6 +124,25 @@ def test_dapo_steps_resume_after_hard_kill(tiny, tmp_path):
     assert all(torch.equal(final[k], final_resumed[k]) for k in final)
 
     # A kill while a checkpoint is being written: tests/reliability/test_preemption.py (a rank killed mid-save).
+
+
+@pytest.mark.slow
+def test_engines_killed_while_generating_restart_in_place_and_change_nothing(tiny, straight, tmp_path):
+    """Each rank's embedded engine dies 3 times during the run's rollout streams, at seeded random engine steps: it
+    is rebuilt in place, every rank meets to load it with the actor's weights, its lost requests are re-queued with
+    their seeds. The engine is batch-invariant, so the run's metrics are the straight run's, step for step."""
+    run_dir = tmp_path / "killed"
+    _train(tiny, run_dir, "--trainer.total_steps=4", env_extra={"MEGATRON_DAPO_ENGINE_KILL": "5:3"})
+    rows = _metrics(run_dir)
+    assert _stable(rows) == _stable(_metrics(straight))
+    restarts = sum(r.get("stream/engine_restarts", 0) for r in rows)
+    log = run_dir.with_suffix(".run.log").read_text()
+    lines = [line for line in log.splitlines() if "restarting it in place" in line]
+    assert restarts == len(lines) >= 3, (restarts, lines)
+    assert len({r["step"] for r in rows if r.get("stream/engine_restarts", 0)}) >= 2  # in more than one step
+    assert "the rollout engine died (test hook: the engine was killed at engine step" in lines[0]
+    assert sum(r.get("stream/requests_requeued", 0) for r in rows) > 0
+    assert all(r["sampling/prompts_given_up"] == 0 for r in rows if r["step"] >= 1)
 
 
 @pytest.mark.slow

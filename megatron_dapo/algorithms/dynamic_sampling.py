@@ -130,6 +130,8 @@ class StepSampling:
     kept: list[tuple[int, Scored]] = field(default_factory=list)
     all_correct: int = 0
     all_wrong: int = 0
+    given_up: int = 0
+    """Positions decided without a group: their prompt was given up after engine failures (rollout.prompt_retries)."""
     _pending: dict[int, Scored] = field(default_factory=dict)
     limit: int = 0
     """Queue positions the step may use after all, set by `stop_at` (0: only the rule's cap applies)."""
@@ -162,6 +164,9 @@ class StepSampling:
             self.decided += 1
 
     def _decide(self, position: int, group: Scored) -> None:
+        if getattr(group, "dropped", False):  # given up after engine failures: neither kept nor filtered
+            self.given_up += 1
+            return
         accs = group.accs
         acc = accs.to(torch.float32).mean().item() if accs.numel() else 0.0
         self.all_correct += int(accs.numel() > 0 and acc == 1.0)
@@ -208,6 +213,7 @@ class StepSampling:
             "sampling/groups_all_correct": float(self.all_correct),
             "sampling/groups_all_wrong": float(self.all_wrong),
             "sampling/prompts_per_useful": self.decided / max(kept, 1),
+            "sampling/prompts_given_up": float(self.given_up),
         }
 
 

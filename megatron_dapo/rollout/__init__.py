@@ -3,6 +3,7 @@
 SGLang and vLLM are imported only when their engine is built (megatron_dapo.rollout.sglang_engine / vllm_engine).
 """
 
+from megatron_dapo.rollout.base import EngineDied
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
@@ -18,6 +19,7 @@ from megatron_dapo.rollout.weight_sync import WeightSync
 from megatron_dapo.rollout.weight_sync import bucket_named_tensors
 
 __all__ = [
+    "EngineDied",
     "FinishReason",
     "GenerationRequest",
     "GroupSummary",

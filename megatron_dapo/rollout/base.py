@@ -160,6 +160,12 @@ class BlockingStream:
         return len(self._pending)
 
 
+class EngineDied(RuntimeError):
+    """The engine cannot go on: its process exited, or it returned nothing for rollout.engine_stall_minutes with
+    requests in flight. The message says why (one line). The stream restarts the engine in place (rollout/stream.py,
+    "Engine failures"); its requests in flight are lost and re-queued."""
+
+
 class WeightUpdateError(RuntimeError):
     """A weight update names an unknown tensor, misses one, or has a wrong shape (one line, names the tensor)."""
 

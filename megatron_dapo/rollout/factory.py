@@ -131,12 +131,39 @@ def sizes_kv_pool_at_start(rollout: RolloutConfig) -> bool:
     return rollout.mode == "colocated" and rollout.engine in ("sglang", "vllm")
 
 
+def _per_gpu_updates(rollout: RolloutConfig) -> bool:
+    """Colocated SGLang with rollout.tensor_parallel > 1: every rank of an engine's group takes part in its updates."""
+    return rollout.engine == "sglang" and rollout.mode == "colocated" and rollout.tensor_parallel > 1
+
+
+def update_group_size(rollout: RolloutConfig) -> int:
+    """Ranks that take part in one engine's weight updates (consecutive global ranks; the first holds the engine)."""
+    return rollout.tensor_parallel if _per_gpu_updates(rollout) else 1
+
+
+def restarts_in_place(rollout: RolloutConfig) -> bool:
+    """Engines the stream restarts in place when they die (rollout.engine_restarts): those in the training processes
+    (colocated). An SGLang server belongs to whoever launched it; its failure ends the job."""
+    return rollout.mode == "colocated"
+
+
+def retarget(target: Any, engine: RolloutEngine | None) -> Any:
+    """The weight-update target after this rank's engine was rebuilt: a ColocatedWeightUpdate keeps its group and
+    takes the new engine (on its leader); otherwise the target is the engine itself."""
+    from megatron_dapo.rollout.sglang_engine import ColocatedWeightUpdate
+
+    if isinstance(target, ColocatedWeightUpdate):
+        target.engine = engine
+        return target
+    return engine
+
+
 def weight_update_target(rollout: RolloutConfig, engine: RolloutEngine | None, rank: int, world_size: int) -> Any:
     """What WeightSync drives on this rank: the engine itself (None on ranks without one), or, for colocated SGLang
     with rollout.tensor_parallel > 1, a ColocatedWeightUpdate on EVERY rank of the engine's group, so SGLang TP
     worker i reads its bucket from the GPU it shares with actor rank r + i. Collective in that case (it creates one
     gloo group per engine): call it on every rank, after the engines are built."""
-    if rollout.engine == "sglang" and rollout.mode == "colocated" and rollout.tensor_parallel > 1:
+    if _per_gpu_updates(rollout):
         from megatron_dapo.rollout.sglang_engine import colocated_weight_update
 
         return colocated_weight_update(engine, rank, world_size, rollout.tensor_parallel)

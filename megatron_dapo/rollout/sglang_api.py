@@ -33,7 +33,8 @@ class ApiUse:
 
     kind: "params" (owner "Class.method", names = keyword arguments we pass), "fields" (owner a class, or "*" for
     any class in files, names = annotated fields), "route" (owner an HTTP path, names = (request class,) or ()),
-    "literals" (names = substrings of string constants in files).
+    "literals" (names = substrings of string constants in files), "attributes" (owner a class, names = attributes its
+    methods assign on self).
     files: globs relative to the sglang package directory. optional: absent in older releases; used via hasattr.
     """
 
@@ -76,8 +77,12 @@ SGLANG_API: tuple[ApiUse, ...] = (
             "json_model_override_args",
             "load_format",
             "max_running_requests",
+            "custom_sigquit_handler",
         ),
     ),
+    # The running phase's SIGQUIT handler: TokenizerManager builds it from this class attribute (sglang_engine.py).
+    ApiUse("attributes", TOKENIZER_MANAGER, "TokenizerManager", ("signal_handler_class",)),
+    ApiUse("params", TOKENIZER_MANAGER, "SignalHandler.running_phase_sigquit_handler", ("signum", "frame")),
     ApiUse(
         "fields",
         ("srt/sampling/sampling_params.py",),

@@ -208,6 +208,18 @@ def _ok(result: Any, what: str) -> None:
         raise WeightUpdateError(f"sglang {what} failed: {result.get('message')}")
 
 
+def mark_dead_on_sigquit(tokenizer_manager: Any, on_death: Callable[..., None]) -> None:
+    """Make SGLang's running-phase SIGQUIT handler call on_death(signum, frame) instead of killing the process tree:
+    TokenizerManager builds its handler from `signal_handler_class` when its event loop starts (SGLang 0.5.23)."""
+    base = tokenizer_manager.signal_handler_class
+
+    class MarkDead(base):  # type: ignore[misc, valid-type]
+        def running_phase_sigquit_handler(self, signum: Any = None, frame: Any = None) -> None:
+            on_death(signum, frame)
+
+    tokenizer_manager.signal_handler_class = MarkDead
+
+
 class SGLangEngine(EngineStream):
     """Colocated SGLang: an offline sglang.Engine on this process's GPUs (base_gpu_id .. + tensor_parallel).
 
@@ -251,6 +263,13 @@ class SGLangEngine(EngineStream):
             args["enable_deterministic_inference"] = True
         if max_running_requests > 0:
             args["max_running_requests"] = max_running_requests
+        # A child process of SGLang that fails (or that SGLang's SubprocessWatchdog finds dead) sends this process
+        # SIGQUIT, and SGLang's handlers answer by killing the whole process tree: this trainer with it. Ours mark the
+        # engine dead instead, and the stream restarts it in place (EngineDied; docs/rollout.md, "Engine failures"):
+        # the launch phase's handler is a ServerArgs field, the running phase's the TokenizerManager's
+        # signal_handler_class (its running_phase_sigquit_handler), set below before the first request installs it.
+        self._dead: str | None = None
+        args["custom_sigquit_handler"] = self._child_died
         if weight_dtype == "fp8":
             # Block-FP8 linear layers (weight float8_e4m3fn + weight_scale_inv per 128x128 block) need the served
             # config to carry this quantization_config; the bf16 checkpoint cannot fill FP8 parameters, so the engine
@@ -265,6 +284,7 @@ class SGLangEngine(EngineStream):
         # TORCHELASTIC_USE_AGENT_STORE and hang in their tcp:// rendezvous (launch_env.py).
         with scrubbed_environ():
             self._engine = sglang.Engine(**checked("ServerArgs", args), **(engine_kwargs or {}))
+        mark_dead_on_sigquit(self._engine.tokenizer_manager, self._child_died)
         self.tp_size = tensor_parallel
         self._metadata_cls = FlattenedTensorMetadata
         self._serialize = MultiprocessingSerializer.serialize
@@ -277,6 +297,11 @@ class SGLangEngine(EngineStream):
     def _query_max_running(self) -> int:
         """SGLang's effective max_running_requests (asked when the stream first needs it)."""
         return effective_max_running(self._call("get_server_info"))
+
+    def _child_died(self, signum: Any = None, frame: Any = None) -> None:
+        """SIGQUIT from a child of SGLang (a scheduler or detokenizer failed): the engine is dead (EngineStream raises
+        EngineDied at its next call)."""
+        self._dead = "a child process of SGLang failed (SIGQUIT from SGLang's scheduler, detokenizer or watchdog)"
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         return getattr(self._engine, method)(**checked(f"Engine.{method}", kwargs))

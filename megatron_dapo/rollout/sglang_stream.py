@@ -5,6 +5,8 @@
                in another thread or loop); step() runs that loop until a task completes or STEP_WAIT_S passes --
                between steps the scheduler processes keep generating and their results queue in zmq
     server     submit -> one POST /generate (a batch) in a thread; step() waits on the futures
+    death      colocated: SGLang's SIGQUIT (a child failed) marks the engine dead (sglang_engine.mark_dead_on_sigquit);
+               step() and abort() then raise EngineDied and the stream restarts the engine in place
     abort()    TokenizerManager.abort_request(abort_all=True) / POST /abort_request {"abort_all": true}, repeated
                until every call has returned: an aborted request comes back with finish_reason "abort" and every
                token (and log-prob) generated so far (a request that had not reached the scheduler yet would be
@@ -29,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait
 from typing import Any
 
+from megatron_dapo.rollout.base import EngineDied
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
@@ -111,17 +114,27 @@ class EngineStream(_Calls):
             task = self._engine.loop.create_task(self._call("async_generate", **self._payload(requests, params)))
             self._calls[task] = (list(requests), params, None)
 
+    _dead: str | None = None
+    """Why the engine is dead (its SIGQUIT handler sets it; the handler runs inside the loop, in step or abort)."""
+
+    def _check_alive(self) -> None:
+        if self._dead:
+            raise EngineDied(self._dead)
+
     def step(self) -> list[tuple[Any, Rollout]]:
+        self._check_alive()
         if not self._calls:
             return []
         done, _ = self._engine.loop.run_until_complete(
             asyncio.wait(list(self._calls), timeout=STEP_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
         )
+        self._check_alive()
         return [x for task in done for x in self._results(task, task.result(), allow_abort=False)]
 
     def abort(self) -> list[tuple[Any, Rollout]]:
         out: list[tuple[Any, Rollout]] = []
         while self._calls:
+            self._check_alive()  # a dead engine's calls never return
             self._abort_all()
             done, _ = self._engine.loop.run_until_complete(asyncio.wait(list(self._calls), timeout=ABORT_POLL_S))
             out += [x for task in done for x in self._results(task, task.result(), allow_abort=True)]

@@ -16,6 +16,20 @@ does not depend on which rank finished first (StepSampling decides in queue orde
 rollout/slot_cache.py) the kept batch is the same whatever the timing. What does depend on timing: which rank
 generated a group, the work wasted at the cut and, with rollout.partial, how far carried responses got (metrics
 under "stream/"). docs/rollout.md, "The stream".
+
+Engine failures ("Engine failures" in docs/rollout.md). An engine that dies (EngineDied: its process exited, or it
+returned nothing for rollout.engine_stall_minutes with requests in flight) is restarted in place on its rank:
+
+    dying rank:  its requests in flight are lost; each of their prompts is charged one retry (past
+                 rollout.prompt_retries the group is given up: decided as dropped, logged); the engine is shut down
+                 and built again (no weights yet); the store's resync counter goes up
+    every rank:  leaves its loop (the counter, seen within CHECK_S) and meets the others (one all_gather), walks the
+                 actor's export together (it may be collective) while the restarted engines load it, then goes on:
+                 the dying rank re-submits the lost requests, with their seeds and carried prefixes
+
+The same seeds give the same responses, so with a batch-invariant engine a step with restarts keeps the same groups
+as one without. rollout.engine_restarts bounds the restarts of one rank's engine in a run; past it the job ends
+(retryable: the rank-restart path of docs/reliability.md resumes it from its last checkpoint).
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import Stats
 from megatron_dapo.metrics import finalize
 from megatron_dapo.metrics import merge_stats
+from megatron_dapo.rollout.base import EngineDied
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import completion_seed
 from megatron_dapo.rollout.exchange import ExchangeTimeout
@@ -256,6 +271,8 @@ class _Building:
     prompt: list[int]
     rollouts: list[Rollout | None]
     before: list[int]
+    prefixes: list[Rollout]
+    """What each response held when this step started it (carried tokens, or nothing): a lost request restarts here."""
 
     def generated(self) -> int:
         return sum(len(r) - n for r, n in zip(self.rollouts, self.before) if r is not None)
@@ -276,6 +293,11 @@ class RolloutStream:
     score: (position, example index, truth, G finished rollouts) -> RolloutGroup (verifier + overlong shaping).
     over_sampling: rollout.over_sampling; positions past the decided ones are started only up to
         StepSampling.ahead(over_sampling, keep estimate) (0: up to the window). expected_keep: the first step's prior.
+    restart: () -> a new engine for this rank, the dead one shut down (None: an engine failure ends the job).
+    resync: (ranks whose engine was restarted) -> None, collective on every rank: the actor's weights into those
+        engines (the trainer walks its export; the engines' weight_version is set by the stream).
+    max_restarts: rollout.engine_restarts; prompt_retries: rollout.prompt_retries; engine_stall_s:
+        rollout.engine_stall_minutes in seconds (0: no stall check). log: one line to this rank's log.
     """
 
     def __init__(
@@ -296,6 +318,12 @@ class RolloutStream:
         stop: Callable[[], bool] = lambda: False,
         max_gen_s: float = 0.0,
         stall_s: float = 0.0,
+        restart: Callable[[], Any] | None = None,
+        resync: Callable[[list[int]], None] | None = None,
+        max_restarts: int = 0,
+        prompt_retries: int = 0,
+        engine_stall_s: float = 0.0,
+        log: Callable[[str], None] = lambda line: None,
     ) -> None:
         self.engine, self.rank, self.exchange, self.store = engine, rank, exchange, store
         self.stop = stop
@@ -308,6 +336,12 @@ class RolloutStream:
         self.timeout_s = timeout_s
         self.score = score
         self._keys = 0
+        self.restart, self.resync, self.log = restart, resync, log
+        self.max_restarts, self.prompt_retries, self.engine_stall_s = max_restarts, prompt_retries, engine_stall_s
+        self.restarts = 0
+        """In-place restarts of this rank's engine so far (the run's; bounded by max_restarts)."""
+        self.retries: dict[str, int] = {}
+        """Engine failures each unfinished group (by key) has been in flight for; dropped when it finishes."""
 
     def close(self) -> None:
         """Stop this rank's heartbeat (end of the job; idempotent)."""
@@ -334,6 +368,8 @@ class RolloutStream:
         run = _Run(self, step, sampling, params, step_seed(seed, step), fresh, carry, carry_rows)
         try:
             run.loop()
+            while run.meet():  # an engine was restarted: its weights re-synced, on with the step
+                run.loop()
         except dist.DistStoreError as err:
             why = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise JobError(
@@ -370,6 +406,13 @@ class _Run:
         self.t0 = time.perf_counter()
         self.stopped = False  # a rank asked the step to stop (preemption)
         self.next_check = 0.0
+        self.t_start: float | None = None  # when the first loop began (algorithm.max_gen_minutes counts from it)
+        self.last_result = 0.0  # when this rank's engine last returned a response or was idle
+        self.handled = 0  # engine restarts every rank has met for (the store's "resync" counter when none pend)
+        self.needs_sync = False  # this rank's engine was restarted and has no weights yet
+        self.lost: list[_Building] = []  # groups whose requests the dead engine took with it, re-submitted after sync
+        self.version = 0  # the weight version of the engine that died (the restarted one gets the same weights)
+        self.restarted = self.requeued = 0
 
     def offer(self, position: int, summary: GroupSummary) -> None:
         self.decided[position] = summary
@@ -378,25 +421,32 @@ class _Run:
     def start(self, position: int, index: int, truth: str, prompt: list[int], key: str, rows=None) -> None:
         g = self.s.group_size
         rows = rows or [_unfinished(prompt) for _ in range(g)]
-        b = _Building(position, index, truth, key, prompt, [None] * g, [len(r) for r in rows])
-        requests = []
+        b = _Building(position, index, truth, key, prompt, [None] * g, [len(r) for r in rows], list(rows))
         for k, prefix in enumerate(rows):
             if prefix.finish.finished:
                 b.rollouts[k] = prefix
-            else:
-                seed = completion_seed(self.base, index, k)
-                requests.append(GenerationRequest((position, k), prompt, seed, prefix if len(prefix) else None))
         self.building[position] = b
         self.mine.add(position)
         self.started += 1
-        if requests:
-            self.s.engine.submit(requests, self.params)
-        else:
+        if all(r is not None for r in b.rollouts):
             self.complete(b)
+        else:
+            self.submit(b)
+
+    def submit(self, b: _Building) -> None:
+        """Hand the unfinished responses of `b` to the engine, each from the prefix it had when the step started it."""
+        requests = []
+        for k, r in enumerate(b.rollouts):
+            if r is None:
+                prefix = b.prefixes[k]
+                seed = completion_seed(self.base, b.index, k)
+                requests.append(GenerationRequest((b.position, k), b.prompt, seed, prefix if len(prefix) else None))
+        self.s.engine.submit(requests, self.params)
 
     def complete(self, b: _Building) -> None:
         """All G responses of `b` finished: score, publish, offer."""
         del self.building[b.position]
+        self.s.retries.pop(b.key, None)
         self.tokens += b.generated()
         group = self.s.score(b.position, b.index, b.truth, list(b.rollouts))
         self.groups[b.key] = group
@@ -421,7 +471,8 @@ class _Run:
             self.start(self.held, index, truth, prompt, self.s.new_key())
             self.held = None
 
-    def loop(self) -> None:
+    def start_carry(self) -> None:
+        """Offer the carried groups that finished last step; restart this rank's unfinished carried ones."""
         for pos, entry in enumerate(self.carry):
             if entry.summary is not None:  # finished last step: known to every rank
                 x = entry.summary
@@ -435,47 +486,153 @@ class _Run:
             elif entry.owner == self.s.rank:
                 rows = self.carry_rows[entry.key]
                 self.start(pos, entry.index, entry.truth, rows[0].prompt_ids.tolist(), entry.key, rows)
-        engine, sampling = self.s.engine, self.sampling
-        last = start = time.monotonic()
-        while not sampling.done:
-            if time.monotonic() >= self.next_check:
-                self.next_check = time.monotonic() + CHECK_S
-                if self.check(start):
+
+    def loop(self) -> None:
+        """Generate and decide until the step is done, a rank asked it to stop, or an engine was restarted somewhere
+        (every rank then meets: `meet`). An engine that dies here is restarted (`engine_died`)."""
+        sampling = self.sampling
+        if self.needs_sync:
+            return
+        try:
+            if self.t_start is None:
+                self.t_start = time.monotonic()
+                self.start_carry()
+            last = self.last_result = time.monotonic()
+            while not sampling.done:
+                if time.monotonic() >= self.next_check:
+                    self.next_check = time.monotonic() + CHECK_S
+                    if self.check(self.t_start):
+                        return
+                before = sampling.decided
+                while not sampling.done and sampling.decided not in self.mine:
+                    summary = self.queue.read(sampling.decided)
+                    if summary is None:
+                        break
+                    self.offer(sampling.decided, summary)
+                if sampling.done:
                     break
-            before = sampling.decided
-            while not sampling.done and sampling.decided not in self.mine:
-                summary = self.queue.read(sampling.decided)
-                if summary is None:
-                    break
-                self.offer(sampling.decided, summary)
-            if sampling.done:
-                break
-            tick = time.perf_counter()
-            if engine is not None:
-                self.take()
-            if engine is not None and engine.num_unfinished():
-                for (position, k), rollout in engine.step():
-                    b = self.building[position]
-                    b.rollouts[k] = rollout
-                    if all(r is not None for r in b.rollouts):
-                        self.complete(b)
-                self.busy += time.perf_counter() - tick
+                tick = time.perf_counter()
+                engine = self.s.engine
+                if engine is not None:
+                    self.take()
+                if engine is not None and engine.num_unfinished():
+                    results = engine.step()
+                    self.watch_engine(engine, bool(results))
+                    for (position, k), rollout in results:
+                        b = self.building[position]
+                        b.rollouts[k] = rollout
+                        if all(r is not None for r in b.rollouts):
+                            self.complete(b)
+                    self.busy += time.perf_counter() - tick
+                else:
+                    self.last_result = time.monotonic()
+                    time.sleep(POLL_S)
+                    self.wait += time.perf_counter() - tick
+                if sampling.decided > before:
+                    last = time.monotonic()
+                elif time.monotonic() - last > self.s.timeout_s:
+                    raise ExchangeTimeout(
+                        f"rollout stream (step {self.step}): no group decided for {self.s.timeout_s / 60:g} min at "
+                        f"queue position {sampling.decided} (rollout.generation_timeout_minutes; a rank's engine is "
+                        "stuck or a rank died: see its log)"
+                    )
+        except EngineDied as err:
+            self.engine_died(err)
+
+    def watch_engine(self, engine: Any, returned: bool) -> None:
+        """The health check: an engine with requests in flight that returns nothing for engine_stall_s is dead."""
+        now = time.monotonic()
+        if returned:
+            self.last_result = now
+        elif 0 < self.s.engine_stall_s < now - self.last_result:
+            raise EngineDied(
+                f"it returned nothing for {self.s.engine_stall_s / 60:g} min with {engine.num_unfinished()} requests "
+                "in flight (rollout.engine_stall_minutes)"
+            )
+
+    def replace_engine(self, err: EngineDied, lost: int) -> None:
+        """Shut the dead engine down and build it again (no weights yet), or end the job past the restart budget."""
+        s = self.s
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        s.restarts += 1
+        if s.restart is None or s.restarts > s.max_restarts:
+            raise JobError(
+                f"rank {s.rank}, step {self.step}: the rollout engine died ({why}) after {s.restarts - 1} in-place "
+                f"restarts in this run (rollout.engine_restarts={s.max_restarts}); ending the job, which resumes "
+                "from its last checkpoint",
+                report_rank=s.rank,
+                retryable=True,
+            ) from None
+        s.log(
+            f"rank {s.rank}, step {self.step}: the rollout engine died ({why}); restarting it in place (restart "
+            f"{s.restarts} of rollout.engine_restarts={s.max_restarts}), {lost} requests in flight re-queued"
+        )
+        self.version = s.engine.weight_version
+        self.restarted += 1
+        self.requeued += lost
+        s.engine = s.restart()
+
+    def engine_died(self, err: EngineDied) -> None:
+        """This rank's engine died while generating: charge each group in flight one retry (giving up those past
+        prompt_retries), restart the engine and ask every rank to meet for its weights."""
+        s = self.s
+        lost = sorted(self.building.values(), key=lambda b: b.position)
+        self.replace_engine(err, sum(r is None for b in lost for r in b.rollouts))
+        self.lost = []
+        for b in lost:
+            s.retries[b.key] = s.retries.get(b.key, 0) + 1
+            if s.retries[b.key] > s.prompt_retries:
+                self.give_up(b)
             else:
-                time.sleep(POLL_S)
-                self.wait += time.perf_counter() - tick
-            if sampling.decided > before:
-                last = time.monotonic()
-            elif time.monotonic() - last > self.s.timeout_s:
-                raise ExchangeTimeout(
-                    f"rollout stream (step {self.step}): no group decided for {self.s.timeout_s / 60:g} min at queue "
-                    f"position {sampling.decided} (rollout.generation_timeout_minutes; a rank's engine is stuck or "
-                    "a rank died: see its log)"
-                )
+                self.lost.append(b)
+        self.needs_sync = True
+        self.queue.store.add("resync", 1)
+
+    def give_up(self, b: _Building) -> None:
+        """Decide `b` as given up (not trained on; its queue position passes) and say so."""
+        s = self.s
+        s.log(
+            f"rank {s.rank}, step {self.step}: the prompt of example {b.index} (queue position {b.position}) is given "
+            f"up after {s.retries.pop(b.key)} engine failures while in flight (rollout.prompt_retries="
+            f"{s.prompt_retries}); it is not trained on this step"
+        )
+        del self.building[b.position]
+        summary = GroupSummary.given_up(b.index, b.position, s.rank, b.key, len(b.prompt))
+        self.queue.publish(b.position, summary)
+        self.published.append(b.position)
+        self.offer(b.position, summary)
+
+    def meet(self) -> bool:
+        """After each loop, on every rank (one all_gather): agree on a stop and on the engines restarted since the last
+        meeting; walk the actor's export together while those load it (`resync`), and the ranks that restarted re-submit
+        their lost requests. True: generate on (a rank already done leaves its next loop at once)."""
+        s = self.s
+        flags = s.exchange.all_gather([(self.stopped, self.needs_sync, self.sampling.done)], "rollout stream")
+        if any(stop for stop, _, _ in flags):
+            self.stopped = True
+            return False
+        ranks = [r for r, (_, sync, _) in enumerate(flags) if sync]
+        if not ranks:
+            return not all(done for _, _, done in flags)
+        self.handled += len(ranks)
+        if s.resync is not None:
+            s.resync(ranks)
+        if self.needs_sync:
+            self.needs_sync = False
+            s.engine.weight_version = self.version
+            lost, self.lost = self.lost, []
+            try:
+                for b in lost:
+                    self.submit(b)
+            except EngineDied as err:  # died again: the next loop returns at once and every rank meets again
+                self.engine_died(err)
+        return True
 
     def check(self, start: float) -> bool:
         """The step's shared flags, looked at every CHECK_S: True when a rank asked the step to stop (this one on its
-        preemption flag). Past max_gen_s, the first rank to notice cuts the queue where it stands (compare_set: one
-        value for every rank); every rank then decides only the positions before it. A stalled peer raises."""
+        preemption flag) or restarted its engine. Past max_gen_s, the first rank to notice cuts the queue where it
+        stands (compare_set: one value for every rank); every rank then decides only the positions before it. A
+        stalled peer raises."""
         s, store = self.s, self.queue.store
         if s.peers is not None:
             s.peers.check()
@@ -483,6 +640,8 @@ class _Run:
             store.set("stop", "1")
         if store.check(["stop"]):
             self.stopped = True
+            return True
+        if store.add("resync", 0) > self.handled:  # an engine was restarted: every rank meets for its weights
             return True
         if s.max_gen_s > 0 and time.monotonic() - start > s.max_gen_s and not store.check(["cut"]):
             store.compare_set("cut", "", str(self.queue.num_carried + self.queue.taken()))
@@ -496,12 +655,15 @@ class _Run:
         """This rank's part of the stream's timing-dependent cost ("stream/*"): on an engine rank, the engine busy
         fraction (share of the stream's wall time spent in engine.step; per rank, mean and min over engine ranks) and
         the seconds idle on the queue (window full or nothing left to take; mean over engine ranks); on every rank
-        the prompts it started and the tokens it generated and wasted (aborted at the cut without rollout.partial)."""
+        the prompts it started, the tokens it generated and wasted (aborted at the cut without rollout.partial), its
+        engine's in-place restarts and the requests they re-queued."""
         s = self.s
         out: Stats = {
             "stream/prompts_started": Stat.sum(self.started),
             "stream/tokens_generated": Stat.sum(self.tokens),
             "stream/tokens_aborted": Stat.sum(wasted),
+            "stream/engine_restarts": Stat.sum(self.restarted),
+            "stream/requests_requeued": Stat.sum(self.requeued),
         }
         if s.engine is not None:
             busy = self.busy / max(time.perf_counter() - self.t0, 1e-9)
@@ -516,9 +678,12 @@ class _Run:
         rank stopped the step (preemption), every rank returns an interrupted result instead."""
         s, cut, k = self.s, self.sampling.decided, len(self.carry)
         if s.engine is not None:
-            for (position, j), rollout in s.engine.abort():
-                self.building[position].rollouts[j] = rollout
-        if any(s.exchange.all_gather([self.stopped], "rollout stream stop")):
+            try:
+                for (position, j), rollout in s.engine.abort():
+                    self.building[position].rollouts[j] = rollout
+            except EngineDied as err:  # its responses in flight restart from their prefixes; the step's sync loads it
+                self.replace_engine(err, sum(r is None for b in self.building.values() for r in b.rollouts))
+        if self.stopped:  # agreed by every rank in the last meeting
             self.queue.delete(self.published)
             return StreamResult([], [], {}, self.carry, self.carry_rows, 0, {}, interrupted=True)
         carried_in = {e.key for e in self.carry}
@@ -529,11 +694,11 @@ class _Run:
             self.tokens += b.generated()
             if s.partial or b.key in carried_in:
                 entries.append((position, CarryEntry(b.index, b.truth, s.rank, b.key)))
-                rows_out[b.key] = [r if r is not None else _unfinished(b.prompt) for r in b.rollouts]
+                rows_out[b.key] = [r if r is not None else b.prefixes[j] for j, r in enumerate(b.rollouts)]
             else:
                 wasted += b.generated()
         for position, summary in self.sampling.undecided():
-            if summary.owner != s.rank:
+            if summary.owner != s.rank or summary.dropped:
                 continue
             if s.partial or summary.key in carried_in:
                 group = self.groups[summary.key]
@@ -557,7 +722,7 @@ class _Run:
         metrics.update(_stream_metrics(self.step, kept, carry))
         return StreamResult(
             kept=kept,
-            decided=[self.decided[p] for p in range(cut)],
+            decided=[self.decided[p] for p in range(cut) if not self.decided[p].dropped],
             groups={key: g for key, g in self.groups.items() if key in keep},
             carry=[e for _, e in carry],
             carry_rows=rows_out,

@@ -226,6 +226,17 @@ class GroupSummary:
     lengths: Tensor
     finish: tuple[FinishReason, ...]
     oldest_versions: tuple[int, ...] = field(default=())
+    dropped: bool = False
+    """The group was given up: its prompt hit rollout.prompt_retries engine failures (no responses; never kept)."""
+
+    @classmethod
+    def given_up(cls, index: int, position: int, owner: int, key: str, prompt_len: int) -> GroupSummary:
+        """The summary of a group given up after engine failures: decided (its queue position is passed) but empty."""
+        empty = torch.zeros(0)
+        return cls(
+            index, position, owner, key, prompt_len, torch.zeros(0, dtype=torch.bool), empty, empty,
+            torch.zeros(0, dtype=torch.int64), (), dropped=True,
+        )  # fmt: skip
 
     @property
     def group_size(self) -> int:

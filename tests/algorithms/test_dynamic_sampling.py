@@ -44,7 +44,20 @@ def test_keeps_the_first_useful_groups_in_queue_order_and_counts():
         "sampling/groups_all_correct": 2.0,
         "sampling/groups_all_wrong": 3.0,
         "sampling/prompts_per_useful": pytest.approx(8 / 3),
+        "sampling/prompts_given_up": 0.0,
     }
+
+
+def test_a_group_given_up_is_decided_but_neither_kept_nor_counted_as_filtered():
+    from megatron_dapo.rollout import GroupSummary
+
+    step = DynamicSampler(target_prompts=2).start()
+    step.offer(0, GroupSummary.given_up(index=9, position=0, owner=0, key="0:1", prompt_len=3))
+    for p, grp in enumerate(queue(MIXED, WRONG, MIXED), start=1):
+        step.offer(p, grp)
+    kept, m = step.result()
+    assert [x.payload for x in kept] == [0, 2] and step.decided == 4
+    assert m["sampling/prompts_given_up"] == 1 and m["sampling/groups_all_wrong"] == 1
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -65,6 +65,7 @@ class StubEngine:
         if not StubEngine.last_child["ok"]:
             raise RuntimeError(f"scheduler died: {StubEngine.last_child['error']}")
         self.server_args = server_args
+        self.tokenizer_manager = types.SimpleNamespace(signal_handler_class=object)  # the adapter replaces it
 
     def shutdown(self) -> None:
         pass

@@ -109,6 +109,12 @@ def api_problems(root: Path, uses: tuple[ApiUse, ...] = SGLANG_API) -> list[str]
                 found = set().union(*(_fields(c) for c in classes.values()))
             else:
                 found = _fields(classes[use.owner], classes) if use.owner in classes else None
+        elif use.kind == "attributes":
+            cls = _classes(trees).get(use.owner)
+            found = None if cls is None else {
+                t.attr for n in ast.walk(cls) if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+            }  # fmt: skip
         elif use.kind == "route":
             fn = _route(trees, use.owner)
             found = None if fn is None else {ast.unparse(a.annotation) for a in fn.args.args if a.annotation}
@@ -309,7 +315,9 @@ def _stub_sglang(monkeypatch) -> list[dict]:
 
     def engine(**kw):
         seen.append(kw)
-        return types.SimpleNamespace(get_server_info=lambda: info)
+        return types.SimpleNamespace(
+            get_server_info=lambda: info, tokenizer_manager=types.SimpleNamespace(signal_handler_class=object)
+        )
 
     mods["sglang"].Engine = engine
     mods["sglang.srt.utils.common"].MultiprocessingSerializer = types.SimpleNamespace(serialize=pickle.dumps)
@@ -334,3 +342,20 @@ def test_deterministic_inference_switch_reaches_sglang(monkeypatch):
     # The stream hands an engine as many rows as SGLang runs: its own effective value, or the configured one.
     assert "max_running_requests" not in seen[0] and first.free_slots() == 48
     assert seen[1]["max_running_requests"] == 16 and second.max_running == 16
+
+
+def test_a_failed_sglang_child_marks_the_engine_dead_instead_of_killing_the_trainer(monkeypatch):
+    """SGLang answers a child's SIGQUIT by killing the whole process tree (its launch- and running-phase handlers);
+    the adapter replaces both, so the trainer lives and the stream restarts the engine (EngineDied)."""
+    from megatron_dapo.config import RolloutConfig
+    from megatron_dapo.rollout import EngineDied
+    from megatron_dapo.rollout.factory import make_engine
+
+    seen = _stub_sglang(monkeypatch)
+    engine = make_engine(RolloutConfig(engine="sglang"), "/m", device="cuda")
+    handler_cls = engine._engine.tokenizer_manager.signal_handler_class
+    assert handler_cls is not object and issubclass(handler_cls, object)
+    assert seen[0]["custom_sigquit_handler"] == engine._child_died  # the launch phase's
+    handler_cls().running_phase_sigquit_handler(3, None)  # what TokenizerManager's loop runs on SIGQUIT
+    with pytest.raises(EngineDied, match="a child process of SGLang failed"):
+        engine.step()

@@ -228,3 +228,41 @@ def test_a_blocking_generate_is_the_stream_run_to_the_end():
     out = engine.generate([[1, 2], [3]], SamplingParams(n=2, max_new_tokens=3, seed=0))
     assert len(out) == 4 and all(r.finish is FinishReason.LENGTH and len(r) == 3 for r in out)
     assert out[0].prompt_ids.tolist() == [1, 2] and out[2].prompt_ids.tolist() == [3]
+
+
+def test_a_sigquit_from_a_failed_child_ends_the_stream_calls_with_engine_died():
+    """As SGLang 0.5.23 runs it: the TokenizerManager adds its running-phase handler to the Engine's loop
+    (loop.add_signal_handler(SIGQUIT, signal_handler_class(tm).running_phase_sigquit_handler)) and a dead child's
+    watchdog sends SIGQUIT to this process; the adapter's handler marks the engine dead, calls in flight never return,
+    and step() / abort() raise EngineDied instead of waiting forever."""
+    import os
+    import signal
+
+    from megatron_dapo.rollout import EngineDied
+    from megatron_dapo.rollout.sglang_engine import mark_dead_on_sigquit
+
+    class SGLangSignalHandler:  # SGLang's SignalHandler: its running-phase handler kills the process tree
+        def __init__(self, tokenizer_manager) -> None:
+            self.tokenizer_manager = tokenizer_manager
+
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            raise AssertionError("SGLang's handler ran: it would have killed the trainer")
+
+    gen = Generator()
+    engine = colocated(gen, slow=True)
+    tm = engine._engine.tokenizer_manager
+    tm.signal_handler_class = SGLangSignalHandler
+    mark_dead_on_sigquit(tm, engine._child_died)
+    loop = engine._engine.loop
+    loop.add_signal_handler(signal.SIGQUIT, tm.signal_handler_class(tm).running_phase_sigquit_handler)
+    try:
+        engine.submit(requests(2), PARAMS)
+        engine.step()
+        os.kill(os.getpid(), signal.SIGQUIT)  # the watchdog's signal
+        with pytest.raises(EngineDied, match="a child process of SGLang failed"):
+            for _ in range(100):
+                engine.step()
+        with pytest.raises(EngineDied):
+            engine.abort()
+    finally:
+        loop.remove_signal_handler(signal.SIGQUIT)
