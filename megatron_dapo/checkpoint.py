@@ -11,12 +11,17 @@
             COMPLETE
         step_00000006.partial/    an interrupted save: ignored by `latest()`, removed by the next save
 
-Integrity: `verify()` re-hashes every file named in MANIFEST.json (the ranks share the files) and reports missing,
-resized or changed files; `find_resumable()` walks the complete checkpoints newest first and returns the first that
-verifies, naming each one it skips and why. A checkpoint without MANIFEST.json (copied without it, or written before
-manifests existed) is not used unless checkpoint.allow_unverified is set; then it loads with a warning. Hashing costs
-one read of the checkpoint, split over the ranks, at save and at resume. The manifest is no signature: the pickles in
-the actor's directory are checked by actor/safe_unpickle.py whether a manifest exists or not.
+Integrity: MANIFEST.json holds the size and sha256 of every file, and for the actor's tensor files (torch_dist
+`*.distcp`, the `layout` callback) the sha256 of each storage item (offset, length) too. `verify()` checks the sizes
+of every file and re-hashes the others (the ranks share the files); the tensor files' bytes are hashed item by item
+as the load reads them (actor/verified_load.py), so a resume reads each tensor byte once: a mismatch fails the load
+on every rank with one line, and the trainer falls back to the previous checkpoint (`find_resumable(before=)`).
+`find_resumable()` walks the complete checkpoints newest first and returns the first that verifies, naming each one
+it skips and why. A checkpoint without MANIFEST.json (copied without it, or written before manifests existed) is not
+used unless checkpoint.allow_unverified is set; then it loads with a warning. A manifest without item hashes (saved
+before them) is verified by re-hashing every file as before. Hashing costs one read of the checkpoint at save (split
+over the ranks, whole-file and item hashes in the same pass). The manifest is no signature: the pickles in the
+actor's directory are checked by actor/safe_unpickle.py whether a manifest exists or not.
 
 SIGTERM / SIGUSR1 (Slurm preemption) only set a flag; generation stops on it at once (the step is dropped), otherwise
 the trainer checks it at step boundaries, agreeing across ranks, saves and exits 0. A step past its generation runs to
@@ -124,19 +129,55 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def hash_files(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """{name: {"size": bytes, "sha256": hex}} for files under root (4 threads)."""
+def file_digests(path: str | Path, ranges: list[tuple[int, int]]) -> tuple[str, list[str]]:
+    """(hex sha256 of the file, hex sha256 of each byte range (offset, length) in `ranges`' order), in one read."""
+    whole = hashlib.sha256()
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i])
+    parts = [hashlib.sha256() for _ in ranges]
+    first, pos = 0, 0  # order[first:] are the ranges not yet read to their end
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            view, end = memoryview(chunk), pos + len(chunk)
+            whole.update(view)
+            j = first
+            while j < len(order) and ranges[order[j]][0] < end:
+                offset, length = ranges[order[j]]
+                lo, hi = max(offset, pos), min(offset + length, end)
+                if hi > lo:
+                    parts[order[j]].update(view[lo - pos : hi - pos])
+                j += 1
+            while first < len(order) and sum(ranges[order[first]]) <= end:
+                first += 1
+            pos = end
+    return whole.hexdigest(), [h.hexdigest() for h in parts]
+
+
+def hash_files(
+    root: Path, names: list[str], items: dict[str, list[tuple[int, int]]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """{name: {"size": bytes, "sha256": hex}} for files under root (4 threads); a file with storage items
+    (`items[name]`: (offset, length) pairs) also gets "items": [[offset, length, sha256], ...], from the same read."""
+    items = items or {}
 
     def one(name: str) -> tuple[str, dict[str, Any]]:
         p = root / name
-        return name, {"size": p.stat().st_size, "sha256": file_sha256(p)}
+        ranges = items.get(name)
+        if ranges is None:
+            return name, {"size": p.stat().st_size, "sha256": file_sha256(p)}
+        digest, parts = file_digests(p, ranges)
+        entry = {"size": p.stat().st_size, "sha256": digest}
+        entry["items"] = [[o, n, h] for (o, n), h in zip(ranges, parts, strict=True)]
+        return name, entry
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         return dict(pool.map(one, names))
 
 
-def check_files(root: Path, expected: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
-    """Problems (one short text each) of `names` under root against the manifest entries `expected`."""
+def check_files(
+    root: Path, expected: dict[str, dict[str, Any]], names: list[str], *, items_at_load: bool = False
+) -> list[str]:
+    """Problems (one short text each) of `names` under root against the manifest entries `expected`. With
+    items_at_load, a file whose entry has item hashes is checked for its size only (the load hashes its items)."""
     problems = []
     for name in names:
         p, want = root / name, expected[name]
@@ -144,9 +185,13 @@ def check_files(root: Path, expected: dict[str, dict[str, Any]], names: list[str
             problems.append(f"{name} is missing")
         elif p.stat().st_size != want["size"]:
             problems.append(f"{name} has {p.stat().st_size} bytes, the manifest says {want['size']}")
-        elif file_sha256(p) != want["sha256"]:
+        elif not (items_at_load and "items" in want) and file_sha256(p) != want["sha256"]:
             problems.append(f"{name} fails its sha256 check")
     return problems
+
+
+ItemHashes = dict[str, dict[tuple[int, int], str]]
+"""{file relative to a checkpoint subdirectory: {(offset, length): hex sha256}}: what a verified load compares."""
 
 
 class CheckpointError(ValueError):
@@ -169,6 +214,9 @@ class CheckpointManager:
             off, such a checkpoint fails verification with a line naming the option.
         check_pickles: `check_pickles(path)` raises CheckpointError when loading a file of checkpoint `path` would
             run code (the trainer passes the actor's check, actor/safe_unpickle.py); `verify` calls it last.
+        layout: `layout(path)` -> {file relative to checkpoint `path`: [(offset, length), ...]}, the storage items of
+            its tensor files (the trainer passes the actor's, read from torch_dist's .metadata): their hashes go in the
+            manifest, and a resume checks those bytes as it loads them, not before.
     """
 
     def __init__(
@@ -183,6 +231,7 @@ class CheckpointManager:
         log: Callable[[str], None] = lambda _line: None,
         allow_unverified: bool = False,
         check_pickles: Callable[[Path], None] | None = None,
+        layout: Callable[[Path], dict[str, list[tuple[int, int]]]] | None = None,
     ):
         self.root = Path(root)
         self.keep_last = keep_last
@@ -193,6 +242,7 @@ class CheckpointManager:
         self.log = log
         self.allow_unverified = allow_unverified
         self.check_pickles = check_pickles
+        self.layout = layout
         self.pending: _Pending | None = None
         """A save whose actor files are still being written in the background (`save(..., background=True)`)."""
 
@@ -307,15 +357,17 @@ class CheckpointManager:
     def _write_manifest(self, path: Path) -> None:
         """Hash every file of the checkpoint (rank r takes files r, r + world, ...); rank 0 writes MANIFEST.json."""
         names = checkpoint_files(path)
-        parts = self.gather(hash_files(path, names[self.rank :: self.world_size]))
+        items = self.layout(path) if self.layout is not None else {}
+        parts = self.gather(hash_files(path, names[self.rank :: self.world_size], items))
 
         def write() -> None:
             if self.rank == 0:
                 files: dict[str, dict[str, Any]] = {}
                 for part in parts:
                     files.update(part)
-                files.update(hash_files(path, [n for n in names if n not in files]))  # a rank that saw fewer files
-                manifest = {"version": 1, "algorithm": "sha256", "files": dict(sorted(files.items()))}
+                files.update(hash_files(path, [n for n in names if n not in files], items))  # a rank saw fewer files
+                version = 2 if items else 1  # 2: tensor files carry item hashes
+                manifest = {"version": version, "algorithm": "sha256", "files": dict(sorted(files.items()))}
                 tmp = path / (MANIFEST + ".tmp")
                 tmp.write_text(json.dumps(manifest, indent=1) + "\n")
                 os.replace(tmp, path / MANIFEST)
@@ -325,7 +377,9 @@ class CheckpointManager:
     def verify(self, path: str | Path) -> list[str]:
         """Problems of a checkpoint (empty: usable), the same list on every rank (collective when gather is set).
 
-        Checks the COMPLETE marker and the size and sha256 of every file MANIFEST.json lists (split over the ranks).
+        Checks the COMPLETE marker and the size and sha256 of every file MANIFEST.json lists (split over the ranks);
+        files with item hashes (the actor's tensor files) only by size: their bytes are checked as the load reads them
+        (`item_hashes`), and a mismatch there fails the load instead.
         No manifest: one problem naming checkpoint.allow_unverified, or, with it set, none and a warning through `log`.
         A checkpoint without problems then goes through `check_pickles`, whose CheckpointError propagates: a file that
         would run code is no damage to fall back from (someone wrote it; the manifest is no signature), so it stops.
@@ -353,14 +407,29 @@ class CheckpointManager:
         except (OSError, ValueError, KeyError, TypeError) as err:
             return [f"{MANIFEST} is unreadable ({type(err).__name__})"]
         names = sorted(expected)
-        found = self.gather(check_files(path, expected, names[self.rank :: self.world_size]))
+        found = self.gather(check_files(path, expected, names[self.rank :: self.world_size], items_at_load=True))
         return [p for part in found for p in part]
 
-    def find_resumable(self) -> Path | None:
+    def item_hashes(self, path: str | Path, subdir: str) -> ItemHashes | None:
+        """The item hashes MANIFEST.json holds for the files under checkpoint `path`'s `subdir`, keyed by their path in
+        it (None: the manifest has none, e.g. saved before them; the files were then re-hashed whole by `verify`)."""
+        try:
+            files = json.loads((Path(path) / MANIFEST).read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        prefix = subdir.rstrip("/") + "/"
+        out: ItemHashes = {}
+        for name, entry in files.items():
+            if name.startswith(prefix) and isinstance(entry, dict) and "items" in entry:
+                out[name[len(prefix) :]] = {(int(o), int(n)): str(h) for o, n, h in entry["items"]}
+        return out or None
+
+    def find_resumable(self, before: int | None = None) -> Path | None:
         """The newest complete checkpoint that verifies (None if there is none at all); each newer one that fails is
-        logged by name with its problems. Raises CheckpointError if checkpoints exist but none verifies."""
-        candidates = list_checkpoints(self.root)
-        if self.root.is_dir():
+        logged by name with its problems. Raises CheckpointError if checkpoints exist but none verifies. before: only
+        checkpoints of earlier steps (a fallback after the newest failed while loading)."""
+        candidates = [p for p in list_checkpoints(self.root) if before is None or step_of(p) < before]
+        if self.root.is_dir() and before is None:
             newest = int(candidates[-1].name[len(PREFIX) :]) if candidates else -1
             for p in sorted(self.root.glob(f"{PREFIX}*")):
                 step = p.name[len(PREFIX) :].split(".")[0]
@@ -393,17 +462,21 @@ class CheckpointManager:
         check_compatible(saved, config, str(path))
 
     def load(
-        self, path: str | Path, config: dict[str, Any], load_actor: Callable[[Path], None] | None = None
+        self,
+        path: str | Path,
+        config: dict[str, Any],
+        load_actor: Callable[[Path, ItemHashes | None], None] | None = None,
     ) -> dict[str, Any]:
         """Check config compatibility, restore the actor, this rank's RNG states; return the trainer state.
 
+        load_actor(actor dir, its item hashes or None) loads the actor, checking the items' bytes as it reads them.
         The caller verifies first (`verify` / `find_resumable`); a missing marker is still refused here."""
         path = Path(path)
         if not (path / COMPLETE).exists():
             raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
         self.check_config(path, config)
         if load_actor is not None:
-            load_actor(path / "actor")  # restores this rank's RNG states too
+            load_actor(path / "actor", self.item_hashes(path, "actor"))  # restores this rank's RNG states too
         return torch.load(path / "trainer_state.pt", weights_only=True)
 
 

@@ -31,6 +31,7 @@ from megatron_dapo.checkpoint import PreemptionFlag
 from megatron_dapo.checkpoint import checkpoint_root
 from megatron_dapo.checkpoint import latest_checkpoint
 from megatron_dapo.checkpoint import step_dir_name
+from megatron_dapo.checkpoint import step_of
 from megatron_dapo.config import RunConfig
 from megatron_dapo.errors import JobError
 from megatron_dapo.evaluate import score_groups
@@ -111,6 +112,7 @@ class DAPOTrainer:
             log=self._notice,
             allow_unverified=c.checkpoint.allow_unverified,
             check_pickles=lambda path: MegatronActor.check_checkpoint(path / "actor"),
+            layout=lambda path: {f"actor/{k}": v for k, v in MegatronActor.checkpoint_items(path / "actor").items()},
         )
         resume_from = self._startup(self._resume_path)
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
@@ -176,7 +178,7 @@ class DAPOTrainer:
         self.last_row: dict[str, Any] | None = None
         """The metrics row of the last logged step (checkpointed with it: a torn metrics.jsonl loses no row)."""
         if resume_from is not None:
-            self._load(resume_from)
+            resume_from = self._load(resume_from)
             self._notice(f"resumed from {resume_from} (step {self.step} of {c.trainer.total_steps})")
         else:
             if self.rank == 0:  # rows of an earlier start that saved no checkpoint: this start logs them again
@@ -542,6 +544,7 @@ class DAPOTrainer:
         if restarted:  # a restart continues this job from its own last save (megatron_dapo/restarts.py)
             self._notice(f"restart: resuming this job's own last checkpoint (instead of checkpoint.resume={resume})")
             resume = "auto"
+        self._fall_back = resume == "auto"  # a checkpoint that fails while loading gives way to the previous one
         if resume == "never":
             return None
         if resume == "auto":
@@ -552,12 +555,16 @@ class DAPOTrainer:
                 raise CheckpointError(f"checkpoint.resume={resume}: cannot use it: {'; '.join(problems[:3])}")
             path = Path(resume)
         if path is not None:
-            self.ckpt.check_config(path, self.cfg.to_dict())
-            # Data that changed since the save is a start-up error here (one line, every rank); _load restores it.
-            saved = check_state_files(path, self.rank, self.world)
-            self.train_data.check_state(saved.get("data", {}), where=str(path), log=self._notice)
-            check_architecture(saved.get("architecture"), self.architecture, str(path))
+            self._check_resumable(path)
         return path
+
+    def _check_resumable(self, path: Path) -> None:
+        """What a resume from `path` needs besides its files: the config compatible, the data and the model the same
+        (one line each, every rank); _load restores the state."""
+        self.ckpt.check_config(path, self.cfg.to_dict())
+        saved = check_state_files(path, self.rank, self.world)
+        self.train_data.check_state(saved.get("data", {}), where=str(path), log=self._notice)
+        check_architecture(saved.get("architecture"), self.architecture, str(path))
 
     def _preemption_notice(self) -> None:
         flag, grace = self.preempt, self.cfg.checkpoint.preempt_grace_s
@@ -649,8 +656,26 @@ class DAPOTrainer:
             {"update": write, "sync": lambda: self.weight_sync.sync(self.actor.export_hf_weights())}
         )["update"]
 
-    def _load(self, path: Path) -> None:
-        state = self.ckpt.load(path, self.cfg.to_dict(), lambda d: self.actor.load_checkpoint(str(d)))
+    def _load(self, path: Path) -> Path:
+        """Resume from `path` (or, when its tensor bytes fail their hashes while loading and it was found by
+        checkpoint.resume=auto, from the newest earlier checkpoint that verifies); returns the one loaded."""
+        from megatron_dapo.actor.verified_load import CorruptItem
+
+        while True:
+            try:
+                state = self.ckpt.load(
+                    path, self.cfg.to_dict(), lambda d, items: self.actor.load_checkpoint(str(d), items=items)
+                )
+                break
+            except CorruptItem as err:
+                if not self._fall_back:  # checkpoint.resume named this one
+                    raise CheckpointError(str(err)) from None
+                older = self.ckpt.find_resumable(before=step_of(path))
+                if older is None:
+                    raise CheckpointError(f"{err}; no earlier checkpoint to fall back to") from None
+                self._notice(f"checkpoint {path} is corrupt: {err}; trying the previous one")
+                self._check_resumable(older)
+                path = older
         self.step = int(state["step"])
         self.train_data.load_state_dict(state["data"])
         if state.get("sampler"):
@@ -663,6 +688,7 @@ class DAPOTrainer:
         if self.rank == 0:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step, self._notice, restore=state.get("metrics"))
         self._barrier()
+        return path
 
     def export_final_hf(self, out_dir: str | Path) -> None:
         """Write the actor's weights and the tokenizer as a Hugging Face checkpoint (`MegatronActor.save_hf`: rank 0

@@ -28,7 +28,7 @@ def test_save_keep_last_and_load(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path / "ck")] == ["step_00000002", "step_00000003"]
     _save(mgr, 4, cfg)
     loaded = {}
-    state = mgr.load(latest_checkpoint(tmp_path / "ck"), cfg, lambda d: loaded.update(torch.load(d / "w.pt")))
+    state = mgr.load(latest_checkpoint(tmp_path / "ck"), cfg, lambda d, items: loaded.update(torch.load(d / "w.pt")))
     assert state["step"] == 4 and state["data"]["position"] == 16 and loaded["w"][0] == 4.0
     # The RNG states are the actor's (actor/rng_rank*_of*.pt, restored by its load): the manager writes none.
     assert not list(latest_checkpoint(tmp_path / "ck").glob("rng*"))

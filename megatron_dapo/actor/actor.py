@@ -72,8 +72,11 @@ from megatron_dapo.actor.packing import prompt_lengths
 from megatron_dapo.actor.packing import sequence_lengths
 from megatron_dapo.actor.packing import shared_prefix_micro_batches
 from megatron_dapo.actor.safe_unpickle import check_dist_checkpoint
+from megatron_dapo.actor.verified_load import load_verified
+from megatron_dapo.actor.verified_load import storage_items
 from megatron_dapo.algorithms.policy_loss import uses_reference
 from megatron_dapo.batch import ActorBatch
+from megatron_dapo.checkpoint import ItemHashes
 from megatron_dapo.config import RunConfig
 from megatron_dapo.metrics import all_reduce_stats
 from megatron_dapo.metrics import finalize
@@ -820,18 +823,25 @@ class MegatronActor:
         checked (actor/safe_unpickle.py). Local (reads files, no collective); the trainer also runs it at start-up."""
         check_dist_checkpoint(ckpt_dir)
 
-    def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool = True) -> None:
+    @staticmethod
+    def checkpoint_items(ckpt_dir: str | os.PathLike) -> dict[str, list[tuple[int, int]]]:
+        """{tensor file of a `save_checkpoint` directory: [(offset, length) of each storage item]}: what the
+        checkpoint manifest hashes item by item, so a resume checks those bytes as it loads them (verified_load.py)."""
+        return storage_items(ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool = True, items: ItemHashes | None = None) -> None:
         """Load what `save_checkpoint` wrote (collective).
 
         Weights reshard to any TP / PP / DP layout. The optimizer state uses megatron's "dp_reshardable" format: it
         loads into the same TP x PP layout (any DP size); to change TP or PP pass load_optimizer=False (weights and
-        step count only; Adam moments start at zero).
+        step count only; Adam moments start at zero). items: the manifest's item hashes of this directory
+        (CheckpointManager.item_hashes); each storage item read is checked against them (CorruptItem, every rank).
 
         Nothing in the checkpoint runs: `check_checkpoint` comes first."""
         self.check_checkpoint(ckpt_dir)
         with self._resident():
             sharded = self._sharded_state_dict(is_loading=True, with_optimizer=load_optimizer)
-            state = dist_checkpointing.load(sharded, ckpt_dir)
+            state = load_verified(lambda: dist_checkpointing.load(sharded, ckpt_dir), items)
             self._unwrapped().load_state_dict(state["model"])
             if load_optimizer:
                 _fill_missing_common_step(state["optimizer"])

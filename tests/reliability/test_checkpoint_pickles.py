@@ -64,11 +64,19 @@ def _resume_worker(hf_dir: str, work: str) -> dict:
         batch.old_logp, _ = actor.compute_logprobs(batch)
         actor.update(batch)
         mgr = CheckpointManager(
-            f"{work}/ck_{dist_opt}", keep_last=1, check_pickles=lambda p: MegatronActor.check_checkpoint(p / "actor")
+            f"{work}/ck_{dist_opt}",
+            keep_last=1,
+            check_pickles=lambda p: MegatronActor.check_checkpoint(p / "actor"),
+            layout=lambda p: {f"actor/{k}": v for k, v in MegatronActor.checkpoint_items(p / "actor").items()},
         )
         mgr.save(1, {"step": 1}, _cfg(hf_dir), lambda d: actor.save_checkpoint(str(d)))  # noqa: B023
         resumed = MegatronActor(_config(hf_dir, dist_opt=dist_opt), groups)  # random init, then the checkpoint
-        state = mgr.load(mgr.find_resumable(), _cfg(hf_dir), lambda d: resumed.load_checkpoint(str(d)))  # noqa: B023
+
+        def load(d, items, into=resumed):  # the items' bytes are checked as they load
+            assert items, "the manifest has no item hashes"
+            into.load_checkpoint(str(d), items=items)
+
+        state = mgr.load(mgr.find_resumable(), _cfg(hf_dir), load)
         out[f"identical_{dist_opt}"] = all(torch.equal(a, b) for a, b in zip(_weights(actor), _weights(resumed)))
         out[f"steps_{dist_opt}"] = (state["step"], resumed.num_steps)
 

@@ -152,8 +152,10 @@ def test_corrupt_newest_checkpoint_and_torn_metrics_line_resume_from_the_previou
     resumed = _run(_launch(tiny, run_dir, "--trainer.total_steps=3", "--checkpoint.save_every=1"))
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-3000:]
-    assert f"step_00000002 is corrupt: actor/{shard.name} fails its sha256 check" in out, out[-3000:]
-    assert "resuming from" in out and "step_00000001, the newest checkpoint that verifies" in out
+    # The shard's size is unchanged, so the bytes are found while loading (each read once: test_verified_load.py).
+    assert f"step_00000002 is corrupt: checkpoint {shard.parent}/{shard.name} bytes " in out, out[-3000:]
+    assert "fail their sha256 check (read while loading)" in out and "; trying the previous one" in out
+    assert "resumed from" in out and "step_00000001 (step 1 of 3)" in out
     assert "metrics.jsonl line 3: not a metrics row" in out
     assert _metric_steps(run_dir) == [1, 2, 3]
 
