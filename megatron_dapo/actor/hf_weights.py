@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_dapo.actor.model import QK_NORM_ARCHS
+from megatron_dapo.actor.model import QKV_BIAS_ARCHS
 from megatron_dapo.actor.model import model_arch
 from megatron_dapo.actor.model import padded_vocab_size
 
@@ -82,6 +84,7 @@ class _Dims:
     layers: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool
 
 
 def _dims(hf_config: Any) -> _Dims:
@@ -95,7 +98,8 @@ def _dims(hf_config: Any) -> _Dims:
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         layers=hf_config.num_hidden_layers,
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=model_arch(hf_config) == "qwen2",
+        qkv_bias=model_arch(hf_config) in QKV_BIAS_ARCHS,
+        qk_norm=model_arch(hf_config) in QK_NORM_ARCHS,
     )
 
 
@@ -125,6 +129,16 @@ def _layer_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
     ]
     if not d.qkv_bias:
         rows.pop(1)
+    if d.qk_norm:  # one [head_dim] RMSNorm weight shared by every head: the same on every TP rank
+        for p in "qk":
+            rows.append(
+                (
+                    (f"self_attention.{p}_layernorm.weight",),
+                    "replicated",
+                    (f"self_attn.{p}_norm.weight",),
+                    ((d.head_dim,),),
+                )
+            )
     return [
         _Unit(
             stage,

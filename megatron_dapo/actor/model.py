@@ -52,13 +52,17 @@ if TYPE_CHECKING:
     from megatron_dapo.actor.distributed import ParallelGroups
     from megatron_dapo.config import ActorConfig
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+QK_NORM_ARCHS = ("qwen3",)
+"""Architectures with an RMSNorm over each head's query and key (HF q_norm / k_norm, megatron q_ / k_layernorm)."""
+QKV_BIAS_ARCHS = ("qwen2",)
+"""Architectures whose q/k/v projections have biases."""
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def model_arch(hf_config: Any) -> str:
-    """The supported architecture family of an HF config: "llama" or "qwen2"."""
+    """The supported architecture family of an HF config: "llama", "qwen2" or "qwen3"."""
     for arch in getattr(hf_config, "architectures", None) or []:
         if arch in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[arch]
@@ -154,9 +158,9 @@ def _check_hf_config(hf_config: Any, arch: str, pipeline_parallel: int) -> None:
         raise ValueError(f"hf config: hidden_act {act!r} not supported (only 'silu')")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("hf config: mlp_bias=True not supported")
-    if arch == "llama" and getattr(hf_config, "attention_bias", False):
-        raise ValueError("hf config: attention_bias=True not supported for llama")
-    if arch == "qwen2" and getattr(hf_config, "use_sliding_window", False):
+    if arch in ("llama", "qwen3") and getattr(hf_config, "attention_bias", False):
+        raise ValueError(f"hf config: attention_bias=True not supported for {arch}")
+    if arch in ("qwen2", "qwen3") and getattr(hf_config, "use_sliding_window", False):
         raise ValueError("hf config: use_sliding_window=True not supported")
     layers = hf_config.num_hidden_layers
     if layers % pipeline_parallel != 0:
@@ -166,7 +170,7 @@ def _check_hf_config(hf_config: Any, arch: str, pipeline_parallel: int) -> None:
 
 
 def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: bool) -> TransformerConfig:
-    """Translate an HF Llama/Qwen2 config plus the actor's parallelism and precision into a TransformerConfig.
+    """Translate an HF Llama/Qwen2/Qwen3 config plus the actor's parallelism and precision into a TransformerConfig.
 
     On CPU the dtype is fp32 whatever actor_config.dtype says, and every fusion that needs CUDA/TE is off.
     """
@@ -197,7 +201,8 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch == "qwen2",
+        add_qkv_bias=arch in QKV_BIAS_ARCHS,
+        qk_layernorm=arch in QK_NORM_ARCHS,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -415,9 +420,9 @@ def build_gpt_model(
     if use_transformer_engine(actor_config, on_cpu=on_cpu):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
         # The local DotProductAttention refuses packed (THD) input; this subclass runs it, so the actor's packed
         # path is the same on CPU as on GPU (where Transformer Engine's attention takes cu_seqlens natively).
         spec.submodules.self_attention.submodules.core_attention = varlen_attention_class()

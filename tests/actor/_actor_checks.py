@@ -18,7 +18,7 @@ from tests.actor._dist import run_distributed
 from tests.actor._tiny_models import tiny_checkpoints
 
 LAYOUTS = {2: ((2, 1), (1, 2)), 4: ((2, 2),)}
-MODELS = ("llama", "qwen2")
+MODELS = ("llama", "qwen2", "qwen3")
 
 
 def _compat_state() -> dict[str, Any]:

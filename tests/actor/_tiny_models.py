@@ -2,7 +2,8 @@
 
     make_tiny_llama(dir)  LlamaForCausalLM, tied embeddings (like SmolLM2), GQA 4 query heads / 2 KV heads
     make_tiny_qwen2(dir)  Qwen2ForCausalLM, qkv bias, untied lm_head, GQA 4 / 2
-Both: 2 layers, hidden 64, head_dim 16, vocab 200 (not a multiple of 128 * TP, so padding is exercised),
+    make_tiny_qwen3(dir)  Qwen3ForCausalLM, per-head q/k RMSNorm (q_norm, k_norm), no bias, untied, GQA 4 / 2
+All: 2 layers, hidden 64, head_dim 16, vocab 200 (not a multiple of 128 * TP, so padding is exercised),
 fp32 safetensors. Norm weights and biases are randomised too, so a missed or swapped tensor changes logits.
 """
 
@@ -19,6 +20,8 @@ from transformers import LlamaConfig
 from transformers import LlamaForCausalLM
 from transformers import Qwen2Config
 from transformers import Qwen2ForCausalLM
+from transformers import Qwen3Config
+from transformers import Qwen3ForCausalLM
 
 VOCAB = 200
 _COMMON = dict(
@@ -63,6 +66,17 @@ def make_tiny_qwen2(path: str | Path, *, seed: int = 1, num_layers: int = 2) -> 
     return Path(path)
 
 
+def make_tiny_qwen3(path: str | Path, *, seed: int = 2, num_layers: int = 2) -> Path:
+    """Save an untied Qwen3ForCausalLM (q_norm / k_norm, the attention of Qwen3-MoE) to `path`; returns it."""
+    config = Qwen3Config(
+        **{**_COMMON, "num_hidden_layers": num_layers}, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0
+    )
+    model = Qwen3ForCausalLM(config).float()
+    _randomise(model, seed)
+    model.save_pretrained(path)
+    return Path(path)
+
+
 def load_hf(path: str | Path) -> torch.nn.Module:
     """The saved checkpoint as a transformers model (fp32, eval mode, eager attention)."""
     from transformers import AutoModelForCausalLM
@@ -73,7 +87,11 @@ def load_hf(path: str | Path) -> torch.nn.Module:
 
 @functools.cache
 def tiny_checkpoints() -> dict[str, Path]:
-    """Both tiny checkpoints, written once per process into a temporary directory removed at exit."""
+    """The tiny checkpoints, written once per process into a temporary directory removed at exit."""
     root = Path(tempfile.mkdtemp(prefix="tiny_hf_"))
     atexit.register(shutil.rmtree, root, True)
-    return {"llama": make_tiny_llama(root / "llama"), "qwen2": make_tiny_qwen2(root / "qwen2")}
+    return {
+        "llama": make_tiny_llama(root / "llama"),
+        "qwen2": make_tiny_qwen2(root / "qwen2"),
+        "qwen3": make_tiny_qwen3(root / "qwen3"),
+    }

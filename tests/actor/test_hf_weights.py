@@ -26,7 +26,7 @@ def _expected_keys(name: str) -> set[str]:
     return keys
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(("world", "tp", "pp"), LAYOUTS, ids=IDS)
 def test_roundtrip_bit_exact_on_every_rank(world, tp, pp, model):
     expected = _expected_keys(model)
@@ -41,7 +41,7 @@ def test_roundtrip_bit_exact_on_every_rank(world, tp, pp, model):
         assert out["dst_ok"] == [True] * world, (rank, out["dst_ok"])  # export_hf_weights(dst_rank=r)
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(("world", "tp", "pp"), LAYOUTS, ids=IDS)
 def test_export_loads_into_transformers(world, tp, pp, model):
     exported = cached_results(world)[0][f"{tp}x{pp}/{model}"]["exported"]

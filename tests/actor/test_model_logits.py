@@ -27,7 +27,7 @@ def _hf_logits(name: str) -> torch.Tensor:
         return load_hf(tiny_checkpoints()[name])(tokens()).logits.float()
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize(
     ("world", "tp", "pp"),
     [(2, 2, 1), (2, 1, 2), pytest.param(4, 2, 2, marks=pytest.mark.slow)],

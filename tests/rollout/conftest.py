@@ -7,14 +7,15 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers import LlamaConfig
 from transformers import Qwen2Config
+from transformers import Qwen3Config
 
 VOCAB = 96
 EOS = 2
 
 
 def tiny_config(kind: str = "qwen2", tied: bool = False, **overrides):
-    """A 2-layer, hidden-32 config; "qwen2" (untied, qkv bias) or "llama" (tied embeddings by default); overrides
-    replace any field (e.g. a wider model)."""
+    """A 2-layer, hidden-32 config; "qwen2" (untied, qkv bias), "qwen3" (q/k norms) or "llama" (tied embeddings by
+    default); overrides replace any field (e.g. a wider model)."""
     common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -31,6 +32,8 @@ def tiny_config(kind: str = "qwen2", tied: bool = False, **overrides):
     common.update(overrides)
     if kind == "qwen2":
         return Qwen2Config(**common)
+    if kind == "qwen3":
+        return Qwen3Config(**{"head_dim": 8, **common})
     return LlamaConfig(**common)
 
 

@@ -85,6 +85,15 @@ def test_logprobs_equal_teacher_forced_tempered_forward(engine, temperature, top
         torch.testing.assert_close(c.engine_logp, ref, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_other_architectures_report_the_logprobs_of_what_they_sample(kind):
+    engine = TransformersEngine(tiny_model(kind), max_running=8)
+    params = SamplingParams(n=2, max_new_tokens=7, temperature=0.9, seed=5)
+    for c in engine.generate(PROMPTS, params):
+        ref = _teacher_forced_logprobs(engine.model, c, 0.9)
+        torch.testing.assert_close(c.engine_logp, ref, rtol=0, atol=1e-4)
+
+
 def test_top_k_one_is_greedy(engine):
     out = engine.generate(PROMPTS[:1], SamplingParams(n=2, max_new_tokens=5, top_k=1, seed=0))
     ids = torch.tensor([PROMPTS[0]])
