@@ -17,8 +17,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config import load_config
@@ -316,13 +318,20 @@ def launch(args: argparse.Namespace, overrides: list[str], config) -> int:
               f"and exit", file=sys.stderr, flush=True)  # fmt: skip
         return 128 + int(sig.sigval)
     except ChildFailedError as failed:
-        first = failed.failures.get(0)
-        if first is not None and first.exitcode == 2:
-            return 2  # a user error, printed once by rank 0 (torchrun then stopped the other ranks)
+        if user_error_exit(f.exitcode for f in failed.failures.values()):
+            return 2  # a user error, printed once by the lowest live rank (torchrun then stopped the other ranks)
         ranks = ", ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(failed.failures.items()))
         print(f"error: workers failed ({ranks}); their output is above", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def user_error_exit(exit_codes: Iterable[int]) -> bool:
+    """The workers ended on a user error (the job's exit 2): some rank exited 2 and every other failed rank was
+    stopped by torchrun's SIGTERM after it. Which rank exits first is a race: rank 0 may be the one stopped (was:
+    only rank 0's exit 2 counted, so the same error ended the launcher with 1 about half the time)."""
+    codes = list(exit_codes)
+    return 2 in codes and all(code in (2, -signal.SIGTERM) for code in codes)
 
 
 def run_eval(config, model_dir: str | None) -> dict[str, float]:

@@ -65,3 +65,16 @@ def test_convert_round_trip_is_bit_exact(tiny, tmp_path):
     converted = load_file(str(back / "model.safetensors"))
     assert set(original) == set(converted)
     assert all(torch.equal(original[k], converted[k]) for k in original)
+
+
+def test_a_user_error_is_exit_2_whichever_rank_torchrun_stopped_first():
+    import signal
+
+    from megatron_dapo.cli import user_error_exit
+
+    assert user_error_exit([2, -signal.SIGTERM])  # rank 0 exited 2, torchrun stopped rank 1
+    assert user_error_exit([-signal.SIGTERM, 2])  # the race the other way round (was: exit 1)
+    assert user_error_exit([2, 2])
+    assert not user_error_exit([1, -signal.SIGTERM])  # a crash is not a user error
+    assert not user_error_exit([2, -signal.SIGKILL])  # a rank killed by something else
+    assert not user_error_exit([-signal.SIGTERM])
