@@ -44,7 +44,7 @@ class PlanError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The fields of an HF Llama/Qwen2 config.json the planner needs (dense, SwiGLU, RMSNorm, RoPE)."""
+    """The fields of an HF Llama/Qwen2/Qwen3 config.json the planner needs (dense, SwiGLU, RMSNorm, RoPE)."""
 
     name: str
     hidden: int
@@ -57,6 +57,8 @@ class ModelShape:
     qkv_bias: bool
     head_dim: int = 0
     """0 = hidden // heads."""
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm weight of head_dim for the queries and one for the keys in every layer."""
 
     @property
     def hd(self) -> int:
@@ -79,8 +81,8 @@ class ModelShape:
 
     @property
     def layer_replicated_params(self) -> int:
-        """Parameters of one layer on every TP rank: the two RMSNorm weights."""
-        return 2 * self.hidden
+        """Parameters of one layer on every TP rank: the two RMSNorm weights (and Qwen3's q / k norms)."""
+        return 2 * self.hidden + (2 * self.hd if self.qk_norm else 0)
 
     @property
     def num_params(self) -> int:
@@ -116,6 +118,7 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias="qwen2" in arch.lower(),
             head_dim=int(cfg.get("head_dim") or 0),
+            qk_norm="qwen3" in arch.lower(),
         )
     except KeyError as err:
         raise PlanError(f"{name}/config.json: missing field {err.args[0]!r}") from None

@@ -478,9 +478,9 @@ def test_counts_match_megatron_core():
     from megatron_dapo.plan import actor_state_bytes_per_param
     from megatron_dapo.plan import shape_from_hf_config
     from tests.actor._dist import run_distributed
-    from tests.actor._tiny_models import tiny_checkpoints
+    from tests.actor._tiny_models import every_tiny_checkpoint
 
-    ckpts = {k: str(v) for k, v in tiny_checkpoints().items()}
+    ckpts = {k: str(v) for k, v in every_tiny_checkpoint().items()}
     shapes = {k: shape_from_hf_config(json.loads((Path(v) / "config.json").read_text()), k) for k, v in ckpts.items()}
     results = run_distributed(_megatron_counts, 2, ckpts, timeout_s=300)
     for res in results:

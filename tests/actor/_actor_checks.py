@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tests.actor._dist import run_distributed
-from tests.actor._tiny_models import tiny_checkpoints
+from tests.actor._tiny_models import every_tiny_checkpoint
 
 LAYOUTS = {2: ((2, 1), (1, 2)), 4: ((2, 2),)}
 MODELS = ("llama", "qwen2", "qwen3")
@@ -118,7 +118,7 @@ def _recompute_grad_err(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int
 @functools.cache
 def cached_results(world: int) -> tuple[dict[str, Any], ...]:
     """Run actor_checks on `world` gloo ranks once per pytest process; per-rank results."""
-    ckpts = {k: str(v) for k, v in tiny_checkpoints().items()}
+    ckpts = {k: str(v) for k, v in every_tiny_checkpoint().items()}
     return tuple(run_distributed(actor_checks, world, ckpts, tokens(), timeout_s=300))
 
 

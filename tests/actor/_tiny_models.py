@@ -87,11 +87,16 @@ def load_hf(path: str | Path) -> torch.nn.Module:
 
 @functools.cache
 def tiny_checkpoints() -> dict[str, Path]:
-    """The tiny checkpoints, written once per process into a temporary directory removed at exit."""
+    """The Llama and Qwen2 tiny checkpoints (what the actor's feature tests run on), written once per process into a
+    temporary directory removed at exit."""
     root = Path(tempfile.mkdtemp(prefix="tiny_hf_"))
     atexit.register(shutil.rmtree, root, True)
-    return {
-        "llama": make_tiny_llama(root / "llama"),
-        "qwen2": make_tiny_qwen2(root / "qwen2"),
-        "qwen3": make_tiny_qwen3(root / "qwen3"),
-    }
+    return {"llama": make_tiny_llama(root / "llama"), "qwen2": make_tiny_qwen2(root / "qwen2")}
+
+
+@functools.cache
+def every_tiny_checkpoint() -> dict[str, Path]:
+    """tiny_checkpoints() and a Qwen3 one: each architecture the actor supports (model parity, export, planner)."""
+    root = Path(tempfile.mkdtemp(prefix="tiny_hf_"))
+    atexit.register(shutil.rmtree, root, True)
+    return {**tiny_checkpoints(), "qwen3": make_tiny_qwen3(root / "qwen3")}

@@ -11,15 +11,15 @@ from megatron_dapo.actor import hf_weights
 from megatron_dapo.actor.hf_weights import hf_state_dict_keys
 from tests.actor._actor_checks import cached_results
 from tests.actor._actor_checks import tokens
+from tests.actor._tiny_models import every_tiny_checkpoint
 from tests.actor._tiny_models import load_hf
-from tests.actor._tiny_models import tiny_checkpoints
 
 LAYOUTS = [(2, 2, 1), (2, 1, 2), pytest.param(4, 2, 2, marks=pytest.mark.slow)]
 IDS = ["tp2", "pp2", "tp2xpp2"]
 
 
 def _expected_keys(name: str) -> set[str]:
-    model = load_hf(tiny_checkpoints()[name])
+    model = load_hf(every_tiny_checkpoint()[name])
     keys = set(model.state_dict())
     if model.config.tie_word_embeddings:
         keys.discard("lm_head.weight")
@@ -30,7 +30,7 @@ def _expected_keys(name: str) -> set[str]:
 @pytest.mark.parametrize(("world", "tp", "pp"), LAYOUTS, ids=IDS)
 def test_roundtrip_bit_exact_on_every_rank(world, tp, pp, model):
     expected = _expected_keys(model)
-    order = hf_state_dict_keys(AutoConfig.from_pretrained(tiny_checkpoints()[model]))
+    order = hf_state_dict_keys(AutoConfig.from_pretrained(every_tiny_checkpoint()[model]))
     for rank, res in enumerate(cached_results(world)):
         out = res[f"{tp}x{pp}/{model}"]
         assert set(out["export_keys"]) == expected == set(out["source_keys"]), rank
@@ -45,7 +45,7 @@ def test_roundtrip_bit_exact_on_every_rank(world, tp, pp, model):
 @pytest.mark.parametrize(("world", "tp", "pp"), LAYOUTS, ids=IDS)
 def test_export_loads_into_transformers(world, tp, pp, model):
     exported = cached_results(world)[0][f"{tp}x{pp}/{model}"]["exported"]
-    path = tiny_checkpoints()[model]
+    path = every_tiny_checkpoint()[model]
     config = AutoConfig.from_pretrained(path)
     fresh = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     result = fresh.load_state_dict(exported, strict=False)
@@ -101,7 +101,7 @@ def test_shard_unshard_inverse(kind):
 def test_checkpoint_errors_name_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         hf_weights._SafetensorsDir(tmp_path)
-    ckpt = hf_weights._SafetensorsDir(tiny_checkpoints()["qwen2"])
+    ckpt = hf_weights._SafetensorsDir(every_tiny_checkpoint()["qwen2"])
     with pytest.raises(KeyError, match="model.safetensors: missing tensor 'nope'"):
         ckpt.get("nope", (1,))
     with pytest.raises(ValueError, match="has shape"):

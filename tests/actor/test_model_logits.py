@@ -15,8 +15,8 @@ from megatron_dapo.actor.model import to_transformer_config
 from megatron_dapo.config import ActorConfig
 from tests.actor._actor_checks import cached_results
 from tests.actor._actor_checks import tokens
+from tests.actor._tiny_models import every_tiny_checkpoint
 from tests.actor._tiny_models import load_hf
-from tests.actor._tiny_models import tiny_checkpoints
 
 ATOL = 1e-4
 
@@ -24,7 +24,7 @@ ATOL = 1e-4
 @functools.cache
 def _hf_logits(name: str) -> torch.Tensor:
     with torch.no_grad():
-        return load_hf(tiny_checkpoints()[name])(tokens()).logits.float()
+        return load_hf(every_tiny_checkpoint()[name])(tokens()).logits.float()
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
