@@ -6,7 +6,6 @@ budget the job ends with one line."""
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from tests.rollout.test_stream import _seed
 from tests.rollout.test_stream import fresh
 from tests.rollout.test_stream import kept_tokens
 from tests.rollout.test_stream import response_of
+from tests.rollout.test_stream import run_ranks
 from tests.rollout.test_stream import run_step
 from tests.rollout.test_stream import score
 
@@ -68,45 +68,34 @@ def run_with_deaths(world, trial, *, step=1, target=5, window=6, slots=8, deaths
     store, exchange = dist.HashStore(), ThreadExchange(world)
     carry = carry or [([], {}) for _ in range(world)]
     out: list = [None] * world
-    errors: list = []
 
     def rank_main(rank: int) -> None:
-        try:
-            dies = list(plan[rank])
-            engines = [DyingEngine(slots, trial * 100 + rank, dies.pop(0) if dies else None, version=step - 1)]
-            lines: list[str] = []
-            syncs: list[list[int]] = []
+        dies = list(plan[rank])
+        engines = [DyingEngine(slots, trial * 100 + rank, dies.pop(0) if dies else None, version=step - 1)]
+        lines: list[str] = []
+        syncs: list[list[int]] = []
 
-            def restart():
-                engines.append(DyingEngine(slots, trial * 100 + rank + 50, dies.pop(0) if dies else None,
-                                           version=-7, synced=False))  # fmt: skip
-                return engines[-1]
+        def restart():
+            engines.append(DyingEngine(slots, trial * 100 + rank + 50, dies.pop(0) if dies else None,
+                                       version=-7, synced=False))  # fmt: skip
+            return engines[-1]
 
-            def resync(ranks):
-                syncs.append(list(ranks))
-                if rank in ranks:
-                    engines[-1].synced = True
+        def resync(ranks):
+            syncs.append(list(ranks))
+            if rank in ranks:
+                engines[-1].synced = True
 
-            stream = RolloutStream(
-                engines[0], rank, exchange.for_rank(rank), store,
-                group_size=G, window=window, cap=60, partial=partial, timeout_s=20, score=score,
-                restart=restart, resync=resync, max_restarts=max_restarts, prompt_retries=retries, log=lines.append,
-            )  # fmt: skip
-            stream._keys = 1000 * step
-            rule = DynamicSampler(target_prompts=target, max_sampled_prompts=60, on_cap="partial")
-            result = stream.run(step, rule.start(), PARAMS, 7, fresh, carry[rank][0], carry[rank][1])
-            out[rank] = (result, engines[-1], lines, syncs)
-        except BaseException as err:
-            errors.append(err)
-            exchange.barrier.abort()
+        stream = RolloutStream(
+            engines[0], rank, exchange.for_rank(rank), store,
+            group_size=G, window=window, cap=60, partial=partial, timeout_s=20, score=score,
+            restart=restart, resync=resync, max_restarts=max_restarts, prompt_retries=retries, log=lines.append,
+        )  # fmt: skip
+        stream._keys = 1000 * step
+        rule = DynamicSampler(target_prompts=target, max_sampled_prompts=60, on_cap="partial")
+        result = stream.run(step, rule.start(), PARAMS, 7, fresh, carry[rank][0], carry[rank][1])
+        out[rank] = (result, engines[-1], lines, syncs)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
+    run_ranks(world, exchange, rank_main)
     return out
 
 

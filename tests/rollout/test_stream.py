@@ -125,33 +125,43 @@ def run_step(
     store, exchange = dist.HashStore(), ThreadExchange(world)
     carry = carry or [([], {}) for _ in range(world)]
     out: list = [None] * world
-    errors: list = []
 
     def rank_main(rank: int) -> None:
+        engine = FakeEngine(slots, timing_seed * 100 + rank, version=step - 1, slow=rank == slow_rank)
+        stream = RolloutStream(
+            engine, rank, exchange.for_rank(rank), store,
+            group_size=G, window=window, cap=cap, partial=partial, timeout_s=20, score=score,
+            over_sampling=over_sampling, expected_keep=0.5,
+        )  # fmt: skip
+        stream._keys = 1000 * step  # keys unique across the steps of a test
+        rule = DynamicSampler(target_prompts=target, enabled=enabled, max_sampled_prompts=cap, on_cap="partial")
+        sampling = rule.start()
+        result = stream.run(step, sampling, PARAMS, 7, fresh, carry[rank][0], carry[rank][1])
+        out[rank] = (result, engine)
+
+    run_ranks(world, exchange, rank_main)
+    return out
+
+
+def run_ranks(world: int, exchange: ThreadExchange, rank_main) -> None:
+    """rank_main(rank) on `world` threads; the first error is raised after all joined (the others are released
+    from the exchange's barrier)."""
+    errors: list = []
+
+    def guarded(rank: int) -> None:
         try:
-            engine = FakeEngine(slots, timing_seed * 100 + rank, version=step - 1, slow=rank == slow_rank)
-            stream = RolloutStream(
-                engine, rank, exchange.for_rank(rank), store,
-                group_size=G, window=window, cap=cap, partial=partial, timeout_s=20, score=score,
-                over_sampling=over_sampling, expected_keep=0.5,
-            )  # fmt: skip
-            stream._keys = 1000 * step  # keys unique across the steps of a test
-            rule = DynamicSampler(target_prompts=target, enabled=enabled, max_sampled_prompts=cap, on_cap="partial")
-            sampling = rule.start()
-            result = stream.run(step, sampling, PARAMS, 7, fresh, carry[rank][0], carry[rank][1])
-            out[rank] = (result, engine)
+            rank_main(rank)
         except BaseException as err:
             errors.append(err)
             exchange.barrier.abort()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     if errors:
         raise errors[0]
-    return out
 
 
 def kept_tokens(out) -> list[tuple[int, list[list[int]]]]:
