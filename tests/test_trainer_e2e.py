@@ -56,6 +56,7 @@ def _train(tiny, run_dir, *overrides, nproc=2, fault=None, timeout=300, check=Tr
         f"--actor.tensor_parallel={tp}",
         "--logging.console=plain",
         "--algorithm.max_gen_batches=10",  # up to 40 prompts a step: the random model keeps a mixed group or more
+        "--logging.plots=false",  # 1.5 s a run; drawn by the straight run, whose plots are checked
         *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -82,7 +83,7 @@ _stable = without_timing
 def straight(tiny, tmp_path_factory):
     """4 DAPO steps straight under torchrun (TP=2): the oracle of the interrupted runs below."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    _train(tiny, run_dir, "--trainer.total_steps=4")
+    _train(tiny, run_dir, "--trainer.total_steps=4", "--logging.plots=true")
     return run_dir
 
 
@@ -151,7 +152,7 @@ def test_partial_rollouts_resume_exactly_with_their_carry(tiny, tmp_path):
     stream's timing cannot change what is carried: a kill -9 after the first step that carries unfinished responses
     and a resume give the same metrics. Few engine slots, so some groups wait or stop mid-response at the cut."""
     partial = (
-        "--trainer.total_steps=5",
+        "--trainer.total_steps=4",
         "--rollout.partial=true",
         "--rollout.max_inflight_prompts=8",
         "--rollout.max_running_requests=8",
@@ -159,7 +160,7 @@ def test_partial_rollouts_resume_exactly_with_their_carry(tiny, tmp_path):
     straight = tmp_path / "straight"
     _train(tiny, straight, *partial, nproc=1)
     rows = _metrics(straight)
-    carried = [r["step"] for r in rows if r.get("stream/groups_carried_unfinished", 0) > 0 and r["step"] < 5]
+    carried = [r["step"] for r in rows if r.get("stream/groups_carried_unfinished", 0) > 0 and r["step"] < 4]
     assert carried, "no step carried unfinished responses: the test proves nothing"
     kill = carried[0]
     resumed = tmp_path / "resumed"
