@@ -365,7 +365,10 @@ def convert(config, to: str, checkpoint: str | None, out: str) -> None:
     from megatron_dapo.actor.distributed import init_distributed
 
     groups = init_distributed(
-        config.actor.tensor_parallel, config.actor.pipeline_parallel, timeout_s=config.distributed.timeout_s
+        config.actor.tensor_parallel,
+        config.actor.pipeline_parallel,
+        expert_parallel=config.actor.expert_parallel,
+        timeout_s=config.distributed.timeout_s,
     )
     if to == "megatron":
         MegatronActor(config, groups, hf_dir=config.actor.model_path).save_checkpoint(out)

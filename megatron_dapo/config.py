@@ -110,6 +110,8 @@ FIELD_RANGES: dict[str, Range] = {
     "rollout.engine_stall_minutes": Range(0, _WEEK_MINUTES, note="0: off"),
     "actor.tensor_parallel": Range(1, _MAX_PARALLEL),
     "actor.pipeline_parallel": Range(1, _MAX_PARALLEL),
+    "actor.expert_parallel": Range(1, _MAX_PARALLEL),
+    "actor.moe_aux_loss_coeff": Range(0, 1_000, note="0: off"),
     # Adam moves each weight by about lr per step: lr > 1 destroys any model in one step.
     "actor.lr": Range(0, 1, "(]"),
     "actor.lr_warmup_steps": Range(0, _MAX_STEPS),
@@ -389,6 +391,16 @@ class ActorConfig:
     """Tensor-parallel size of the actor."""
     pipeline_parallel: int = 1
     """Pipeline-parallel size of the actor; data parallel is world_size / (tensor_parallel * pipeline_parallel)."""
+    expert_parallel: int = 1
+    """Expert-parallel size of a mixture-of-experts actor (Qwen3-MoE, Qwen2-MoE): each MoE layer's experts are split
+    over this many data-parallel ranks (world_size a multiple of tensor_parallel x expert_parallel x
+    pipeline_parallel; the number of experts a multiple of it). Must be 1 for dense models."""
+    moe_dispatcher: str = "alltoall"
+    """Megatron's MoE token dispatcher: "alltoall" (tokens sent to the ranks of their experts) or "allgather"
+    (every EP rank sees every token; pipeline_parallel 1 only, megatron's rule)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing (auxiliary) loss coefficient of MoE routers: 0 (off) for RL, as the policy's routing is what
+    the rollout sampled; > 0 adds megatron's per-layer aux loss to the update. The router z-loss is always off."""
     dtype: str = "bf16"
     """Parameter and compute dtype: "bf16" on GPU, "fp32" on CPU."""
     lr: float = 1e-6
@@ -444,6 +456,12 @@ class ActorConfig:
         self.model_path = _expand(self.model_path)
         _check_numbers(self, "actor")
         _one_of(self.dtype, ("bf16", "fp16", "fp32"), "actor.dtype")
+        _one_of(self.moe_dispatcher, ("alltoall", "allgather"), "actor.moe_dispatcher")
+        _check(
+            self.moe_dispatcher != "allgather" or self.pipeline_parallel == 1,
+            "actor.moe_dispatcher",
+            "allgather needs actor.pipeline_parallel=1 (megatron rejects it with variable sequence lengths)",
+        )
         _check(
             self.packing or not self.shared_prefix,
             "actor.shared_prefix",

@@ -59,6 +59,14 @@ class ModelShape:
     """0 = hidden // heads."""
     qk_norm: bool = False
     """Qwen3: an RMSNorm weight of head_dim for the queries and one for the keys in every layer."""
+    experts: int = 0
+    """Mixture of experts (Qwen3-MoE, Qwen2-MoE): routed experts per layer (0: dense; every layer is MoE)."""
+    topk: int = 0
+    """Experts each token is routed to."""
+    moe_ffn: int = 0
+    """One expert's SwiGLU width (moe_intermediate_size)."""
+    shared_ffn: int = 0
+    """Qwen2-MoE's gated shared expert width (0: none)."""
 
     @property
     def hd(self) -> int:
@@ -74,20 +82,29 @@ class ModelShape:
 
     @property
     def layer_sharded_params(self) -> int:
-        """Parameters of one layer that tensor parallelism splits: q, k, v (+ biases), o, gate, up, down."""
-        h, q, kv, f = self.hidden, self.q_dim, self.kv_dim, self.ffn
+        """Parameters of one layer that tensor parallelism splits: q, k, v (+ biases), o and the MLP's gate, up, down
+        (MoE: the shared expert's; the routed experts are layer_expert_params)."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
         bias = (q + 2 * kv) if self.qkv_bias else 0
-        return h * (q + 2 * kv) + bias + q * h + 3 * h * f
+        mlp = 3 * h * (self.shared_ffn if self.experts else self.ffn)
+        return h * (q + 2 * kv) + bias + q * h + mlp
+
+    @property
+    def layer_expert_params(self) -> int:
+        """Parameters of one layer's routed experts (split over tensor x expert parallel ranks; 0 when dense)."""
+        return self.experts * 3 * self.hidden * self.moe_ffn
 
     @property
     def layer_replicated_params(self) -> int:
-        """Parameters of one layer on every TP rank: the two RMSNorm weights (and Qwen3's q / k norms)."""
-        return 2 * self.hidden + (2 * self.hd if self.qk_norm else 0)
+        """Parameters of one layer on every TP rank: the two RMSNorm weights (and Qwen3's q / k norms; MoE: the
+        router [E, h] and the shared expert's gate [1, h])."""
+        router = self.experts * self.hidden + (self.hidden if self.shared_ffn and self.experts else 0)
+        return 2 * self.hidden + (2 * self.hd if self.qk_norm else 0) + router
 
     @property
     def num_params(self) -> int:
-        """The HF parameter count (unpadded vocabulary; the LM head counted once when tied)."""
-        per_layer = self.layer_sharded_params + self.layer_replicated_params
+        """The HF parameter count (unpadded vocabulary; the LM head counted once when tied; every expert)."""
+        per_layer = self.layer_sharded_params + self.layer_expert_params + self.layer_replicated_params
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
         return self.layers * per_layer + embeddings + self.hidden
 
@@ -116,9 +133,13 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
             ffn=int(cfg["intermediate_size"]),
             vocab=int(cfg["vocab_size"]),
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias="qwen2" in arch.lower(),
+            qkv_bias="qwen2" in arch.lower() and bool(cfg.get("qkv_bias", True)),
             head_dim=int(cfg.get("head_dim") or 0),
             qk_norm="qwen3" in arch.lower(),
+            experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if "moe" in arch.lower() else 0,
+            topk=int(cfg.get("num_experts_per_tok") or 0),
+            moe_ffn=int(cfg.get("moe_intermediate_size") or 0),
+            shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
         )
     except KeyError as err:
         raise PlanError(f"{name}/config.json: missing field {err.args[0]!r}") from None
@@ -290,15 +311,18 @@ class _Stage:
     has_lm_head: bool
 
 
-def actor_stages(m: ModelShape, tp: int, pp: int) -> list[_Stage]:
-    """Per-GPU parameter count of each pipeline stage: layers/pp layers split over tp (norms replicated), the
-    vocab-parallel embedding [V_pad/tp, h] on stage 0, the LM head [V_pad/tp, h] and the final norm on the last stage
-    (tied and pp > 1: megatron keeps a copy of the embedding there; tied and pp == 1: one tensor)."""
+def actor_stages(m: ModelShape, tp: int, pp: int, ep: int = 1) -> list[_Stage]:
+    """Per-GPU parameter count of each pipeline stage: layers/pp layers split over tp (norms replicated; MoE: the
+    routed experts over tp x ep), the vocab-parallel embedding [V_pad/tp, h] on stage 0, the LM head [V_pad/tp, h] and
+    the final norm on the last stage (tied and pp > 1: megatron keeps a copy of the embedding there; tied and
+    pp == 1: one tensor)."""
     if m.layers % pp:
         raise PlanError(f"actor.pipeline_parallel: {pp} must divide num_hidden_layers {m.layers}")
     if m.kv_heads % tp:
         raise PlanError(f"actor.tensor_parallel: {tp} must divide num_key_value_heads {m.kv_heads}")
-    per_layer = m.layer_sharded_params // tp + m.layer_replicated_params
+    if ep > 1 and (not m.experts or m.experts % ep):
+        raise PlanError(f"actor.expert_parallel: {ep} must divide the model's experts ({m.experts})")
+    per_layer = m.layer_sharded_params // tp + m.layer_expert_params // (tp * ep) + m.layer_replicated_params
     vocab_rows = padded_vocab(m.vocab, tp) // tp * m.hidden
     stages = []
     for s in range(pp):
@@ -447,6 +471,11 @@ def make_plan(
     a = assumptions or Assumptions()
     act, ro = config.actor, config.rollout
     m, source = resolve_model(act.model_path)
+    if m.experts:
+        raise PlanError(
+            f"{m.name}: a mixture-of-experts model is not planned yet (expert-parallel memory, all-to-all volume and "
+            "active-parameter FLOPs are issue 23's planner item)"
+        )
     world = nodes * gpus_per_node
     tp, pp = act.tensor_parallel, act.pipeline_parallel
     if world % (tp * pp):

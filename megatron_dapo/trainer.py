@@ -82,7 +82,11 @@ class DAPOTrainer:
 
         self.cfg = c = config
         self.groups = init_distributed(
-            c.actor.tensor_parallel, c.actor.pipeline_parallel, seed=c.trainer.seed, timeout_s=c.distributed.timeout_s
+            c.actor.tensor_parallel,
+            c.actor.pipeline_parallel,
+            expert_parallel=c.actor.expert_parallel,
+            seed=c.trainer.seed,
+            timeout_s=c.distributed.timeout_s,
         )
         self.rank, self.world = self.groups.rank, self.groups.world_size
         self.preempt = PreemptionFlag()

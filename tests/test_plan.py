@@ -100,6 +100,22 @@ def test_config_json_is_read_when_the_model_is_local(tmp_path):
     assert resolve_model("/nowhere/Qwen2.5-7B-Instruct")[0].name == "Qwen2.5-7B"
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_moe_parameter_counts_are_transformers_and_the_plan_refuses_them(name, tmp_path):
+    """Every expert, the router and (Qwen2-MoE) the gated shared expert counted as transformers counts them; planning
+    an MoE run stops with one line until its memory and time terms exist."""
+    from tests.actor._tiny_models import every_tiny_checkpoint
+    from tests.actor._tiny_models import load_hf
+
+    path = every_tiny_checkpoint()[name]
+    shape, _ = resolve_model(str(path))
+    assert shape.experts == 8 and shape.topk == 2 and shape.moe_ffn == 38
+    assert shape.num_params == sum(p.numel() for p in load_hf(path).parameters())
+    config = load_config(ROOT / "examples/tiny_cpu.yaml", [f"--actor.model_path={path}"])
+    with pytest.raises(PlanError, match="mixture-of-experts model is not planned yet"):
+        make_plan(config, nodes=1, gpus_per_node=2, gpu_memory_gb=80)
+
+
 def test_padded_vocab_is_megatrons():
     from megatron_dapo.actor.model import padded_vocab_size
 
@@ -430,6 +446,9 @@ def test_train_preflight_on_cuda(monkeypatch, capsys):
 # ---------------------------------------------------------------------------------------------------------------
 # cross-check against megatron-core: the real per-rank parameter counts and optimizer buffers (CPU, gloo)
 # ---------------------------------------------------------------------------------------------------------------
+COUNT_LAYOUTS = ((2, 1, 1), (1, 2, 1), (1, 1, 2))  # (tp, pp, ep) on 2 ranks; EP for the MoE models only
+
+
 def _megatron_counts(ckpts: dict[str, str]) -> dict[str, object]:
     """Per rank (2 ranks): numel of the GPTModel stage at TP 2 and at PP 2, and at DP 2 the DDP buffers and the
     distributed optimizer's Adam state of a MegatronActor (fp32 on CPU)."""
@@ -447,12 +466,17 @@ def _megatron_counts(ckpts: dict[str, str]) -> dict[str, object]:
     from megatron_dapo.config import TrainerConfig
 
     out: dict[str, object] = {}
-    for tp, pp in [(2, 1), (1, 2)]:
-        groups = init_distributed(tp, pp)
+    for tp, pp, ep in COUNT_LAYOUTS:
+        groups = init_distributed(tp, pp, expert_parallel=ep)
         for name, path in ckpts.items():
-            actor_cfg = ActorConfig(model_path=path, tensor_parallel=tp, pipeline_parallel=pp, dtype="fp32")
-            model = build_gpt_model(AutoConfig.from_pretrained(path), actor_cfg, groups)
-            out[f"{tp}x{pp}/{name}"] = (groups.pp_rank, sum(p.numel() for p in model.parameters()))
+            hf_config = AutoConfig.from_pretrained(path)
+            if ep > 1 and not getattr(hf_config, "num_experts", 0):
+                continue
+            actor_cfg = ActorConfig(
+                model_path=path, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, dtype="fp32"
+            )
+            model = build_gpt_model(hf_config, actor_cfg, groups)
+            out[f"{tp}x{pp}x{ep}/{name}"] = (groups.pp_rank, sum(p.numel() for p in model.parameters()))
     groups = init_distributed(1, 1)
     cfg = RunConfig(
         actor=ActorConfig(model_path=ckpts["qwen2"], dtype="fp32", use_distributed_optimizer=True),
@@ -485,10 +509,12 @@ def test_counts_match_megatron_core():
     results = run_distributed(_megatron_counts, 2, ckpts, timeout_s=300)
     for res in results:
         for name, shape in shapes.items():
-            for tp, pp in [(2, 1), (1, 2)]:
+            for tp, pp, ep in COUNT_LAYOUTS:
+                if ep > 1 and not shape.experts:
+                    continue
                 # tiny llama is tied: at PP 2 the last stage holds megatron's copy of the embedding as its LM head
-                pp_rank, numel = res[f"{tp}x{pp}/{name}"]
-                assert numel == actor_stages(shape, tp, pp)[pp_rank].params, (name, tp, pp)
+                pp_rank, numel = res[f"{tp}x{pp}x{ep}/{name}"]
+                assert numel == actor_stages(shape, tp, pp, ep)[pp_rank].params, (name, tp, pp, ep)
         stage = actor_stages(shapes["qwen2"], 1, 1)[0].params
         p_b, g_b, o_b = actor_state_bytes_per_param("fp32", 2, True)  # fp32 on CPU: (4, 4, 8 / 2)
         assert res["grad_unpadded"] == stage

@@ -179,6 +179,13 @@ class MegatronActor:
 
             hf_weights.load_hf_into_model([model], hf_dir, self.hf_config, groups)
         self.tf_config = model.config
+        if self.tf_config.num_moe_experts and groups.tp_size > 1 and not self.tf_config.sequence_parallel:
+            # megatron-core 0.16.1's MoELayer refuses this in training mode, and without sequence parallel every TP
+            # rank would dispatch its copy of the tokens (expert gradients tp times too large).
+            raise ValueError(
+                "actor.tensor_parallel: a mixture-of-experts actor at tensor_parallel > 1 needs sequence parallel "
+                "(Transformer Engine on GPU); on CPU (local spec) use tensor_parallel=1 with actor.expert_parallel"
+            )
         self.dtype = self.tf_config.params_dtype  # fp32 on CPU whatever actor.dtype says (model.py)
         self.tf_config.calculate_per_token_loss = False  # see the module docstring: D is explicit
         if self.dtype != torch.float32:

@@ -2,6 +2,7 @@
 
 API:
     apply_cpu_compat() -> None      install every shim once (idempotent; no-op when CUDA is available)
+    moe_without_te_compat() -> None the two MoE shims below, also needed on a GPU without Transformer Engine
     cpu_compat_applied() -> bool    whether the shims are installed in this process
     import_megatron_core() -> None  import megatron.core; without CUDA, its jit fusions stay plain functions
 
@@ -24,6 +25,12 @@ Nothing is patched at import time. What the shims do (each one exists because me
 - A few cold functions (construction-time only) run under a TorchFunctionMode that maps `Tensor.cuda()` to the CPU
   and reports CPU tensors as `torch.cuda.*Tensor` from `Tensor.type()`: the optimizer's dtype checks and the
   tied-embedding copy to the last pipeline stage.
+
+- MoE (`moe_without_te_compat`, applied with the rest and by build_gpt_model for MoE models without TE):
+  megatron-core 0.16.1's router tests `te_general_gemm is not None`, a name its moe_utils defines only when TE
+  imports (NameError without it): it is set to None there. The alltoall dispatcher converts its split sizes with
+  `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts CUDA tensors only; CPU tensors stay tensors, which
+  `all_to_all_single` rejects as split sizes (TypeError): the token dispatcher's copy returns them as numpy.
 
 Known not to work on CPU whatever the shims: gradient_accumulation_fusion, persist_layer_norm, apply_rope_fusion
 (needs TE), sequence_parallel, the dynamic inference engine. bf16 parameters need megatron's Float16Module.
@@ -300,6 +307,26 @@ def _patch_megatron_modules() -> None:
             setattr(owner, attr, _under_mode(raw))
 
 
+def moe_without_te_compat() -> None:
+    """The MoE shims (module docstring). Idempotent; changes nothing when Transformer Engine is importable."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import token_dispatcher
+
+    if getattr(moe_utils, "HAVE_TE", False) or getattr(token_dispatcher, _MARKER, False):
+        return
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(to_cpu)
+    def splits_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        out = to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return out.numpy() if as_numpy and torch.is_tensor(out) else out
+
+    token_dispatcher.maybe_move_tensor_to_cpu = splits_to_cpu
+    setattr(token_dispatcher, _MARKER, True)
+
+
 def apply_cpu_compat() -> None:
     """Install the CPU shims for megatron-core (see the module docstring). Idempotent.
 
@@ -313,4 +340,5 @@ def apply_cpu_compat() -> None:
     _patch_torch_cuda()
     _patch_megatron_rng()
     _patch_megatron_modules()
+    moe_without_te_compat()
     setattr(torch.cuda, _MARKER, True)

@@ -1,11 +1,12 @@
 """Process groups for the actor, from torchrun or srun environments.
 
 API:
-    init_distributed(tensor_parallel, pipeline_parallel, *, backend=None, timeout_s=1800, seed=1234) -> ParallelGroups
+    init_distributed(tensor_parallel, pipeline_parallel, *, expert_parallel=1, backend=None, timeout_s=1800,
+                     seed=1234) -> ParallelGroups
     destroy_distributed() -> None
-    ParallelGroups: tp_group / pp_group / dp_group / mp_group (+ embd_group), rank, world_size, local_rank,
-        tp_rank/tp_size, pp_rank/pp_size, dp_rank/dp_size, pp_ranks, mp_ranks, device,
-        is_first_stage / is_last_stage
+    ParallelGroups: tp_group / pp_group / dp_group / mp_group (+ embd_group) / ep_group / etp_group, rank,
+        world_size, local_rank, tp_rank/tp_size, pp_rank/pp_size, dp_rank/dp_size, ep_rank/ep_size, pp_ranks,
+        mp_ranks, device, is_first_stage / is_last_stage
 
 World and rank come from (first match wins):
     torchrun   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
@@ -16,6 +17,9 @@ World and rank come from (first match wins):
 Backend: NCCL when CUDA is available (device = cuda:LOCAL_RANK), gloo otherwise; on gloo without CUDA the
 megatron-core CPU shims (cpu_compat.apply_cpu_compat) are applied here, explicitly, before any megatron call.
 Rank order inside megatron is "tp-cp-ep-dp-pp": TP ranks are adjacent, PP stages are world / pp apart.
+Expert parallel (MoE) is carved out of data parallel: the dense layers see dp = world / (tp * pp) replicas, the
+experts are split over ep of them (the ranks of ep_group, same TP rank and stage), with expert tensor parallel =
+tp (megatron's default; etp_group has the same ranks as tp_group).
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ class ParallelGroups:
     mp_ranks: tuple[int, ...]
     """Global ranks of this rank's model-parallel group, in group-rank order."""
     device: torch.device
+    ep_group: dist.ProcessGroup | None = None
+    """Expert-parallel group (MoE): the ranks that split the experts of this stage; None when ep_size == 1."""
+    etp_group: dist.ProcessGroup | None = None
+    """Expert tensor-parallel group (MoE): the ranks that split each expert's matrices (same ranks as tp_group)."""
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -106,6 +116,7 @@ def init_distributed(
     tensor_parallel: int,
     pipeline_parallel: int,
     *,
+    expert_parallel: int = 1,
     backend: str | None = None,
     timeout_s: float = 1800.0,
     seed: int = 1234,
@@ -118,6 +129,8 @@ def init_distributed(
     Args:
         tensor_parallel: TP size; pipeline_parallel: PP size. world_size must be a multiple of their product;
             data parallel is world_size / (tensor_parallel * pipeline_parallel).
+        expert_parallel: EP size of a mixture-of-experts model (1 for dense models): world_size must also be a
+            multiple of tensor_parallel * expert_parallel * pipeline_parallel.
         backend: "nccl" or "gloo"; None picks NCCL with CUDA, gloo without.
         timeout_s: collective timeout of the default group and of megatron's groups (config:
             distributed.timeout_minutes): a rank that stops answering fails its peers' next collective after this.
@@ -127,10 +140,10 @@ def init_distributed(
     """
     from megatron.core import parallel_state as ps
 
-    if tensor_parallel < 1 or pipeline_parallel < 1:
+    if min(tensor_parallel, pipeline_parallel, expert_parallel) < 1:
         raise ValueError(
-            f"init_distributed: tensor_parallel and pipeline_parallel must be >= 1, "
-            f"got {tensor_parallel} and {pipeline_parallel}"
+            f"init_distributed: tensor_parallel, pipeline_parallel and expert_parallel must be >= 1, "
+            f"got {tensor_parallel}, {pipeline_parallel} and {expert_parallel}"
         )
     use_cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if use_cuda else "gloo")
@@ -144,6 +157,12 @@ def init_distributed(
         raise ValueError(
             f"init_distributed: world_size {world} is not divisible by tensor_parallel {tensor_parallel} "
             f"x pipeline_parallel {pipeline_parallel} = {model_parallel}"
+        )
+    if world % (model_parallel * expert_parallel) != 0:
+        raise ValueError(
+            f"init_distributed: world_size {world} is not divisible by tensor_parallel {tensor_parallel} "
+            f"x expert_parallel {expert_parallel} x pipeline_parallel {pipeline_parallel} = "
+            f"{model_parallel * expert_parallel} (experts are split over data-parallel ranks)"
         )
     if backend == "nccl":
         if not use_cuda:
@@ -177,6 +196,8 @@ def init_distributed(
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=tensor_parallel,
         distributed_timeout_minutes=timeout_s / 60.0,  # timedelta(minutes=...): fractions are kept
     )
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -203,6 +224,10 @@ def init_distributed(
         pp_ranks=tuple(dist.get_process_group_ranks(pp_group)),
         mp_ranks=tuple(dist.get_process_group_ranks(mp_group)),
         device=device,
+        ep_group=ps.get_expert_model_parallel_group() if expert_parallel > 1 else None,
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=expert_parallel,
     )
 
 

@@ -15,6 +15,14 @@ Layouts (megatron local spec names; the TE spec's fused layer_norm_weight names 
     layers.i.mlp.{gate,up}_proj.weight          ...mlp.linear_fc1.weight  TP rank r holds [gate_r ; up_r]
     layers.i.mlp.down_proj.weight               ...mlp.linear_fc2.weight  columns split over TP
     layers.i.{input,post_attention}_layernorm   ...input_layernorm / pre_mlp_layernorm (replicated)
+    MoE layers (Qwen3-MoE, Qwen2-MoE), instead of the dense mlp.{gate,up,down}_proj:
+    layers.i.mlp.gate.weight [E, H]             ...mlp.router.weight      (replicated)
+    layers.i.mlp.experts.g.{gate,up}_proj       ...mlp.experts.local_experts.k.linear_fc1.weight (TE grouped GEMM:
+                                                mlp.experts.linear_fc1.weight{k}) on EP rank g // (E/ep), k = g mod
+                                                E/ep; [gate_r ; up_r] per TP rank like the dense fc1
+    layers.i.mlp.experts.g.down_proj            ...local_experts.k.linear_fc2.weight (linear_fc2.weight{k}), columns
+    layers.i.mlp.shared_expert.*, shared_expert_gate.weight [1, H]
+                                                ...mlp.shared_experts.linear_fc1 / linear_fc2 / gate_weight
     model.norm.weight                           decoder.final_layernorm.weight (last stage)
     lm_head.weight [V, H] (untied only)         output_layer.weight       [Vp/tp, H] rows (last stage)
 Pipeline stage s holds layers [s*L/pp, (s+1)*L/pp) under local indices j = i - s*L/pp. Tied models
@@ -27,7 +35,8 @@ pp_group from that stage. Data-parallel replicas do the same independently, so a
 engine usually consumes the iterator on all ranks (they must all iterate: the gathers are collectives) and sends
 from one rank (e.g. groups.rank == 0). A bucket is one transformer layer (or the embedding, or final norm +
 lm_head) when bucket_bytes is None, else consecutive tensors of one stage up to bucket_bytes; only one bucket of
-gathered tensors is held at a time. Tensors are in HF's dtype (hf_config.dtype / torch_dtype) unless `dtype` is
+gathered tensors is held at a time. Routed experts are gathered over TP by their EP rank and broadcast over the EP
+group (one broadcast per owner and bucket). Tensors are in HF's dtype (hf_config.dtype / torch_dtype) unless `dtype` is
 given, with the vocab padding stripped. Export with dst_rank=r (an HF checkpoint written by rank r): only r
 yields; the ranks of r's model-parallel group gather each bucket's TP shards to the rank of that stage in r's
 pipeline, which sends it to r when the stage is not r's; other data-parallel replicas do nothing.
@@ -47,8 +56,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_dapo.actor.model import QK_NORM_ARCHS
-from megatron_dapo.actor.model import QKV_BIAS_ARCHS
+from megatron_dapo.actor.model import MoeShape
+from megatron_dapo.actor.model import has_qkv_bias
 from megatron_dapo.actor.model import model_arch
+from megatron_dapo.actor.model import moe_shape
 from megatron_dapo.actor.model import padded_vocab_size
 
 if TYPE_CHECKING:
@@ -71,6 +82,7 @@ class _Unit:
     hf_names: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
     layer: int | None = None  # global layer index (checked against TransformerLayer.layer_number)
+    ep_owner: int | None = None  # routed expert: the expert-parallel rank holding it (None: every EP rank)
 
 
 @dataclass(frozen=True)
@@ -85,9 +97,11 @@ class _Dims:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoeShape | None = None
+    ep: int = 1  # expert-parallel size (the experts of each MoE layer split into ep contiguous ranges)
 
 
-def _dims(hf_config: Any) -> _Dims:
+def _dims(hf_config: Any, ep: int = 1) -> _Dims:
     heads = hf_config.num_attention_heads
     return _Dims(
         vocab=hf_config.vocab_size,
@@ -98,8 +112,10 @@ def _dims(hf_config: Any) -> _Dims:
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         layers=hf_config.num_hidden_layers,
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=model_arch(hf_config) in QKV_BIAS_ARCHS,
+        qkv_bias=has_qkv_bias(hf_config),
         qk_norm=model_arch(hf_config) in QK_NORM_ARCHS,
+        moe=moe_shape(hf_config),
+        ep=ep,
     )
 
 
@@ -127,6 +143,9 @@ def _layer_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
             ((h,),),
         ),
     ]
+    if d.moe is not None:  # the MLP is the MoE block: its rows replace the dense fc1 / fc2
+        rows = [r for r in rows if r[0][0] not in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+        rows += _moe_rows(d)
     if not d.qkv_bias:
         rows.pop(1)
     if d.qk_norm:  # one [head_dim] RMSNorm weight shared by every head: the same on every TP rank
@@ -139,7 +158,7 @@ def _layer_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
                     ((d.head_dim,),),
                 )
             )
-    return [
+    units = [
         _Unit(
             stage,
             f"layer.{i}",
@@ -151,6 +170,42 @@ def _layer_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
         )
         for mcore, kind, names, shapes in rows
     ]
+    return units + (_expert_units(d, i, stage, j) if d.moe is not None else [])
+
+
+def _moe_rows(d: _Dims) -> list[tuple]:
+    """The MoE block's parameters besides the routed experts: the router and (Qwen2-MoE) the gated shared expert."""
+    assert d.moe is not None
+    h, e, s = d.hidden, d.moe.experts, d.moe.shared_ffn
+    rows = [(("mlp.router.weight",), "replicated", ("mlp.gate.weight",), ((e, h),))]
+    if s:
+        shared = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")
+        rows += [
+            (("mlp.shared_experts.linear_fc1.weight",), "fc1", shared, ((s, h), (s, h))),
+            (("mlp.shared_experts.linear_fc2.weight",), "row", ("mlp.shared_expert.down_proj.weight",), ((h, s),)),
+            (("mlp.shared_experts.gate_weight",), "replicated", ("mlp.shared_expert_gate.weight",), ((1, h),)),
+        ]
+    return rows
+
+
+def _expert_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
+    """The routed experts of global layer i (stage's local layer j): expert g lives on EP rank g // (E / ep) as its
+    local expert g % (E / ep); each is split over TP like the dense MLP ([gate_r ; up_r] rows, down columns).
+    megatron names: SequentialMLP (local spec) local_experts.k.linear_fc{1,2}.weight, TEGroupedMLP (Transformer
+    Engine spec) linear_fc{1,2}.weight{k}."""
+    assert d.moe is not None
+    h, f, per_rank = d.hidden, d.moe.ffn, d.moe.experts // d.ep
+    units = []
+    for g in range(d.moe.experts):
+        k, prefix, hf = g % per_rank, f"decoder.layers.{j}.mlp.experts", f"model.layers.{i}.mlp.experts.{g}"
+        for fc, kind, names, shapes in (
+            ("linear_fc1", "fc1", ("gate_proj", "up_proj"), ((f, h), (f, h))),
+            ("linear_fc2", "row", ("down_proj",), ((h, f),)),
+        ):
+            mcore = (f"{prefix}.local_experts.{k}.{fc}.weight", f"{prefix}.{fc}.weight{k}")
+            hf_names = tuple(f"{hf}.{n}.weight" for n in names)
+            units.append(_Unit(stage, f"layer.{i}", mcore, kind, hf_names, shapes, i, ep_owner=g // per_rank))
+    return units
 
 
 def _plan(d: _Dims, pp: int) -> list[_Unit]:
@@ -168,7 +223,7 @@ def _plan(d: _Dims, pp: int) -> list[_Unit]:
 
 def hf_state_dict_keys(hf_config: Any) -> list[str]:
     """HF tensor names that export_hf_weights yields, in order (the checkpoint's keys minus tied duplicates)."""
-    return [name for unit in _plan(_dims(hf_config), 1) for name in unit.hf_names]
+    return [name for unit in _plan(_dims(hf_config), 1) for name in unit.hf_names]  # EP does not change the names
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -248,6 +303,11 @@ def _stage_model(model_chunks: list[torch.nn.Module], d: _Dims, groups: Parallel
     return model
 
 
+def _held_here(unit: _Unit, groups: ParallelGroups) -> bool:
+    """Whether this rank holds (a TP shard of) the unit: its stage, and for a routed expert its EP rank."""
+    return unit.stage == groups.pp_rank and unit.ep_owner in (None, groups.ep_rank)
+
+
 def _find_param(params: dict[str, Tensor], unit: _Unit) -> Tensor:
     for name in unit.mcore:
         if name in params:
@@ -299,11 +359,11 @@ def load_hf_into_model(
     Every parameter of the stage must be covered (KeyError otherwise); tensors are cast to the parameter
     dtype. Call before the optimizer is built (a distributed optimizer copies fp32 main params at construction).
     """
-    d = _dims(hf_config)
+    d = _dims(hf_config, groups.ep_size)
     model = _stage_model(model_chunks, d, groups)
     params = dict(model.named_parameters())
     ckpt = _SafetensorsDir(hf_dir)
-    units = [u for u in _plan(d, groups.pp_size) if u.stage == groups.pp_rank]
+    units = [u for u in _plan(d, groups.pp_size) if _held_here(u, groups)]
     if d.tied and groups.pp_size > 1 and groups.is_last_stage:
         embed = ("model.embed_tokens.weight",)
         units.append(_Unit(groups.pp_rank, "final", ("output_layer.weight",), "vocab", embed, ((d.vocab, d.hidden),)))
@@ -389,12 +449,18 @@ def export_hf_weights(
     They may alias the live parameters (pp_size == 1, same dtype) or a shared bucket buffer: send or copy each
     tensor before advancing the iterator / stepping the optimizer.
     """
-    d = _dims(hf_config)
+    d = _dims(hf_config, groups.ep_size)
     model = _stage_model(model_chunks, d, groups)
     params = dict(model.named_parameters())
     out_dtype = dtype or _export_dtype(hf_config, next(iter(params.values())).dtype)
     itemsize = torch.empty((), dtype=out_dtype).element_size()
     buckets = _buckets(_plan(d, groups.pp_size), bucket_bytes, itemsize)
+    if dst_rank is not None and groups.ep_size > 1:
+        # Experts live on other data-parallel ranks (the EP group): every rank walks the full export, dst keeps it.
+        for name, tensor in export_hf_weights(model_chunks, hf_config, groups, bucket_bytes=bucket_bytes, dtype=dtype):
+            if groups.rank == dst_rank:
+                yield name, tensor
+        return
     if dst_rank is not None:
         yield from _export_to_rank(buckets, params, d, groups, out_dtype, dst_rank)
         return
@@ -404,7 +470,14 @@ def export_hf_weights(
             names = [n for u in bucket for n in u.hf_names]
             shapes = [s for u in bucket for s in u.hf_shapes]
             if groups.pp_rank == stage:
-                tensors = [t.to(out_dtype) for u in bucket for t in _gather_unit(_find_param(params, u), u, d, groups)]
+                tensors = []
+                for u in bucket:
+                    if _held_here(u, groups):
+                        tensors += [t.to(out_dtype) for t in _gather_unit(_find_param(params, u), u, d, groups)]
+                    else:  # a routed expert of another EP rank: filled by _share_experts
+                        tensors += [torch.empty(s, dtype=out_dtype, device=groups.device) for s in u.hf_shapes]
+                if groups.ep_size > 1:
+                    _share_experts(bucket, tensors, groups)
             if groups.pp_size > 1:
                 numels = [int(torch.Size(s).numel()) for s in shapes]
                 if groups.pp_rank == stage:
@@ -415,6 +488,29 @@ def export_hf_weights(
                 tensors = [p.view(s) for p, s in zip(flat.split(numels), shapes)]
             yield from zip(names, tensors)
             del tensors
+
+
+def _share_experts(bucket: list[_Unit], tensors: list[Tensor], groups: ParallelGroups) -> None:
+    """Fill the bucket's routed experts held by other EP ranks: one broadcast over ep_group per owner (its experts'
+    gathered tensors flattened), in place. `tensors` is the bucket's HF tensors in unit order."""
+    assert groups.ep_group is not None
+    slots: dict[int, list[int]] = {}  # owner EP rank -> indices into tensors
+    at = 0
+    for u in bucket:
+        if u.ep_owner is not None:
+            slots.setdefault(u.ep_owner, []).extend(range(at, at + len(u.hf_names)))
+        at += len(u.hf_names)
+    for owner, idx in slots.items():
+        mine = owner == groups.ep_rank
+        numels = [tensors[i].numel() for i in idx]
+        if mine:
+            flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        else:
+            flat = torch.empty(sum(numels), dtype=tensors[idx[0]].dtype, device=groups.device)
+        dist.broadcast(flat, group=groups.ep_group, group_src=owner)
+        if not mine:
+            for i, part in zip(idx, flat.split(numels), strict=True):
+                tensors[i] = part.view(tensors[i].shape)
 
 
 def _export_to_rank(

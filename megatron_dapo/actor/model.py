@@ -1,8 +1,10 @@
 """Hugging Face config -> megatron TransformerConfig + layer spec -> GPTModel for one pipeline stage.
 
 API:
-    SUPPORTED_ARCHITECTURES                    {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-    model_arch(hf_config) -> str               "llama" or "qwen2" (ValueError naming the field otherwise)
+    SUPPORTED_ARCHITECTURES                    {"LlamaForCausalLM": "llama", ..., "Qwen3MoeForCausalLM": "qwen3_moe"}
+    model_arch(hf_config) -> str               "llama", "qwen2", "qwen3", "qwen3_moe" or "qwen2_moe" (ValueError
+                                               naming the field otherwise)
+    moe_shape(hf_config) -> MoeShape | None    experts, top-k, expert width, norm_topk, shared expert width
     padded_vocab_size(vocab, tp, divisible_by=128) -> int
     to_transformer_config(hf_config, actor_config, *, on_cpu) -> TransformerConfig
     use_transformer_engine(actor_config, *, on_cpu) -> bool   (GPU without TE: RuntimeError naming the fix)
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -52,12 +55,21 @@ if TYPE_CHECKING:
     from megatron_dapo.actor.distributed import ParallelGroups
     from megatron_dapo.config import ActorConfig
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-QK_NORM_ARCHS = ("qwen3",)
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+}
+_MODEL_TYPES = {arch: arch for arch in SUPPORTED_ARCHITECTURES.values()}
+QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 """Architectures with an RMSNorm over each head's query and key (HF q_norm / k_norm, megatron q_ / k_layernorm)."""
-QKV_BIAS_ARCHS = ("qwen2",)
-"""Architectures whose q/k/v projections have biases."""
+QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
+"""Architectures whose q/k/v projections have biases (Qwen2-MoE: unless its config sets qkv_bias false)."""
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+"""Mixture-of-experts architectures: every decoder layer's MLP is a routed MoE block (+ a gated shared expert for
+Qwen2-MoE)."""
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -72,6 +84,36 @@ def model_arch(hf_config: Any) -> str:
     raise ValueError(
         f"hf config: architectures {getattr(hf_config, 'architectures', None)} / model_type {model_type!r} "
         f"not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def has_qkv_bias(hf_config: Any) -> bool:
+    """Whether the model's q/k/v projections have biases."""
+    return model_arch(hf_config) in QKV_BIAS_ARCHS and bool(getattr(hf_config, "qkv_bias", True))
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The routed-expert part of an MoE model's config (HF names in comments)."""
+
+    experts: int  # num_experts (config.json: num_experts or num_local_experts)
+    topk: int  # num_experts_per_tok
+    ffn: int  # moe_intermediate_size: one expert's hidden width
+    norm_topk: bool  # norm_topk_prob: the top-k softmax weights renormalised to sum to 1
+    shared_ffn: int  # shared_expert_intermediate_size (Qwen2-MoE; 0: no shared expert)
+
+
+def moe_shape(hf_config: Any) -> MoeShape | None:
+    """MoeShape of an MoE architecture's config, None for dense ones."""
+    if model_arch(hf_config) not in MOE_ARCHS:
+        return None
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    return MoeShape(
+        experts=int(experts),
+        topk=int(hf_config.num_experts_per_tok),
+        ffn=int(hf_config.moe_intermediate_size),
+        norm_topk=bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_ffn=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
     )
 
 
@@ -152,15 +194,68 @@ def sequence_parallel_on(actor_config: ActorConfig, *, use_te: bool) -> bool:
     return bool(actor_config.sequence_parallel and actor_config.tensor_parallel > 1 and use_te)
 
 
+def _check_moe(hf_config: Any, actor_config: ActorConfig) -> MoeShape | None:
+    """The model's MoeShape after checking what the actor supports (one-line ValueError otherwise)."""
+    moe = moe_shape(hf_config)
+    ep = actor_config.expert_parallel
+    if moe is None:
+        if ep != 1:
+            raise ValueError(f"actor.expert_parallel: {ep} needs a mixture-of-experts model; {model_arch(hf_config)} "
+                             "is dense")  # fmt: skip
+        return None
+    if moe.experts % ep != 0:
+        raise ValueError(f"actor.expert_parallel: {ep} must divide the model's num_experts {moe.experts}")
+    dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    if dense or step != 1:
+        raise ValueError(
+            f"hf config: mlp_only_layers {dense} / decoder_sparse_step {step} not supported: every layer must be MoE "
+            "(SGLang 0.5.23 builds every Qwen MoE layer sparse and would drop dense-layer weights)"
+        )
+    if moe.topk < 2 and moe.norm_topk:
+        raise ValueError("hf config: num_experts_per_tok 1 with norm_topk_prob not supported (megatron's router)")
+    return moe  # HF's router_aux_loss_coef is not read: actor.moe_aux_loss_coeff decides (0 for RL)
+
+
+def _moe_fields(moe: MoeShape | None, actor_config: ActorConfig, *, use_te: bool) -> dict[str, Any]:
+    """TransformerConfig fields of the MoE layers: HF's router (softmax over all experts in fp32, top-k, renormalised
+    when norm_topk_prob) is megatron's softmax router with pre_softmax False (top-k of the logits, softmax over the
+    k: the same numbers) or True (softmax over all, top-k, not renormalised); experts split over expert_parallel
+    ranks, each expert's matrices over tensor_parallel (expert tensor parallel = TP); aux loss per actor config, no
+    z-loss; grouped GEMM with Transformer Engine, one SequentialMLP expert at a time on the local spec."""
+    if moe is None:
+        return {}
+    coeff = actor_config.moe_aux_loss_coeff
+    fields: dict[str, Any] = dict(
+        num_moe_experts=moe.experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+        moe_aux_loss_coeff=coeff,
+        moe_z_loss_coeff=None,
+        moe_grouped_gemm=use_te,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=actor_config.expert_parallel,
+        expert_tensor_parallel_size=actor_config.tensor_parallel,
+    )
+    if moe.shared_ffn:
+        fields.update(moe_shared_expert_intermediate_size=moe.shared_ffn, moe_shared_expert_gate=True)
+    return fields
+
+
 def _check_hf_config(hf_config: Any, arch: str, pipeline_parallel: int) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hf config: hidden_act {act!r} not supported (only 'silu')")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("hf config: mlp_bias=True not supported")
-    if arch in ("llama", "qwen3") and getattr(hf_config, "attention_bias", False):
+    if arch in ("llama", "qwen3", "qwen3_moe") and getattr(hf_config, "attention_bias", False):
         raise ValueError(f"hf config: attention_bias=True not supported for {arch}")
-    if arch in ("qwen2", "qwen3") and getattr(hf_config, "use_sliding_window", False):
+    if arch != "llama" and getattr(hf_config, "use_sliding_window", False):
         raise ValueError("hf config: use_sliding_window=True not supported")
     layers = hf_config.num_hidden_layers
     if layers % pipeline_parallel != 0:
@@ -179,6 +274,7 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
     arch = model_arch(hf_config)
     tp, pp = actor_config.tensor_parallel, actor_config.pipeline_parallel
     _check_hf_config(hf_config, arch, pp)
+    moe = _check_moe(hf_config, actor_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if kv_heads % tp != 0 and tp % kv_heads != 0:
@@ -201,7 +297,7 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch in QKV_BIAS_ARCHS,
+        add_qkv_bias=has_qkv_bias(hf_config),
         qk_layernorm=arch in QK_NORM_ARCHS,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -217,8 +313,8 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=on_cpu,
-        variable_seq_lengths=True,  # micro-batches may differ in length under PP (shapes exchanged first)
-        moe_token_dispatcher_type="alltoall",  # unused (dense model); "allgather" rejects variable_seq_lengths
+        variable_seq_lengths=pp > 1,  # micro-batches may differ in length under PP (shapes exchanged first)
+        moe_token_dispatcher_type=actor_config.moe_dispatcher,  # megatron checks it on dense models too
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=use_te,
@@ -228,6 +324,7 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        **_moe_fields(moe, actor_config, use_te=use_te),
     )
 
 
@@ -417,12 +514,21 @@ def build_gpt_model(
 
     on_cpu = groups.device.type == "cpu"
     config = to_transformer_config(hf_config, actor_config, on_cpu=on_cpu)
+    experts = config.num_moe_experts
     if use_transformer_engine(actor_config, on_cpu=on_cpu):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm
+        )
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        if experts:
+            from megatron_dapo.actor.cpu_compat import moe_without_te_compat
+
+            moe_without_te_compat()
+        spec = get_gpt_layer_local_spec(
+            num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=config.qk_layernorm
+        )
         # The local DotProductAttention refuses packed (THD) input; this subclass runs it, so the actor's packed
         # path is the same on CPU as on GPU (where Transformer Engine's attention takes cu_seqlens natively).
         spec.submodules.self_attention.submodules.core_attention = varlen_attention_class()

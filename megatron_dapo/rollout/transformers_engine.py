@@ -87,6 +87,27 @@ class _Row:
     position: int = 0
 
 
+def fused_expert_rows(params: dict[str, Tensor]) -> dict[str, tuple[str, int, slice]]:
+    """Per-expert checkpoint names of transformers' fused MoE experts (transformers 5: `mlp.experts.gate_up_proj`
+    [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]; its conversion mapping merges the
+    checkpoint's `mlp.experts.{e}.{gate,up,down}_proj.weight` into them on load) -> (fused parameter name, expert,
+    rows). Models without fused experts give {}."""
+    out: dict[str, tuple[str, int, slice]] = {}
+    for name, p in params.items():
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or p.dim() != 3:
+            continue
+        if leaf == "gate_up_proj":
+            half = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = (name, e, slice(0, half))
+                out[f"{prefix}.{e}.up_proj.weight"] = (name, e, slice(half, None))
+        elif leaf == "down_proj":
+            for e in range(p.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = (name, e, slice(None))
+    return out
+
+
 def _check_full_attention(config: Any) -> None:
     """The slot cache applies one causal mask to every layer: refuse sliding-window layers."""
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -133,6 +154,10 @@ class TransformersEngine:
         _check_full_attention(self.model.config)
         register_attention()
         self.model.set_attn_implementation(ATTENTION_NAME)
+        if getattr(self.model.config, "num_experts", 0) and self.device.type == "cpu":
+            # transformers' default MoE kernel (torch grouped_mm) needs 16-byte strides on CPU: any expert width runs
+            # with the per-expert loop.
+            self.model.set_experts_implementation("eager")
         self.max_running = -(-max_running // ROW_BLOCK) * ROW_BLOCK
         self.max_context = max_context
         self.weight_version = 0
@@ -359,7 +384,8 @@ class TransformersEngine:
     # ------------------------------------------------------------------ weights
 
     def _index_parameters(self) -> None:
-        """Map every parameter name, aliases of tied weights included, to its tensor and canonical name."""
+        """Map every parameter name, aliases of tied weights included, to its tensor and canonical name; and the
+        checkpoint's per-expert names of MoE models to their rows of transformers' fused expert parameters."""
         self._params: dict[str, Tensor] = {}
         self._canonical: dict[str, str] = {}
         first_name: dict[int, str] = {}
@@ -367,7 +393,16 @@ class TransformersEngine:
             canonical = first_name.setdefault(id(p), name)
             self._params[name] = p
             self._canonical[name] = canonical
-        self.parameter_names = frozenset(first_name.values())
+        self._experts = fused_expert_rows(self._params)
+        fused = {param for param, _, _ in self._experts.values()}
+        self.parameter_names = frozenset(set(first_name.values()) - fused | set(self._experts))
+
+    def _target(self, name: str) -> Tensor | None:
+        """The tensor an HF name writes into (a view of a fused expert parameter for per-expert names), or None."""
+        if name in self._experts:
+            param, expert, rows = self._experts[name]
+            return self._params[param][expert, rows]
+        return self._params.get(name)
 
     def begin_weight_update(self) -> None:
         """Open an update session (resuming released weights); end_weight_update() checks that every parameter
@@ -391,10 +426,10 @@ class TransformersEngine:
         cls = type(self.model).__name__
         for name, tensor in bucket:
             base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
-            if base is not None and base in self._params:
+            if base is not None and self._target(base) is not None:
                 self._fp8_part(base, "scale_inv", tensor)
                 continue
-            target = self._params.get(name)
+            target = self._target(name)
             if target is None:
                 raise WeightUpdateError(f"update_weights: unknown tensor {name!r} (not a parameter of {cls})")
             if tuple(tensor.shape) != tuple(target.shape):
@@ -408,9 +443,9 @@ class TransformersEngine:
             self._copy_in(name, tensor)
 
     def _copy_in(self, name: str, tensor: Tensor) -> None:
-        self._params[name].copy_(tensor)
+        self._target(name).copy_(tensor)
         if self._received is not None:
-            self._received.add(self._canonical[name])
+            self._received.add(self._canonical.get(name, name))
 
     def _fp8_part(self, name: str, part: str, tensor: Tensor) -> None:
         """Hold one half of an FP8 weight (q or scale_inv); dequantize into the parameter when both are here."""
@@ -421,7 +456,7 @@ class TransformersEngine:
         if len(pending) == 2:
             del self._fp8_pending[name]
             try:
-                weight = dequantize_block_fp8(pending["q"], pending["scale_inv"], self._params[name].dtype)
+                weight = dequantize_block_fp8(pending["q"], pending["scale_inv"], self._target(name).dtype)
             except ValueError as err:
                 raise WeightUpdateError(f"update_weights: tensor {name!r}: {err}") from None
             self._copy_in(name, weight)

@@ -12,13 +12,33 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.actor._dist import run_distributed
 from tests.actor._tiny_models import every_tiny_checkpoint
 
-LAYOUTS = {2: ((2, 1), (1, 2)), 4: ((2, 2),)}
-MODELS = ("llama", "qwen2", "qwen3")
+LAYOUTS = {2: ((2, 1, 1), (1, 2, 1), (1, 1, 2)), 4: ((2, 2, 1), (2, 1, 2), (1, 2, 2))}
+"""(tensor_parallel, pipeline_parallel, expert_parallel) checked per world size."""
+DENSE = ("llama", "qwen2", "qwen3")
+MOE = ("qwen3_moe", "qwen2_moe")
+
+
+def layout_id(tp: int, pp: int, ep: int) -> str:
+    return "x".join(f"{name}{size}" for name, size in (("tp", tp), ("pp", pp), ("ep", ep)) if size > 1)
+
+
+def case_params() -> list[Any]:
+    """pytest params (world, tp, pp, ep, model) of every check: every model at every layout, the MoE ones only under
+    EP > 1; the 4-rank launch is marked slow."""
+    return [
+        pytest.param(
+            world, tp, pp, ep, model, id=f"{layout_id(tp, pp, ep)}-{model}", marks=[pytest.mark.slow] * (world > 2)
+        )
+        for world, layouts in LAYOUTS.items()
+        for tp, pp, ep in layouts
+        for model in (MOE if ep > 1 else DENSE + MOE)
+    ]
 
 
 def _compat_state() -> dict[str, Any]:
@@ -38,21 +58,22 @@ def actor_checks(ckpts: dict[str, str], tokens: torch.Tensor) -> dict[str, Any]:
 
     world = int(os.environ["WORLD_SIZE"])
     out: dict[str, Any] = {"before_init": _compat_state()}
-    for tp, pp in LAYOUTS[world]:
-        groups = init_distributed(tp, pp)
+    for tp, pp, ep in LAYOUTS[world]:
+        groups = init_distributed(tp, pp, expert_parallel=ep)
         if "after_init" not in out:
             out["after_init"] = _compat_state()
             apply_cpu_compat()
             out["after_second_apply"] = _compat_state()
-        for name in MODELS:
-            out[f"{tp}x{pp}/{name}"] = _check_model(Path(ckpts[name]), tokens, groups, tp, pp)
-        if pp == 1:
-            out[f"{tp}x{pp}/recompute_grad_err"] = _recompute_grad_err(Path(ckpts["qwen2"]), tokens, groups, tp)
+        for name in MOE if ep > 1 else DENSE + MOE:
+            out[f"{layout_id(tp, pp, ep)}/{name}"] = _check_model(Path(ckpts[name]), tokens, groups, tp, pp, ep)
+        if pp == 1 and ep == 1:
+            grad_err = _recompute_grad_err(Path(ckpts["qwen2"]), tokens, groups, tp)
+            out[f"{layout_id(tp, pp, ep)}/recompute_grad_err"] = grad_err
     destroy_distributed()
     return out
 
 
-def _check_model(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int, pp: int) -> dict[str, Any]:
+def _check_model(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int, pp: int, ep: int) -> dict[str, Any]:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -63,9 +84,12 @@ def _check_model(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int, pp: i
     from megatron_dapo.config import ActorConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    actor_cfg = ActorConfig(model_path=str(hf_dir), tensor_parallel=tp, pipeline_parallel=pp, dtype="fp32")
+    actor_cfg = ActorConfig(
+        model_path=str(hf_dir), tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, dtype="fp32"
+    )
     model = build_gpt_model(hf_config, actor_cfg, groups)
     load_hf_into_model([model], hf_dir, hf_config, groups)
+    model.eval()  # megatron's MoE layer refuses TP > 1 without sequence parallel (none on CPU) in training mode only
     logits = forward_logits([model], tokens, groups, vocab_size=hf_config.vocab_size)
     original = load_file(str(hf_dir / "model.safetensors"))
     exported = {name: t.clone() for name, t in export_hf_weights([model], hf_config, groups)}

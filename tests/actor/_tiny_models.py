@@ -3,7 +3,11 @@
     make_tiny_llama(dir)  LlamaForCausalLM, tied embeddings (like SmolLM2), GQA 4 query heads / 2 KV heads
     make_tiny_qwen2(dir)  Qwen2ForCausalLM, qkv bias, untied lm_head, GQA 4 / 2
     make_tiny_qwen3(dir)  Qwen3ForCausalLM, per-head q/k RMSNorm (q_norm, k_norm), no bias, untied, GQA 4 / 2
-All: 2 layers, hidden 64, head_dim 16, vocab 200 (not a multiple of 128 * TP, so padding is exercised),
+    make_tiny_qwen3_moe(dir)  Qwen3MoeForCausalLM: Qwen3's attention, 4 MoE layers of 8 experts, top-2
+                          (renormalised), expert width 38 (19 per TP rank: a multiple of nothing convenient)
+    make_tiny_qwen2_moe(dir)  Qwen2MoeForCausalLM: qkv bias, 8 experts top-2 (not renormalised) + a gated shared
+                          expert of width 44
+All: 2 layers (MoE: 4), hidden 64, head_dim 16, vocab 200 (not a multiple of 128 * TP, so padding is exercised),
 fp32 safetensors. Norm weights and biases are randomised too, so a missed or swapped tensor changes logits.
 """
 
@@ -20,8 +24,12 @@ from transformers import LlamaConfig
 from transformers import LlamaForCausalLM
 from transformers import Qwen2Config
 from transformers import Qwen2ForCausalLM
+from transformers import Qwen2MoeConfig
+from transformers import Qwen2MoeForCausalLM
 from transformers import Qwen3Config
 from transformers import Qwen3ForCausalLM
+from transformers import Qwen3MoeConfig
+from transformers import Qwen3MoeForCausalLM
 
 VOCAB = 200
 _COMMON = dict(
@@ -77,11 +85,51 @@ def make_tiny_qwen3(path: str | Path, *, seed: int = 2, num_layers: int = 2) -> 
     return Path(path)
 
 
+_MOE = dict(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+
+
+def make_tiny_qwen3_moe(path: str | Path, *, seed: int = 3, num_layers: int = 4) -> Path:
+    """Save a Qwen3MoeForCausalLM (every layer MoE, 8 experts, top-2 renormalised) to `path`; returns it."""
+    config = Qwen3MoeConfig(
+        **{**_COMMON, "num_hidden_layers": num_layers},
+        **_MOE,
+        moe_intermediate_size=38,
+        norm_topk_prob=True,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    )
+    model = Qwen3MoeForCausalLM(config).float()
+    _randomise(model, seed)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def make_tiny_qwen2_moe(path: str | Path, *, seed: int = 4, num_layers: int = 4) -> Path:
+    """Save a Qwen2MoeForCausalLM (qkv bias, 8 experts top-2 not renormalised, gated shared expert) to `path`."""
+    config = Qwen2MoeConfig(
+        **{**_COMMON, "num_hidden_layers": num_layers},
+        **_MOE,
+        moe_intermediate_size=38,
+        shared_expert_intermediate_size=44,
+        norm_topk_prob=False,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    )
+    model = Qwen2MoeForCausalLM(config).float()
+    _randomise(model, seed)
+    model.save_pretrained(path)
+    return Path(path)
+
+
 def load_hf(path: str | Path) -> torch.nn.Module:
     """The saved checkpoint as a transformers model (fp32, eval mode, eager attention)."""
+    from transformers import AutoConfig
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    # MoE: transformers' default grouped_mm experts need 16-byte strides (expert width 38 in fp32 has not): eager.
+    moe = {"experts_implementation": "eager"} if "Moe" in AutoConfig.from_pretrained(path).architectures[0] else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **moe)
     return model.eval()
 
 
@@ -96,7 +144,13 @@ def tiny_checkpoints() -> dict[str, Path]:
 
 @functools.cache
 def every_tiny_checkpoint() -> dict[str, Path]:
-    """tiny_checkpoints() and a Qwen3 one: each architecture the actor supports (model parity, export, planner)."""
+    """tiny_checkpoints() and Qwen3, Qwen3-MoE and Qwen2-MoE ones: each architecture the actor supports (model parity,
+    export, planner)."""
     root = Path(tempfile.mkdtemp(prefix="tiny_hf_"))
     atexit.register(shutil.rmtree, root, True)
-    return {**tiny_checkpoints(), "qwen3": make_tiny_qwen3(root / "qwen3")}
+    return {
+        **tiny_checkpoints(),
+        "qwen3": make_tiny_qwen3(root / "qwen3"),
+        "qwen3_moe": make_tiny_qwen3_moe(root / "qwen3_moe"),
+        "qwen2_moe": make_tiny_qwen2_moe(root / "qwen2_moe"),
+    }

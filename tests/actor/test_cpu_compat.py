@@ -21,16 +21,16 @@ def test_not_applied_at_import_then_applied_once():
 def test_enables_tp2_forward_on_cpu():
     results = cached_results(2)
     for res in results:
-        logits = res["2x1/llama"]["logits"]
+        logits = res["tp2/llama"]["logits"]
         assert logits is not None and logits.shape == (2, 11, 200)
         assert torch.isfinite(logits).all()
-    assert torch.equal(results[0]["2x1/llama"]["logits"], results[1]["2x1/llama"]["logits"])
+    assert torch.equal(results[0]["tp2/llama"]["logits"], results[1]["tp2/llama"]["logits"])
 
 
 def test_activation_recompute_on_cpu():
     # Full recompute replays the forward with restored RNG states; gradients must match the plain run.
     for res in cached_results(2):
-        assert res["2x1/recompute_grad_err"] <= 1e-6
+        assert res["tp2/recompute_grad_err"] <= 1e-6
 
 
 def test_noop_when_cuda_available(monkeypatch):

@@ -1,4 +1,5 @@
-"""Megatron GPTModel logits equal transformers logits at TP=2, PP=2 and TP=2 x PP=2 (fp32, CPU, gloo)."""
+"""Megatron GPTModel logits equal transformers logits (fp32 CPU gloo actor; transformers in fp32, fp64 for the MoE
+models) at TP=2, PP=2, TP=2 x PP=2 and, for Qwen3-MoE and Qwen2-MoE, EP=2, TP=2 x EP=2 and PP=2 x EP=2."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from megatron_dapo.actor.distributed import init_distributed
 from megatron_dapo.actor.model import padded_vocab_size
 from megatron_dapo.actor.model import to_transformer_config
 from megatron_dapo.config import ActorConfig
+from tests.actor._actor_checks import MOE
 from tests.actor._actor_checks import cached_results
+from tests.actor._actor_checks import case_params
+from tests.actor._actor_checks import layout_id
 from tests.actor._actor_checks import tokens
 from tests.actor._tiny_models import every_tiny_checkpoint
 from tests.actor._tiny_models import load_hf
@@ -23,21 +27,20 @@ ATOL = 1e-4
 
 @functools.cache
 def _hf_logits(name: str) -> torch.Tensor:
+    """transformers' logits, fp64 (eager experts: MoE) for the MoE models, fp32 for the dense ones."""
+    model = load_hf(every_tiny_checkpoint()[name])
+    if name in MOE:
+        model = model.double()
     with torch.no_grad():
-        return load_hf(every_tiny_checkpoint()[name])(tokens()).logits.float()
+        return model(tokens()).logits.float()
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize(
-    ("world", "tp", "pp"),
-    [(2, 2, 1), (2, 1, 2), pytest.param(4, 2, 2, marks=pytest.mark.slow)],
-    ids=["tp2", "pp2", "tp2xpp2"],
-)
-def test_logits_match_transformers(world, tp, pp, model):
+@pytest.mark.parametrize(("world", "tp", "pp", "ep", "model"), case_params())
+def test_logits_match_transformers(world, tp, pp, ep, model):
     results = cached_results(world)
     ref = _hf_logits(model)
     for rank, res in enumerate(results):
-        logits = res[f"{tp}x{pp}/{model}"]["logits"]
+        logits = res[f"{layout_id(tp, pp, ep)}/{model}"]["logits"]
         last_stage = rank // (world // pp) == pp - 1  # megatron order tp-cp-ep-dp-pp: stages are world/pp apart
         if not last_stage:
             assert logits is None, rank

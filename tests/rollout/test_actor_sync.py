@@ -1,4 +1,5 @@
-"""End to end on CPU: MegatronActor (TP=2, gloo) update -> export -> WeightSync -> TransformersEngine.
+"""End to end on CPU: MegatronActor (TP=2, or Qwen3-MoE at EP=2; gloo) update -> export -> WeightSync ->
+TransformersEngine.
 
 One 2-process launch (~20-30 s, mostly imports). After one DAPO update the actor's weights differ from the
 checkpoint; after the sync the engine's sampling log-probs of its own completions equal the actor's
@@ -15,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_dapo.batch import ActorBatch
@@ -26,16 +28,18 @@ from megatron_dapo.config import TrainerConfig
 from tests.actor._dist import run_distributed
 from tests.actor._tiny_models import VOCAB
 from tests.actor._tiny_models import make_tiny_qwen2
+from tests.actor._tiny_models import make_tiny_qwen3_moe
 
 TEMPERATURE = 0.7
 PROMPTS = [[5, 17, 33, 3], [9, 100], [150, 151, 152, 153, 154]]
 
 
-def _config(hf_dir: str) -> RunConfig:
+def _config(hf_dir: str, tp: int = 2, ep: int = 1) -> RunConfig:
     return RunConfig(
         actor=ActorConfig(
             model_path=hf_dir,
-            tensor_parallel=2,
+            tensor_parallel=tp,
+            expert_parallel=ep,
             dtype="fp32",
             lr=1e-2,
             lr_warmup_steps=0,
@@ -81,7 +85,7 @@ def _load_tensor_bucket_module():
     return mod
 
 
-def _sync_worker(hf_dir: str) -> dict:
+def _sync_worker(hf_dir: str, tp: int = 2, ep: int = 1) -> dict:
     import torch.distributed as dist
 
     from megatron_dapo.actor.actor import MegatronActor
@@ -94,8 +98,8 @@ def _sync_worker(hf_dir: str) -> dict:
     from megatron_dapo.rollout.sglang_engine import flattened_bucket_payloads
     from tests.actor._tiny_models import load_hf
 
-    groups = init_distributed(2, 1)
-    actor = MegatronActor(_config(hf_dir), groups, hf_dir=hf_dir)
+    groups = init_distributed(tp, 1, expert_parallel=ep)
+    actor = MegatronActor(_config(hf_dir, tp, ep), groups, hf_dir=hf_dir)
     batch = _train_batch()
     batch.old_logp, _ = actor.compute_logprobs(batch, with_entropy=False)
     actor.update(batch)
@@ -157,10 +161,17 @@ def _sync_worker(hf_dir: str) -> dict:
     return out
 
 
-def test_actor_update_sync_then_engine_logprobs_equal_actor_logprobs():
+@pytest.mark.parametrize(
+    ("make", "tp", "ep"),
+    [(make_tiny_qwen2, 2, 1), (make_tiny_qwen3_moe, 1, 2)],
+    ids=["qwen2-tp2", "qwen3_moe-ep2"],
+)
+def test_actor_update_sync_then_engine_logprobs_equal_actor_logprobs(make, tp, ep):
+    """Qwen3-MoE at EP=2: each rank exports the experts of the other through the EP group, and the engine (fused
+    transformers experts) takes the per-expert names."""
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = str(make_tiny_qwen2(Path(tmp) / "qwen2"))
-        res = run_distributed(_sync_worker, 2, hf_dir)[0]
+        hf_dir = str(make(Path(tmp) / "model"))
+        res = run_distributed(_sync_worker, 2, hf_dir, tp, ep)[0]
     # The update moved the weights and the sync carried them into the engine.
     assert (res["logits_before"] - res["logits_after"]).abs().max() > 1e-3
     assert res["metrics"]["weight_sync/num_buckets"] > 1
