@@ -39,14 +39,19 @@ def make_tiny_tokenizer(out_dir: str | Path):
     return tok
 
 
-def make_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
-    """A random tied-embedding GQA Llama (SmolLM2's architecture, scaled down) with the tiny tokenizer."""
+def make_tiny_model(
+    out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, moe: bool = False
+) -> Path:
+    """A random tied-embedding GQA Llama (SmolLM2's architecture, scaled down) with the tiny tokenizer; moe=True: an
+    untied Qwen3-MoE of the same size instead (8 experts of width 48, top-2, every layer MoE)."""
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM
+    from transformers import Qwen3MoeConfig
+    from transformers import Qwen3MoeForCausalLM
 
     out_dir = Path(out_dir)
     tok = make_tiny_tokenizer(out_dir)
-    config = LlamaConfig(
+    common = dict(
         vocab_size=len(tok),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -55,25 +60,32 @@ def make_tiny_model(out_dir: str | Path, *, seed: int = 0, hidden: int = 64, lay
         num_key_value_heads=2,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    if moe:
+        moe_fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+        config = Qwen3MoeConfig(**common, **moe_fields, head_dim=hidden // 4, tie_word_embeddings=False)
+    else:
+        config = LlamaConfig(**common, tie_word_embeddings=True)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
+    model = (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config).float()
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir)
     return out_dir
 
 
-def make_tiny_run(root: str | Path, *, num_train: int = 64, num_test: int = 16, seed: int = 0) -> dict[str, str]:
-    """Create root/model (tiny model) and root/data/{train,test}.jsonl (one-digit sums); returns their paths."""
+def make_tiny_run(
+    root: str | Path, *, num_train: int = 64, num_test: int = 16, seed: int = 0, moe: bool = False
+) -> dict[str, str]:
+    """Create root/model (tiny model; moe: the Qwen3-MoE one) and root/data/{train,test}.jsonl (one-digit sums);
+    returns their paths."""
     from megatron_dapo.data import make_dataset
 
     root = Path(root)
-    model_dir = make_tiny_model(root / "model", seed=seed)
+    model_dir = make_tiny_model(root / "model", seed=seed, moe=moe)
     kwargs = {
         "min_terms": 2,
         "max_terms": 2,
