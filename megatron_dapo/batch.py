@@ -18,6 +18,51 @@ from torch import Tensor
 
 
 @dataclass
+class RoutedExperts:
+    """Per token of each row, the experts every MoE layer routed it to (actor.routing_replay): row i's tokens
+    0..n_i-1 (prompt + response) are data[offsets[i]:offsets[i + 1]], [n_i, layers, k]. Ragged: no padding is stored.
+
+    data: [N, layers, k] uint8 (<= 256 experts) or int16; offsets: [B + 1] int64. `layers` are the MoE layers of one
+    pipeline stage (the actor records and replays per stage) or all of them (an engine's R3 routing). Stays on the
+    CPU (`to` is the identity); the actor moves one micro-batch's indices at a time.
+    """
+
+    data: Tensor
+    offsets: Tensor
+
+    @classmethod
+    def from_rows(cls, rows: list[Tensor], num_experts: int) -> RoutedExperts:
+        """From per-row [n_i, layers, k] integer tensors (all with the same layers and k)."""
+        dtype = torch.uint8 if num_experts <= 256 else torch.int16
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        data = torch.cat([r.to(dtype) for r in rows]) if rows else torch.zeros(0, 0, 0, dtype=dtype)
+        return cls(data=data, offsets=offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> Tensor:
+        """[n_i, layers, k] int64."""
+        return self.data[int(self.offsets[i]) : int(self.offsets[i + 1])].long()
+
+    def __getitem__(self, index: Tensor | slice) -> RoutedExperts:
+        """Rows `index` (what ActorBatch.select does to every field)."""
+        ids = list(range(len(self))[index]) if isinstance(index, slice) else index.reshape(-1).tolist()
+        parts = [self.data[int(self.offsets[i]) : int(self.offsets[i + 1])] for i in ids]
+        lengths = torch.tensor([len(p) for p in parts], dtype=torch.int64)
+        offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        data = torch.cat(parts) if parts else self.data[:0]
+        return RoutedExperts(data=data, offsets=offsets)
+
+    def to(self, device: torch.device | str) -> RoutedExperts:
+        del device
+        return self
+
+
+@dataclass
 class ActorBatch:
     """Sequences for the actor; all tensors share the leading dim B (responses) and S (padded length).
 
@@ -36,6 +81,8 @@ class ActorBatch:
         trainer always sets it; None: every row its own group (actor.shared_prefix then shares nothing).
     prompt_lengths: [B] int64 or None; P per row (its prompt is tokens[:P]). None: the column of the row's first
         response token (`packing.prompt_lengths`).
+    routed_experts: RoutedExperts (B rows) or None; the experts to route each token to in the actor's MoE layers
+        (actor.routing_replay: r2 records them in the old-log-prob pass, r3 takes the engine's).
     """
 
     tokens: Tensor
@@ -48,6 +95,7 @@ class ActorBatch:
     ref_logp: Tensor | None = None
     group_ids: Tensor | None = None
     prompt_lengths: Tensor | None = None
+    routed_experts: RoutedExperts | None = None
 
     def __post_init__(self) -> None:
         b, s = self.tokens.shape
@@ -59,6 +107,8 @@ class ActorBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (b,):
                 raise ValueError(f"ActorBatch.{name}: expected shape {(b,)}, got {tuple(value.shape)}")
+        if self.routed_experts is not None and len(self.routed_experts) != b:
+            raise ValueError(f"ActorBatch.routed_experts: expected {b} rows, got {len(self.routed_experts)}")
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -398,6 +398,10 @@ class ActorConfig:
     moe_dispatcher: str = "alltoall"
     """Megatron's MoE token dispatcher: "alltoall" (tokens sent to the ranks of their experts) or "allgather"
     (every EP rank sees every token; pipeline_parallel 1 only, megatron's rule)."""
+    routing_replay: str = "none"
+    """MoE routing replay (actor/routing.py): "none"; "r2" (the old-log-prob pass records each token's experts, the
+    update routes through the same ones); "r3" (the rollout engine's experts, replayed in both passes). Not with
+    actor.shared_prefix."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing (auxiliary) loss coefficient of MoE routers: 0 (off) for RL, as the policy's routing is what
     the rollout sampled; > 0 adds megatron's per-layer aux loss to the update. The router z-loss is always off."""
@@ -457,6 +461,12 @@ class ActorConfig:
         _check_numbers(self, "actor")
         _one_of(self.dtype, ("bf16", "fp16", "fp32"), "actor.dtype")
         _one_of(self.moe_dispatcher, ("alltoall", "allgather"), "actor.moe_dispatcher")
+        _one_of(self.routing_replay, ("none", "r2", "r3"), "actor.routing_replay")
+        _check(
+            self.routing_replay == "none" or not self.shared_prefix,
+            "actor.routing_replay",
+            "not supported with actor.shared_prefix (a prompt computed once has one routing for all its rows)",
+        )
         _check(
             self.moe_dispatcher != "allgather" or self.pipeline_parallel == 1,
             "actor.moe_dispatcher",
@@ -690,6 +700,11 @@ class RunConfig:
                 "algorithm.rollout_correction",
                 f"{a.rollout_correction!r} needs the engine's log-probs: set rollout.compare_logprobs=true",
             )
+        _check(
+            self.actor.routing_replay != "r3",
+            "actor.routing_replay",
+            "r3 needs every response token's experts from the rollout engines, which they do not return yet; use r2",
+        )
         cap = a.max_gen_batches * t.gen_prompts_per_batch
         _check(
             a.dynamic_sampling or cap == 0 or cap >= t.prompts_per_step,

@@ -336,7 +336,8 @@ class DAPOTrainer:
             if routed:
                 batch, plan = routed[0]
                 with timer("logprobs"):
-                    batch.old_logp, entropy = self.actor.compute_logprobs(batch, plan=plan)
+                    record = self.cfg.actor.routing_replay == "r2"  # the update replays the experts of this pass
+                    batch.old_logp, entropy = self.actor.compute_logprobs(batch, plan=plan, record_routing=record)
                     if self.reference is not None:
                         batch.ref_logp, _ = self.reference.compute_logprobs(batch, plan=plan, with_entropy=False)
                 # Per row, so the local rows get exactly what the whole batch would; MIS changes D, so before update.

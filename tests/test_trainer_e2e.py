@@ -130,12 +130,14 @@ def test_dapo_steps_resume_after_hard_kill(tiny, straight, tmp_path):
 @pytest.mark.slow
 def test_moe_dapo_steps_at_expert_parallel_2(tmp_path_factory):
     """A Qwen3-MoE actor (8 experts, top-2) trained by the whole job under torchrun: 2 ranks, actor.expert_parallel=2
-    (each rank holds 4 experts; DP=2 for the rest). Every step's metrics are finite, the engines sample from the
+    (each rank holds 4 experts; DP=2 for the rest), routing replay r2 (the update routes as the old-log-prob pass
+    recorded; tests/actor/test_actor_moe.py checks it against transformers). Every step's metrics are finite, the engines sample from the
     synced weights (log-prob mismatch at fp32 noise from step 2), and the final HF export has the checkpoint's
     per-expert names, the experts moved."""
     tiny = make_tiny_run(tmp_path_factory.mktemp("tiny_moe"), num_train=48, num_test=8, moe=True)
     run_dir = tmp_path_factory.mktemp("moe") / "run"
-    _train(tiny, run_dir, "--trainer.total_steps=3", "--actor.tensor_parallel=1", "--actor.expert_parallel=2")
+    _train(tiny, run_dir, "--trainer.total_steps=3", "--actor.tensor_parallel=1", "--actor.expert_parallel=2",
+           "--actor.routing_replay=r2")  # fmt: skip
     rows = [r for r in _metrics(run_dir) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:

@@ -71,11 +71,15 @@ from megatron_dapo.actor.packing import prompt_groups
 from megatron_dapo.actor.packing import prompt_lengths
 from megatron_dapo.actor.packing import sequence_lengths
 from megatron_dapo.actor.packing import shared_prefix_micro_batches
+from megatron_dapo.actor.routing import RoutingReplay
+from megatron_dapo.actor.routing import routing_by_row
+from megatron_dapo.actor.routing import routing_in_order
 from megatron_dapo.actor.safe_unpickle import check_dist_checkpoint
 from megatron_dapo.actor.verified_load import load_verified
 from megatron_dapo.actor.verified_load import storage_items
 from megatron_dapo.algorithms.policy_loss import uses_reference
 from megatron_dapo.batch import ActorBatch
+from megatron_dapo.batch import RoutedExperts
 from megatron_dapo.checkpoint import ItemHashes
 from megatron_dapo.config import RunConfig
 from megatron_dapo.metrics import all_reduce_stats
@@ -102,8 +106,8 @@ class _MicroBatch:
 def _cut_columns(batch: ActorBatch, width: int) -> ActorBatch:
     """Every [B, S] tensor cut (or zero-padded) to [B, width]; advantages unchanged."""
 
-    def cut(t: Tensor | None) -> Tensor | None:
-        if t is None or t.dim() != 2:
+    def cut(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.dim() != 2:
             return t
         if t.shape[1] >= width:
             return t[:, :width]
@@ -186,6 +190,11 @@ class MegatronActor:
                 "actor.tensor_parallel: a mixture-of-experts actor at tensor_parallel > 1 needs sequence parallel "
                 "(Transformer Engine on GPU); on CPU (local spec) use tensor_parallel=1 with actor.expert_parallel"
             )
+        self.routing: RoutingReplay | None = None
+        """Drives the MoE routers' replay (actor.routing_replay r2 / r3; None otherwise), `actor/routing.py`."""
+        self._recorded: dict[int, Tensor] | None = None  # R2: per pass row, its recorded routing (while recording)
+        if self.tf_config.moe_enable_routing_replay and not frozen:
+            self.routing = RoutingReplay(model)
         self.dtype = self.tf_config.params_dtype  # fp32 on CPU whatever actor.dtype says (model.py)
         self.tf_config.calculate_per_token_loss = False  # see the module docstring: D is explicit
         if self.dtype != torch.float32:
@@ -300,11 +309,19 @@ class MegatronActor:
         gpt = self._unwrapped()
         gpt.return_hidden = hidden_out  # scoped to this call: any other forward of the model returns logits
         gpt.rope_from_position_ids = shared
+        replaying = self._route(mb, tokens.shape[1])
         try:
             output = model(tokens, position_ids, attention_mask, **kwargs)
         finally:
             gpt.return_hidden = False
             gpt.rope_from_position_ids = False
+        if self._recorded is not None:
+            lengths = sequence_lengths(mb.batch.response_mask).tolist() if mb.rows else []
+            flat = self.routing.recorded()
+            for row, routed in zip(mb.rows, routing_by_row(flat, layout, lengths, tokens.shape[1]), strict=True):
+                self._recorded[row] = routed
+        if replaying and output.requires_grad:
+            output.register_hook(self.routing.backward_hook)
         if hidden_out:
             if self.tf_config.sequence_parallel and self.groups.tp_size > 1:
                 # [S/tp, b, H] -> [S, b, H]. The fused op already all-reduces d(hidden) over tp_group (every rank
@@ -315,6 +332,27 @@ class MegatronActor:
             output = output.transpose(0, 1)  # [S, b, H] -> [b, S, H]
         return output, make_loss(mb)
 
+    def _route(self, mb: _MicroBatch, width: int) -> bool:
+        """Set this stage's MoE routers for micro-batch `mb` (actor.routing_replay): record (an R2 old-log-prob pass),
+        replay mb's routed_experts (this stage's layers of them), or route freely. Returns True when replaying."""
+        if self.routing is None:
+            return False
+        if self._recorded is not None:
+            self.routing.record()
+            return False
+        routed = mb.batch.routed_experts
+        if routed is None or not mb.rows:
+            self.routing.off()
+            return False
+        layout = mb.layout if isinstance(mb.layout, PackedLayout) else None
+        rows = [routed.row(i) for i in range(len(routed))]
+        if rows and rows[0].shape[1] != self.routing.num_layers:  # every layer's routing (an engine's, R3)
+            first = self._unwrapped().decoder.layers[0].layer_number - 1
+            rows = [r[:, first : first + self.routing.num_layers] for r in rows]
+        ordered = routing_in_order(rows, layout, width, self.routing.num_layers, self.routing.topk)
+        self.routing.replay(ordered, self.device)
+        return True
+
     def _run_schedule(
         self, micro: list[_MicroBatch], make_loss: Callable[[_MicroBatch], Callable], forward_only: bool
     ) -> list[Any]:
@@ -323,15 +361,19 @@ class MegatronActor:
         first = micro[0]
         width = first.layout.num_tokens if first.layout is not None else first.batch.tokens.shape[1]
         rows = 1 if first.layout is not None else len(first.batch)
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, make_loss),
-            data_iterator=iter(micro),
-            model=self.model,
-            num_microbatches=len(micro),
-            seq_length=width,
-            micro_batch_size=rows,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward_step, make_loss),
+                data_iterator=iter(micro),
+                model=self.model,
+                num_microbatches=len(micro),
+                seq_length=width,
+                micro_batch_size=rows,
+                forward_only=forward_only,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.off()
 
     def row_plan(self, batch: ActorBatch) -> RowPlan:
         """The placement of a full batch's rows over DP ranks (`packing.RowPlan`): mini-batches of
@@ -451,7 +493,7 @@ class MegatronActor:
     # ---------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: ActorBatch, *, plan: RowPlan | None = None, with_entropy: bool = True
+        self, batch: ActorBatch, *, plan: RowPlan | None = None, with_entropy: bool = True, record_routing: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (and entropies) of the batch's tokens under the current weights.
 
@@ -465,6 +507,9 @@ class MegatronActor:
                 tokens [B, S] and response_mask [B, S] are read.
             plan: the RowPlan of the full batch (`RowPlan.build` from its lengths), or None.
             with_entropy: also return the entropies (else None).
+            record_routing: (actor.routing_replay r2; needs a plan) record every token's top-k experts in this stage's
+                MoE layers into batch.routed_experts (this DP rank's rows), for `update` to replay. A batch that
+                already has routed_experts (r3) is replayed instead, here too.
         Returns:
             (logp, entropy): [B, S] fp32 on CPU (B = the rows passed in), on every rank. Position t is
             log p(tokens[t] | tokens[<t]); 0 at position 0 and wherever response_mask is 0 (prompt and padding).
@@ -472,13 +517,21 @@ class MegatronActor:
         self._require_resident("compute_logprobs", ("params",))
         for chunk in self.model:
             chunk.eval()
+        record = record_routing and self.routing is not None and batch.routed_experts is None
+        if record and plan is None:
+            raise ValueError("MegatronActor.compute_logprobs: record_routing needs plan= (this DP rank's rows)")
         try:
             if plan is not None:
                 local, _ = self._local_rows(batch, plan, "compute_logprobs")
+                self._recorded = {} if record else None
                 out = self._local_logprobs(local, with_entropy, len(local))[:, : len(local)].cpu()
+                if record:
+                    rows = [self._recorded[i] for i in range(len(local))]
+                    batch.routed_experts = RoutedExperts.from_rows(rows, self.routing.num_experts)
             else:
                 out = self._full_logprobs(batch, with_entropy)
         finally:
+            self._recorded = None
             for chunk in self.model:
                 chunk.train(not self.frozen)
         out = out * batch.response_mask.to(torch.float32)

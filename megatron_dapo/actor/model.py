@@ -199,9 +199,11 @@ def _check_moe(hf_config: Any, actor_config: ActorConfig) -> MoeShape | None:
     moe = moe_shape(hf_config)
     ep = actor_config.expert_parallel
     if moe is None:
-        if ep != 1:
-            raise ValueError(f"actor.expert_parallel: {ep} needs a mixture-of-experts model; {model_arch(hf_config)} "
-                             "is dense")  # fmt: skip
+        for field, value, off in (("expert_parallel", ep, 1), ("routing_replay", actor_config.routing_replay, "none")):
+            if value != off:
+                raise ValueError(
+                    f"actor.{field}: {value} needs a mixture-of-experts model; {model_arch(hf_config)} is dense"
+                )
         return None
     if moe.experts % ep != 0:
         raise ValueError(f"actor.expert_parallel: {ep} must divide the model's num_experts {moe.experts}")
@@ -239,6 +241,7 @@ def _moe_fields(moe: MoeShape | None, actor_config: ActorConfig, *, use_te: bool
         moe_grouped_gemm=use_te,
         moe_permute_fusion=False,
         moe_router_fusion=False,
+        moe_enable_routing_replay=actor_config.routing_replay != "none",
         expert_model_parallel_size=actor_config.expert_parallel,
         expert_tensor_parallel_size=actor_config.tensor_parallel,
     )

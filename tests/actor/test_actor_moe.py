@@ -120,3 +120,130 @@ def _initial(name: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(every_tiny_checkpoint()[name] / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# routing replay (actor.routing_replay r2)
+# ---------------------------------------------------------------------------------------------------------------
+REPLAY_LAYOUTS = (  # (tp, pp, ep, actor overrides) on 2 ranks
+    (1, 1, 1, {}),  # DP=2, packed
+    (1, 1, 2, {"packing": False}),  # EP=2, padded micro-batches (s-major token order)
+    (1, 2, 1, {"recompute_activations": True}),  # PP=2: each stage its layers; the backward recompute replays too
+)
+
+
+def _replay_worker(hf_dir: str, moved_dir: str, batch) -> list[dict]:
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+
+    out = []
+    for tp, pp, ep, extra in REPLAY_LAYOUTS:
+        groups = init_distributed(tp, pp, expert_parallel=ep)
+        cfg = _config(hf_dir, tp, pp, expert_parallel=ep, routing_replay="r2", **extra)
+        old = MegatronActor(cfg, groups, hf_dir=hf_dir)
+        plan = old.row_plan(batch)
+        rows = plan.rows_of(groups.dp_rank)
+        local = batch.select(torch.tensor(rows))
+        free, _ = old.compute_logprobs(local, plan=plan)
+        recorded, _ = old.compute_logprobs(local, plan=plan, record_routing=True)
+        replayed, _ = old.compute_logprobs(local, plan=plan)  # local.routed_experts is set: replayed
+        # A policy whose routers moved (moved_dir): with the old routing replayed, its log-probs and gradients.
+        new = MegatronActor(cfg, groups, hf_dir=moved_dir)
+        moved_logp, _ = new.compute_logprobs(local, plan=plan)
+        new._forward_backward(local, local=True)
+        first = new._unwrapped().decoder.layers[0].layer_number - 1
+        out.append({"layout": (tp, pp, ep, tuple(extra)), "rows": rows, "first_layer": first,
+                    "routed": [local.routed_experts.row(i) for i in range(len(local))], "free": free,
+                    "recorded": recorded, "replayed": replayed, "moved_logp": moved_logp,
+                    "moved_grads": _hf_named_grads(new)})  # fmt: skip
+    return out
+
+
+def _forced(model, routing: torch.Tensor | None):
+    """Force transformers' MoE routers to `routing` [B, S, layers, k] (None: record their own choice into a list);
+    returns (handles, recorded)."""
+    recorded, handles = [], []
+    for j, layer in enumerate(model.model.layers):
+
+        def hook(module, args, output, j=j):
+            logits, weights, idx = output
+            if routing is None:
+                recorded.append(idx.detach().clone())
+                return output
+            idx = routing[:, :, j].reshape(-1, idx.shape[-1]).to(idx.device)  # rows b * S + s, as the block flattens
+            probs = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+            if model.config.norm_topk_prob:
+                probs = probs / probs.sum(-1, keepdim=True)
+            return logits, probs.to(weights.dtype), idx
+
+        handles.append(layer.mlp.gate.register_forward_hook(hook))
+    return handles, recorded
+
+
+def _hf_pass(hf_dir, batch, routing=None, backward=False):
+    """fp64 transformers: (log-probs [B, S], own routing [B, S, layers, k], per-expert-named grads)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = load_hf(hf_dir).double()
+    handles, recorded = _forced(model, routing)
+    logp_all = torch.log_softmax(model(batch.tokens).logits / TEMPERATURE, dim=-1)
+    for h in handles:
+        h.remove()
+    logp = torch.zeros(batch.tokens.shape, dtype=torch.float64)
+    logp[:, 1:] = logp_all[:, :-1].gather(-1, batch.tokens[:, 1:, None])[..., 0]
+    logp = logp * batch.response_mask
+    own = torch.stack([r.view(*batch.tokens.shape, -1) for r in recorded], dim=2) if recorded else None
+    grads = None
+    if backward:
+        loss, _ = dapo_policy_loss(logp, batch.old_logp.double(), batch.advantages.double(), batch.loss_mask,
+                                   eps_low=EPS_LOW, eps_high=EPS_HIGH)  # fmt: skip
+        loss.backward()
+        named = {n: p.grad.detach().float() for n, p in model.named_parameters() if p.grad is not None}
+        grads = revert_weight_conversion(model, named)
+    return logp.float(), own, grads
+
+
+def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path):
+    """actor.routing_replay r2 on Qwen3-MoE: the recorded experts are transformers' own top-k for every token and
+    layer; recording and replaying the unchanged policy's routing change no log-prob; a policy whose routers moved,
+    replaying the old routing, has the log-probs and DAPO gradients of transformers' moved model forced to the old
+    experts (and not those of its free routing). DP=2 packed, EP=2 padded, PP=2 with full recompute."""
+    from safetensors.torch import save_file
+
+    name = "qwen3_moe"
+    src = every_tiny_checkpoint()[name]
+    batch, *_ = _oracle(name)
+    # The moved policy: every router perturbed (enough to change some top-k choices).
+    moved = tmp_path / "moved"
+    weights = _initial(name)
+    gen = torch.Generator().manual_seed(7)
+    for key in [k for k in weights if k.endswith("mlp.gate.weight")]:
+        weights[key] = weights[key] + 0.05 * torch.randn(weights[key].shape, generator=gen)
+    moved.mkdir()
+    save_file(weights, str(moved / "model.safetensors"))
+    load_hf(src).config.save_pretrained(moved)
+    _, natural, _ = _hf_pass(src, batch)
+    moved_free, moved_own, _ = _hf_pass(moved, batch)
+    assert not torch.equal(moved_own, natural)  # the perturbation changed routing: replay has something to do
+    moved_forced, _, forced_grads = _hf_pass(moved, batch, routing=natural, backward=True)
+    assert (moved_forced - moved_free).abs().max() > 1e-3
+
+    ranks = run_distributed(_replay_worker, 2, str(src), str(moved), batch, timeout_s=600)
+    lengths = (batch.response_mask.cumsum(1).argmax(1) + 1).tolist()  # prompt + response tokens per row
+    for rank, results in enumerate(ranks):
+        for res in results:
+            where = f"rank {rank} {res['layout']}"
+            # Recording changes nothing; replaying the same routing changes nothing but float order (pad tokens go
+            # to experts 0..k-1 instead of their own choice, so an expert's matmul can hold other rows).
+            assert torch.equal(res["recorded"], res["free"]), where
+            torch.testing.assert_close(res["replayed"], res["free"], rtol=0, atol=1e-6, msg=where)
+            for row, routed in zip(res["rows"], res["routed"], strict=True):
+                want = natural[row, : lengths[row], res["first_layer"] : res["first_layer"] + routed.shape[1]]
+                assert routed.shape[0] == lengths[row], where
+                assert torch.equal(routed.sort(-1).values, want.sort(-1).values), (where, row)
+            got = res["moved_logp"]
+            want = moved_forced[res["rows"]]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=where)
+            for key, ref in forced_grads.items():
+                err = float((res["moved_grads"][key] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+                assert err < 1e-4, f"{where} {key}: rel err {err:.2e}"

@@ -99,6 +99,18 @@ def test_to_transformer_config_qwen2_on_cpu():
     assert not to_transformer_config(llama, ActorConfig(), on_cpu=True).add_qkv_bias
 
 
+_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=38,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+
+
 @pytest.mark.parametrize(
     ("override", "actor", "match"),
     [
@@ -107,6 +119,12 @@ def test_to_transformer_config_qwen2_on_cpu():
         ({"hidden_act": "gelu"}, {}, "hidden_act"),
         ({}, {"tensor_parallel": 4}, "num_key_value_heads 2"),
         ({}, {"pipeline_parallel": 3}, "num_hidden_layers 2"),
+        ({}, {"expert_parallel": 2}, "actor.expert_parallel: 2 needs a mixture-of-experts model; qwen2 is dense"),
+        ({}, {"routing_replay": "r2"}, "actor.routing_replay: r2 needs a mixture-of-experts model"),
+        (_MOE, {"expert_parallel": 3}, "actor.expert_parallel: 3 must divide the model's num_experts 8"),
+        ({**_MOE, "mlp_only_layers": [0]}, {}, r"mlp_only_layers \[0\] / decoder_sparse_step 1 not supported"),
+        ({**_MOE, "decoder_sparse_step": 2}, {}, "decoder_sparse_step 2 not supported"),
+        ({**_MOE, "num_experts_per_tok": 1}, {}, "num_experts_per_tok 1 with norm_topk_prob not supported"),
     ],
 )
 def test_to_transformer_config_rejects(override, actor, match):

@@ -1,0 +1,117 @@
+"""Routing replay for MoE actors (actor.routing_replay), on megatron-core 0.16.1's RouterReplay.
+
+    r2: the old-log-prob pass records each token's top-k experts per MoE layer; the update replays them, so every
+        mini-batch and epoch routes as the policy that computed pi_old did (the importance ratio compares the same
+        expert mixture).
+    r3: the rollout engine's routing (what sampled the tokens) is replayed in both the old-log-prob pass and the
+        update.
+
+megatron's TopKRouter (moe_enable_routing_replay) owns one RouterReplay per layer: action RECORD stores the top-k
+indices [tokens, k] it computed; REPLAY_FORWARD uses `target_topk_idx` instead (the probabilities are the router's
+own scores gathered at those indices, so gradients still reach the router); REPLAY_BACKWARD pops a FIFO list (one
+entry per `set_target_indices`) for the recompute of a full-recompute backward. megatron drives these through a
+process-global list and static methods; `RoutingReplay` drives one model's instances directly (and takes them off
+that list), per micro-batch:
+
+    forward of micro-batch m:  set_target_indices(m's indices) on every layer, action REPLAY_FORWARD
+    backward of micro-batch m: a hook on the stage's output switches to REPLAY_BACKWARD before the recompute runs;
+                               the FIFO pops m's indices (backwards run in forward order under megatron's schedules)
+    after the pass:            indices and actions cleared (nothing is held between passes)
+
+Token order: the router sees the stage's hidden states [S, b, H] flattened s-major (row s * b + j): one packed row
+(b = 1, T tokens: the micro-batch's rows back to back, then the alignment pad) or a padded micro-batch [b, width].
+`routing_in_order` / `routing_by_row` convert between that order and per-row tensors [n_i, layers, k]. Tokens
+without a given routing (the alignment pad, columns past a row's length, positions an engine did not report) get
+experts 0..k-1: their outputs feed no log-prob that is used, except a row's unreported positions, which the caller
+must not leave (RoutedExperts rows cover every token of the row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron_dapo.actor.packing import PackedLayout
+
+
+def _filler(count: int, layers: int, k: int) -> Tensor:
+    return torch.arange(k, dtype=torch.int64).expand(count, layers, k)
+
+
+def routing_in_order(rows: list[Tensor], layout: PackedLayout | None, width: int, layers: int, k: int) -> Tensor:
+    """Per-row routing [n_i, layers, k] -> [T, layers, k] int64 in the routers' token order: packed (layout given:
+    T = layout.num_tokens, row i at cu_seqlens[i]) or padded ([width, b] s-major: token (s, j) at s * b + j)."""
+    if layout is not None:
+        out = _filler(layout.num_tokens, layers, k).clone()
+        cu = layout.cu_seqlens.tolist()
+        for i, r in enumerate(rows):
+            n = min(len(r), cu[i + 1] - cu[i])
+            out[cu[i] : cu[i] + n] = r[:n]
+        return out
+    out = _filler(width * len(rows), layers, k).clone().view(width, len(rows), layers, k)
+    for j, r in enumerate(rows):
+        n = min(len(r), width)
+        out[:n, j] = r[:n]
+    return out.view(width * len(rows), layers, k)
+
+
+def routing_by_row(flat: Tensor, layout: PackedLayout | None, lengths: list[int], width: int) -> list[Tensor]:
+    """Inverse of `routing_in_order`: [T, layers, k] in the routers' order -> per row [n_i, layers, k] (n_i =
+    lengths[i], the row's real tokens)."""
+    if layout is not None:
+        cu = layout.cu_seqlens.tolist()
+        return [flat[cu[i] : cu[i] + n] for i, n in enumerate(lengths)]
+    grid = flat.view(width, len(lengths), *flat.shape[1:])
+    return [grid[:n, j] for j, n in enumerate(lengths)]
+
+
+class RoutingReplay:
+    """Drives the RouterReplay instances of one model's MoE layers (this pipeline stage's), in layer order."""
+
+    def __init__(self, model: Any) -> None:
+        """model: the unwrapped GPTModel built with config.moe_enable_routing_replay."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._actions = RouterReplayAction
+        self.replays = [layer.mlp.router.router_replay for layer in model.decoder.layers]
+        if any(r is None for r in self.replays):
+            raise ValueError("RoutingReplay: every decoder layer must be MoE with moe_enable_routing_replay")
+        for r in self.replays:  # driven here, not through megatron's process-global static methods
+            RouterReplay.global_router_replay_instances.remove(r)
+        self.topk = int(model.config.moe_router_topk)
+        self.num_experts = int(model.config.num_moe_experts)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.replays)
+
+    def record(self) -> None:
+        """The next forward records each layer's top-k (read with `recorded`)."""
+        for r in self.replays:
+            r.clear_indices()
+            r.set_router_replay_action(self._actions.RECORD)
+
+    def recorded(self) -> Tensor:
+        """[T, layers, k] int64: what the last forward routed, in the routers' token order."""
+        return torch.stack([r.get_recorded_indices().cpu() for r in self.replays], dim=1)
+
+    def replay(self, ordered: Tensor, device: torch.device) -> None:
+        """The next forward (and the recompute of its backward) routes token t of layer j to ordered[t, j]."""
+        for j, r in enumerate(self.replays):
+            r.set_target_indices(ordered[:, j].to(device, torch.int64).contiguous())
+            r.set_router_replay_action(self._actions.REPLAY_FORWARD)
+
+    def backward_hook(self, grad: Tensor) -> Tensor:
+        """Registered on a replayed forward's output: its backward (and recompute) pops the FIFO of indices."""
+        for r in self.replays:
+            r.set_router_replay_action(self._actions.REPLAY_BACKWARD)
+        return grad
+
+    def off(self) -> None:
+        """Back to the routers' own top-k; indices dropped."""
+        for r in self.replays:
+            r.clear_indices()
+            r.clear_router_replay_action()
