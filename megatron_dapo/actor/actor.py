@@ -347,11 +347,35 @@ class MegatronActor:
         layout = mb.layout if isinstance(mb.layout, PackedLayout) else None
         rows = [routed.row(i) for i in range(len(routed))]
         if rows and rows[0].shape[1] != self.routing.num_layers:  # every layer's routing (an engine's, R3)
-            first = self._unwrapped().decoder.layers[0].layer_number - 1
+            first = self.routing.first_layer
             rows = [r[:, first : first + self.routing.num_layers] for r in rows]
-        ordered = routing_in_order(rows, layout, width, self.routing.num_layers, self.routing.topk)
-        self.routing.replay(ordered, self.device)
+        ordered, real = routing_in_order(rows, layout, width, self.routing.num_layers, self.routing.topk)
+        self.routing.replay(ordered, self.device, real)
         return True
+
+    def pop_routing_agreement(self, prefix: str) -> dict[str, float]:
+        """Routing agreement of the replayed forwards since the last call (collective over all ranks): per MoE layer
+        the fraction of replayed tokens whose replayed top-k set is the one the router itself picks now, as
+        {prefix}/routing_agreement (all layers, token-weighted), {prefix}/routing_agreement_min (worst layer) and
+        {prefix}/routing_agreement_layer_{i}. {} without routing replay or when nothing was replayed."""
+        if self.routing is None:
+            return {}
+        layers = self.tf_config.num_layers
+        stats = torch.zeros(2, layers, dtype=torch.float64, device=self.device)
+        agree, count = self.routing.pop_agreement()
+        first = self.routing.first_layer
+        stats[0, first : first + len(agree)] = agree.to(self.device)
+        stats[1, first : first + len(count)] = count.to(self.device)
+        # Each stage holds its layers, each DP rank its tokens; TP ranks repeat the same routing (counted once).
+        for group in (self.groups.pp_group, self.groups.dp_group):
+            dist.all_reduce(stats, group=group)
+        if stats[1].sum() == 0:
+            return {}
+        per_layer = (stats[0] / stats[1].clamp_min(1)).tolist()
+        out = {f"{prefix}/routing_agreement": float(stats[0].sum() / stats[1].sum())}
+        out[f"{prefix}/routing_agreement_min"] = min(per_layer)
+        out.update({f"{prefix}/routing_agreement_layer_{i}": v for i, v in enumerate(per_layer)})
+        return out
 
     def _run_schedule(
         self, micro: list[_MicroBatch], make_loss: Callable[[_MicroBatch], Callable], forward_only: bool
@@ -609,7 +633,9 @@ class MegatronActor:
         Returns:
             plain floats, identical on every rank, averaged over the optimizer steps (skipped steps excluded):
             actor/loss, actor/grad_norm, actor/lr, actor/clipfrac_high, actor/clipfrac_low, actor/approx_kl,
-            actor/ratio_max, actor/entropy; and actor/skipped_steps (count), actor/num_updates (count).
+            actor/ratio_max, actor/entropy; and actor/skipped_steps (count), actor/num_updates (count). With routing
+            replay, the agreement of the replayed experts with the ones the updated routers pick
+            (`pop_routing_agreement`: actor/routing_agreement, ..._min, ..._layer_{i}).
         """
         if self.frozen:
             raise RuntimeError("MegatronActor.update: this is a frozen (reference) model")
@@ -621,7 +647,7 @@ class MegatronActor:
         for _ in range(self.config.trainer.ppo_epochs):
             for rows in plan.local_mini_batches(self.groups.dp_rank):
                 results.append(self._train_mini_batch(local.select(rows)))
-        return self._average(results)
+        return {**self._average(results), **self.pop_routing_agreement("actor")}
 
     @staticmethod
     def _average(results: list[dict[str, float]]) -> dict[str, float]:

@@ -40,21 +40,28 @@ def _filler(count: int, layers: int, k: int) -> Tensor:
     return torch.arange(k, dtype=torch.int64).expand(count, layers, k)
 
 
-def routing_in_order(rows: list[Tensor], layout: PackedLayout | None, width: int, layers: int, k: int) -> Tensor:
-    """Per-row routing [n_i, layers, k] -> [T, layers, k] int64 in the routers' token order: packed (layout given:
-    T = layout.num_tokens, row i at cu_seqlens[i]) or padded ([width, b] s-major: token (s, j) at s * b + j)."""
+def routing_in_order(
+    rows: list[Tensor], layout: PackedLayout | None, width: int, layers: int, k: int
+) -> tuple[Tensor, Tensor]:
+    """Per-row routing [n_i, layers, k] -> ([T, layers, k] int64 in the routers' token order, [T] bool: the tokens
+    that have a given routing): packed (layout given: T = layout.num_tokens, row i at cu_seqlens[i]) or padded
+    ([width, b] s-major: token (s, j) at s * b + j)."""
     if layout is not None:
         out = _filler(layout.num_tokens, layers, k).clone()
+        real = torch.zeros(layout.num_tokens, dtype=torch.bool)
         cu = layout.cu_seqlens.tolist()
         for i, r in enumerate(rows):
             n = min(len(r), cu[i + 1] - cu[i])
             out[cu[i] : cu[i] + n] = r[:n]
-        return out
+            real[cu[i] : cu[i] + n] = True
+        return out, real
     out = _filler(width * len(rows), layers, k).clone().view(width, len(rows), layers, k)
+    real = torch.zeros(width, len(rows), dtype=torch.bool)
     for j, r in enumerate(rows):
         n = min(len(r), width)
         out[:n, j] = r[:n]
-    return out.view(width * len(rows), layers, k)
+        real[:n, j] = True
+    return out.view(width * len(rows), layers, k), real.view(-1)
 
 
 def routing_by_row(flat: Tensor, layout: PackedLayout | None, lengths: list[int], width: int) -> list[Tensor]:
@@ -83,6 +90,32 @@ class RoutingReplay:
             RouterReplay.global_router_replay_instances.remove(r)
         self.topk = int(model.config.moe_router_topk)
         self.num_experts = int(model.config.num_moe_experts)
+        self.first_layer = model.decoder.layers[0].layer_number - 1 if self.replays else 0
+        self._real: Tensor | None = None  # [T] bool: the replayed forward's tokens that count for agreement
+        self.agree = torch.zeros(len(self.replays), dtype=torch.float64)
+        """Per layer, replayed tokens whose replayed top-k set equals the router's own (since `pop_agreement`)."""
+        self.count = torch.zeros(len(self.replays), dtype=torch.float64)
+        for j, r in enumerate(self.replays):
+            r.get_replay_topk = self._counting(r, j)
+
+    def _counting(self, replay: Any, j: int) -> Any:
+        """replay.get_replay_topk that also counts, in a replayed forward, the real tokens whose replayed experts are
+        the ones the router itself would pick (the top-k of the same scores): routing agreement."""
+        replayed = replay.get_replay_topk
+
+        def get_replay_topk(scores: Tensor, topk: int, num_groups: Any = None, group_topk: Any = None,
+                            default_compute_topk: Any = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+            probs, idx = replayed(scores, topk, num_groups, group_topk, default_compute_topk)
+            if replay.router_replay_action == self._actions.REPLAY_FORWARD and self._real is not None:
+                with torch.no_grad():
+                    _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                    same = (own.sort(-1).values == idx.sort(-1).values).all(-1)
+                    real = self._real.to(same.device)
+                    self.agree[j] += float(same[real].sum())
+                    self.count[j] += float(real.sum())
+            return probs, idx
+
+        return get_replay_topk
 
     @property
     def num_layers(self) -> int:
@@ -98,8 +131,10 @@ class RoutingReplay:
         """[T, layers, k] int64: what the last forward routed, in the routers' token order."""
         return torch.stack([r.get_recorded_indices().cpu() for r in self.replays], dim=1)
 
-    def replay(self, ordered: Tensor, device: torch.device) -> None:
-        """The next forward (and the recompute of its backward) routes token t of layer j to ordered[t, j]."""
+    def replay(self, ordered: Tensor, device: torch.device, real: Tensor | None = None) -> None:
+        """The next forward (and the recompute of its backward) routes token t of layer j to ordered[t, j]; real
+        [T] bool marks the tokens that count for the agreement (None: all)."""
+        self._real = real if real is not None else torch.ones(len(ordered), dtype=torch.bool)
         for j, r in enumerate(self.replays):
             r.set_target_indices(ordered[:, j].to(device, torch.int64).contiguous())
             r.set_router_replay_action(self._actions.REPLAY_FORWARD)
@@ -110,8 +145,16 @@ class RoutingReplay:
             r.set_router_replay_action(self._actions.REPLAY_BACKWARD)
         return grad
 
+    def pop_agreement(self) -> tuple[Tensor, Tensor]:
+        """(agreeing tokens, replayed tokens) per local layer since the last call, float64 [layers]; then zeroed."""
+        out = (self.agree.clone(), self.count.clone())
+        self.agree.zero_()
+        self.count.zero_()
+        return out
+
     def off(self) -> None:
         """Back to the routers' own top-k; indices dropped."""
+        self._real = None
         for r in self.replays:
             r.clear_indices()
             r.clear_router_replay_action()

@@ -147,28 +147,30 @@ def _replay_worker(hf_dir: str, moved_dir: str, batch) -> list[dict]:
         free, _ = old.compute_logprobs(local, plan=plan)
         recorded, _ = old.compute_logprobs(local, plan=plan, record_routing=True)
         replayed, _ = old.compute_logprobs(local, plan=plan)  # local.routed_experts is set: replayed
+        same = old.pop_routing_agreement("check")  # the unchanged policy's own routing: agreement 1
         # A policy whose routers moved (moved_dir): with the old routing replayed, its log-probs and gradients.
         new = MegatronActor(cfg, groups, hf_dir=moved_dir)
         moved_logp, _ = new.compute_logprobs(local, plan=plan)
+        moved_agreement = new.pop_routing_agreement("check")
         new._forward_backward(local, local=True)
         first = new._unwrapped().decoder.layers[0].layer_number - 1
         out.append({"layout": (tp, pp, ep, tuple(extra)), "rows": rows, "first_layer": first,
                     "routed": [local.routed_experts.row(i) for i in range(len(local))], "free": free,
                     "recorded": recorded, "replayed": replayed, "moved_logp": moved_logp,
-                    "moved_grads": _hf_named_grads(new)})  # fmt: skip
+                    "moved_grads": _hf_named_grads(new), "same": same, "moved_agreement": moved_agreement})  # fmt: skip
     return out
 
 
 def _forced(model, routing: torch.Tensor | None):
-    """Force transformers' MoE routers to `routing` [B, S, layers, k] (None: record their own choice into a list);
-    returns (handles, recorded)."""
+    """Force transformers' MoE routers to `routing` [B, S, layers, k] (None: leave them free); returns (handles,
+    recorded: per layer the routers' own top-k [B * S, k] on the inputs they saw)."""
     recorded, handles = [], []
     for j, layer in enumerate(model.model.layers):
 
         def hook(module, args, output, j=j):
             logits, weights, idx = output
+            recorded.append(idx.detach().clone())
             if routing is None:
-                recorded.append(idx.detach().clone())
                 return output
             idx = routing[:, :, j].reshape(-1, idx.shape[-1]).to(idx.device)  # rows b * S + s, as the block flattens
             probs = torch.softmax(logits.float(), dim=-1).gather(1, idx)
@@ -225,7 +227,7 @@ def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path
     _, natural, _ = _hf_pass(src, batch)
     moved_free, moved_own, _ = _hf_pass(moved, batch)
     assert not torch.equal(moved_own, natural)  # the perturbation changed routing: replay has something to do
-    moved_forced, _, forced_grads = _hf_pass(moved, batch, routing=natural, backward=True)
+    moved_forced, moved_own_forced, forced_grads = _hf_pass(moved, batch, routing=natural, backward=True)
     assert (moved_forced - moved_free).abs().max() > 1e-3
 
     ranks = run_distributed(_replay_worker, 2, str(src), str(moved), batch, timeout_s=600)
@@ -241,6 +243,17 @@ def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path
                 want = natural[row, : lengths[row], res["first_layer"] : res["first_layer"] + routed.shape[1]]
                 assert routed.shape[0] == lengths[row], where
                 assert torch.equal(routed.sort(-1).values, want.sort(-1).values), (where, row)
+            # Agreement: 1 for the policy that recorded the routing; for the moved one, the fraction of real tokens
+            # (every DP rank's, per layer) whose old experts are the top-k the moved routers pick on the replayed
+            # forward's inputs, as transformers forced to the old routing picks them.
+            assert res["same"]["check/routing_agreement"] == 1.0 and res["same"]["check/routing_agreement_min"] == 1.0
+            real = torch.arange(batch.tokens.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+            agree = (moved_own_forced.sort(-1).values == natural.sort(-1).values).all(-1)[real]  # [tokens, layers]
+            want_layers = agree.double().mean(0).tolist()
+            got_layers = [res["moved_agreement"][f"check/routing_agreement_layer_{i}"] for i in range(len(want_layers))]
+            assert got_layers == pytest.approx(want_layers, abs=1e-9), where
+            assert res["moved_agreement"]["check/routing_agreement"] == pytest.approx(float(agree.double().mean()))
+            assert 0.0 < min(want_layers) < 1.0
             got = res["moved_logp"]
             want = moved_forced[res["rows"]]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=where)

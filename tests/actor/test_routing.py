@@ -27,8 +27,9 @@ def test_packed_order_is_the_rows_back_to_back_then_the_pad(multiple):
     tokens = torch.randint(1, 50, (3, 6))
     layout = PackedLayout.build(tokens, torch.tensor(lengths), multiple)
     rows = _rows(lengths)
-    flat = routing_in_order(rows, layout, 6, LAYERS, K)
+    flat, real = routing_in_order(rows, layout, 6, LAYERS, K)
     assert flat.shape == (layout.num_tokens, LAYERS, K)
+    assert real.tolist() == [True] * 8 + [False] * (layout.num_tokens - 8)
     assert torch.equal(flat[:8], torch.cat(rows))
     assert (flat[8:] == torch.arange(K)).all()  # the alignment pad routes to experts 0..k-1
     assert all(torch.equal(a, b) for a, b in zip(routing_by_row(flat, layout, lengths, 6), rows, strict=True))
@@ -37,8 +38,9 @@ def test_packed_order_is_the_rows_back_to_back_then_the_pad(multiple):
 def test_padded_order_is_s_major_as_megatron_flattens_s_b_h():
     lengths, width = [2, 5, 3], 5
     rows = _rows(lengths, seed=1)
-    flat = routing_in_order(rows, None, width, LAYERS, K)
+    flat, real = routing_in_order(rows, None, width, LAYERS, K)
     assert flat.shape == (width * 3, LAYERS, K)
+    assert real.view(width, 3).sum(0).tolist() == lengths
     for j, r in enumerate(rows):
         for s in range(width):
             want = r[s] if s < len(r) else torch.arange(K).expand(LAYERS, K)
