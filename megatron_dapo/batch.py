@@ -31,9 +31,13 @@ class RoutedExperts:
     offsets: Tensor
 
     @classmethod
-    def from_rows(cls, rows: list[Tensor], num_experts: int) -> RoutedExperts:
-        """From per-row [n_i, layers, k] integer tensors (all with the same layers and k)."""
-        dtype = torch.uint8 if num_experts <= 256 else torch.int16
+    def from_rows(cls, rows: list[Tensor], num_experts: int | None = None) -> RoutedExperts:
+        """From per-row [n_i, layers, k] integer tensors (all with the same layers and k), stored as uint8 when
+        num_experts <= 256 else int16 (None: the first row's dtype)."""
+        if num_experts is None:
+            dtype = rows[0].dtype if rows else torch.uint8
+        else:
+            dtype = torch.uint8 if num_experts <= 256 else torch.int16
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
         offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(lengths, 0)

@@ -701,9 +701,10 @@ class RunConfig:
                 f"{a.rollout_correction!r} needs the engine's log-probs: set rollout.compare_logprobs=true",
             )
         _check(
-            self.actor.routing_replay != "r3",
+            self.actor.routing_replay != "r3" or r.engine == "transformers",
             "actor.routing_replay",
-            "r3 needs every response token's experts from the rollout engines, which they do not return yet; use r2",
+            f"r3 needs every token's experts from the rollout engine; rollout.engine {r.engine!r} does not return "
+            "them yet (the embedded transformers engine does); use r2",
         )
         cap = a.max_gen_batches * t.gen_prompts_per_batch
         _check(

@@ -22,6 +22,7 @@ from megatron_dapo.algorithms import group_normalized_advantages
 from megatron_dapo.algorithms import overlong_filter_mask
 from megatron_dapo.algorithms import soft_overlong_penalty
 from megatron_dapo.batch import ActorBatch
+from megatron_dapo.batch import RoutedExperts
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import Stats
@@ -121,7 +122,17 @@ def rows_to_batch(
         engine_logp=engine_logp,
         group_ids=torch.tensor([g for _, g in rows], dtype=torch.int64),
         prompt_lengths=torch.tensor([r.prompt_ids.numel() for r, _ in rows], dtype=torch.int64),
+        routed_experts=_routed_experts([r for r, _ in rows]),
     )
+
+
+def _routed_experts(rollouts: Sequence[Rollout]) -> RoutedExperts | None:
+    """The engines' routing of every row (Rollout.routed_experts: prompt + response positions but the last token,
+    which no engine feeds; the actor routes it to experts 0..k-1, its output feeds no used log-prob). None unless
+    every row has one."""
+    if not rollouts or any(r.routed_experts is None for r in rollouts):
+        return None
+    return RoutedExperts.from_rows([r.routed_experts for r in rollouts])
 
 
 def sampled_response_metrics(groups: Sequence[GroupSummary]) -> dict[str, float]:

@@ -338,6 +338,7 @@ class DAPOTrainer:
                 with timer("logprobs"):
                     record = self.cfg.actor.routing_replay == "r2"  # the update replays the experts of this pass
                     batch.old_logp, entropy = self.actor.compute_logprobs(batch, plan=plan, record_routing=record)
+                    metrics.update(self.actor.pop_routing_agreement("rollout"))  # r3: engine vs actor routing
                     if self.reference is not None:
                         batch.ref_logp, _ = self.reference.compute_logprobs(batch, plan=plan, with_entropy=False)
                 # Per row, so the local rows get exactly what the whole batch would; MIS changes D, so before update.
@@ -411,7 +412,8 @@ class DAPOTrainer:
         c = self.cfg
         if self.engine is not None:
             self.engine.weight_version = self.step - 1  # synced at the end of the previous step
-        params = sampling_params(c.rollout, n=1, stop_token_ids=self.stop_ids)
+        r3 = c.actor.routing_replay == "r3"  # the actor replays the engine's experts
+        params = sampling_params(c.rollout, n=1, stop_token_ids=self.stop_ids, routed_experts=r3)
         result = self.stream.run(
             self.step, self.sampler.start(), params, c.trainer.seed, self._fresh, self.carry, self.carry_rows
         )

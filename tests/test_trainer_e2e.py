@@ -130,19 +130,22 @@ def test_dapo_steps_resume_after_hard_kill(tiny, straight, tmp_path):
 @pytest.mark.slow
 def test_moe_dapo_steps_at_expert_parallel_2(tmp_path_factory):
     """A Qwen3-MoE actor (8 experts, top-2) trained by the whole job under torchrun: 2 ranks, actor.expert_parallel=2
-    (each rank holds 4 experts; DP=2 for the rest), routing replay r2 (the update routes as the old-log-prob pass
-    recorded; tests/actor/test_actor_moe.py checks it against transformers). Every step's metrics are finite, the engines sample from the
-    synced weights (log-prob mismatch at fp32 noise from step 2), and the final HF export has the checkpoint's
-    per-expert names, the experts moved."""
+    (each rank holds 4 experts; DP=2 for the rest), routing replay r3: the engines return every token's experts,
+    which travel with the rows to their DP rank and are replayed by both actor passes (tests/actor/test_actor_moe.py
+    checks replay against transformers). The fp32 engine and actor route alike (agreement 1). Every step's metrics
+    are finite, the engines sample from the synced weights (log-prob mismatch at fp32 noise from step 2), and the
+    final HF export has the checkpoint's per-expert names, the experts moved."""
     tiny = make_tiny_run(tmp_path_factory.mktemp("tiny_moe"), num_train=48, num_test=8, moe=True)
     run_dir = tmp_path_factory.mktemp("moe") / "run"
     _train(tiny, run_dir, "--trainer.total_steps=3", "--actor.tensor_parallel=1", "--actor.expert_parallel=2",
-           "--actor.routing_replay=r2")  # fmt: skip
+           "--actor.routing_replay=r3")  # fmt: skip
     rows = [r for r in _metrics(run_dir) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert all(math.isfinite(row[k]) for k in STEP_METRICS if row.get(k) is not None), row["step"]
     assert all(r["rollout/logprob_mismatch_max"] < 1e-4 for r in rows[1:])
+    assert all(r["rollout/routing_agreement"] == 1.0 for r in rows)  # engine vs actor, every layer and token
+    assert all(0.5 < r["actor/routing_agreement"] <= 1.0 for r in rows)  # the updated routers vs the engine's
     initial = load_file(str(Path(tiny["model"]) / "model.safetensors"))
     final = load_file(str(run_dir / "hf_final" / "model.safetensors"))
     assert set(final) == set(initial) and "model.layers.1.mlp.experts.7.down_proj.weight" in final

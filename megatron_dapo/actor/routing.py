@@ -21,9 +21,9 @@ that list), per micro-batch:
 Token order: the router sees the stage's hidden states [S, b, H] flattened s-major (row s * b + j): one packed row
 (b = 1, T tokens: the micro-batch's rows back to back, then the alignment pad) or a padded micro-batch [b, width].
 `routing_in_order` / `routing_by_row` convert between that order and per-row tensors [n_i, layers, k]. Tokens
-without a given routing (the alignment pad, columns past a row's length, positions an engine did not report) get
-experts 0..k-1: their outputs feed no log-prob that is used, except a row's unreported positions, which the caller
-must not leave (RoutedExperts rows cover every token of the row).
+without a given routing (the alignment pad, columns past a row's length, positions past a row's RoutedExperts: the
+last token, which an engine never feeds) get experts 0..k-1 and do not count for the agreement: their outputs feed
+no log-prob that is used.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ class SamplingParams:
     """Same seed, same prompts -> same completions; None draws a seed from torch's global RNG."""
     return_logprobs: bool = True
     """Return the sampling log-prob of every generated token."""
+    return_routed_experts: bool = False
+    """MoE models: return every token's experts per MoE layer (Rollout.routed_experts; actor.routing_replay r3)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -110,11 +112,13 @@ def request_result(
     logps: Sequence[float] | Tensor | None,
     finish: FinishReason,
     version: int,
+    routed_experts: Tensor | None = None,
 ) -> Rollout:
     """The Rollout of `request` after this run generated `ids` (engine log-probs `logps`, or None) under weight
-    `version`: its prefix (if any) continued, in a new segment when the version changed."""
+    `version`: its prefix (if any) continued, in a new segment when the version changed; routed_experts: this run's
+    routing of the whole sequence (Rollout.routed_experts), or None."""
     prefix = request.prefix or Rollout(request.prompt_ids, [], None if logps is None else [], FinishReason.ABORT)
-    out = prefix.extend(ids, logps, version)
+    out = prefix.extend(ids, logps, version, routed_experts)
     out.finish = finish
     return out
 

@@ -24,11 +24,13 @@ def sampling_params(
     temperature: float | None = None,
     top_p: float | None = None,
     return_logprobs: bool | None = None,
+    routed_experts: bool = False,
 ) -> SamplingParams:
     """The one SamplingParams builder (training, the trainer's evaluation, `megatron-dapo eval`): n responses per
     prompt, max_new_tokens = rollout.max_response_length, top_k = rollout.top_k; temperature, top_p and
     return_logprobs from the rollout section unless given (evaluation passes trainer.eval_temperature /
-    eval_top_p and no log-probs)."""
+    eval_top_p and no log-probs). routed_experts: the engine returns every token's MoE routing (actor.routing_replay
+    r3, training only)."""
     return SamplingParams(
         n=n,
         max_new_tokens=rollout.max_response_length,
@@ -38,6 +40,7 @@ def sampling_params(
         stop_token_ids=tuple(stop_token_ids),
         seed=seed,
         return_logprobs=rollout.compare_logprobs if return_logprobs is None else return_logprobs,
+        return_routed_experts=routed_experts,
     )
 
 

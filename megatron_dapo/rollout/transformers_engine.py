@@ -85,6 +85,34 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     position: int = 0
+    routing: list[Tensor] | None = None  # SamplingParams.return_routed_experts: [tokens, layers, k] per forward
+
+
+class _RouterCapture:
+    """Forward hooks on every MoE layer's router (transformers' Qwen MoE `mlp.gate`, whose forward returns (logits,
+    weights, experts [T, k])) keeping the experts of each forward while `on`; `take` stacks them per token."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        layers = getattr(getattr(model, "model", None), "layers", None) or []
+        gates = [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
+        self.num_layers = len(gates)
+        experts = int(getattr(model.config, "num_experts", 0) or 0)
+        self.dtype = torch.uint8 if experts <= 256 else torch.int16
+        self.on = False
+        self._parts: list[Tensor] = []
+        for gate in gates:
+            gate.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.on:
+            self._parts.append(output[2].detach())
+
+    def take(self) -> Tensor | None:
+        """[T, layers, k] (CPU, uint8 / int16) of the last forward's T tokens (batch-major), or None when off."""
+        if not self.on:
+            return None
+        parts, self._parts = self._parts, []
+        return torch.stack(parts, dim=1).to("cpu", self.dtype)
 
 
 def fused_expert_rows(params: dict[str, Tensor]) -> dict[str, tuple[str, int, slice]]:
@@ -188,6 +216,7 @@ class TransformersEngine:
         self._prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         self._asleep = False
         self._index_parameters()
+        self._routing = _RouterCapture(self.model) if getattr(self.model.config, "num_experts", 0) else None
         self._received: set[str] | None = None
         self._fp8_pending: dict[str, dict[str, Tensor]] = {}  # FP8 weights waiting for their scale (or vice versa)
 
@@ -203,7 +232,11 @@ class TransformersEngine:
             return
         if self._sampling is not None and params != self._sampling and self.num_unfinished():
             raise ValueError("TransformersEngine.submit: requests in flight use other SamplingParams")
+        if params.return_routed_experts and self._routing is None:
+            raise ValueError("TransformersEngine: return_routed_experts needs a mixture-of-experts model")
         self._sampling = params
+        if self._routing is not None:
+            self._routing.on = params.return_routed_experts
         for req in requests:
             done = 0 if req.prefix is None else len(req.prefix)
             need = int(req.prompt_ids.numel()) + done + params.max_new_tokens
@@ -277,8 +310,9 @@ class TransformersEngine:
             )
         return self._cache
 
-    def _prefill(self, key: tuple[int, ...]) -> tuple[list[Tensor], list[Tensor], Tensor]:
-        """(per layer keys / values [Hkv, P, D], last-position logits [V] fp32) of one context, computed alone."""
+    def _prefill(self, key: tuple[int, ...]) -> tuple[list[Tensor], list[Tensor], Tensor, Tensor | None]:
+        """(per layer keys / values [Hkv, P, D], last-position logits [V] fp32, the context's routed experts [P, L, k]
+        or None) of one context, computed alone."""
         hit = self._prefills.get(key)
         if hit is not None:
             return hit
@@ -296,7 +330,8 @@ class TransformersEngine:
             .logits[0, -1]
             .float()
         )
-        out = ([k[0] for k in cache.keys], [v[0] for v in cache.values], logits)
+        routing = self._routing.take() if self._routing is not None else None
+        out = ([k[0] for k in cache.keys], [v[0] for v in cache.values], logits, routing)
         self._prefills[key] = out
         return out
 
@@ -307,13 +342,14 @@ class TransformersEngine:
         while self._waiting and len(self._live) < self.max_running:
             req = self._waiting.popleft()
             key = self._context_key(req)
-            keys, values, logits = self._prefill(key)
+            keys, values, logits, routing = self._prefill(key)
             self._prefill_refs[key] -= 1
             if self._prefill_refs[key] == 0:
                 del self._prefill_refs[key], self._prefills[key]
             done = 0 if req.prefix is None else len(req.prefix)
             row = _Row(req, torch.Generator(device=self.device).manual_seed(req.seed), params.max_new_tokens - done)
             row.position = len(key)
+            row.routing = None if routing is None else [routing]
             if row.limit <= 0:  # a carried response already at the cap
                 finished.append((req.key, self._result(row, FinishReason.LENGTH)))
                 continue
@@ -343,8 +379,11 @@ class TransformersEngine:
             .logits[:n, -1]
             .float()
         )
-        for row in self._live:
+        routing = self._routing.take() if self._routing is not None else None
+        for i, row in enumerate(self._live):
             row.position += 1
+            if row.routing is not None and routing is not None:
+                row.routing.append(routing[i : i + 1])
         self._take_tokens(list(self._live), logits, list(range(n)), finished)
 
     def _take_tokens(self, rows: list[_Row], logits: Tensor, slots: list[int], finished: list) -> None:
@@ -374,7 +413,8 @@ class TransformersEngine:
 
     def _result(self, row: _Row, finish: FinishReason) -> Rollout:
         logps = row.logps if self._sampling.return_logprobs else None
-        return request_result(row.request, row.tokens, logps, finish, self.weight_version)
+        routing = torch.cat(row.routing) if row.routing else None
+        return request_result(row.request, row.tokens, logps, finish, self.weight_version, routing)
 
     def _sample(self, scaled: Tensor, gens: list[torch.Generator], params: SamplingParams) -> Tensor:
         """One token per row: scaled [B, V] fp32 tempered logits -> [B] int64, row b drawn with gens[b]."""

@@ -56,6 +56,9 @@ class Rollout:
     segments: ((start, version), ...) in increasing start, first start 0: tokens [start_i, start_{i+1}) were generated
         with weight version `version` (the trainer step whose sync produced the weights; a response carried over a
         step boundary by partial rollouts has two or more segments). Empty for a response with no token yet.
+    routed_experts: [N, moe_layers, k] uint8 / int16 or None (SamplingParams.return_routed_experts, MoE models):
+        the experts the engine routed each token of prompt + response to, positions 0..N-1 (N = P + L - 1: the last
+        token is never fed back). A continued response carries the latest run's, which re-read the whole context.
     """
 
     prompt_ids: Tensor
@@ -63,6 +66,7 @@ class Rollout:
     engine_logp: Tensor | None
     finish: FinishReason
     segments: tuple[tuple[int, int], ...] = ()
+    routed_experts: Tensor | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = _ids(self.prompt_ids)
@@ -73,6 +77,11 @@ class Rollout:
         if self.engine_logp is not None and self.engine_logp.numel() != self.response_ids.numel():
             raise ValueError(
                 f"Rollout.engine_logp: {self.engine_logp.numel()} values for {self.response_ids.numel()} tokens"
+            )
+        if self.routed_experts is not None and len(self.routed_experts) > len(self.prompt_ids) + len(self):
+            raise ValueError(
+                f"Rollout.routed_experts: {len(self.routed_experts)} positions for {len(self.prompt_ids)} prompt + "
+                f"{len(self)} response tokens"
             )
         self.segments = tuple((int(s), int(v)) for s, v in self.segments)
         starts = [s for s, _ in self.segments]
@@ -88,9 +97,16 @@ class Rollout:
         """Weight version of the first segment (None before the first token)."""
         return self.segments[0][1] if self.segments else None
 
-    def extend(self, ids: Sequence[int] | Tensor, logps: Sequence[float] | Tensor | None, version: int) -> Rollout:
+    def extend(
+        self,
+        ids: Sequence[int] | Tensor,
+        logps: Sequence[float] | Tensor | None,
+        version: int,
+        routed_experts: Tensor | None = None,
+    ) -> Rollout:
         """This response continued by `ids` (engine log-probs `logps`) generated under weight `version`; a new
-        segment starts unless the version is the last one's. Finish is left ABORT (the caller sets it)."""
+        segment starts unless the version is the last one's. Finish is left ABORT (the caller sets it).
+        routed_experts: the continuing run's routing of the whole sequence (replaces this one's), or None."""
         ids_t = _ids(ids)
         segments = self.segments
         if ids_t.numel() and (not segments or segments[-1][1] != version):
@@ -98,7 +114,9 @@ class Rollout:
         logp = None
         if self.engine_logp is not None and logps is not None:
             logp = torch.cat([self.engine_logp, _logps(logps)])
-        return Rollout(self.prompt_ids, torch.cat([self.response_ids, ids_t]), logp, FinishReason.ABORT, segments)
+        routed = routed_experts if routed_experts is not None else self.routed_experts
+        response = torch.cat([self.response_ids, ids_t])
+        return Rollout(self.prompt_ids, response, logp, FinishReason.ABORT, segments, routed)
 
     def to_state(self) -> dict[str, Any]:
         """Plain containers and tensors (weights_only checkpoints)."""
@@ -108,6 +126,7 @@ class Rollout:
             "engine_logp": self.engine_logp,
             "finish": self.finish.value,
             "segments": [list(s) for s in self.segments],
+            "routed_experts": self.routed_experts,
         }
 
     @classmethod
@@ -118,6 +137,7 @@ class Rollout:
             state["engine_logp"],
             FinishReason(state["finish"]),
             tuple(tuple(s) for s in state["segments"]),
+            state.get("routed_experts"),
         )
 
 

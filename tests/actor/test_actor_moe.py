@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_dapo.algorithms import dapo_policy_loss
+from megatron_dapo.batch import RoutedExperts
 from tests.actor._dist import run_distributed
 from tests.actor._tiny_models import every_tiny_checkpoint
 from tests.actor._tiny_models import load_hf
@@ -132,7 +133,7 @@ REPLAY_LAYOUTS = (  # (tp, pp, ep, actor overrides) on 2 ranks
 )
 
 
-def _replay_worker(hf_dir: str, moved_dir: str, batch) -> list[dict]:
+def _replay_worker(hf_dir: str, moved_dir: str, batch, engine_routing: list) -> list[dict]:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.distributed import init_distributed
 
@@ -153,11 +154,17 @@ def _replay_worker(hf_dir: str, moved_dir: str, batch) -> list[dict]:
         moved_logp, _ = new.compute_logprobs(local, plan=plan)
         moved_agreement = new.pop_routing_agreement("check")
         new._forward_backward(local, local=True)
+        grads = _hf_named_grads(new)
+        routed = [local.routed_experts.row(i) for i in range(len(local))]
+        # r3: an engine's routing (every layer, all positions but the last) replayed as given.
+        local.routed_experts = RoutedExperts.from_rows([engine_routing[i] for i in rows], 8)
+        r3_logp, _ = new.compute_logprobs(local, plan=plan)
         first = new._unwrapped().decoder.layers[0].layer_number - 1
         out.append({"layout": (tp, pp, ep, tuple(extra)), "rows": rows, "first_layer": first,
-                    "routed": [local.routed_experts.row(i) for i in range(len(local))], "free": free,
+                    "routed": routed, "free": free,
                     "recorded": recorded, "replayed": replayed, "moved_logp": moved_logp,
-                    "moved_grads": _hf_named_grads(new), "same": same, "moved_agreement": moved_agreement})  # fmt: skip
+                    "moved_grads": grads, "same": same, "moved_agreement": moved_agreement,
+                    "r3_logp": r3_logp})  # fmt: skip
     return out
 
 
@@ -209,7 +216,8 @@ def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path
     """actor.routing_replay r2 on Qwen3-MoE: the recorded experts are transformers' own top-k for every token and
     layer; recording and replaying the unchanged policy's routing change no log-prob; a policy whose routers moved,
     replaying the old routing, has the log-probs and DAPO gradients of transformers' moved model forced to the old
-    experts (and not those of its free routing). DP=2 packed, EP=2 padded, PP=2 with full recompute."""
+    experts (and not those of its free routing), and so has r3's replay of an engine's routing (every layer, the last
+    token unreported; each stage takes its layers). DP=2 packed, EP=2 padded, PP=2 with full recompute."""
     from safetensors.torch import save_file
 
     name = "qwen3_moe"
@@ -230,8 +238,9 @@ def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path
     moved_forced, moved_own_forced, forced_grads = _hf_pass(moved, batch, routing=natural, backward=True)
     assert (moved_forced - moved_free).abs().max() > 1e-3
 
-    ranks = run_distributed(_replay_worker, 2, str(src), str(moved), batch, timeout_s=600)
     lengths = (batch.response_mask.cumsum(1).argmax(1) + 1).tolist()  # prompt + response tokens per row
+    engine = [natural[i, : n - 1] for i, n in enumerate(lengths)]  # an engine never feeds the last token
+    ranks = run_distributed(_replay_worker, 2, str(src), str(moved), batch, engine, timeout_s=600)
     for rank, results in enumerate(ranks):
         for res in results:
             where = f"rank {rank} {res['layout']}"
@@ -257,6 +266,7 @@ def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path
             got = res["moved_logp"]
             want = moved_forced[res["rows"]]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=where)
+            torch.testing.assert_close(res["r3_logp"], want, rtol=0, atol=1e-4, msg=f"{where} r3")
             for key, ref in forced_grads.items():
                 err = float((res["moved_grads"][key] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
                 assert err < 1e-4, f"{where} {key}: rel err {err:.2e}"

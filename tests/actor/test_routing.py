@@ -75,11 +75,13 @@ def test_routing_replay_config_refusals():
         ActorConfig(routing_replay="r2", shared_prefix=True)
 
 
-def test_r3_is_refused_until_the_engines_return_routed_experts():
+def test_r3_needs_an_engine_that_returns_routed_experts():
     from pathlib import Path
 
     from megatron_dapo.config import load_config
 
     tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
-    with pytest.raises(ConfigError, match="actor.routing_replay: r3 needs every response token's experts"):
-        load_config(tiny, ["--actor.routing_replay=r3"])
+    assert load_config(tiny, ["--actor.routing_replay=r3"]).actor.routing_replay == "r3"  # the embedded engine
+    for engine in ("sglang", "vllm"):
+        with pytest.raises(ConfigError, match=f"actor.routing_replay: r3 needs .* rollout.engine '{engine}' does not"):
+            load_config(tiny, ["--actor.routing_replay=r3", f"--rollout.engine={engine}"])

@@ -1,0 +1,76 @@
+"""The embedded engine returns every token's routed experts on MoE models (SamplingParams.return_routed_experts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.rollout import SamplingParams
+from megatron_dapo.rollout import TransformersEngine
+from megatron_dapo.rollout.base import request_result
+from megatron_dapo.rollout.types import FinishReason
+from megatron_dapo.rollout.types import GenerationRequest
+from megatron_dapo.rollout.types import Rollout
+from tests.actor._tiny_models import load_hf
+from tests.actor._tiny_models import make_tiny_qwen3_moe
+
+PROMPTS = [[5, 17, 33, 3], [9, 100], [150, 151, 152, 153, 154]]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe")
+
+
+def _own_routing(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' routing of one sequence, teacher-forced: [len(ids), layers, k]."""
+    seen = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[2])) for layer in model.model.layers
+    ]
+    with torch.no_grad():
+        model(ids[None])
+    for h in hooks:
+        h.remove()
+    return torch.stack(seen, dim=1)
+
+
+def test_engine_routing_is_the_models_own_for_prompt_and_response(moe_dir):
+    engine = TransformersEngine(load_hf(moe_dir), max_running=4)
+    out = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=7, seed=0, return_routed_experts=True))
+    model = load_hf(moe_dir)
+    for c in out:
+        n = len(c.prompt_ids) + len(c) - 1  # the last sampled token is never fed back
+        assert c.routed_experts.shape == (n, 4, 2) and c.routed_experts.dtype == torch.uint8
+        ids = torch.cat([c.prompt_ids, c.response_ids]).long()
+        want = _own_routing(model, ids)[:n]
+        assert torch.equal(c.routed_experts.long().sort(-1).values, want.sort(-1).values)
+    plain = engine.generate(PROMPTS, SamplingParams(n=1, max_new_tokens=3, seed=0))
+    assert all(c.routed_experts is None for c in plain)  # only when asked
+
+
+def test_continued_response_carries_the_latest_runs_routing_and_state_round_trips(moe_dir):
+    engine = TransformersEngine(load_hf(moe_dir), max_running=4)
+    params = SamplingParams(n=1, max_new_tokens=8, seed=0, return_routed_experts=True)
+    first = engine.generate([PROMPTS[0]], SamplingParams(n=1, max_new_tokens=3, seed=0, return_routed_experts=True))[0]
+    carried = Rollout(first.prompt_ids, first.response_ids, first.engine_logp, FinishReason.ABORT, first.segments,
+                      first.routed_experts)  # fmt: skip
+    engine.submit([GenerationRequest("k", first.prompt_ids, seed=1, prefix=carried)], params)
+    done = []
+    while engine.num_unfinished():
+        done += engine.step()
+    out = done[0][1]
+    assert out.routed_experts.shape[0] == len(out.prompt_ids) + len(out) - 1
+    assert torch.equal(Rollout.from_state(out.to_state()).routed_experts, out.routed_experts)
+    # A run without routing keeps the prefix's.
+    kept = request_result(GenerationRequest("k", first.prompt_ids, 1, prefix=carried), [7], [0.0],
+                          FinishReason.STOP, 0)  # fmt: skip
+    assert torch.equal(kept.routed_experts, carried.routed_experts)
+
+
+def test_dense_model_refuses_routed_experts():
+    from tests.rollout.conftest import tiny_model
+
+    engine = TransformersEngine(tiny_model("qwen2"), max_running=4)
+    with pytest.raises(ValueError, match="return_routed_experts needs a mixture-of-experts model"):
+        engine.generate([[1, 2]], SamplingParams(return_routed_experts=True))
