@@ -701,10 +701,10 @@ class RunConfig:
                 f"{a.rollout_correction!r} needs the engine's log-probs: set rollout.compare_logprobs=true",
             )
         _check(
-            self.actor.routing_replay != "r3" or r.engine == "transformers",
+            self.actor.routing_replay != "r3" or r.engine != "vllm",
             "actor.routing_replay",
-            f"r3 needs every token's experts from the rollout engine; rollout.engine {r.engine!r} does not return "
-            "them yet (the embedded transformers engine does); use r2",
+            "r3 needs every token's experts from the rollout engine; rollout.engine 'vllm' does not return them "
+            "(transformers and sglang do); use r2",
         )
         cap = a.max_gen_batches * t.gen_prompts_per_batch
         _check(

@@ -133,6 +133,7 @@ class DAPOTrainer:
             "base_gpu_id": self.groups.local_rank,
             "seed": c.trainer.seed,
             "max_context": -(-max_context // 64) * 64,
+            "routed_experts": c.actor.routing_replay == "r3",
         }
         self.engine = self.memory.build_engine(
             lambda: (

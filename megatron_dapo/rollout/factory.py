@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +46,17 @@ def sampling_params(
     )
 
 
+def routing_shape(model_path: str) -> tuple[int, int, int]:
+    """(num_hidden_layers, num_experts_per_tok, num_experts) of an MoE checkpoint's config.json: the shape of an
+    engine's per-token routing (every layer is MoE; model.py refuses dense layers in MoE models)."""
+    path = Path(model_path) / "config.json"
+    cfg = json.loads(path.read_text())
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts or not cfg.get("num_experts_per_tok"):
+        raise ValueError(f"{path}: not a mixture-of-experts config (no num_experts / num_experts_per_tok)")
+    return int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"]), int(experts)
+
+
 def make_engine(
     rollout: RolloutConfig,
     model_path: str,
@@ -56,6 +69,7 @@ def make_engine(
     master_address: str | None = None,
     master_port: int | None = None,
     engine_kwargs: dict[str, Any] | None = None,
+    routed_experts: bool = False,
 ) -> RolloutEngine:
     """Build the engine named by rollout.engine / rollout.mode.
 
@@ -67,6 +81,9 @@ def make_engine(
         rollout.weight_sync_master_address (detected when empty) / rollout.weight_sync_master_port. A loopback
         address is refused when a server is remote or the job spans nodes (launch_env.weight_sync_master_address).
     engine_kwargs: extra arguments for sglang.Engine / vllm.LLM.
+    routed_experts: the engine will be asked for every token's MoE routing (actor.routing_replay r3): SGLang starts
+        with enable_return_routed_experts (a server must have been started with --enable-return-routed-experts)
+        and decodes them with the model's shape; the transformers engine needs nothing.
     """
     cuda = torch.cuda.is_available()
     device = device or ("cuda" if cuda else "cpu")
@@ -89,13 +106,15 @@ def make_engine(
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         address = master_address if master_address is not None else rollout.weight_sync_master_address
-        return SGLangServerEngine(
+        server = SGLangServerEngine(
             rollout.server_urls,
             server_tp=rollout.tensor_parallel,
             master_address=weight_sync_master_address(address, rollout.server_urls, num_nodes(world)),
             master_port=master_port if master_port is not None else rollout.weight_sync_master_port,
             max_running_requests=rollout.max_running_requests,
         )
+        server.routed_shape = routing_shape(model_path) if routed_experts else None
+        return server
     if rollout.engine == "sglang":
         from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
@@ -110,6 +129,7 @@ def make_engine(
             weight_dtype=rollout.weight_dtype,
             max_running_requests=rollout.max_running_requests,
             engine_kwargs=engine_kwargs,
+            routed_shape=routing_shape(model_path) if routed_experts else None,
         )
     if rollout.engine == "vllm":
         if rollout.mode == "server":

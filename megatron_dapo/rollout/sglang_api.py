@@ -7,9 +7,13 @@ list against SGLang's source with `ast`. Also the translation of requests and re
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import request_result
@@ -45,11 +49,18 @@ class ApiUse:
     optional: bool = False
 
 
+ROUTED_EXPERTS_KEY = "routed_experts"
+"""meta_info key of a result's routed experts (requests with return_routed_experts; 0.5.23)."""
 MAX_RUNNING_KEY = "effective_max_running_requests_per_dp"
 """The scheduler's internal-state key of its effective max_running_requests (0.5.23)."""
 
 SGLANG_API: tuple[ApiUse, ...] = (
-    ApiUse("params", ENGINE, "Engine.async_generate", ("input_ids", "sampling_params", "return_logprob", "rid")),
+    ApiUse(
+        "params",
+        ENGINE,
+        "Engine.async_generate",
+        ("input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts"),
+    ),
     ApiUse("params", ENGINE, "Engine.get_server_info", ()),
     ApiUse("params", TOKENIZER_MANAGER, "TokenizerManager.abort_request", ("rid", "abort_all")),
     ApiUse("literals", ("srt/managers/scheduler_components/*.py",), "*", (MAX_RUNNING_KEY,)),
@@ -78,6 +89,7 @@ SGLANG_API: tuple[ApiUse, ...] = (
             "load_format",
             "max_running_requests",
             "custom_sigquit_handler",
+            "enable_return_routed_experts",
         ),
     ),
     # The running phase's SIGQUIT handler: TokenizerManager builds it from this class attribute (sglang_engine.py).
@@ -89,7 +101,15 @@ SGLANG_API: tuple[ApiUse, ...] = (
         "SamplingParams",
         ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "no_stop_trim", "sampling_seed"),
     ),
-    ApiUse("fields", IO_STRUCT, "GenerateReqInput", ("input_ids", "sampling_params", "return_logprob", "rid")),
+    ApiUse(
+        "fields",
+        IO_STRUCT,
+        "GenerateReqInput",
+        ("input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts"),
+    ),
+    # meta_info["routed_experts"]: base64 of int32 [seqlen - 1, num_hidden_layers, top_k] (state_capturer/
+    # routed_experts.py extract_routed_experts_from_meta_info; encoded by the tokenizer / detokenizer managers).
+    ApiUse("literals", ("srt/managers/tokenizer_manager.py",), "*", (ROUTED_EXPERTS_KEY,)),
     ApiUse("fields", IO_STRUCT, "AbortReq", ("rid", "abort_all")),  # rid is inherited from BaseReq
     ApiUse(
         "fields",
@@ -179,13 +199,21 @@ def sampling_params_dicts(requests: Sequence[GenerationRequest], params: Samplin
 
 
 def parse_sglang_output(
-    out: dict, request: GenerationRequest, want_logprobs: bool, version: int, *, allow_abort: bool = False
+    out: dict,
+    request: GenerationRequest,
+    want_logprobs: bool,
+    version: int,
+    *,
+    allow_abort: bool = False,
+    routed_shape: tuple[int, int, int] | None = None,
 ) -> Rollout:
     """One SGLang generate result (a dict with "output_ids" and "meta_info") -> the request's Rollout.
 
     meta_info.output_token_logprobs is a list of (logprob, token_id, text) over every generated token;
     meta_info.finish_reason is {"type": "stop" | "length" | "abort", "matched": ...}. An abort is an error unless
-    allow_abort (the stream aborted it: the tokens so far come back unfinished).
+    allow_abort (the stream aborted it: the tokens so far come back unfinished). routed_shape (num_hidden_layers,
+    top_k, num_experts): the request asked for routed experts; meta_info.routed_experts is decoded
+    (`decode_routed_experts`).
     """
     meta = out.get("meta_info", {})
     reason = meta.get("finish_reason") or {}
@@ -203,7 +231,31 @@ def parse_sglang_output(
         raise RuntimeError(f"sglang: response does not end with its stop token {matched} (set no_stop_trim)")
     if want_logprobs and logps is None and ids:
         raise RuntimeError("sglang: no output_token_logprobs in the result (return_logprob was set)")
-    return request_result(request, ids, logps if want_logprobs else None, FinishReason(kind), version)
+    routed = None
+    if routed_shape is not None:
+        routed = decode_routed_experts(meta.get(ROUTED_EXPERTS_KEY), routed_shape, len(request_input_ids(request)) +
+                                       len(ids) - 1)  # fmt: skip
+    return request_result(request, ids, logps if want_logprobs else None, FinishReason(kind), version, routed)
+
+
+def decode_routed_experts(encoded: str | None, shape: tuple[int, int, int], positions: int) -> Tensor:
+    """SGLang's meta_info.routed_experts (base64 of int32 [positions, layers, k], positions = prompt + output tokens
+    - 1: the last token is never fed) -> [positions, layers, k] uint8 (<= 256 experts) / int16 (Rollout.
+    routed_experts); shape = (layers, k, num_experts). A missing or mis-sized value is a RuntimeError naming the
+    server flag."""
+    if not encoded:
+        raise RuntimeError(
+            "sglang: no routed_experts in the result; the engine must run with enable_return_routed_experts "
+            "(server mode: --enable-return-routed-experts)"
+        )
+    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+    layers, k, experts = shape
+    if flat.numel() != positions * layers * k:
+        raise RuntimeError(
+            f"sglang: routed_experts holds {flat.numel()} ids, expected {positions} positions x {layers} layers x "
+            f"top-{k}"
+        )
+    return flat.view(positions, layers, k).to(torch.uint8 if experts <= 256 else torch.int16)
 
 
 def effective_max_running(server_info: dict) -> int:

@@ -243,6 +243,7 @@ class SGLangEngine(EngineStream):
         weight_dtype: str = "auto",
         max_running_requests: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        routed_shape: tuple[int, int, int] | None = None,
     ) -> None:
         import sglang
         from sglang.srt.utils.common import MultiprocessingSerializer
@@ -263,6 +264,9 @@ class SGLangEngine(EngineStream):
             args["enable_deterministic_inference"] = True
         if max_running_requests > 0:
             args["max_running_requests"] = max_running_requests
+        self.routed_shape = routed_shape
+        if routed_shape is not None:  # actor.routing_replay r3: results carry meta_info.routed_experts
+            args["enable_return_routed_experts"] = True
         # A child process of SGLang that fails (or that SGLang's SubprocessWatchdog finds dead) sends this process
         # SIGQUIT, and SGLang's handlers answer by killing the whole process tree: this trainer with it. Ours mark the
         # engine dead instead, and the stream restarts it in place (EngineDied; docs/rollout.md, "Engine failures"):

@@ -55,6 +55,8 @@ class _Calls:
 
     weight_version: int = 0
     max_running: int = 0
+    routed_shape: tuple[int, int, int] | None = None
+    """(MoE layers, top-k, experts) when the engine returns routed experts (actor.routing_replay r3), else None."""
 
     def _init_stream(self, max_running: int) -> None:
         """max_running: rows per engine (server), 0 = ask SGLang (`_query_max_running`) when first needed."""
@@ -88,8 +90,12 @@ class _Calls:
         if len(outs) != len(requests):
             raise RuntimeError(f"sglang: {len(outs)} outputs for a batch of {len(requests)} requests")
         version = self.weight_version
+        shape = self.routed_shape if params.return_routed_experts else None
         return [
-            (r.key, parse_sglang_output(o, r, params.return_logprobs, version, allow_abort=allow_abort))
+            (
+                r.key,
+                parse_sglang_output(o, r, params.return_logprobs, version, allow_abort=allow_abort, routed_shape=shape),
+            )  # fmt: skip
             for r, o in zip(requests, outs, strict=True)
         ]
 
@@ -98,12 +104,15 @@ class _Calls:
         from megatron_dapo.rollout.sglang_api import request_input_ids
         from megatron_dapo.rollout.sglang_api import sampling_params_dicts
 
-        return {
+        payload = {
             "input_ids": [request_input_ids(r) for r in requests],
             "sampling_params": sampling_params_dicts(requests, params),
             "return_logprob": True,
             "rid": _rid_batch(len(requests)),
         }
+        if params.return_routed_experts:  # actor.routing_replay r3
+            payload["return_routed_experts"] = True
+        return payload
 
 
 class EngineStream(_Calls):

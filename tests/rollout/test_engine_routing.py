@@ -74,3 +74,13 @@ def test_dense_model_refuses_routed_experts():
     engine = TransformersEngine(tiny_model("qwen2"), max_running=4)
     with pytest.raises(ValueError, match="return_routed_experts needs a mixture-of-experts model"):
         engine.generate([[1, 2]], SamplingParams(return_routed_experts=True))
+
+
+def test_routing_shape_from_the_checkpoint(moe_dir, tmp_path):
+    from megatron_dapo.rollout.factory import routing_shape
+    from tests.rollout.conftest import tiny_model
+
+    assert routing_shape(str(moe_dir)) == (4, 2, 8)  # layers, top-k, experts: what SGLang's routed_experts hold
+    tiny_model("qwen2").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="config.json: not a mixture-of-experts config"):
+        routing_shape(str(tmp_path))

@@ -359,3 +359,30 @@ def test_a_failed_sglang_child_marks_the_engine_dead_instead_of_killing_the_trai
     handler_cls().running_phase_sigquit_handler(3, None)  # what TokenizerManager's loop runs on SIGQUIT
     with pytest.raises(EngineDied, match="a child process of SGLang failed"):
         engine.step()
+
+
+def test_routed_experts_are_requested_and_decoded_as_sglang_encodes_them():
+    """actor.routing_replay r3: the payload asks for them; meta_info.routed_experts is base64 of int32 [prompt +
+    output - 1, layers, k] (SGLang 0.5.23 detokenizer_manager._b64_encode_per_request: item.numpy().tobytes(), and
+    state_capturer/routed_experts.py reads it back with np.frombuffer(..., np.int32))."""
+    import base64
+
+    import numpy as np
+
+    from megatron_dapo.rollout.sglang_stream import _Calls
+
+    params = SamplingParams(max_new_tokens=4, return_routed_experts=True)
+    req = GenerationRequest("k", [1, 9, 4], 0)
+    assert _Calls._payload([req], params)["return_routed_experts"] is True
+    assert "return_routed_experts" not in _Calls._payload([req], SamplingParams(max_new_tokens=4))
+    routing = np.random.default_rng(0).integers(0, 300, size=(3 + 2 - 1, 4, 2)).astype(np.int32)
+    out = _out([5, 2], "stop", [-0.5, -0.1], matched=2)
+    out["meta_info"]["routed_experts"] = base64.b64encode(routing.tobytes()).decode("utf-8")
+    c = parse_sglang_output(out, req, True, 0, routed_shape=(4, 2, 300))
+    assert c.routed_experts.dtype == torch.int16 and torch.equal(c.routed_experts.long(), torch.from_numpy(routing))
+    assert parse_sglang_output(out, req, True, 0).routed_experts is None  # not asked: not decoded
+    with pytest.raises(RuntimeError, match="holds 32 ids, expected 4 positions x 4 layers x top-3"):
+        parse_sglang_output(out, req, True, 0, routed_shape=(4, 3, 300))
+    del out["meta_info"]["routed_experts"]
+    with pytest.raises(RuntimeError, match="--enable-return-routed-experts"):
+        parse_sglang_output(out, req, True, 0, routed_shape=(4, 2, 300))
