@@ -1,0 +1,91 @@
+"""The MoE weight names we push (the HF checkpoint's, `hf_state_dict_keys`) against SGLang 0.5.23's Qwen MoE loaders,
+read from the installed source. SGLang's load_weights skips a name it cannot map without a word, so a drift would
+leave stale weights: every per-expert name must be taken by SGLang's own expert mapping (its
+`FusedMoE.make_expert_params_mapping`, executed from its source, called as its qwen3_moe / qwen2_moe loaders call it)
+with the right expert and shard and skipped by the stacked (q/k/v, gate/up) mapping; the router and the shared expert
+load directly, into modules those classes define."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+from transformers import AutoConfig
+
+from megatron_dapo.actor.hf_weights import hf_state_dict_keys
+from tests.actor._tiny_models import every_tiny_checkpoint
+from tests.rollout.test_sglang_adapter import ROOT
+from tests.rollout.test_sglang_adapter import _classes
+from tests.rollout.test_sglang_adapter import _parse
+from tests.rollout.test_sglang_adapter import needs_sglang
+
+MODELS = {"qwen3_moe": "srt/models/qwen3_moe.py", "qwen2_moe": "srt/models/qwen2_moe.py"}
+
+
+def _function(path, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.walk(_parse(path)) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _expert_mapping(num_experts: int, call: ast.Call) -> list[tuple[str, str, int, str]]:
+    """SGLang's FusedMoE.make_expert_params_mapping run from its source with the loader's keyword arguments."""
+    fn = _function(ROOT / "srt/layers/moe/fused_moe_triton/layer.py", "make_expert_params_mapping")
+    fn = ast.FunctionDef(**{**{f: getattr(fn, f) for f in fn._fields}, "decorator_list": []})
+    scope: dict = {"List": list, "Tuple": tuple}
+    exec(compile(ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[])), "layer.py", "exec"), scope)
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "num_experts"}
+    return scope["make_expert_params_mapping"](None, num_experts=num_experts, **kwargs)
+
+
+def _loader(path) -> tuple[list[tuple], ast.Call]:
+    """(stacked_params_mapping, the make_expert_params_mapping call) of the model's load_weights."""
+    fn = _function(path, "load_weights")
+    stacked = next(
+        ast.literal_eval(n.value)
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "stacked_params_mapping"
+    )
+    call = next(
+        n
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") in ("make_expert_params_mapping",)
+    )
+    return stacked, call
+
+
+def _assigned(cls: ast.ClassDef) -> set[str]:
+    return {
+        t.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+
+
+@needs_sglang
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_moe_name_we_push_is_taken_by_sglangs_loader(name):
+    path = ROOT / MODELS[name]
+    hf_config = AutoConfig.from_pretrained(every_tiny_checkpoint()[name])
+    stacked, call = _loader(path)
+    mapping = _expert_mapping(hf_config.num_experts, call)
+    names = hf_state_dict_keys(hf_config)
+    taken = {}
+    for key in names:
+        if "mlp.experts" in key:  # the stacked mapping skips expert names before renaming them
+            hits = [(p, e, s) for p, w, e, s in mapping if w in key]
+            assert len(hits) == 1, (key, hits)
+            taken[key] = hits[0]
+        else:
+            assert not any(w in key and "mlp.experts" in key for _, w, _ in stacked)
+    want = {"gate_proj": ("experts.w13_", "w1"), "up_proj": ("experts.w13_", "w3"), "down_proj": ("experts.w2_", "w2")}
+    for key, (param, expert, shard) in taken.items():
+        e, proj = key.split(".")[5:7]  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
+        assert (param, shard) == want[proj] and expert == int(e), key
+    assert len(taken) == 3 * hf_config.num_experts * hf_config.num_hidden_layers
+    # Direct loads: the router (and Qwen2-MoE's shared expert and its gate) are modules of the sparse block.
+    classes = _classes([_parse(path)])
+    block = classes[{"qwen3_moe": "Qwen3MoeSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock"}[name]]
+    direct = {k.split(".")[4] for k in names if ".mlp." in k and "mlp.experts" not in k}
+    assert direct <= _assigned(block), direct - _assigned(block)
+    assert ("shared_expert" in direct) == (name == "qwen2_moe")
