@@ -102,6 +102,21 @@ class ModelShape:
         return 2 * self.hidden + (2 * self.hd if self.qk_norm else 0) + router
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token goes through (MoE: top-k of the routed experts; dense: num_params): FLOPs and decode
+        speed scale with it."""
+        return self.num_params - self.layers * (self.experts - self.topk) * 3 * self.hidden * self.moe_ffn
+
+    @property
+    def layer_mlp_act(self) -> int:
+        """Per token, the MLP's stored activations in elements (/ tp): gate|up and the SwiGLU output of the dense
+        MLP (3 ffn), or of each of the top-k experts and the shared expert, plus the dispatched copies of the token
+        (k in, k out: 2 k h)."""
+        if not self.experts:
+            return 3 * self.ffn
+        return self.topk * 3 * self.moe_ffn + 3 * self.shared_ffn + 2 * self.topk * self.hidden
+
+    @property
     def num_params(self) -> int:
         """The HF parameter count (unpadded vocabulary; the LM head counted once when tied; every expert)."""
         per_layer = self.layer_sharded_params + self.layer_expert_params + self.layer_replicated_params
@@ -117,6 +132,22 @@ _KNOWN = [
     ("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, False),
 ]
 KNOWN_MODELS: dict[str, ModelShape] = {row[0].lower(): ModelShape(*row) for row in _KNOWN}
+KNOWN_MODELS["qwen3-30b-a3b"] = ModelShape(  # Qwen/Qwen3-30B-A3B config.json
+    "Qwen3-30B-A3B",
+    2048,
+    48,
+    32,
+    4,
+    6144,
+    151936,
+    False,
+    False,
+    head_dim=128,
+    qk_norm=True,
+    experts=128,
+    topk=8,
+    moe_ffn=768,
+)
 
 
 def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
@@ -309,6 +340,8 @@ class _Stage:
     layers: int
     params: int
     has_lm_head: bool
+    expert_params: int = 0
+    """Of `params`, the routed experts' (their optimizer state is sharded over the expert data-parallel group)."""
 
 
 def actor_stages(m: ModelShape, tp: int, pp: int, ep: int = 1) -> list[_Stage]:
@@ -322,7 +355,8 @@ def actor_stages(m: ModelShape, tp: int, pp: int, ep: int = 1) -> list[_Stage]:
         raise PlanError(f"actor.tensor_parallel: {tp} must divide num_key_value_heads {m.kv_heads}")
     if ep > 1 and (not m.experts or m.experts % ep):
         raise PlanError(f"actor.expert_parallel: {ep} must divide the model's experts ({m.experts})")
-    per_layer = m.layer_sharded_params // tp + m.layer_expert_params // (tp * ep) + m.layer_replicated_params
+    experts = m.layer_expert_params // (tp * ep)
+    per_layer = m.layer_sharded_params // tp + experts + m.layer_replicated_params
     vocab_rows = padded_vocab(m.vocab, tp) // tp * m.hidden
     stages = []
     for s in range(pp):
@@ -332,7 +366,7 @@ def actor_stages(m: ModelShape, tp: int, pp: int, ep: int = 1) -> list[_Stage]:
             n += vocab_rows
         if last:
             n += m.hidden + (0 if (m.tied and first) else vocab_rows)
-        stages.append(_Stage(index=s, layers=m.layers // pp, params=n, has_lm_head=last))
+        stages.append(_Stage(s, m.layers // pp, n, last, expert_params=m.layers // pp * experts))
     return stages
 
 
@@ -356,15 +390,18 @@ def layer_activation_bytes(m: ModelShape, tp: int, recompute: str, b: int = 2, s
     """Bytes one layer keeps per token for its backward (flash attention, no dropout):
     none: two RMSNorms keep input and output (4*h*b) and fp32 rms factors (8), split tp ways only under sequence
           parallelism (sp); q/k/v and the attention output (2*q_dim + 2*kv_dim)*b/tp; the MLP keeps gate|up (2f) and
-          the SwiGLU output (f): 3f*b/tp; fp32 softmax stats 4*heads/tp.
+          the SwiGLU output (f): 3f*b/tp (MoE: `ModelShape.layer_mlp_act`, k experts' 3 f_e, the shared expert's
+          3 f_s and the token's 2 k dispatched copies, plus fp32 router logits and probabilities 8 E); fp32 softmax
+          stats 4*heads/tp.
     selective: as none without the softmax stats (megatron recomputes core attention only).
     full: the layer input h*b (/tp under sp); the rest is recomputed one layer at a time."""
     h = m.hidden
     seq_split = tp if sp else 1
     if recompute == "full":
         return h * b / seq_split
-    base = (4 * h * b + 8) / seq_split + (2 * m.q_dim + 2 * m.kv_dim + 3 * m.ffn) * b / tp
-    return base if recompute == "selective" else base + 4 * m.heads / tp
+    base = (4 * h * b + 8) / seq_split + (2 * m.q_dim + 2 * m.kv_dim + m.layer_mlp_act) * b / tp
+    router = 8 * m.experts  # fp32 router logits and probabilities [E] per token (MoE)
+    return (base if recompute == "selective" else base + 4 * m.heads / tp) + router
 
 
 def recompute_mode(actor: Any) -> str:
@@ -416,9 +453,11 @@ def lm_head_bytes(m: ModelShape, tp: int, tokens: int, impl: str, train: bool, b
 
 def engine_weight_bytes(m: ModelShape, etp: int, b: int, fp8: bool = False) -> float:
     """Per-GPU weights of an SGLang engine at tensor parallel etp: linear layers and the vocab-parallel embedding and
-    LM head split etp ways, norms replicated. fp8 (rollout.weight_dtype "fp8"): the q/k/v/o and gate/up/down weights
-    at 1 byte per element plus an fp32 scale per 128 x 128 block (fp8_format.py); biases, norms, embeddings and the
-    LM head stay at b. etp=1 gives the whole model: the bytes one weight sync sends."""
+    LM head split etp ways, norms replicated (MoE: every expert on every engine GPU, each split etp ways, SGLang's
+    default without expert parallel; the router replicated). fp8 (rollout.weight_dtype "fp8"): the q/k/v/o and
+    gate/up/down weights (experts' too) at 1 byte per element plus an fp32 scale per 128 x 128 block
+    (fp8_format.py); biases, norms, routers, embeddings and the LM head stay at b. etp=1 gives the whole model: the
+    bytes one weight sync sends."""
     linear = m.layers * linear_weight_bytes(m, fp8, b)
     biases = m.layers * (m.q_dim + 2 * m.kv_dim if m.qkv_bias else 0) * b
     embeddings = m.vocab * m.hidden * (1 if m.tied else 2) * b
@@ -427,9 +466,14 @@ def engine_weight_bytes(m: ModelShape, etp: int, b: int, fp8: bool = False) -> f
 
 
 def linear_weight_bytes(m: ModelShape, fp8: bool, b: int) -> float:
-    """Bytes of one layer's seven projection weights ([out, in]: q, k, v, o, gate, up, down) in bf16 or block FP8."""
+    """Bytes of one layer's projection weights ([out, in]: q, k, v, o, then gate, up, down of the MLP, or of every
+    expert and the shared expert) in bf16 or block FP8 (the MoE router is in layer_replicated_params)."""
     h, q, kv, f = m.hidden, m.q_dim, m.kv_dim, m.ffn
-    shapes = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)]
+    mlp = [(f, h), (f, h), (h, f)]
+    if m.experts:
+        fe, fs = m.moe_ffn, m.shared_ffn
+        mlp = [(fe, h), (fe, h), (h, fe)] * m.experts + ([(fs, h), (fs, h), (h, fs)] if fs else [])
+    shapes = [(q, h), (kv, h), (kv, h), (h, q), *mlp]
     if fp8:
         return float(sum(fp8_weight_bytes(r, c) for r, c in shapes))
     return float(sum(r * c for r, c in shapes) * b)
@@ -457,6 +501,8 @@ class _Setup:
     gpu_memory_gb: float
     sp: bool
     """Sequence parallelism on (actor.sequence_parallel and TP > 1)."""
+    ep: int = 1
+    """Expert parallel (MoE): the expert data-parallel size is dp / ep."""
 
     @property
     def b(self) -> int:
@@ -471,15 +517,13 @@ def make_plan(
     a = assumptions or Assumptions()
     act, ro = config.actor, config.rollout
     m, source = resolve_model(act.model_path)
-    if m.experts:
-        raise PlanError(
-            f"{m.name}: a mixture-of-experts model is not planned yet (expert-parallel memory, all-to-all volume and "
-            "active-parameter FLOPs are issue 23's planner item)"
-        )
     world = nodes * gpus_per_node
-    tp, pp = act.tensor_parallel, act.pipeline_parallel
+    tp, pp, ep = act.tensor_parallel, act.pipeline_parallel, getattr(act, "expert_parallel", 1)
     if world % (tp * pp):
         raise PlanError(f"actor.tensor_parallel x pipeline_parallel = {tp * pp} must divide {world} GPUs")
+    if world % (tp * ep * pp):
+        raise PlanError(f"actor.tensor_parallel x expert_parallel x pipeline_parallel = {tp * ep * pp} must divide "
+                        f"{world} GPUs")  # fmt: skip
     dp = world // (tp * pp)
     notes: list[str] = []
     offload = getattr(act, "offload", None)
@@ -491,18 +535,24 @@ def make_plan(
     mean_seq = a.mean_prompt_tokens + a.mean_response_frac * ro.max_response_length
     num_micro = microbatches_per_rank(config, dp, mean_seq)
     sp = bool(getattr(act, "sequence_parallel", False)) and tp > 1
-    setup = _Setup(config, a, m, dp, offload, recompute_mode(act), tokens, num_micro, bpp, gpu_memory_gb, sp)
+    setup = _Setup(config, a, m, dp, offload, recompute_mode(act), tokens, num_micro, bpp, gpu_memory_gb, sp, ep)
+    ep_note = f" (EP {ep} of it: expert DP {dp // ep})" if m.experts else ""
     layout = {
         "gpus": f"{nodes} nodes x {gpus_per_node} = {world}",
-        "actor": f"TP {tp} x PP {pp} x DP {dp} ({act.dtype}, distributed optimizer "
+        "actor": f"TP {tp} x PP {pp} x DP {dp}{ep_note} ({act.dtype}, distributed optimizer "
         f"{'on' if act.use_distributed_optimizer else 'off'}, recompute {setup.recompute}, sequence parallel "
         f"{'on' if sp else 'off'}, logprob_impl {act.logprob_impl}, offload {offload})",
         "engine": f"{ro.engine} {ro.mode}, TP {ro.tensor_parallel}, mem_fraction {ro.mem_fraction}",
         "micro-batch": f"at most {tokens} tokens ({tokens_src}); ~{num_micro} micro-batches per mini-batch per DP rank",
         "model": f"{m.name}: {m.num_params / 1e9:.3f} B params (h {m.hidden}, L {m.layers}, heads {m.heads}, kv "
-        f"{m.kv_heads}, ffn {m.ffn}, V {m.vocab}, tied {m.tied})",
+        f"{m.kv_heads}, ffn {m.ffn}, V {m.vocab}, tied {m.tied})"
+        + (
+            f"; MoE {m.experts} experts of ffn {m.moe_ffn}, top-{m.topk}, {m.active_params / 1e9:.2f} B active"
+            if m.experts
+            else ""
+        ),  # fmt: skip
     }
-    phases = [ph for st in actor_stages(m, tp, pp) for ph in _stage_phases(setup, st)]
+    phases = [ph for st in actor_stages(m, tp, pp, ep) for ph in _stage_phases(setup, st)]
     order = ["engine start", *PHASES]  # the choreography's phases in its order (megatron_dapo/memory.py)
     phases.sort(key=lambda p: (order.index(p.name), p.stage))
     kv_tok = kv_bytes_per_token(m, ro.tensor_parallel, a.dtype_bytes)
@@ -536,14 +586,23 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
     a, m, act, ro = s.a, s.m, s.config.actor, s.config.rollout
     tp, n, dp = act.tensor_parallel, st.params, s.dp
     p_b, g_b, o_b = s.bytes_per_param
-    params, grads, opt = _gib(n * p_b), _gib(n * g_b), _gib(n * o_b)
+    # The distributed optimizer shards the dense part over DP, the routed experts over the expert DP group (dp / ep).
+    o_e = actor_state_bytes_per_param(act.dtype, dp // s.ep, act.use_distributed_optimizer)[2]
+    params, grads, opt = _gib(n * p_b), _gib(n * g_b), _gib((n - st.expert_params) * o_b + st.expert_params * o_e)
     trainer = Term("trainer runtime", a.trainer_overhead_gib, "assumption trainer_overhead_gib")
     colocated = ro.mode == "colocated"
     engine_rt = Term("engine runtime", a.engine_overhead_gib if colocated else 0.0, "assumption (colocated only)")
     state = [
         Term("actor params", params, f"{n:,} params x {p_b:g} B"),
         Term("actor grads", grads, f"{n:,} x {g_b:g} B (fp32 main grads)"),
-        Term("actor optimizer", opt, f"{n:,} x {o_b:.4g} B (fp32 master + Adam m, v / dp {dp})"),
+        Term(
+            "actor optimizer",
+            opt,
+            f"{n:,} x {o_b:.4g} B (fp32 master + Adam m, v / dp {dp})"
+            if not st.expert_params
+            else f"{n - st.expert_params:,} x {o_b:.4g} B (/ dp {dp}) + experts {st.expert_params:,} x {o_e:.4g} B "
+            f"(/ expert dp {dp // s.ep})",
+        ),  # fmt: skip
     ]
     parts = list(PARTS)
     if _has_reference(s.config):  # the frozen reference (actor/reference.py): parameters only, moved with the actor's
@@ -591,7 +650,9 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
     # off the GPU while generating is in host memory; what stays is as built (Adam's moments do not exist yet, the
     # fp32 master copy does).
     etp = ro.tensor_parallel
-    master = _gib(n * (0.0 if act.dtype == "fp32" else 4.0) / (dp if act.use_distributed_optimizer else 1))
+    shards = (dp, dp // s.ep) if act.use_distributed_optimizer else (1, 1)
+    master_b = 0.0 if act.dtype == "fp32" else 4.0
+    master = _gib(master_b * ((n - st.expert_params) / shards[0] + st.expert_params / shards[1]))
     generating = resident["generation"]["actor"]
     at_start = [
         t if part in generating else Term(t.name, 0.0, "in host memory while the engine starts (actor.offload)")
@@ -640,7 +701,7 @@ def step_times(
     colocated engine's KV cache holds (0: not known, e.g. server mode; no concurrency bound then)."""
     act, ro, tr, alg = config.actor, config.rollout, config.trainer, config.algorithm
     world = nodes * gpus_per_node
-    n = m.num_params
+    n = m.active_params  # FLOPs and decode speed (MoE: the top-k experts a token goes through; dense: every param)
     keep = getattr(alg, "expected_keep_ratio", 0.5) if alg.dynamic_sampling else 1.0
     mean_resp = a.mean_response_frac * ro.max_response_length
     etp = ro.tensor_parallel
@@ -685,16 +746,34 @@ def step_times(
     flops_s = world * a.peak_tflops * 1e12 * a.mfu
     bubble = 1 + (act.pipeline_parallel - 1) / num_micro
     passes = 2 if _has_reference(config) else 1  # the frozen reference's forward (loss.kl_coef > 0)
-    times["log-probs"] = passes * rows * seq * fwd_per_token * bubble / flops_s
+    # MoE all-to-all (alltoall dispatcher): per MoE layer a token's hidden state goes to its k experts and comes back
+    # (2 k h b bytes), the share (ep-1)/ep of it to other ranks; the backward moves as much again. Not overlapped.
+    ep = getattr(act, "expert_parallel", 1)
+    tokens_per_gpu = rows * seq / (world / act.tensor_parallel)  # every TP rank of a DP rank holds the tokens
+    a2a_link = a.internode_gbps if ep * act.tensor_parallel > gpus_per_node else a.nvlink_gbps
+    a2a_fwd = m.layers / act.pipeline_parallel * tokens_per_gpu * 2 * m.topk * m.hidden * a.dtype_bytes
+    a2a_fwd = a2a_fwd * (ep - 1) / ep / (a2a_link * 1e9) if m.experts and ep > 1 else 0.0
+    times["log-probs"] = passes * (rows * seq * fwd_per_token * bubble / flops_s + a2a_fwd)
     update_mult = 4 if recompute == "full" else 3  # fwd + 2x bwd (+ fwd again under full recompute)
-    times["update"] = tr.ppo_epochs * update_mult * rows * seq * fwd_per_token * bubble / flops_s
+    times["update"] = tr.ppo_epochs * update_mult * (rows * seq * fwd_per_token * bubble / flops_s + a2a_fwd)
+    active = "2N" if not m.experts else f"2N_active ({n / 1e9:.2f} B)"
     base = (
-        f"{rows} rows x {seq:.0f} tokens x (2N + 2*L*q_dim*S = {fwd_per_token / 1e9:.1f} GFLOP) x bubble {bubble:.3f}"
+        f"{rows} rows x {seq:.0f} tokens x ({active} + 2*L*q_dim*S = {fwd_per_token / 1e9:.1f} GFLOP) x bubble "
+        f"{bubble:.3f}"
     )
     formulas["log-probs"] = f"{base} / ({world} GPUs x {a.peak_tflops:g} TFLOP/s x MFU {a.mfu})"
+    if a2a_fwd:
+        formulas["log-probs"] += (
+            f" + all-to-all L/pp x {tokens_per_gpu:,.0f} tokens/GPU x 2k*h*b x (ep-1)/ep / {a2a_link:g} GB/s "
+            f"= {a2a_fwd:,.1f} s"
+        )
     if passes == 2:
         formulas["log-probs"] = f"2 passes (actor, frozen reference) x {formulas['log-probs']}"
     formulas["update"] = f"{tr.ppo_epochs} epoch(s) x {update_mult} x {base} / (same)"
+    if a2a_fwd:
+        formulas["update"] = (
+            f"{tr.ppo_epochs} epoch(s) x {update_mult} x ({base} / (same) + all-to-all {a2a_fwd:,.1f} s)"
+        )
     fp8 = getattr(ro, "weight_dtype", "auto") == "fp8"
     size = engine_weight_bytes(m, 1, a.dtype_bytes, fp8)  # what one sync sends (the whole model, HF layout)
     tp, pp = act.tensor_parallel, act.pipeline_parallel
@@ -702,13 +781,18 @@ def step_times(
     buckets = math.ceil(size / (ro.weight_sync_bucket_mb * 2**20))
     gather = size * (tp - 1) / tp / (a.nvlink_gbps * 1e9)
     bcast = size * (pp - 1) / pp / (pp_link * 1e9)
+    ep_link = a.internode_gbps if ep * tp > gpus_per_node else a.nvlink_gbps
+    expert_bytes = size * m.layers * m.layer_expert_params / max(m.num_params, 1)  # the experts' share of S
+    bcast += expert_bytes * (ep - 1) / ep / (ep_link * 1e9) if m.experts else 0.0
     colocated = ro.mode == "colocated"
     load = size / (a.ipc_gbps * 1e9) if colocated else size / (a.internode_gbps * 1e9)
     memory = a.engine_memory_s if colocated else 0.0
     times["sync"] = gather + bcast + load + buckets * a.bucket_overhead_s + memory
     formulas["sync"] = (
         f"S {size / 1e9:.1f} GB{' (FP8)' if fp8 else ''}: TP gather S*(tp-1)/tp/{a.nvlink_gbps:g} + PP broadcast "
-        f"S*(pp-1)/pp/{pp_link:g} + load S/{a.ipc_gbps if colocated else a.internode_gbps:g} + {buckets} buckets x "
+        f"S*(pp-1)/pp/{pp_link:g}"
+        + (f" + EP broadcast S_experts {expert_bytes / 1e9:.1f} GB*(ep-1)/ep/{ep_link:g}" if m.experts else "")
+        + f" + load S/{a.ipc_gbps if colocated else a.internode_gbps:g} + {buckets} buckets x "
         f"{a.bucket_overhead_s} s" + (f" + engine release/resume {a.engine_memory_s:g} s" if colocated else "")
     )
     times["offload"], formulas["offload"] = offload_time(config, m, dp, a)
@@ -725,9 +809,13 @@ def offload_time(config: Any, m: ModelShape, dp: int, a: Assumptions) -> tuple[f
     if not parts:
         return 0.0, "actor.offload none: nothing moves"
     act = config.actor
-    stage = max(s.params for s in actor_stages(m, act.tensor_parallel, act.pipeline_parallel))
+    ep = getattr(act, "expert_parallel", 1)
+    stage = max(actor_stages(m, act.tensor_parallel, act.pipeline_parallel, ep), key=lambda s: s.params)
     per = dict(zip(PARTS, actor_state_bytes_per_param(act.dtype, dp, act.use_distributed_optimizer), strict=True))
-    moved = stage * sum(per[p] for p in parts)
+    expert_opt = actor_state_bytes_per_param(act.dtype, dp // ep, act.use_distributed_optimizer)[2]
+    moved = stage.params * sum(per[p] for p in parts)
+    if "optimizer" in parts:  # the experts' optimizer state is sharded over the expert data-parallel group only
+        moved += stage.expert_params * (expert_opt - per["optimizer"])
     return 2 * moved / (a.offload_gbps * 1e9), (
         f"2 (out and back) x {moved / 1e9:.1f} GB ({', '.join(parts)} of the largest stage) / {a.offload_gbps:g} GB/s"
     )

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 CFG_32B = ROOT / "examples/qwen2.5_32b_dapo.yaml"
 CFG_7B = ROOT / "examples/qwen2.5_7b_dapo.yaml"
+CFG_30B_A3B = ROOT / "examples/qwen3_30b_a3b_dapo.yaml"
 
 
 def _gib(num_bytes: float) -> float:
@@ -101,19 +102,55 @@ def test_config_json_is_read_when_the_model_is_local(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
-def test_moe_parameter_counts_are_transformers_and_the_plan_refuses_them(name, tmp_path):
-    """Every expert, the router and (Qwen2-MoE) the gated shared expert counted as transformers counts them; planning
-    an MoE run stops with one line until its memory and time terms exist."""
+def test_moe_parameter_counts_are_transformers(name):
+    """Every expert, the router and (Qwen2-MoE) the gated shared expert counted as transformers counts them; the
+    active parameters are those less the experts a token does not go through."""
     from tests.actor._tiny_models import every_tiny_checkpoint
     from tests.actor._tiny_models import load_hf
 
     path = every_tiny_checkpoint()[name]
     shape, _ = resolve_model(str(path))
     assert shape.experts == 8 and shape.topk == 2 and shape.moe_ffn == 38
-    assert shape.num_params == sum(p.numel() for p in load_hf(path).parameters())
-    config = load_config(ROOT / "examples/tiny_cpu.yaml", [f"--actor.model_path={path}"])
-    with pytest.raises(PlanError, match="mixture-of-experts model is not planned yet"):
-        make_plan(config, nodes=1, gpus_per_node=2, gpu_memory_gb=80)
+    model = load_hf(path)
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert shape.active_params == shape.num_params - experts * (8 - 2) // 8
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# worked example 3: Qwen3-30B-A3B (MoE) on two nodes (examples/qwen3_30b_a3b_dapo.yaml)
+# ---------------------------------------------------------------------------------------------------------------
+def test_qwen3_30b_a3b_two_nodes_matches_the_hand_calculation():
+    m = KNOWN_MODELS["qwen3-30b-a3b"]
+    # h 2048, L 48, 32 heads x 128 (q 4096), 4 KV heads (kv 512), 128 experts of 768, top-8, V 151,936, untied.
+    # 30,532,122,624 - 48 x 120 unused experts x 3 x 2048 x 768 = 3,353,032,704 (the model card: 30.5 B, 3.3 B active)
+    assert m.num_params == 30_532_122_624 and m.active_params == 3_353_032_704
+    plan = make_plan(load_config(CFG_30B_A3B), nodes=2, gpus_per_node=8, gpu_memory_gb=80)
+    # TP 1 x PP 1 -> DP 16; EP 8 -> expert DP 2. Per GPU and layer: attention 2048 x 5120 + 4096 x 2048 =
+    # 18,874,368; experts 128 x 3 x 2048 x 768 / 8 = 75,497,472; norms, q/k norms and the router 2 x 2048 + 2 x 128 +
+    # 128 x 2048 = 266,496; x 48 = 4,542,640,128. Embedding and LM head 151,936 x 2048 each (V a multiple of 128).
+    experts = 48 * 75_497_472
+    n = 48 * (18_874_368 + 75_497_472 + 266_496) + 2 * 151_936 * 2048 + 2048
+    (stage,) = actor_stages(m, 1, 1, 8)
+    assert (stage.params, stage.expert_params) == (n, experts) == (5_164_972_032, 3_623_878_656)
+    update = plan.peak("update")
+    # bf16: params 2 B, fp32 grads 4 B; the optimizer (fp32 master + Adam m, v: 12 B) over DP 16 for the dense part
+    # and over expert DP 2 for the experts: 0.75 and 6 B per parameter.
+    assert update.term("actor optimizer") == pytest.approx(_gib((n - experts) * 12 / 16 + experts * 12 / 2), abs=1e-9)
+    # Stored activations (full recompute, no sequence parallel): 48 x h x 2 B x T; the recomputed layer per token:
+    # norms 4h*2 + 8, q/k/v/o (2 q + 2 kv) x 2, the MoE MLP k x 3 x 768 + 2 k h (dispatched copies) x 2, softmax
+    # stats 4 x 32, fp32 router 8 x 128.
+    t = 20_480
+    layer = 4 * 2048 * 2 + 8 + (2 * 4096 + 2 * 512 + 8 * 3 * 768 + 2 * 8 * 2048) * 2 + 4 * 32 + 8 * 128
+    lm = 2 * t * 2048 * 2 + 12 * t + 151_936 * 2048 * 2
+    state = 2.5 + 1.0 + _gib(n * 2) + _gib(n * 4) + update.term("actor optimizer")
+    assert update.total_gib == pytest.approx(state + _gib(48 * 2048 * 2 * t + layer * t + lm), abs=1e-9)
+    # All-to-all per pass: 48 layers x tokens per GPU (2048 rows x 2713.6 / 16) x 2 k h b x 7/8 over NVLink.
+    a2a = 48 * (2048 * 2713.6 / 16) * 2 * 8 * 2048 * 2 * 7 / 8 / 360e9
+    flops = 2048 * 2713.6 * (2 * 3_353_032_704 + 2 * 48 * 4096 * 2713.6) / (16 * 989e12 * 0.35)
+    assert plan.times_s["log-probs"] == pytest.approx(flops + a2a)
+    assert plan.times_s["update"] == pytest.approx(4 * (flops + a2a))  # full recompute: 4 passes
+    assert plan.exit_code == 0
 
 
 def test_padded_vocab_is_megatrons():
@@ -530,7 +567,7 @@ def test_counts_match_megatron_core():
 # ---------------------------------------------------------------------------------------------------------------
 # the shipped launch files and docs agree with the planner
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sbatch", ["dapo_qwen2.5_32b.sbatch", "dapo_qwen2.5_7b.sbatch"])
+@pytest.mark.parametrize("sbatch", ["dapo_qwen2.5_32b.sbatch", "dapo_qwen2.5_7b.sbatch", "dapo_qwen3_30b_a3b.sbatch"])
 def test_shipped_sbatch_layouts_fit(sbatch):
     import re
 
@@ -570,7 +607,7 @@ def test_train_runs_the_preflight_first(monkeypatch):
 
 def test_docs_show_the_current_planner_output():
     docs = (ROOT / "docs/planning.md").read_text()
-    for cfg, nodes in [(CFG_32B, 4), (CFG_7B, 1)]:
+    for cfg, nodes in [(CFG_32B, 4), (CFG_7B, 1), (CFG_30B_A3B, 2)]:
         report = make_plan(load_config(cfg), nodes=nodes, gpus_per_node=8, gpu_memory_gb=80).report()
         assert report in docs, f"docs/planning.md: refresh the output of `megatron-dapo plan --config {cfg.name}`"
 

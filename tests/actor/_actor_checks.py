@@ -84,8 +84,15 @@ def _check_model(hf_dir: Path, tokens: torch.Tensor, groups: Any, tp: int, pp: i
     from megatron_dapo.config import ActorConfig
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
+    # Qwen2-MoE under EP without PP takes megatron's allgather dispatcher (the rest alltoall).
+    dispatcher = "allgather" if ep > 1 and pp == 1 and hf_dir.name == "qwen2_moe" else "alltoall"
     actor_cfg = ActorConfig(
-        model_path=str(hf_dir), tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, dtype="fp32"
+        model_path=str(hf_dir),
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        expert_parallel=ep,
+        dtype="fp32",
+        moe_dispatcher=dispatcher,
     )
     model = build_gpt_model(hf_config, actor_cfg, groups)
     load_hf_into_model([model], hf_dir, hf_config, groups)

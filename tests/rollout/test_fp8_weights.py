@@ -93,6 +93,23 @@ def test_only_projection_weights_are_quantized():
     assert not is_fp8_linear("lm_head.weight", torch.zeros(2, 2))
 
 
+def test_moe_experts_and_shared_expert_are_quantized_not_routers():
+    """SGLang 0.5.23's Qwen MoE: FusedMoE takes w13/w2 FP8 weights with weight_scale_inv per expert (the per-expert
+    names map to them), the shared expert is an ordinary MLP; the router (`mlp.gate`, a ReplicatedLinear built
+    without quant_config) and Qwen2-MoE's `shared_expert_gate` (an nn.Linear) stay unquantized."""
+    w = torch.randn(4, 4)
+    fp8 = [
+        "model.layers.0.mlp.experts.7.gate_proj.weight",
+        "model.layers.0.mlp.experts.7.up_proj.weight",
+        "model.layers.0.mlp.experts.7.down_proj.weight",
+        "model.layers.0.mlp.shared_expert.gate_proj.weight",
+        "model.layers.0.mlp.shared_expert.down_proj.weight",
+    ]
+    assert all(is_fp8_linear(n, w) for n in fp8)
+    assert not is_fp8_linear("model.layers.0.mlp.gate.weight", w)
+    assert not is_fp8_linear("model.layers.0.mlp.shared_expert_gate.weight", torch.randn(1, 4))
+
+
 # ------------------------------------------------------------------------------------------- SGLang's source
 def _function(path, name):
     tree = ast.parse(path.read_text(encoding="utf-8"))
