@@ -16,6 +16,26 @@ from megatron_dapo.actor.cpu_compat import import_megatron_core
 import_megatron_core()  # before any test imports it: on CPU, megatron's fusions are not torch.compile'd (~5 s)
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The tiny CPU job's model and data (megatron_dapo.dev.tiny) for the trainer's end-to-end tests (a module that
+    needs other ones defines its own `tiny`)."""
+    from megatron_dapo.dev.tiny import make_tiny_run
+
+    return make_tiny_run(tmp_path_factory.mktemp("tiny"), num_train=48, num_test=8)
+
+
+@pytest.fixture(scope="session")
+def straight(tiny, tmp_path_factory):
+    """4 DAPO steps straight under torchrun (TP=2, tests/test_trainer_e2e.py's `_train`): the oracle of the
+    interrupted and offloaded runs (one run per session)."""
+    from tests.test_trainer_e2e import _train
+
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    _train(tiny, run_dir, "--trainer.total_steps=4", "--logging.plots=true")
+    return run_dir
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     random.seed(0)

@@ -12,13 +12,12 @@ import pytest
 
 from tests.test_trainer_e2e import _metrics
 from tests.test_trainer_e2e import _train
-from tests.test_trainer_e2e import tiny  # noqa: F401 -- the module-scoped fixture
 
 KL = ("--algorithm.policy_loss=grpo", "--loss.kl_coef=0.5", "--trainer.total_steps=2", "--actor.offload=all")
 
 
 @pytest.mark.slow
-def test_grpo_with_kl_trains_with_its_reference_offloaded(tiny, tmp_path):  # noqa: F811
+def test_grpo_with_kl_trains_with_its_reference_offloaded(tiny, tmp_path):
     run_dir = tmp_path / "run"
     _train(tiny, run_dir, *KL)
     rows = [r for r in _metrics(run_dir) if r["step"] > 0]

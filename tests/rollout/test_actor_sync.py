@@ -10,6 +10,7 @@ and rebuilt with SGLang's own tensor_bucket.py, loads into a second transformers
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pickle
 import sys
@@ -89,7 +90,6 @@ def _sync_worker(hf_dir: str, tp: int = 2, ep: int = 1) -> dict:
     import torch.distributed as dist
 
     from megatron_dapo.actor.actor import MegatronActor
-    from megatron_dapo.actor.distributed import destroy_distributed
     from megatron_dapo.actor.distributed import init_distributed
     from megatron_dapo.rollout import SamplingParams
     from megatron_dapo.rollout import TransformersEngine
@@ -157,21 +157,34 @@ def _sync_worker(hf_dir: str, tp: int = 2, ep: int = 1) -> dict:
                 for i, c in enumerate(shared[0])
             ]
         )
+    return out
+
+
+def _sync_workers(cases: list[tuple[str, int, int]]) -> list[dict]:
+    """Every (hf_dir, tp, ep) case in one launch (the process group is rebuilt per layout)."""
+    from megatron_dapo.actor.distributed import destroy_distributed
+
+    out = [_sync_worker(*case) for case in cases]
     destroy_distributed()
     return out
 
 
-@pytest.mark.parametrize(
-    ("make", "tp", "ep"),
-    [(make_tiny_qwen2, 2, 1), (make_tiny_qwen3_moe, 1, 2)],
-    ids=["qwen2-tp2", "qwen3_moe-ep2"],
-)
-def test_actor_update_sync_then_engine_logprobs_equal_actor_logprobs(make, tp, ep):
+CASES = {"qwen2-tp2": (make_tiny_qwen2, 2, 1), "qwen3_moe-ep2": (make_tiny_qwen3_moe, 1, 2)}
+
+
+@functools.cache
+def _synced() -> dict[str, dict]:
+    """Rank 0's results of every case, from one 2-process launch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = [(str(make(Path(tmp) / name)), tp, ep) for name, (make, tp, ep) in CASES.items()]
+        return dict(zip(CASES, run_distributed(_sync_workers, 2, cases)[0], strict=True))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_actor_update_sync_then_engine_logprobs_equal_actor_logprobs(case):
     """Qwen3-MoE at EP=2: each rank exports the experts of the other through the EP group, and the engine (fused
     transformers experts) takes the per-expert names."""
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = str(make(Path(tmp) / "model"))
-        res = run_distributed(_sync_worker, 2, hf_dir, tp, ep)[0]
+    res = _synced()[case]
     # The update moved the weights and the sync carried them into the engine.
     assert (res["logits_before"] - res["logits_after"]).abs().max() > 1e-3
     assert res["metrics"]["weight_sync/num_buckets"] > 1
