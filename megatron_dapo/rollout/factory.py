@@ -49,12 +49,13 @@ def sampling_params(
 def routing_shape(model_path: str) -> tuple[int, int, int]:
     """(num_hidden_layers, num_experts_per_tok, num_experts) of an MoE checkpoint's config.json: the shape of an
     engine's per-token routing (every layer is MoE; model.py refuses dense layers in MoE models)."""
+    from megatron_dapo.plan import shape_from_hf_config
+
     path = Path(model_path) / "config.json"
-    cfg = json.loads(path.read_text())
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    if not experts or not cfg.get("num_experts_per_tok"):
+    shape = shape_from_hf_config(json.loads(path.read_text()), str(path))
+    if not shape.experts or not shape.topk:
         raise ValueError(f"{path}: not a mixture-of-experts config (no num_experts / num_experts_per_tok)")
-    return int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"]), int(experts)
+    return shape.layers, shape.topk, shape.experts
 
 
 def make_engine(

@@ -54,13 +54,18 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.05 * torch.randn(param.shape, generator=gen))
 
 
-def make_tiny_llama(path: str | Path, *, seed: int = 0, num_layers: int = 2) -> Path:
-    """Save a tied-embedding GQA LlamaForCausalLM to `path`; returns the directory."""
-    config = LlamaConfig(**{**_COMMON, "num_hidden_layers": num_layers}, tie_word_embeddings=True, rope_theta=10000.0)
-    model = LlamaForCausalLM(config).float()
+def _save(model: torch.nn.Module, seed: int, path: str | Path) -> Path:
+    """fp32, randomised (`_randomise`), saved with save_pretrained; returns the directory."""
+    model = model.float()
     _randomise(model, seed)
     model.save_pretrained(path)
     return Path(path)
+
+
+def make_tiny_llama(path: str | Path, *, seed: int = 0, num_layers: int = 2) -> Path:
+    """Save a tied-embedding GQA LlamaForCausalLM to `path`; returns the directory."""
+    config = LlamaConfig(**{**_COMMON, "num_hidden_layers": num_layers}, tie_word_embeddings=True, rope_theta=10000.0)
+    return _save(LlamaForCausalLM(config), seed, path)
 
 
 def make_tiny_qwen2(path: str | Path, *, seed: int = 1, num_layers: int = 2) -> Path:
@@ -68,10 +73,7 @@ def make_tiny_qwen2(path: str | Path, *, seed: int = 1, num_layers: int = 2) -> 
     config = Qwen2Config(
         **{**_COMMON, "num_hidden_layers": num_layers}, tie_word_embeddings=False, rope_theta=1000000.0
     )
-    model = Qwen2ForCausalLM(config).float()
-    _randomise(model, seed)
-    model.save_pretrained(path)
-    return Path(path)
+    return _save(Qwen2ForCausalLM(config), seed, path)
 
 
 def make_tiny_qwen3(path: str | Path, *, seed: int = 2, num_layers: int = 2) -> Path:
@@ -79,47 +81,39 @@ def make_tiny_qwen3(path: str | Path, *, seed: int = 2, num_layers: int = 2) -> 
     config = Qwen3Config(
         **{**_COMMON, "num_hidden_layers": num_layers}, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0
     )
-    model = Qwen3ForCausalLM(config).float()
-    _randomise(model, seed)
-    model.save_pretrained(path)
-    return Path(path)
+    return _save(Qwen3ForCausalLM(config), seed, path)
 
 
-_MOE = dict(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False)
+MOE_FIELDS = dict(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=38, decoder_sparse_step=1, mlp_only_layers=[]
+)
+"""The tiny MoE models' routed experts: 8 of width 38 (19 per TP rank), top-2, every layer MoE."""
 
 
 def make_tiny_qwen3_moe(path: str | Path, *, seed: int = 3, num_layers: int = 4) -> Path:
     """Save a Qwen3MoeForCausalLM (every layer MoE, 8 experts, top-2 renormalised) to `path`; returns it."""
     config = Qwen3MoeConfig(
         **{**_COMMON, "num_hidden_layers": num_layers},
-        **_MOE,
-        moe_intermediate_size=38,
+        **MOE_FIELDS,
         norm_topk_prob=True,
         head_dim=16,
         tie_word_embeddings=False,
         rope_theta=1000000.0,
     )
-    model = Qwen3MoeForCausalLM(config).float()
-    _randomise(model, seed)
-    model.save_pretrained(path)
-    return Path(path)
+    return _save(Qwen3MoeForCausalLM(config), seed, path)
 
 
 def make_tiny_qwen2_moe(path: str | Path, *, seed: int = 4, num_layers: int = 4) -> Path:
     """Save a Qwen2MoeForCausalLM (qkv bias, 8 experts top-2 not renormalised, gated shared expert) to `path`."""
     config = Qwen2MoeConfig(
         **{**_COMMON, "num_hidden_layers": num_layers},
-        **_MOE,
-        moe_intermediate_size=38,
+        **MOE_FIELDS,
         shared_expert_intermediate_size=44,
         norm_topk_prob=False,
         tie_word_embeddings=False,
         rope_theta=1000000.0,
     )
-    model = Qwen2MoeForCausalLM(config).float()
-    _randomise(model, seed)
-    model.save_pretrained(path)
-    return Path(path)
+    return _save(Qwen2MoeForCausalLM(config), seed, path)
 
 
 def load_hf(path: str | Path) -> torch.nn.Module:

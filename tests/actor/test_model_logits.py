@@ -19,6 +19,7 @@ from tests.actor._actor_checks import cached_results
 from tests.actor._actor_checks import case_params
 from tests.actor._actor_checks import layout_id
 from tests.actor._actor_checks import tokens
+from tests.actor._tiny_models import MOE_FIELDS
 from tests.actor._tiny_models import every_tiny_checkpoint
 from tests.actor._tiny_models import load_hf
 
@@ -99,16 +100,7 @@ def test_to_transformer_config_qwen2_on_cpu():
     assert not to_transformer_config(llama, ActorConfig(), on_cpu=True).add_qkv_bias
 
 
-_MOE = dict(
-    architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=38,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-)
+_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", norm_topk_prob=True, **MOE_FIELDS)
 
 
 @pytest.mark.parametrize(

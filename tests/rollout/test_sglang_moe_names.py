@@ -68,16 +68,21 @@ def test_every_moe_name_we_push_is_taken_by_sglangs_loader(name):
     path = ROOT / MODELS[name]
     hf_config = AutoConfig.from_pretrained(every_tiny_checkpoint()[name])
     stacked, call = _loader(path)
+    fn = _function(path, "load_weights")
+    skips_experts = any(isinstance(n, ast.Constant) and n.value == "mlp.experts" for n in ast.walk(fn))
     mapping = _expert_mapping(hf_config.num_experts, call)
     names = hf_state_dict_keys(hf_config)
     taken = {}
     for key in names:
-        if "mlp.experts" in key:  # the stacked mapping skips expert names before renaming them
+        if "mlp.experts" in key:
+            # gate_proj / up_proj match the stacked (gate_up_proj) mapping too: SGLang's loader must skip expert
+            # names there before renaming them (its `if "mlp.experts" in name: continue`).
+            assert skips_experts and any(w in key for _, w, _ in stacked) == ("down_proj" not in key), key
             hits = [(p, e, s) for p, w, e, s in mapping if w in key]
             assert len(hits) == 1, (key, hits)
             taken[key] = hits[0]
         else:
-            assert not any(w in key and "mlp.experts" in key for _, w, _ in stacked)
+            assert not any(w in key for _, w, _, _ in mapping), key  # e.g. shared_expert.* is not an expert
     want = {"gate_proj": ("experts.w13_", "w1"), "up_proj": ("experts.w13_", "w3"), "down_proj": ("experts.w2_", "w2")}
     for key, (param, expert, shard) in taken.items():
         e, proj = key.split(".")[5:7]  # model.layers.{i}.mlp.experts.{e}.{proj}.weight
