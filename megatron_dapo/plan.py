@@ -252,6 +252,9 @@ class Assumptions:
     shard_imbalance: float = 0.5
     """Only the comparison with sequential rounds: how far the slowest of the static per-engine shards of a round
     ran behind the median (the rounds waited for it; the stream has no shards)."""
+    dedicated_mem_fraction: float = 0.85
+    """The async schedule only: SGLang's mem_fraction_static on GPUs the engine has to itself (weights + KV cache as a
+    share of the memory left after its process; SGLang picks ~0.8-0.9 by GPU size when unset)."""
 
     def tps_per_gpu(self, num_params: int) -> float:
         return self.decode_tps_per_gpu or min(50000.0, 1500.0 * 32.8e9 / num_params)
@@ -308,6 +311,8 @@ class Plan:
     preempt_lead_formula: str = ""
     over_timeouts: list[str] = field(default_factory=list)
     """Waits planned longer than their config timeouts (`over_timeouts`): the run would end at the first one."""
+    async_plan: AsyncSchedule | None = None
+    """The same config on the fastest disaggregated split, asynchronous (`async_schedule`); time only."""
 
     def peak(self, phase: str) -> Phase:
         """The stage of `phase` that fails (an error first, then the highest total) or else has the highest total."""
@@ -565,6 +570,7 @@ def make_plan(
     lead, lead_formula = preemption_lead(config, m, nodes, a, times)
     plan = Plan(m, source, layout, gpu_memory_gb - a.safety_gib, phases, times, formulas, a, notes, lead, lead_formula)
     plan.over_timeouts = over_timeouts(config, times)
+    plan.async_plan = async_schedule(config, m, nodes, gpus_per_node, gpu_memory_gb, a)
     return plan
 
 
@@ -696,16 +702,21 @@ def step_times(
     recompute: str,
     num_micro: int,
     kv_tokens: int,
+    split: tuple[int, int] | None = None,
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Seconds per training step by phase, and the formula of each (see docs/planning.md). kv_tokens: tokens one
-    colocated engine's KV cache holds (0: not known, e.g. server mode; no concurrency bound then)."""
+    engine's KV cache holds (0: not known, e.g. server mode; no concurrency bound then). split: (engine GPUs, actor
+    GPUs) of a disaggregated placement (`async_schedule`); None: the config's own placement (colocated: engines and
+    actor share every GPU)."""
     act, ro, tr, alg = config.actor, config.rollout, config.trainer, config.algorithm
     world = nodes * gpus_per_node
+    engine_gpus, actor_gpus = split or (world, world)
+    colocated = split is None and ro.mode == "colocated"
     n = m.active_params  # FLOPs and decode speed (MoE: the top-k experts a token goes through; dense: every param)
     keep = getattr(alg, "expected_keep_ratio", 0.5) if alg.dynamic_sampling else 1.0
     mean_resp = a.mean_response_frac * ro.max_response_length
     etp = ro.tensor_parallel
-    engines = world // etp if ro.mode == "colocated" else len(ro.server_urls)
+    engines = engine_gpus // etp if split or colocated else len(ro.server_urls)
     tps_seq = a.tps_per_seq(n, etp)
     engine_tps = a.tps_per_gpu(n) * etp
     bound = f"{a.tps_per_gpu(n):.0f} tok/s/GPU x TP {etp}"
@@ -743,13 +754,13 @@ def step_times(
         seq = a.mean_prompt_tokens + ro.max_response_length
     rows = tr.prompts_per_step * alg.group_size
     fwd_per_token = 2 * n + 2 * m.layers * m.q_dim * seq  # 2N + attention (QK^T and AV, causal: ctx S/2 each)
-    flops_s = world * a.peak_tflops * 1e12 * a.mfu
+    flops_s = actor_gpus * a.peak_tflops * 1e12 * a.mfu
     bubble = 1 + (act.pipeline_parallel - 1) / num_micro
     passes = 2 if _has_reference(config) else 1  # the frozen reference's forward (loss.kl_coef > 0)
     # MoE all-to-all (alltoall dispatcher): per MoE layer a token's hidden state goes to its k experts and comes back
     # (2 k h b bytes), the share (ep-1)/ep of it to other ranks; the backward moves as much again. Not overlapped.
     ep = getattr(act, "expert_parallel", 1)
-    tokens_per_gpu = rows * seq / (world / act.tensor_parallel)  # every TP rank of a DP rank holds the tokens
+    tokens_per_gpu = rows * seq / (actor_gpus / act.tensor_parallel)  # every TP rank of a DP rank holds the tokens
     a2a_link = a.internode_gbps if ep * act.tensor_parallel > gpus_per_node else a.nvlink_gbps
     a2a_fwd = m.layers / act.pipeline_parallel * tokens_per_gpu * 2 * m.topk * m.hidden * a.dtype_bytes
     a2a_fwd = a2a_fwd * (ep - 1) / ep / (a2a_link * 1e9) if m.experts and ep > 1 else 0.0
@@ -761,7 +772,7 @@ def step_times(
         f"{rows} rows x {seq:.0f} tokens x ({active} + 2*L*q_dim*S = {fwd_per_token / 1e9:.1f} GFLOP) x bubble "
         f"{bubble:.3f}"
     )
-    formulas["log-probs"] = f"{base} / ({world} GPUs x {a.peak_tflops:g} TFLOP/s x MFU {a.mfu})"
+    formulas["log-probs"] = f"{base} / ({actor_gpus} GPUs x {a.peak_tflops:g} TFLOP/s x MFU {a.mfu})"
     if a2a_fwd:
         formulas["log-probs"] += (
             f" + all-to-all L/pp x {tokens_per_gpu:,.0f} tokens/GPU x 2k*h*b x (ep-1)/ep / {a2a_link:g} GB/s "
@@ -784,21 +795,87 @@ def step_times(
     ep_link = a.internode_gbps if ep * tp > gpus_per_node else a.nvlink_gbps
     expert_bytes = size * m.layers * m.layer_expert_params / max(m.num_params, 1)  # the experts' share of S
     bcast += expert_bytes * (ep - 1) / ep / (ep_link * 1e9) if m.experts else 0.0
-    colocated = ro.mode == "colocated"
-    load = size / (a.ipc_gbps * 1e9) if colocated else size / (a.internode_gbps * 1e9)
+    # Colocated: the engine reads the buckets through CUDA IPC. Otherwise a broadcast to GPUs the actor does not own:
+    # NVLink when a disaggregated split stays inside one node, the network between nodes.
+    load_gbps = a.ipc_gbps if colocated else a.nvlink_gbps if split and nodes == 1 else a.internode_gbps
+    load = size / (load_gbps * 1e9)
     memory = a.engine_memory_s if colocated else 0.0
     times["sync"] = gather + bcast + load + buckets * a.bucket_overhead_s + memory
     formulas["sync"] = (
         f"S {size / 1e9:.1f} GB{' (FP8)' if fp8 else ''}: TP gather S*(tp-1)/tp/{a.nvlink_gbps:g} + PP broadcast "
         f"S*(pp-1)/pp/{pp_link:g}"
         + (f" + EP broadcast S_experts {expert_bytes / 1e9:.1f} GB*(ep-1)/ep/{ep_link:g}" if m.experts else "")
-        + f" + load S/{a.ipc_gbps if colocated else a.internode_gbps:g} + {buckets} buckets x "
+        + f" + load S/{load_gbps:g} + {buckets} buckets x "
         f"{a.bucket_overhead_s} s" + (f" + engine release/resume {a.engine_memory_s:g} s" if colocated else "")
     )
     times["offload"], formulas["offload"] = offload_time(config, m, dp, a)
+    if split:
+        times["offload"], formulas["offload"] = 0.0, "disaggregated: no engine shares the actor's GPUs, nothing moves"
     times["eval"], formulas["eval"] = eval_time(config, a, rate, tps_seq)
     times["checkpoint"], formulas["checkpoint"] = checkpoint_time(config, m, nodes, a)
     return times, formulas
+
+
+def colocated_step_seconds(times: dict[str, float]) -> float:
+    """The synchronous colocated step: every phase one after another."""
+    return sum(times.values())
+
+
+def async_step_seconds(times: dict[str, float]) -> float:
+    """The asynchronous step (trainer.max_staleness >= 1, engines and actor on disjoint GPUs): the engines generate the
+    next step's groups while the actor computes log-probs and updates on this step's, so the slower of the two sets
+    the pace; the weight sync, the evaluation and the checkpoint share still stop both."""
+    train = times["log-probs"] + times["update"]
+    return max(times["generation"], train) + times["sync"] + times["eval"] + times["checkpoint"]
+
+
+@dataclass(slots=True)
+class AsyncSchedule:
+    """`async_schedule`'s answer: the fastest disaggregated split of the GPUs and its step times."""
+
+    engine_gpus: int
+    actor_gpus: int
+    times_s: dict[str, float]
+    formulas: dict[str, str]
+    step_s: float
+    candidates: list[tuple[int, float]]
+    """(engine GPUs, step seconds) of every split that can run, fastest first."""
+
+
+def async_schedule(
+    config: Any, m: ModelShape, nodes: int, gpus_per_node: int, gpu_memory_gb: float, a: Assumptions
+) -> AsyncSchedule | None:
+    """The config's step on a disaggregated placement (issue 24): E GPUs run engines (rollout.tensor_parallel each),
+    the other world - E the actor (its TP x EP x PP dividing them), for every such E; the fastest by
+    `async_step_seconds`. An engine on its own GPUs holds dedicated_mem_fraction of their memory for weights and KV
+    cache. None when no split can run (the world is one actor replica, or no engine fits)."""
+    act, ro = config.actor, config.rollout
+    world = nodes * gpus_per_node
+    tp, pp, ep, etp = act.tensor_parallel, act.pipeline_parallel, getattr(act, "expert_parallel", 1), ro.tensor_parallel
+    fp8 = getattr(ro, "weight_dtype", "auto") == "fp8"
+    kv = a.dedicated_mem_fraction * (gpu_memory_gb - a.engine_overhead_gib) * GiB
+    kv -= engine_weight_bytes(m, etp, a.dtype_bytes, fp8)
+    kv_tokens = int(max(kv, 0.0) // kv_bytes_per_token(m, etp, a.dtype_bytes))  # per engine (every GPU holds 1/etp)
+    if kv_tokens < config.data.max_prompt_length + ro.max_response_length:
+        return None
+    mean_seq = a.mean_prompt_tokens + a.mean_response_frac * ro.max_response_length
+    recompute = recompute_mode(act)
+    best, candidates = None, []
+    for engine_gpus in range(etp, world, etp):
+        actor_gpus = world - engine_gpus
+        if actor_gpus % (tp * pp * ep):
+            continue
+        dp = actor_gpus // (tp * pp)
+        num_micro = microbatches_per_rank(config, dp, mean_seq)
+        split = (engine_gpus, actor_gpus)
+        times, formulas = step_times(config, m, nodes, gpus_per_node, dp, a, recompute, num_micro, kv_tokens, split)
+        step = async_step_seconds(times)
+        candidates.append((engine_gpus, step))
+        if best is None or step < best.step_s:
+            best = AsyncSchedule(engine_gpus, actor_gpus, times, formulas, step, candidates)
+    if best is not None:
+        candidates.sort(key=lambda c: c[1])
+    return best
 
 
 def offload_time(config: Any, m: ModelShape, dp: int, a: Assumptions) -> tuple[float, str]:
@@ -885,10 +962,11 @@ def format_plan(plan: Plan) -> str:
         for t in ph.terms:
             lines.append(f"      {t.gib:7.2f}  {t.name:<30} {t.formula}")
     lines.append("")
-    total = sum(plan.times_s.values())
-    lines.append(f"step time model: {total:,.0f} s per step")
+    total = colocated_step_seconds(plan.times_s)
+    lines.append(f"step time model: {total:,.0f} s per step (synchronous, every phase in turn)")
     for name, secs in plan.times_s.items():
         lines.append(f"  {name:<11} {secs:9.1f} s   {plan.time_formulas[name]}")
+    lines += format_async(plan.async_plan, total)
     lines.append(f"preemption lead time: {plan.preempt_lead_s:,.0f} s ({plan.preempt_lead_formula})")
     lines.append("")
     lines.append("assumptions (override with --assume NAME=VALUE):")
@@ -907,6 +985,28 @@ def format_plan(plan: Plan) -> str:
     for line in plan.over_timeouts:
         lines.append(f"OUTLASTS ITS TIMEOUT: {line}")
     return "\n".join(lines)
+
+
+def format_async(sched: AsyncSchedule | None, sync_step_s: float) -> list[str]:
+    """The async schedule's lines of the report (time only; the run itself is synchronous until issue 24 lands)."""
+    if sched is None:
+        return ["async schedule: no disaggregated split can run (one actor replica fills the GPUs, or no engine fits)"]
+    t = sched.times_s
+    train = t["log-probs"] + t["update"]
+    lines = [
+        f"async schedule (trainer.max_staleness >= 1; not runnable yet, issue 24): {sched.step_s:,.0f} s per step, "
+        f"x{sync_step_s / sched.step_s:.2f} the synchronous step, on {sched.engine_gpus} engine GPUs + "
+        f"{sched.actor_gpus} actor GPUs",
+        f"  step = max(generation {t['generation']:,.1f} s, log-probs + update {train:,.1f} s) + sync "
+        f"{t['sync']:,.1f} s + eval {t['eval']:,.1f} s + checkpoint {t['checkpoint']:,.1f} s",
+    ]
+    for name in ("generation", "log-probs", "update", "sync"):
+        lines.append(f"  {name:<11} {t[name]:9.1f} s   {sched.formulas[name]}")
+    others = ", ".join(f"{e} engine GPUs {s:,.0f} s" for e, s in sched.candidates[1:4])
+    if others:
+        lines.append(f"  other splits: {others}")
+    lines.append("  memory of the split is not planned here: the actor's GPUs hold no engine, the engines' no actor")
+    return lines
 
 
 def parse_assumptions(items: list[str]) -> Assumptions:

@@ -639,3 +639,59 @@ def test_a_kl_loss_plans_the_frozen_reference_model():
         assert gen == pytest.approx(expected, abs=1e-9), offload
         assert with_ref.times_s["log-probs"] == pytest.approx(2 * without.times_s["log-probs"])
         assert "reference" in with_ref.time_formulas["log-probs"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the async schedule (issue 24 item 6): worked example 4 in docs/planning.md
+# ---------------------------------------------------------------------------------------------------------------
+def test_qwen32b_async_schedule_matches_the_hand_calculation():
+    plan = make_plan(_config(CFG_32B), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    sched = plan.async_plan
+    n = 32_763_876_352
+    # The actor needs TP 8 x PP 2 = 16 GPUs per replica: the only split of 32 is 16 engine GPUs (4 engines of TP 4)
+    # + 16 actor GPUs (DP 1).
+    assert (sched.engine_gpus, sched.actor_gpus) == (16, 16) and [e for e, _ in sched.candidates] == [16]
+    # An engine alone on its GPUs: 0.85 x (80 - 1) GiB for weights + KV; weights per GPU: every parameter at 2 B split
+    # 4 ways but the 64 x 2 + 1 norms of 5120 (replicated); KV 2 x 64 layers x 8/4 heads x 128 x 2 B per token.
+    norms = (64 * 2 + 1) * 5120
+    weights = 2 * (n - norms) / 4 + 2 * norms
+    kv_tokens = (0.85 * 79 * GiB - weights) // (2 * 64 * 2 * 128 * 2)
+    tps_seq = 60 * 8.2e9 / (n / 4)
+    engine_tps = min(1500 * 32.8e9 / n * 4, kv_tokens / 6400 * tps_seq)  # here the full-batch rate, not the KV
+    assert engine_tps == pytest.approx(1500 * 32.8e9 / n * 4)
+    gen = 1024 * 16 * 6144 / (4 * engine_tps) + 20480 / tps_seq
+    assert sched.times_s["generation"] == pytest.approx(gen, rel=1e-9)
+    # The actor on 16 GPUs: DP 1 runs 512 micro-batches per mini-batch (bubble 1 + 1/512).
+    fwd = 2 * n + 2 * 64 * 5120 * 6400
+    logprobs = 8192 * 6400 * fwd * (1 + 1 / 512) / (16 * 989e12 * 0.35)
+    assert sched.times_s["log-probs"] == pytest.approx(logprobs, rel=1e-12)
+    assert sched.times_s["update"] == pytest.approx(4 * logprobs, rel=1e-12)
+    # Sync: the engines are on other nodes: the load is a broadcast over the network (S / 40e9) instead of IPC, and
+    # there is no engine memory release / resume.
+    s = 2 * n
+    sync = s * 7 / 8 / 360e9 + s / 2 / 40e9 + s / 40e9 + 31 * 0.2
+    assert sched.times_s["sync"] == pytest.approx(sync, rel=1e-12)
+    assert sched.times_s["offload"] == 0.0
+    evaluation = (30 * 32 * 6144 / (4 * engine_tps) + 20480 / tps_seq) / 10
+    assert sched.times_s["eval"] == pytest.approx(evaluation, rel=1e-9)
+    ckpt = 14 * n / (4 * 2e9) / 10
+    assert sched.step_s == pytest.approx(max(gen, 5 * logprobs) + sync + evaluation + ckpt, rel=1e-9)
+    report = plan.report()
+    assert f"async schedule (trainer.max_staleness >= 1; not runnable yet, issue 24): {sched.step_s:,.0f} s" in report
+    assert f"x{sum(plan.times_s.values()) / sched.step_s:.2f} the synchronous step" in report
+
+
+def test_async_schedule_picks_the_fastest_split_and_says_when_none_runs():
+    # Qwen2.5-7B (engine TP 1, actor TP 2): on 2 nodes every split leaving the actor an even number of GPUs runs.
+    plan = make_plan(_config(CFG_7B), nodes=2, gpus_per_node=8, gpu_memory_gb=80)
+    sched = plan.async_plan
+    steps = dict(sched.candidates)
+    assert sorted(steps) == list(range(2, 16, 2))
+    assert sched.step_s == min(steps.values()) == steps[sched.engine_gpus] == sched.candidates[0][1]
+    assert sched.engine_gpus + sched.actor_gpus == 16
+    # More engine GPUs: faster generation, slower training (each side's time is monotone in its share).
+    fewer = [step for e, step in sorted(steps.items()) if e < sched.engine_gpus]
+    assert all(a >= b for a, b in zip(fewer, fewer[1:]))
+    # One actor replica fills the GPUs: no split.
+    one = make_plan(_config(CFG_32B), nodes=2, gpus_per_node=8, gpu_memory_gb=80)
+    assert one.async_plan is None and "async schedule: no disaggregated split can run" in one.report()
