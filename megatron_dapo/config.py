@@ -249,11 +249,24 @@ class AlgorithmConfig:
     """MIS: lowest ratio kept, in (0, 1]."""
     rollout_mis_high: float = 2.0
     """MIS: highest ratio kept, >= 1."""
+    old_logp_source: str = "actor"
+    """pi_old of the clipped ratio (docs/rollout_correction.md, "Where pi_old comes from"): "actor" (the batch's
+    log-probs recomputed by the actor before the update, the proximal policy; rollout correction weighs them against
+    the engine's) or "engine" (the engine's sampling log-probs: no old-log-prob pass, one actor forward fewer per
+    step, but the engine/actor mismatch (FP8 weights, kernels, MoE routing) then sits inside the clipped ratio and
+    rollout correction has nothing left to correct). "engine" needs rollout.compare_logprobs."""
 
     def __post_init__(self) -> None:
         _check_numbers(self, "algorithm")
         _one_of_registered(self.policy_loss, "algorithm.policy_loss")
         _one_of(self.on_max_gen_batches, ("error", "partial"), "algorithm.on_max_gen_batches")
+        _one_of(self.old_logp_source, ("actor", "engine"), "algorithm.old_logp_source")
+        _check(
+            self.old_logp_source == "actor" or self.rollout_correction == "none",
+            "algorithm.old_logp_source",
+            f"'engine' makes the engine's log-probs pi_old, so rollout_correction {self.rollout_correction!r} would "
+            "weigh them against themselves (always 1): set algorithm.rollout_correction=none",
+        )
         _check(
             self.max_gen_batches > 0 or self.max_gen_minutes > 0 or not self.dynamic_sampling,
             "algorithm.max_gen_batches",
@@ -699,6 +712,17 @@ class RunConfig:
                 r.compare_logprobs,
                 "algorithm.rollout_correction",
                 f"{a.rollout_correction!r} needs the engine's log-probs: set rollout.compare_logprobs=true",
+            )
+        if a.old_logp_source == "engine":
+            _check(
+                r.compare_logprobs,
+                "algorithm.old_logp_source",
+                "'engine' trains against the engine's log-probs: set rollout.compare_logprobs=true",
+            )
+            _check(
+                self.actor.routing_replay != "r2",
+                "algorithm.old_logp_source",
+                "'engine' skips the old-log-prob pass that actor.routing_replay r2 records its experts in; use r3",
             )
         _check(
             self.actor.routing_replay != "r3" or r.engine != "vllm",

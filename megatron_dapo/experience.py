@@ -157,6 +157,17 @@ def build_actor_batch(
     return rows_to_batch(rows, advantages, keep, pad_token_id)
 
 
+def engine_old_logp(batch: ActorBatch) -> Tensor:
+    """pi_old taken from the engine (algorithm.old_logp_source "engine"): the batch's engine log-probs, [B, S] float32,
+    zero outside the responses like the actor's old-log-prob pass. ValueError when the engine returned none."""
+    if batch.engine_logp is None:
+        raise ValueError(
+            "algorithm.old_logp_source=engine: the engine returned no log-probs for this batch "
+            "(rollout.compare_logprobs must be true and the engine must support them)"
+        )
+    return batch.engine_logp.float() * batch.response_mask
+
+
 def apply_rollout_correction(batch: ActorBatch, algo: AlgorithmConfig) -> dict[str, float]:
     """Apply algorithm.rollout_correction to a batch whose old_logp is filled in, in place; returns its metrics.
 

@@ -36,6 +36,7 @@ from megatron_dapo.config import RunConfig
 from megatron_dapo.errors import JobError
 from megatron_dapo.evaluate import score_groups
 from megatron_dapo.experience import batch_advantages
+from megatron_dapo.experience import engine_old_logp
 from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
 from megatron_dapo.experience import row_lengths
@@ -336,15 +337,19 @@ class DAPOTrainer:
                 return
             if routed:
                 batch, plan = routed[0]
+                from_engine = self.cfg.algorithm.old_logp_source == "engine"
                 with timer("logprobs"):
-                    record = self.cfg.actor.routing_replay == "r2"  # the update replays the experts of this pass
-                    batch.old_logp, entropy = self.actor.compute_logprobs(batch, plan=plan, record_routing=record)
-                    metrics.update(self.actor.pop_routing_agreement("rollout"))  # r3: engine vs actor routing
+                    if from_engine:  # pi_old is the engine's: no actor pass (config: no correction, no r2)
+                        batch.old_logp, entropy = engine_old_logp(batch), None
+                    else:
+                        record = self.cfg.actor.routing_replay == "r2"  # the update replays this pass's experts
+                        batch.old_logp, entropy = self.actor.compute_logprobs(batch, plan=plan, record_routing=record)
+                        metrics.update(self.actor.pop_routing_agreement("rollout"))  # r3: engine vs actor routing
                     if self.reference is not None:
                         batch.ref_logp, _ = self.reference.compute_logprobs(batch, plan=plan, with_entropy=False)
                 # Per row, so the local rows get exactly what the whole batch would; MIS changes D, so before update.
-                correction = rollout_correction_parts(batch, self.cfg.algorithm)
-                metrics.update(self._batch_metrics(batch, entropy, correction))
+                correction = {} if from_engine else rollout_correction_parts(batch, self.cfg.algorithm)
+                metrics.update(self._batch_metrics(batch, entropy, correction, mismatch=not from_engine))
             self.test_hook("logprobs_end")
             abandon()
 
@@ -513,17 +518,18 @@ class DAPOTrainer:
         """Global row ids this rank received in the last step (tests read it)."""
         return batch, plan
 
-    def _batch_metrics(self, batch: ActorBatch, entropy: torch.Tensor | None, correction: Stats) -> dict[str, float]:
-        """Entropy, valid-token count (after rollout correction), engine/actor log-prob mismatch and the rollout
-        correction's metrics (`correction`, this rank's Stats) over the whole batch: each DP rank's Stats (one rank
-        per model-parallel group contributes) merged over the gloo exchange."""
+    def _batch_metrics(
+        self, batch: ActorBatch, entropy: torch.Tensor | None, correction: Stats, *, mismatch: bool = True
+    ) -> dict[str, float]:
+        """Entropy, valid-token count (after rollout correction), engine/actor log-prob mismatch (mismatch: False when
+        old_logp is the engine's own) and the rollout correction's metrics (`correction`, this rank's Stats) over the
+        whole batch: each DP rank's Stats (one rank per model-parallel group contributes) merged over the gloo
+        exchange."""
         mask = batch.response_mask
-        entropy_sum = float((entropy * mask).sum()) if entropy is not None else 0.0
-        local: Stats = {
-            "actor/entropy": Stat.mean(entropy_sum, float(mask.sum())),
-            "train/valid_tokens": Stat.sum(float(batch.loss_mask.sum())),
-        }
-        if batch.engine_logp is not None:
+        local: Stats = {"train/valid_tokens": Stat.sum(float(batch.loss_mask.sum()))}
+        if entropy is not None:  # None: no old-log-prob pass (old_logp_source engine); the update's entropy stands
+            local["actor/entropy"] = Stat.mean(float((entropy * mask).sum()), float(mask.sum()))
+        if batch.engine_logp is not None and mismatch:
             local.update(mismatch_stats(batch.old_logp, batch.engine_logp, mask))
         local.update(correction)
         first = self.rank == min(self.groups.mp_ranks)

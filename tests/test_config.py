@@ -149,6 +149,31 @@ def test_validation_rules(override, message):
     assert message in text and "\n" not in text
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--algorithm.old_logp_source=critic"], "algorithm.old_logp_source: must be one of"),
+        (
+            ["--algorithm.old_logp_source=engine", "--algorithm.rollout_correction=tis"],
+            "algorithm.old_logp_source: 'engine' makes the engine's log-probs pi_old, so rollout_correction 'tis'",
+        ),
+        (
+            ["--algorithm.old_logp_source=engine", "--rollout.compare_logprobs=false"],
+            "algorithm.old_logp_source: 'engine' trains against the engine's log-probs: set rollout.compare_logprobs",
+        ),
+        (
+            ["--algorithm.old_logp_source=engine", "--actor.routing_replay=r2", "--actor.shared_prefix=false"],
+            "algorithm.old_logp_source: 'engine' skips the old-log-prob pass that actor.routing_replay r2 records",
+        ),
+    ],
+)
+def test_old_logp_source_refusals(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert load_config(None, ["--algorithm.old_logp_source=engine"]).algorithm.old_logp_source == "engine"
+
+
 def test_shared_prefix_needs_packing():
     with pytest.raises(ConfigError, match="actor.shared_prefix: needs actor.packing=true"):
         load_config(None, ["--actor.shared_prefix=true", "--actor.packing=false"])

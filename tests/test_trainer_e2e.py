@@ -141,6 +141,21 @@ def test_moe_dapo_steps_at_expert_parallel_2(tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_engine_log_probs_as_pi_old_skip_the_actor_pass_and_train_alike(tiny, straight, tmp_path):
+    # algorithm.old_logp_source=engine: no old-log-prob pass. With fp32 rollout weights the engine's log-probs are the
+    # actor's to ~1e-6, so step 1 is the straight run's step 1: the same samples, loss, gradient and update.
+    _train(tiny, tmp_path / "run", "--trainer.total_steps=1", "--algorithm.old_logp_source=engine")
+    got = next(r for r in _metrics(tmp_path / "run") if r["step"] == 1)
+    ref = next(r for r in _metrics(straight) if r["step"] == 1)
+    assert got["reward/acc"] == ref["reward/acc"] and got["train/responses"] == ref["train/responses"]
+    for key in ("actor/loss", "actor/grad_norm", "actor/entropy", "actor/approx_kl", "actor/clipfrac_high"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-7), key
+    # The actor ran the update only: half the tokens of the straight step (old-log-prob pass + update).
+    assert got["train/computed_tokens"] == ref["train/computed_tokens"] / 2
+    assert "rollout/logprob_mismatch" in ref and "rollout/logprob_mismatch" not in got  # nothing to compare it with
+
+
+@pytest.mark.slow
 def test_engines_killed_while_generating_restart_in_place_and_change_nothing(tiny, straight, tmp_path):
     """Each rank's embedded engine dies 3 times during the run's rollout streams, at seeded random engine steps: it
     is rebuilt in place, every rank meets to load it with the actor's weights, its lost requests are re-queued with
