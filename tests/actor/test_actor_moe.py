@@ -270,3 +270,52 @@ def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path
             for key, ref in forced_grads.items():
                 err = float((res["moved_grads"][key] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
                 assert err < 1e-4, f"{where} {key}: rel err {err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# on a GPU: grouped-GEMM experts (tools/gpu/device_check.sh phase 4b; skipped on CPU)
+# ---------------------------------------------------------------------------------------------------------------
+def _gpu_worker(hf_dir: str, batch) -> dict:
+    from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.distributed import init_distributed
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity against transformers' fp64
+    groups = init_distributed(1, 1)
+    actor = MegatronActor(_config(hf_dir, 1, 1), groups, hf_dir=hf_dir)
+    gpt = actor._unwrapped()
+    experts = type(gpt.decoder.layers[0].mlp.experts).__name__
+    logp, ent = actor.compute_logprobs(batch)
+    actor.config.trainer.micro_batch_size = 4
+    stats = actor._forward_backward(batch)
+    exported = {name: t.detach().cpu().clone() for name, t in actor.export_hf_weights()}
+    return {"experts": experts, "grouped_gemm": actor.tf_config.moe_grouped_gemm, "logp": logp.cpu(),
+            "ent": ent.cpu(), "loss": stats["loss"], "grads": _hf_named_grads(actor), "exported": exported}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_moe_actor_on_gpu_with_grouped_gemm_experts_matches_transformers(name):
+    """One GPU rank, fp32: with Transformer Engine the experts are TEGroupedMLP (grouped GEMM, weights named
+    linear_fc{1,2}.weight{k}), without it megatron's local spec; either way log-probs, entropies and the DAPO
+    gradient equal transformers' fp64, and the HF export is the checkpoint bit for bit."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (tools/gpu/device_check.sh: carry it)")
+    batch, ref_logp, ref_ent, ref_loss, ref_grads = _oracle(name)
+    (res,) = run_distributed(_gpu_worker, 1, str(every_tiny_checkpoint()[name]), batch, timeout_s=600)
+    try:
+        import transformer_engine  # noqa: F401
+
+        assert res["grouped_gemm"] and res["experts"] == "TEGroupedMLP", res["experts"]
+    except ImportError:
+        assert res["experts"] == "SequentialMLP", res["experts"]
+    where = f"{name} experts={res['experts']}"
+    torch.testing.assert_close(res["logp"], ref_logp, rtol=0, atol=1e-4, msg=where)
+    torch.testing.assert_close(res["ent"], ref_ent, rtol=0, atol=1e-4, msg=where)
+    assert abs(res["loss"] - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), where
+    assert set(res["grads"]) == set(ref_grads), where
+    for key, ref in ref_grads.items():
+        err = float((res["grads"][key] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        assert err < 1e-4, f"{where} {key}: rel err {err:.2e}"
+    initial = _initial(name)
+    assert set(res["exported"]) == set(initial), where
+    for key, value in initial.items():
+        assert torch.equal(res["exported"][key], value), f"{where} {key}"

@@ -11,7 +11,9 @@
 #   4. pytest -m gpu tests/ops tests/algorithms (TRITON_INTERPRET=0: compiled kernels on the GPU, IS weights too)
 #   4b. pytest -m gpu tests/actor                (the actor on the GPU: packed THD on Transformer Engine's attention
 #                                                 or the varlen submodule, fused LM head and fused loss vs the padded
-#                                                 reference; needs megatron-core: carry its wheel in .whl/, e.g.
+#                                                 reference; the MoE actors with grouped-GEMM experts (TEGroupedMLP
+#                                                 with TE) vs transformers fp64 and their export; needs
+#                                                 megatron-core: carry its wheel in .whl/, e.g.
 #                                                 pip download --no-deps -d .whl the lock's megatron-core pin)
 #   5. python3 tools/bench/logprob_kernels.py --device cuda
 #   6. colocated-SGLang smoke                   (phase_sglang_smoke: tools/gpu/sglang_smoke.py under torchrun, 1 GPU: a
