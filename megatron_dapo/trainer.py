@@ -121,6 +121,11 @@ class DAPOTrainer:
         )
         resume_from = self._startup(self._resume_path)
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
+        replay = self.actor.routing if c.actor.routing_replay == "r3" else None
+        layers = (replay.first_layer, replay.num_layers) if replay is not None else None
+        self.routing_layers_of_rank: list[tuple[int, int] | None] = self.exchange.all_gather([layers], "MoE layers")
+        """R3: the (first MoE layer, count) whose engine routing each global rank replays (its pipeline stage's);
+        None: it needs none. The rollout rows carry only that slice to each rank."""
         # A loss with a KL term (GRPO, loss.kl_coef > 0) needs the frozen reference (actor/reference.py).
         self.reference = reference_model(c, self.groups) if uses_reference(c.loss) else None
         self.engine_ranks = rollout_ranks(c.rollout, self.world)
@@ -505,7 +510,8 @@ class DAPOTrainer:
             for row in wanted[self.dp_of_rank[dst]]:
                 g, i = index[row]
                 if kept[g].owner == self.rank:
-                    outgoing[dst].append((row, self.rows[kept[g].key].rollouts[i]))
+                    rollout = self.rows[kept[g].key].rollouts[i]
+                    outgoing[dst].append((row, rollout.routing_layers(self.routing_layers_of_rank[dst])))
         received = dict(self.exchange.all_to_all(outgoing, "rollout rows"))
         mine = plan.rows_of(self.groups.dp_rank)
         missing = [r for r in mine if r not in received]

@@ -118,6 +118,19 @@ class Rollout:
         response = torch.cat([self.response_ids, ids_t])
         return Rollout(self.prompt_ids, response, logp, FinishReason.ABORT, segments, routed)
 
+    def routing_layers(self, layers: tuple[int, int] | None) -> Rollout:
+        """This response with only MoE layers [first, first + count) of its routed_experts (what one pipeline stage
+        replays), `layers` = (first, count); itself when there is nothing to cut (no routing, layers None, or the
+        slice is every layer)."""
+        routed = self.routed_experts
+        if routed is None or layers is None or (layers[0] == 0 and layers[1] == routed.shape[1]):
+            return self
+        first, count = layers
+        if first < 0 or count < 1 or first + count > routed.shape[1]:
+            raise ValueError(f"Rollout.routing_layers: layers {first}..{first + count - 1} of {routed.shape[1]}")
+        sliced = routed[:, first : first + count].contiguous()
+        return Rollout(self.prompt_ids, self.response_ids, self.engine_logp, self.finish, self.segments, sliced)
+
     def to_state(self) -> dict[str, Any]:
         """Plain containers and tensors (weights_only checkpoints)."""
         return {

@@ -84,3 +84,17 @@ def test_routing_shape_from_the_checkpoint(moe_dir, tmp_path):
     tiny_model("qwen2").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="config.json: not a mixture-of-experts config"):
         routing_shape(str(tmp_path))
+
+
+def test_routing_layers_cuts_what_one_pipeline_stage_replays():
+    routed = torch.arange(6 * 4 * 2, dtype=torch.int16).reshape(6, 4, 2)
+    r = Rollout([1, 2, 3], [4, 5, 6, 7], [-0.1] * 4, FinishReason.STOP, ((0, 3),), routed)
+    stage = r.routing_layers((1, 2))  # a stage holding MoE layers 1 and 2 of 4
+    assert torch.equal(stage.routed_experts, routed[:, 1:3]) and stage.routed_experts.is_contiguous()
+    assert torch.equal(stage.response_ids, r.response_ids) and stage.segments == r.segments
+    assert torch.equal(stage.engine_logp, r.engine_logp) and stage.finish is r.finish
+    assert r.routing_layers((0, 4)) is r and r.routing_layers(None) is r  # nothing to cut: the same object
+    dense = Rollout([1], [2], None, FinishReason.STOP, ((0, 3),))
+    assert dense.routing_layers((0, 2)) is dense
+    with pytest.raises(ValueError, match="Rollout.routing_layers: layers 3..4 of 4"):
+        r.routing_layers((3, 2))
