@@ -129,6 +129,7 @@ FIELD_RANGES: dict[str, Range] = {
     "trainer.mini_batch_prompts": Range(1, _MAX_COUNT),
     "trainer.micro_batch_size": Range(1, _MAX_COUNT),
     "trainer.ppo_epochs": Range(1, 100),
+    "trainer.max_staleness": Range(-1, _MAX_STEPS, note="-1: no bound"),
     "trainer.eval_every": Range(0, _MAX_STEPS, note="0: never"),
     "trainer.eval_samples": Range(1, _MAX_SAMPLES),
     "trainer.eval_temperature": Range(0.001, 10),
@@ -550,6 +551,11 @@ class TrainerConfig:
     """Responses per micro-batch on one data-parallel rank (forward/backward unit)."""
     ppo_epochs: int = 1
     """Passes over each training batch."""
+    max_staleness: int = -1
+    """Bound on how many weight versions a trained token may lag the policy the update starts from (docs/rollout.md,
+    "Staleness"): a response carried across steps (rollout.partial) that would exceed it is restarted from nothing
+    at the cut (logged: stream/stale_*). -1: no bound (a response may be carried over several steps); 0: every
+    trained token comes from the current weights. Above 0 the run needs algorithm.rollout_correction."""
     eval_every: int = 0
     """Evaluate on data.eval_files every this many steps (0 = never during training)."""
     eval_samples: int = 32
@@ -713,6 +719,12 @@ class RunConfig:
                 "algorithm.rollout_correction",
                 f"{a.rollout_correction!r} needs the engine's log-probs: set rollout.compare_logprobs=true",
             )
+        _check(
+            t.max_staleness <= 0 or a.rollout_correction != "none",
+            "trainer.max_staleness",
+            f"{t.max_staleness} lets tokens come from weights up to {t.max_staleness} updates old, an off-policy batch "
+            "that needs algorithm.rollout_correction (tis or mis) to weigh it",
+        )
         if a.old_logp_source == "engine":
             _check(
                 r.compare_logprobs,

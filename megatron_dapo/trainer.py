@@ -158,6 +158,7 @@ class DAPOTrainer:
             window=c.rollout.max_inflight_prompts or c.trainer.gen_prompts_per_batch,
             cap=self.sampler.max_sampled_prompts,
             partial=c.rollout.partial,
+            max_staleness=c.trainer.max_staleness,
             timeout_s=c.rollout.generation_timeout_minutes * 60.0,
             score=self._score,
             over_sampling=c.rollout.over_sampling,

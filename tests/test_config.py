@@ -153,6 +153,12 @@ def test_validation_rules(override, message):
     "overrides,message",
     [
         (["--algorithm.old_logp_source=critic"], "algorithm.old_logp_source: must be one of"),
+        (["--trainer.max_staleness=-2"], "trainer.max_staleness: must be in [-1, 10000000] (-1: no bound), got -2"),
+        (
+            ["--trainer.max_staleness=2", "--rollout.partial=true"],
+            "trainer.max_staleness: 2 lets tokens come from weights up to 2 updates old, an off-policy batch that "
+            "needs algorithm.rollout_correction",
+        ),
         (
             ["--algorithm.old_logp_source=engine", "--algorithm.rollout_correction=tis"],
             "algorithm.old_logp_source: 'engine' makes the engine's log-probs pi_old, so rollout_correction 'tis'",
@@ -167,11 +173,13 @@ def test_validation_rules(override, message):
         ),
     ],
 )
-def test_old_logp_source_refusals(overrides, message):
+def test_off_policy_settings_refusals(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
     assert load_config(None, ["--algorithm.old_logp_source=engine"]).algorithm.old_logp_source == "engine"
+    bounded = load_config(None, ["--trainer.max_staleness=2", "--algorithm.rollout_correction=tis"])
+    assert bounded.trainer.max_staleness == 2 and load_config(None, ["--trainer.max_staleness=0"])
 
 
 def test_shared_prefix_needs_packing():

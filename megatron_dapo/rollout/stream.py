@@ -298,6 +298,9 @@ class RolloutStream:
         engines (the trainer walks its export; the engines' weight_version is set by the stream).
     max_restarts: rollout.engine_restarts; prompt_retries: rollout.prompt_retries; engine_stall_s:
         rollout.engine_stall_minutes in seconds (0: no stall check). log: one line to this rank's log.
+    max_staleness: trainer.max_staleness (-1: no bound). At the cut, a carried response whose oldest token would be
+        more than max_staleness weight versions behind the next step's training (`stale_before`) restarts from
+        nothing; a finished group that held one is carried unfinished to regenerate it.
     """
 
     def __init__(
@@ -324,6 +327,7 @@ class RolloutStream:
         prompt_retries: int = 0,
         engine_stall_s: float = 0.0,
         log: Callable[[str], None] = lambda line: None,
+        max_staleness: int = -1,
     ) -> None:
         self.engine, self.rank, self.exchange, self.store = engine, rank, exchange, store
         self.stop = stop
@@ -338,6 +342,7 @@ class RolloutStream:
         self._keys = 0
         self.restart, self.resync, self.log = restart, resync, log
         self.max_restarts, self.prompt_retries, self.engine_stall_s = max_restarts, prompt_retries, engine_stall_s
+        self.max_staleness = max_staleness
         self.restarts = 0
         """In-place restarts of this rank's engine so far (the run's; bounded by max_restarts)."""
         self.retries: dict[str, int] = {}
@@ -388,6 +393,27 @@ def _unfinished(prompt: list[int]) -> Rollout:
     return Rollout(prompt, [], None, FinishReason.ABORT)
 
 
+def stale_before(step: int, max_staleness: int) -> int | None:
+    """The oldest weight version a response carried out of `step` may hold: the next step trains with version `step`
+    (the weights synced after this step's update), and trainer.max_staleness bounds step - version. None: no bound."""
+    return None if max_staleness < 0 else step - max_staleness
+
+
+def drop_stale(rows: list[Rollout], oldest: int | None) -> tuple[list[Rollout], int, int]:
+    """rows with every response older than `oldest` (its first token's weight version) restarted from nothing;
+    returns (rows, responses restarted, tokens they held)."""
+    if oldest is None:
+        return rows, 0, 0
+    out, count, tokens = [], 0, 0
+    for r in rows:
+        if r.oldest_version is not None and r.oldest_version < oldest:
+            out.append(_unfinished(r.prompt_ids.tolist()))
+            count, tokens = count + 1, tokens + len(r)
+        else:
+            out.append(r)
+    return out, count, tokens
+
+
 class _Run:
     """The state of one `RolloutStream.run` (one step)."""
 
@@ -413,6 +439,7 @@ class _Run:
         self.lost: list[_Building] = []  # groups whose requests the dead engine took with it, re-submitted after sync
         self.version = 0  # the weight version of the engine that died (the restarted one gets the same weights)
         self.restarted = self.requeued = 0
+        self.stale_restarted = self.stale_tokens = 0  # carried responses past trainer.max_staleness (`drop_stale`)
 
     def offer(self, position: int, summary: GroupSummary) -> None:
         self.decided[position] = summary
@@ -656,7 +683,8 @@ class _Run:
         fraction (share of the stream's wall time spent in engine.step; per rank, mean and min over engine ranks) and
         the seconds idle on the queue (window full or nothing left to take; mean over engine ranks); on every rank
         the prompts it started, the tokens it generated and wasted (aborted at the cut without rollout.partial), its
-        engine's in-place restarts and the requests they re-queued."""
+        engine's in-place restarts and the requests they re-queued, and the carried responses it restarted past
+        trainer.max_staleness with the tokens they held."""
         s = self.s
         out: Stats = {
             "stream/prompts_started": Stat.sum(self.started),
@@ -664,6 +692,8 @@ class _Run:
             "stream/tokens_aborted": Stat.sum(wasted),
             "stream/engine_restarts": Stat.sum(self.restarted),
             "stream/requests_requeued": Stat.sum(self.requeued),
+            "stream/stale_responses_restarted": Stat.sum(self.stale_restarted),
+            "stream/stale_tokens_discarded": Stat.sum(self.stale_tokens),
         }
         if s.engine is not None:
             busy = self.busy / max(time.perf_counter() - self.t0, 1e-9)
@@ -690,11 +720,14 @@ class _Run:
         entries: list[tuple[int, CarryEntry]] = []
         rows_out: dict[str, list[Rollout]] = {}
         wasted = 0
+        oldest = stale_before(self.step, s.max_staleness)
         for position, b in sorted(self.building.items()):
             self.tokens += b.generated()
             if s.partial or b.key in carried_in:
                 entries.append((position, CarryEntry(b.index, b.truth, s.rank, b.key)))
-                rows_out[b.key] = [r if r is not None else b.prefixes[j] for j, r in enumerate(b.rollouts)]
+                rows = [r if r is not None else b.prefixes[j] for j, r in enumerate(b.rollouts)]
+                rows_out[b.key], count, tokens = drop_stale(rows, oldest)
+                self.stale_restarted, self.stale_tokens = self.stale_restarted + count, self.stale_tokens + tokens
             else:
                 wasted += b.generated()
         for position, summary in self.sampling.undecided():
@@ -702,8 +735,12 @@ class _Run:
                 continue
             if s.partial or summary.key in carried_in:
                 group = self.groups[summary.key]
-                entries.append((position, CarryEntry(summary.index, group.truth, s.rank, summary.key, summary)))
-                rows_out[summary.key] = group.rollouts
+                rows, count, tokens = drop_stale(group.rollouts, oldest)
+                self.stale_restarted, self.stale_tokens = self.stale_restarted + count, self.stale_tokens + tokens
+                # A finished group with a stale response is carried unfinished: that response is generated again.
+                entry = CarryEntry(summary.index, group.truth, s.rank, summary.key, None if count else summary)
+                entries.append((position, entry))
+                rows_out[summary.key] = rows
             else:
                 wasted += int(summary.lengths.sum())
                 del self.groups[summary.key]

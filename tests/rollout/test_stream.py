@@ -120,6 +120,7 @@ def run_step(
     enabled=True,
     slow_rank=None,
     over_sampling=0.0,
+    max_staleness=-1,
 ):
     """One stream step on `world` ranks (threads) sharing a HashStore; returns each rank's (result, engine)."""
     store, exchange = dist.HashStore(), ThreadExchange(world)
@@ -131,7 +132,7 @@ def run_step(
         stream = RolloutStream(
             engine, rank, exchange.for_rank(rank), store,
             group_size=G, window=window, cap=cap, partial=partial, timeout_s=20, score=score,
-            over_sampling=over_sampling, expected_keep=0.5,
+            over_sampling=over_sampling, expected_keep=0.5, max_staleness=max_staleness,
         )  # fmt: skip
         stream._keys = 1000 * step  # keys unique across the steps of a test
         rule = DynamicSampler(target_prompts=target, enabled=enabled, max_sampled_prompts=cap, on_cap="partial")
@@ -283,6 +284,35 @@ def test_partial_carries_unfinished_work_and_continues_it_next_step():
     # machine's timing) are not.
     started = any(len(r) for e in unfinished for r in before[e.key])
     assert second[0][0].metrics["stream/response_age_max"] == (1.0 if started else 0.0)
+
+
+def _ages(out, step: int) -> list[int]:
+    """Weight versions behind the trained policy (step - 1) of each segment of the kept responses."""
+    rows = {k: g for r, _ in out for k, g in r.groups.items()}
+    return [step - 1 - v for x in out[0][0].kept for r in rows[x.key].rollouts for _, v in r.segments]
+
+
+@pytest.mark.parametrize("bound", [-1, 0, 1])
+def test_max_staleness_bounds_every_trained_token_across_carried_steps(bound):
+    # Six steps with partial rollouts, 2 groups kept a step out of up to 10 in flight: most groups are carried, some
+    # over several steps. Whatever the engine's timing, no kept token is older than the bound; without one, tokens
+    # two or more versions old are trained (the bound is not vacuous here).
+    carry, worst, restarted = None, 0, 0.0
+    for step in range(1, 7):
+        out = run_step(1, timing_seed=step, step=step, partial=True, slots=6, window=10, target=2, enabled=False,
+                       carry=carry, max_staleness=bound)  # fmt: skip
+        result = out[0][0]
+        ages = _ages(out, step)
+        assert ages and min(ages) >= 0
+        if bound >= 0:
+            assert max(ages) <= bound, (step, ages)
+        assert result.metrics["stream/response_age_max"] == max(a for a in ages)  # oldest segment: the first
+        worst, restarted = max(worst, max(ages)), restarted + result.metrics["stream/stale_responses_restarted"]
+        carry = [(result.carry, result.carry_rows)]
+    if bound < 0:
+        assert worst >= 2 and restarted == 0
+    else:
+        assert worst == bound and restarted > 0
 
 
 def test_cap_stops_the_step_and_no_position_past_it_is_started():
