@@ -554,8 +554,13 @@ class TrainerConfig:
     max_staleness: int = -1
     """Bound on how many weight versions a trained token may lag the policy the update starts from (docs/rollout.md,
     "Staleness"): a response carried across steps (rollout.partial) that would exceed it is restarted from nothing
-    at the cut (logged: stream/stale_*). -1: no bound (a response may be carried over several steps); 0: every
-    trained token comes from the current weights. Above 0 the run needs algorithm.rollout_correction."""
+    at the cut or its group dropped (trainer.on_stale; logged: stream/stale_*). -1: no bound (a response may be
+    carried over several steps); 0: every trained token comes from the current weights. Above 0 the run needs
+    algorithm.rollout_correction."""
+    on_stale: str = "regenerate"
+    """What happens to a carried group with a response past trainer.max_staleness: "regenerate" (that response
+    starts again from nothing in the next step; the group's others are kept) or "drop" (the group is not carried:
+    its prompt counts as consumed and is not trained on)."""
     eval_every: int = 0
     """Evaluate on data.eval_files every this many steps (0 = never during training)."""
     eval_samples: int = 32
@@ -585,6 +590,7 @@ class TrainerConfig:
             f"{self.mini_batch_prompts} must divide trainer.prompts_per_step {self.prompts_per_step}",
         )
         _check(self.run_dir != "", "trainer.run_dir", "must not be empty")
+        _one_of(self.on_stale, ("regenerate", "drop"), "trainer.on_stale")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -159,6 +159,7 @@ class DAPOTrainer:
             cap=self.sampler.max_sampled_prompts,
             partial=c.rollout.partial,
             max_staleness=c.trainer.max_staleness,
+            on_stale=c.trainer.on_stale,
             timeout_s=c.rollout.generation_timeout_minutes * 60.0,
             score=self._score,
             over_sampling=c.rollout.over_sampling,

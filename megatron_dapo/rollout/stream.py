@@ -300,7 +300,8 @@ class RolloutStream:
         rollout.engine_stall_minutes in seconds (0: no stall check). log: one line to this rank's log.
     max_staleness: trainer.max_staleness (-1: no bound). At the cut, a carried response whose oldest token would be
         more than max_staleness weight versions behind the next step's training (`stale_before`) restarts from
-        nothing; a finished group that held one is carried unfinished to regenerate it.
+        nothing (on_stale "regenerate": a finished group that held one is carried unfinished to generate it again)
+        or its whole group is not carried (on_stale "drop": the prompt counts as consumed, it is not trained on).
     """
 
     def __init__(
@@ -328,6 +329,7 @@ class RolloutStream:
         engine_stall_s: float = 0.0,
         log: Callable[[str], None] = lambda line: None,
         max_staleness: int = -1,
+        on_stale: str = "regenerate",
     ) -> None:
         self.engine, self.rank, self.exchange, self.store = engine, rank, exchange, store
         self.stop = stop
@@ -342,7 +344,7 @@ class RolloutStream:
         self._keys = 0
         self.restart, self.resync, self.log = restart, resync, log
         self.max_restarts, self.prompt_retries, self.engine_stall_s = max_restarts, prompt_retries, engine_stall_s
-        self.max_staleness = max_staleness
+        self.max_staleness, self.on_stale = max_staleness, on_stale
         self.restarts = 0
         """In-place restarts of this rank's engine so far (the run's; bounded by max_restarts)."""
         self.retries: dict[str, int] = {}
@@ -439,7 +441,8 @@ class _Run:
         self.lost: list[_Building] = []  # groups whose requests the dead engine took with it, re-submitted after sync
         self.version = 0  # the weight version of the engine that died (the restarted one gets the same weights)
         self.restarted = self.requeued = 0
-        self.stale_restarted = self.stale_tokens = 0  # carried responses past trainer.max_staleness (`drop_stale`)
+        # Carried responses past trainer.max_staleness (`drop_stale`), groups dropped for them, tokens discarded.
+        self.stale_restarted = self.stale_dropped = self.stale_tokens = 0
 
     def offer(self, position: int, summary: GroupSummary) -> None:
         self.decided[position] = summary
@@ -693,6 +696,7 @@ class _Run:
             "stream/engine_restarts": Stat.sum(self.restarted),
             "stream/requests_requeued": Stat.sum(self.requeued),
             "stream/stale_responses_restarted": Stat.sum(self.stale_restarted),
+            "stream/stale_groups_dropped": Stat.sum(self.stale_dropped),
             "stream/stale_tokens_discarded": Stat.sum(self.stale_tokens),
         }
         if s.engine is not None:
@@ -721,13 +725,26 @@ class _Run:
         rows_out: dict[str, list[Rollout]] = {}
         wasted = 0
         oldest = stale_before(self.step, s.max_staleness)
+
+        def carry_group(position: int, entry: CarryEntry, rows: list[Rollout]) -> None:
+            """Carry a group past the staleness bound: its stale responses restart (a finished group holding one is
+            carried unfinished to generate them again), or with on_stale "drop" the group is not carried."""
+            fresh, count, tokens = drop_stale(rows, oldest)
+            if count and s.on_stale == "drop":
+                self.stale_dropped += 1
+                self.stale_tokens += sum(len(r) for r in rows)
+                return
+            self.stale_restarted, self.stale_tokens = self.stale_restarted + count, self.stale_tokens + tokens
+            if count:
+                entry.summary = None
+            entries.append((position, entry))
+            rows_out[entry.key] = fresh
+
         for position, b in sorted(self.building.items()):
             self.tokens += b.generated()
             if s.partial or b.key in carried_in:
-                entries.append((position, CarryEntry(b.index, b.truth, s.rank, b.key)))
                 rows = [r if r is not None else b.prefixes[j] for j, r in enumerate(b.rollouts)]
-                rows_out[b.key], count, tokens = drop_stale(rows, oldest)
-                self.stale_restarted, self.stale_tokens = self.stale_restarted + count, self.stale_tokens + tokens
+                carry_group(position, CarryEntry(b.index, b.truth, s.rank, b.key), rows)
             else:
                 wasted += b.generated()
         for position, summary in self.sampling.undecided():
@@ -735,12 +752,11 @@ class _Run:
                 continue
             if s.partial or summary.key in carried_in:
                 group = self.groups[summary.key]
-                rows, count, tokens = drop_stale(group.rollouts, oldest)
-                self.stale_restarted, self.stale_tokens = self.stale_restarted + count, self.stale_tokens + tokens
-                # A finished group with a stale response is carried unfinished: that response is generated again.
-                entry = CarryEntry(summary.index, group.truth, s.rank, summary.key, None if count else summary)
-                entries.append((position, entry))
-                rows_out[summary.key] = rows
+                carry_group(
+                    position, CarryEntry(summary.index, group.truth, s.rank, summary.key, summary), group.rollouts
+                )
+                if summary.key not in rows_out:
+                    del self.groups[summary.key]
             else:
                 wasted += int(summary.lengths.sum())
                 del self.groups[summary.key]

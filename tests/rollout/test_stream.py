@@ -121,6 +121,7 @@ def run_step(
     slow_rank=None,
     over_sampling=0.0,
     max_staleness=-1,
+    on_stale="regenerate",
 ):
     """One stream step on `world` ranks (threads) sharing a HashStore; returns each rank's (result, engine)."""
     store, exchange = dist.HashStore(), ThreadExchange(world)
@@ -133,6 +134,7 @@ def run_step(
             engine, rank, exchange.for_rank(rank), store,
             group_size=G, window=window, cap=cap, partial=partial, timeout_s=20, score=score,
             over_sampling=over_sampling, expected_keep=0.5, max_staleness=max_staleness,
+            on_stale=on_stale,
         )  # fmt: skip
         stream._keys = 1000 * step  # keys unique across the steps of a test
         rule = DynamicSampler(target_prompts=target, enabled=enabled, max_sampled_prompts=cap, on_cap="partial")
@@ -292,27 +294,34 @@ def _ages(out, step: int) -> list[int]:
     return [step - 1 - v for x in out[0][0].kept for r in rows[x.key].rollouts for _, v in r.segments]
 
 
-@pytest.mark.parametrize("bound", [-1, 0, 1])
-def test_max_staleness_bounds_every_trained_token_across_carried_steps(bound):
+@pytest.mark.parametrize("bound,on_stale", [(-1, "regenerate"), (0, "regenerate"), (1, "regenerate"), (1, "drop")])
+def test_max_staleness_bounds_every_trained_token_across_carried_steps(bound, on_stale):
     # Six steps with partial rollouts, 2 groups kept a step out of up to 10 in flight: most groups are carried, some
     # over several steps. Whatever the engine's timing, no kept token is older than the bound; without one, tokens
-    # two or more versions old are trained (the bound is not vacuous here).
-    carry, worst, restarted = None, 0, 0.0
+    # two or more versions old are trained (the bound is not vacuous here). Every position taken is trained,
+    # dropped by sampling, dropped as stale or carried.
+    carry, worst, stale, taken, accounted = None, 0, 0.0, 0, 0
     for step in range(1, 7):
         out = run_step(1, timing_seed=step, step=step, partial=True, slots=6, window=10, target=2, enabled=False,
-                       carry=carry, max_staleness=bound)  # fmt: skip
-        result = out[0][0]
+                       carry=carry, max_staleness=bound, on_stale=on_stale)  # fmt: skip
+        result, m = out[0][0], out[0][0].metrics
         ages = _ages(out, step)
         assert ages and min(ages) >= 0
         if bound >= 0:
             assert max(ages) <= bound, (step, ages)
-        assert result.metrics["stream/response_age_max"] == max(a for a in ages)  # oldest segment: the first
-        worst, restarted = max(worst, max(ages)), restarted + result.metrics["stream/stale_responses_restarted"]
+        assert m["stream/response_age_max"] == max(ages)  # the oldest segment of a response is its first
+        worst = max(worst, max(ages))
+        stale += m["stream/stale_responses_restarted"] + m["stream/stale_groups_dropped"]
+        if on_stale == "drop":
+            assert m["stream/stale_responses_restarted"] == 0
+        taken += result.consumed
+        accounted += len(result.kept) + m["stream/stale_groups_dropped"]
         carry = [(result.carry, result.carry_rows)]
+    assert taken == accounted + len(carry[0][0])  # no position lost or repeated (sampling keeps every group here)
     if bound < 0:
-        assert worst >= 2 and restarted == 0
+        assert worst >= 2 and stale == 0
     else:
-        assert worst == bound and restarted > 0
+        assert worst == bound and stale > 0
 
 
 def test_cap_stops_the_step_and_no_position_past_it_is_started():
