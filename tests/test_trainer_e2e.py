@@ -115,19 +115,18 @@ def test_dapo_steps_resume_after_hard_kill(tiny, straight, tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_dapo_steps_at_pipeline_2_and_expert_parallel_2(tmp_path_factory):
-    """A Qwen3-MoE actor (8 experts, top-2, 2 layers) trained by the whole job under torchrun: 4 ranks, PP=2 x
-    actor.expert_parallel=2 (each rank holds one layer and 4 of its experts; DP=2 for the rest), routing replay r3:
-    the engines return every token's experts, which travel with the rows to their DP rank, each pipeline stage
-    receiving only its layer's (cut in the trainer's row exchange; a wrong cut would replay the other layer's
-    experts: agreement < 1), and are replayed by both actor passes (tests/actor/test_actor_moe.py checks replay against transformers). The fp32
-    engine and actor route alike (agreement 1). Every step's metrics are finite, the engines sample from the synced
-    weights (log-prob mismatch at fp32 noise from step 2), and the final HF export has the checkpoint's per-expert
-    names, the experts moved."""
+def test_moe_dapo_steps_at_expert_parallel_2(tmp_path_factory):
+    """A Qwen3-MoE actor (8 experts, top-2) trained by the whole job under torchrun: 2 ranks, actor.expert_parallel=2
+    (each rank holds 4 experts; DP=2 for the rest), routing replay r3: the engines return every token's experts,
+    which travel with the rows to their DP rank and are replayed by both actor passes (tests/actor/test_actor_moe.py
+    checks replay against transformers, and a pipeline stage given only its layers' routing, as the trainer's row
+    exchange cuts it under PP). The fp32 engine and actor route alike (agreement 1). Every step's metrics are finite,
+    the engines sample from the synced weights (log-prob mismatch at fp32 noise from step 2), and the final HF export
+    has the checkpoint's per-expert names, the experts moved."""
     tiny = make_tiny_run(tmp_path_factory.mktemp("tiny_moe"), num_train=48, num_test=8, moe=True)
     run_dir = tmp_path_factory.mktemp("moe") / "run"
-    _train(tiny, run_dir, "--trainer.total_steps=2", "--actor.tensor_parallel=1", "--actor.pipeline_parallel=2",
-           "--actor.expert_parallel=2", "--actor.routing_replay=r3", nproc=4)  # fmt: skip
+    _train(tiny, run_dir, "--trainer.total_steps=2", "--actor.tensor_parallel=1", "--actor.expert_parallel=2",
+           "--actor.routing_replay=r3", "--trainer.eval_every=0")  # fmt: skip
     rows = [r for r in _metrics(run_dir) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

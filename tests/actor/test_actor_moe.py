@@ -160,11 +160,16 @@ def _replay_worker(hf_dir: str, moved_dir: str, batch, engine_routing: list) -> 
         local.routed_experts = RoutedExperts.from_rows([engine_routing[i] for i in rows], 8)
         r3_logp, _ = new.compute_logprobs(local, plan=plan)
         first = new._unwrapped().decoder.layers[0].layer_number - 1
+        # As the trainer sends it under PP: only this stage's layers (Rollout.routing_layers' cut).
+        count = len(new._unwrapped().decoder.layers)
+        cut = [engine_routing[i][:, first : first + count] for i in rows]
+        local.routed_experts = RoutedExperts.from_rows(cut, 8)
+        r3_cut_logp, _ = new.compute_logprobs(local, plan=plan)
         out.append({"layout": (tp, pp, ep, tuple(extra)), "rows": rows, "first_layer": first,
                     "routed": routed, "free": free,
                     "recorded": recorded, "replayed": replayed, "moved_logp": moved_logp,
                     "moved_grads": grads, "same": same, "moved_agreement": moved_agreement,
-                    "r3_logp": r3_logp})  # fmt: skip
+                    "r3_logp": r3_logp, "r3_cut_logp": r3_cut_logp})  # fmt: skip
     return out
 
 
@@ -267,6 +272,7 @@ def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path
             want = moved_forced[res["rows"]]
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=where)
             torch.testing.assert_close(res["r3_logp"], want, rtol=0, atol=1e-4, msg=f"{where} r3")
+            assert torch.equal(res["r3_cut_logp"], res["r3_logp"]), f"{where} r3 with this stage's layers only"
             for key, ref in forced_grads.items():
                 err = float((res["moved_grads"][key] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
                 assert err < 1e-4, f"{where} {key}: rel err {err:.2e}"
