@@ -848,9 +848,17 @@ def async_schedule(
     """The config's step on a disaggregated placement (issue 24): E GPUs run engines (rollout.tensor_parallel each),
     the other world - E the actor (its TP x EP x PP dividing them), for every such E; the fastest by
     `async_step_seconds`. An engine on its own GPUs holds dedicated_mem_fraction of their memory for weights and KV
-    cache. None when no split can run (the world is one actor replica, or no engine fits)."""
+    cache. None when no split can run (the world is one actor replica, or no engine fits). Server mode: the engines
+    run apart already, so the schedule keeps them (engine_gpus 0: not the planner's) with the synchronous phases."""
     act, ro = config.actor, config.rollout
     world = nodes * gpus_per_node
+    if ro.mode != "colocated":
+        recompute = recompute_mode(act)
+        dp = world // (act.tensor_parallel * act.pipeline_parallel)
+        mean_seq = a.mean_prompt_tokens + a.mean_response_frac * ro.max_response_length
+        num_micro = microbatches_per_rank(config, dp, mean_seq)
+        times, formulas = step_times(config, m, nodes, gpus_per_node, dp, a, recompute, num_micro, 0)
+        return AsyncSchedule(0, world, times, formulas, async_step_seconds(times), [])
     tp, pp, ep, etp = act.tensor_parallel, act.pipeline_parallel, getattr(act, "expert_parallel", 1), ro.tensor_parallel
     fp8 = getattr(ro, "weight_dtype", "auto") == "fp8"
     kv = a.dedicated_mem_fraction * (gpu_memory_gb - a.engine_overhead_gib) * GiB
@@ -993,10 +1001,14 @@ def format_async(sched: AsyncSchedule | None, sync_step_s: float) -> list[str]:
         return ["async schedule: no disaggregated split can run (one actor replica fills the GPUs, or no engine fits)"]
     t = sched.times_s
     train = t["log-probs"] + t["update"]
+    where = (
+        f"on {sched.engine_gpus} engine GPUs + {sched.actor_gpus} actor GPUs"
+        if sched.engine_gpus
+        else f"on the same servers + {sched.actor_gpus} actor GPUs"
+    )
     lines = [
         f"async schedule (trainer.max_staleness >= 1; not runnable yet, issue 24): {sched.step_s:,.0f} s per step, "
-        f"x{sync_step_s / sched.step_s:.2f} the synchronous step, on {sched.engine_gpus} engine GPUs + "
-        f"{sched.actor_gpus} actor GPUs",
+        f"x{sync_step_s / sched.step_s:.2f} the synchronous step, {where}",
         f"  step = max(generation {t['generation']:,.1f} s, log-probs + update {train:,.1f} s) + sync "
         f"{t['sync']:,.1f} s + eval {t['eval']:,.1f} s + checkpoint {t['checkpoint']:,.1f} s",
     ]

@@ -413,6 +413,11 @@ def test_server_mode_plans_only_the_actor():
     assert plan.peak("sync").total_gib == pytest.approx(2.5 + _gib(12 * n) + 4.0, abs=1e-9)
     assert all(t.name != "engine weights" for p in plan.phases for t in p.terms)
     assert any("server mode" in n for n in plan.notes)
+    # Async with servers: the engines already run apart, only the overlap changes.
+    t, sched = plan.times_s, plan.async_plan
+    want = max(t["generation"], t["log-probs"] + t["update"]) + t["sync"] + t["eval"] + t["checkpoint"]
+    assert sched.engine_gpus == 0 and sched.step_s == pytest.approx(want, rel=1e-12)
+    assert "on the same servers + 32 actor GPUs" in plan.report()
 
 
 def test_bad_layouts_and_assumptions_are_named():
