@@ -113,12 +113,22 @@ def request_result(
     finish: FinishReason,
     version: int,
     routed_experts: Tensor | None = None,
+    *,
+    versions: Sequence[tuple[int, int]] = (),
 ) -> Rollout:
     """The Rollout of `request` after this run generated `ids` (engine log-probs `logps`, or None) under weight
     `version`: its prefix (if any) continued, in a new segment when the version changed; routed_experts: this run's
-    routing of the whole sequence (Rollout.routed_experts), or None."""
+    routing of the whole sequence (Rollout.routed_experts), or None. versions: ((start in ids, version), ...) when
+    the weights changed during this run (an update while it generated): token i of ids was sampled under the version
+    of the last start <= i; empty: every token under `version`."""
     prefix = request.prefix or Rollout(request.prompt_ids, [], None if logps is None else [], FinishReason.ABORT)
-    out = prefix.extend(ids, logps, version, routed_experts)
+    if not versions:
+        versions = ((0, version),)
+    ends = [start for start, _ in versions[1:]] + [len(ids)]
+    out = prefix
+    for (start, v), end in zip(versions, ends, strict=True):
+        part_logps = None if logps is None else logps[start:end]
+        out = out.extend(ids[start:end], part_logps, v, routed_experts if end == len(ids) else None)
     out.finish = finish
     return out
 

@@ -86,6 +86,8 @@ class _Row:
     logps: list[float] = field(default_factory=list)
     position: int = 0
     routing: list[Tensor] | None = None  # SamplingParams.return_routed_experts: [tokens, layers, k] per forward
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    """(index in tokens, weight version) where the engine's version changed while this row ran (request_result)."""
 
 
 class _RouterCapture:
@@ -155,7 +157,8 @@ class TransformersEngine:
     max_context: KV capacity of a slot (prompt + response tokens). Fixed capacity keeps rows batch-invariant across
         a run: the trainer passes the longest prompt of its data plus rollout.max_response_length. None sizes it from
         the first requests (rounded up to 64) and grows it when the engine is idle.
-    weight_version: the version stamped on tokens generated from now on (the trainer sets it after each sync).
+    weight_version: the version stamped on tokens generated from now on (the trainer sets it after each sync); a change
+        while requests run starts a new segment in each of them (Rollout.segments), the tokens before it keep theirs.
     """
 
     def __init__(
@@ -396,6 +399,8 @@ class TransformersEngine:
         token_logp = torch.log_softmax(scaled, dim=-1).gather(1, token[:, None])[:, 0]
         leaving = []
         for row, slot, t, lp in zip(rows, slots, token.tolist(), token_logp.tolist(), strict=True):
+            if not row.versions or row.versions[-1][1] != self.weight_version:  # weights loaded while it ran
+                row.versions.append((len(row.tokens), self.weight_version))
             row.tokens.append(t)
             row.logps.append(lp)
             if t in stop:
@@ -414,7 +419,8 @@ class TransformersEngine:
     def _result(self, row: _Row, finish: FinishReason) -> Rollout:
         logps = row.logps if self._sampling.return_logprobs else None
         routing = torch.cat(row.routing) if row.routing else None
-        return request_result(row.request, row.tokens, logps, finish, self.weight_version, routing)
+        return request_result(row.request, row.tokens, logps, finish, self.weight_version, routing,
+                              versions=row.versions)  # fmt: skip
 
     def _sample(self, scaled: Tensor, gens: list[torch.Generator], params: SamplingParams) -> Tensor:
         """One token per row: scaled [B, V] fp32 tempered logits -> [B] int64, row b drawn with gens[b]."""

@@ -138,6 +138,50 @@ def test_a_carried_response_keeps_its_tokens_and_continues_under_the_new_weights
         torch.testing.assert_close(out.engine_logp[n:], new, rtol=0, atol=1e-5)  # the new segment: new weights
 
 
+def test_weights_loaded_while_requests_run_start_a_new_segment_over_the_old_kv():
+    """An update between engine steps (asynchronous training, issue 24 item 4): requests in flight go on; the tokens
+    sampled after it are stamped with the new version and their engine log-probs are the new weights' over the KV the
+    old weights wrote (oracle: transformers, the old model's cache continued by the new model)."""
+    import copy
+
+    old = tiny_model("qwen2")
+    engine = TransformersEngine(copy.deepcopy(old), eos_token_ids=(), max_running=8, max_context=64)
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.weight_version = 3
+    engine.submit(requests([(0, 0), (2, 1)]), PARAMS)
+    for _ in range(5):
+        assert not engine.step()
+    engine.load_weights(list(new.state_dict().items()))
+    engine.weight_version = 4
+    done = {}
+    while engine.num_unfinished():
+        done.update(engine.step())
+    for key, out in done.items():
+        assert len(out) == PARAMS.max_new_tokens and out.finish is FinishReason.LENGTH
+        (_, v0), (n, v1) = out.segments
+        assert (v0, v1) == (3, 4) and 0 < n < len(out), out.segments
+        ids = torch.cat([out.prompt_ids, out.response_ids]).long()[None]
+        p = out.prompt_ids.numel()
+        with torch.no_grad():  # tokens < n sampled under the old weights; token n from the new ones, fed t_{n-1}
+            first = old(input_ids=ids[:, : p + n - 1], use_cache=True)
+            rest = new(input_ids=ids[:, p + n - 1 : -1], past_key_values=first.past_key_values).logits[0]
+            before = torch.log_softmax(first.logits[0, p - 1 :].float(), -1)
+        target = ids[0, p:]
+        torch.testing.assert_close(out.engine_logp[:n], before.gather(1, target[:n, None])[:, 0], rtol=0, atol=1e-5)
+        after = torch.log_softmax(rest.float(), -1).gather(1, target[n:, None])[:, 0]
+        torch.testing.assert_close(out.engine_logp[n:], after, rtol=0, atol=1e-5)
+    alone = run(TransformersEngine(new, eos_token_ids=(), max_running=8, max_context=64), [[(1, 0)]])
+    engine.submit(requests([(1, 0)]), PARAMS)  # a request that starts after the update is the new model's alone
+    again = {}
+    while engine.num_unfinished():
+        again.update(engine.step())
+    assert torch.equal(again[(1, 0)].response_ids, alone[(1, 0)].response_ids)
+    assert again[(1, 0)].segments == ((0, 4),)
+
+
 def test_context_over_max_context_is_one_line():
     engine = TransformersEngine(tiny_model("qwen2"), max_running=8, max_context=16)
     with pytest.raises(ValueError, match=r"request \(4, 0\) needs 23 positions .* KV slots hold 16"):
