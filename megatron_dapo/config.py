@@ -108,6 +108,7 @@ FIELD_RANGES: dict[str, Range] = {
     "rollout.engine_restarts": Range(0, _MAX_COUNT, note="0: an engine that dies ends the job"),
     "rollout.prompt_retries": Range(0, 100),
     "rollout.engine_stall_minutes": Range(0, _WEEK_MINUTES, note="0: off"),
+    "rollout.engine_ranks": Range(0, _MAX_PARALLEL, note="0: colocated"),
     "actor.tensor_parallel": Range(1, _MAX_PARALLEL),
     "actor.pipeline_parallel": Range(1, _MAX_PARALLEL),
     "actor.expert_parallel": Range(1, _MAX_PARALLEL),
@@ -366,6 +367,12 @@ class RolloutConfig:
     its tokens are counted as wasted and its prompts return to the queue) or carried into the next step (true: the
     unfinished responses keep their tokens, engine log-probs and weight versions and are continued after the weight
     sync; finished groups beyond the cut are decided first in the next step). docs/rollout.md, "The stream"."""
+    engine_ranks: int = 0
+    """Disaggregated placement (asynchronous training): the last engine_ranks ranks of the launch only generate, the
+    others only train (e.g. --nproc-per-node 2 with engine_ranks 1); generation of step s may start once the
+    weights are at most trainer.max_staleness versions behind s - 1, so it overlaps the actor's update of the steps
+    before (megatron_dapo/placement.py, docs/rollout.md "Asynchronous training"). Engine "transformers". 0:
+    colocated, every rank both generates and trains, in turn (the default)."""
     weight_dtype: str = "auto"
     """Dtype of the weights sent to the engine each step: "auto" (as the actor exports them) or "fp8" (q/k/v/o and
     gate/up/down projections quantized to float8_e4m3fn with one fp32 scale per 128 x 128 block, the block-FP8 layout
@@ -731,6 +738,26 @@ class RunConfig:
             f"{t.max_staleness} lets tokens come from weights up to {t.max_staleness} updates old, an off-policy batch "
             "that needs algorithm.rollout_correction (tis or mis) to weigh it",
         )
+        if r.engine_ranks:
+            _check(
+                r.engine == "transformers",
+                "rollout.engine_ranks",
+                f"splits the launch into actor and engine ranks for the embedded engine; rollout.engine {r.engine!r} "
+                "runs apart already with rollout.mode server (its asynchronous schedule is not wired yet)",
+            )
+            _check(
+                t.max_staleness >= 0,
+                "trainer.max_staleness",
+                "must bound how far the engine ranks run ahead when rollout.engine_ranks > 0: 0 generates each step "
+                "from the weights its previous step made (on-policy, no overlap), k >= 1 from weights up to k updates "
+                "older (generation overlaps the update)",
+            )
+            _check(
+                t.eval_every == 0,
+                "trainer.eval_every",
+                "evaluation on the engine ranks of a split launch (rollout.engine_ranks) is not wired yet: set 0 and "
+                "evaluate the run's hf_final with `megatron-dapo eval`",
+            )
         if a.old_logp_source == "engine":
             _check(
                 r.compare_logprobs,

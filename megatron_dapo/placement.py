@@ -20,18 +20,27 @@ NCCL weight-update group (rollout/sglang_engine.py); this module is the CPU form
 from __future__ import annotations
 
 import pickle
+import threading
+import time
+from collections.abc import Callable
 from collections.abc import Iterable
 from dataclasses import dataclass
+from dataclasses import field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.errors import JobError
+from megatron_dapo.rollout.types import GroupSummary
+from megatron_dapo.rollout.types import RolloutGroup
 from megatron_dapo.rollout.weight_sync import bucket_named_tensors
 
 PREFIX = "megatron_dapo/placement/"
 """Key prefix of every group and counter this module puts on the launch's store."""
+POLL_S = 0.005
+"""How long a rank waiting for a message or a push sleeps between looks at the store."""
 
 
 @dataclass(frozen=True)
@@ -161,20 +170,25 @@ class WeightChannel:
     def receive(self, engine: Any) -> int:
         """Join the announced push and load it into `engine` (begin / update_weights per bucket / end, full); sets
         engine.weight_version. Returns the version loaded."""
+        version, buckets = self.receive_buckets()
+        load_buckets(engine, version, buckets)
+        return version
+
+    def receive_buckets(self) -> tuple[int, list[list[tuple[str, torch.Tensor]]]]:
+        """Join the announced push; returns (version, its buckets of (hf_name, tensor)) without loading them."""
         version = self.pending()
         if version is None:
             raise RuntimeError("WeightChannel.receive: no push was announced")
-        engine.begin_weight_update()
+        buckets = []
         while True:
             header, size = self._recv_header()
             if header is None:
                 break
             payload = torch.empty(size, dtype=torch.uint8)
             self._broadcast(payload)
-            engine.update_weights(_from_bytes(payload, header))
-        engine.end_weight_update(full=True)
-        engine.weight_version = self.version = version
-        return version
+            buckets.append(_from_bytes(payload, header))
+        self.version = version
+        return version, buckets
 
     # ----------------------------------------------------------------------------------------------- wire
     def _broadcast(self, tensor: torch.Tensor) -> None:
@@ -193,6 +207,165 @@ class WeightChannel:
         blob = torch.empty(int(sizes[0]), dtype=torch.uint8)
         self._broadcast(blob)
         return pickle.loads(blob.numpy().tobytes()), int(sizes[1])
+
+
+def load_buckets(engine: Any, version: int, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
+    """One full weight update of `engine` from received buckets; its tokens from now on carry `version`."""
+    engine.begin_weight_update()
+    for bucket in buckets:
+        engine.update_weights(bucket)
+    engine.end_weight_update(full=True)
+    engine.weight_version = version
+
+
+class StagedReceiver:
+    """An engine rank's side of the channel on a thread: it joins each push as soon as it is announced (whatever the
+    main thread is doing: generating, or inside a collective of the engine ranks that a rank still in a push would
+    never join) and holds the weights until `apply` loads them between two engine steps. One version is held at a
+    time; the actor's next push waits for it to be applied."""
+
+    def __init__(self, channel: WeightChannel) -> None:
+        self.channel = channel
+        self._staged: tuple[int, list] | None = None
+        self._applied = threading.Event()
+        self._applied.set()
+        self._closed = False
+        self._error: BaseException | None = None
+        self.loaded: int | None = None
+        """The version loaded into the engine last (None before the first)."""
+        self.received_s = 0.0
+        """Seconds the thread spent receiving (overlapped with generation)."""
+        self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                if self.channel.pending() is None:
+                    time.sleep(POLL_S)
+                    continue
+                start = time.perf_counter()
+                staged = self.channel.receive_buckets()
+                self.received_s += time.perf_counter() - start
+                self._applied.clear()
+                self._staged = staged
+                while not self._applied.wait(POLL_S):
+                    if self._closed:
+                        return
+        except BaseException as err:  # surfaced on the main thread by apply()
+            self._error = err
+
+    def apply(self, engine: Any) -> int | None:
+        """Load the staged weights into `engine` (main thread, between engine steps); returns their version, or
+        None when nothing is staged."""
+        if self._error is not None:
+            raise self._error
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return None
+        load_buckets(engine, *staged)
+        self.loaded = staged[0]
+        self._applied.set()
+        return self.loaded
+
+    def close(self) -> None:
+        self._closed = True
+        self._applied.set()
+
+
+class ActorBeat:
+    """Actor rank 0's heartbeat on the store (a thread on its own store connection, every BEAT_S), and the engine
+    ranks' view of it: an engine rank whose work is over (the run's steps generated, or a preemption signal) keeps
+    loading pushes until the actor says stop, or until the beat has stood still for GONE_S (the actor was killed:
+    nobody will say stop, and the launcher's SIGTERM only set this rank's preemption flag)."""
+
+    BEAT_S = 1.0
+    GONE_S = 5.0
+
+    def __init__(self, store: dist.Store, beating: bool) -> None:
+        self.store = dist.PrefixStore(f"{PREFIX}beat/", store)
+        self._stop = threading.Event()
+        self._seen: tuple[bytes | None, float] = (None, time.monotonic())
+        self._thread = None
+        if beating:
+            client = self.store.clone()
+            self._thread = threading.Thread(target=self._beat, args=(client,), name="actor-beat", daemon=True)
+            self._thread.start()
+
+    def _beat(self, client: dist.Store) -> None:
+        while True:
+            try:
+                client.add("actor", 1)
+            except Exception:  # the store is gone: the launch is ending
+                return
+            if self._stop.wait(self.BEAT_S):
+                return
+
+    def gone(self) -> bool:
+        """Whether actor rank 0's beat has not moved for GONE_S (engine ranks)."""
+        now = time.monotonic()
+        value = self.store.get("actor") if self.store.check(["actor"]) else None
+        if value != self._seen[0]:
+            self._seen = (value, now)
+        return now - self._seen[1] > self.GONE_S
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.BEAT_S * 5)
+
+
+@dataclass
+class StepGeneration:
+    """What the engine ranks hand the actor ranks for one step (posted by engine rank 0 on the store).
+
+    kept / decided: the step's kept and decided group summaries in queue order (StreamResult's); groups: every kept
+    group by key (the rows, gathered from the engine ranks); metrics: the stream's, the sampled responses' and the
+    engine ranks' own; data / carry: the data iterator's state and the carry (checkpoint form) after this step, which
+    the actor saves with the step; interrupted: a preemption stopped the step (nothing else is set).
+    """
+
+    step: int
+    kept: list[GroupSummary] = field(default_factory=list)
+    decided: list[GroupSummary] = field(default_factory=list)
+    groups: dict[str, RolloutGroup] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    carry: list[dict[str, Any]] = field(default_factory=list)
+    interrupted: bool = False
+
+
+class Mailbox:
+    """Pickled messages between the roles on the launch's store: the actor's start state, each step's generation,
+    the actor's stop."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = dist.PrefixStore(f"{PREFIX}mail/", store)
+
+    def post(self, key: str, message: Any) -> None:
+        self.store.set(key, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def take(self, key: str, timeout_s: float, what: str, setting: str, poll: Callable[[], None] | None = None) -> Any:
+        """The message at `key` once posted (poll() is called while waiting); JobError naming `what` and the config
+        field `setting` after timeout_s."""
+        start = time.monotonic()
+        while not self.store.check([key]):
+            if poll is not None:
+                poll()
+            if time.monotonic() - start > timeout_s:
+                raise JobError(
+                    f"asynchronous training: {what} did not come within {setting}={timeout_s / 60:g} min (an engine "
+                    "or actor rank is stuck or dead: see its log)",
+                    retryable=True,
+                )
+            time.sleep(POLL_S)
+        return pickle.loads(self.store.get(key))
+
+    def delete(self, key: str) -> None:
+        self.store.delete_key(key)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,19 @@ class DAPOTrainer:
         from megatron_dapo.rollout.weight_sync import WeightSync
 
         self.cfg = c = config
+        self.placement: Any = None
+        """placement.Placement of a split launch (rollout.engine_ranks > 0), else None (colocated)."""
+        if c.rollout.engine_ranks:
+            from megatron_dapo.actor.distributed import init_role
+            from megatron_dapo.placement import ActorBeat
+            from megatron_dapo.placement import Mailbox
+
+            self.placement, store = init_role(c.rollout.engine_ranks, c.distributed.timeout_s)
+            self.mailbox = Mailbox(store)
+            self.beat = ActorBeat(store, beating=self.placement.rank == 0)
+            if self.placement.is_engine:
+                self._init_engine_role(store)
+                return
         self.groups = init_distributed(
             c.actor.tensor_parallel,
             c.actor.pipeline_parallel,
@@ -128,7 +141,7 @@ class DAPOTrainer:
         None: it needs none. The rollout rows carry only that slice to each rank."""
         # A loss with a KL term (GRPO, loss.kl_coef > 0) needs the frozen reference (actor/reference.py).
         self.reference = reference_model(c, self.groups) if uses_reference(c.loss) else None
-        self.engine_ranks = rollout_ranks(c.rollout, self.world)
+        self.engine_ranks = rollout_ranks(c.rollout, self.world) if self.placement is None else []
         # The one owner of device memory moves per step (megatron_dapo/memory.py, docs/rollout.md). A colocated
         # SGLang / vLLM engine starts with the actor offloaded, so its KV pool is sized from the GPU without it.
         models = self.actor if self.reference is None else WithReference(self.actor, self.reference)
@@ -149,31 +162,7 @@ class DAPOTrainer:
             ),
             sized_at_start=sizes_kv_pool_at_start(c.rollout),
         )
-        self.stream = RolloutStream(
-            self.engine,
-            self.rank,
-            self.exchange,
-            job_store(self.rank, self.world, self.exchange, c.distributed.timeout_s),
-            group_size=c.algorithm.group_size,
-            window=c.rollout.max_inflight_prompts or c.trainer.gen_prompts_per_batch,
-            cap=self.sampler.max_sampled_prompts,
-            partial=c.rollout.partial,
-            max_staleness=c.trainer.max_staleness,
-            on_stale=c.trainer.on_stale,
-            timeout_s=c.rollout.generation_timeout_minutes * 60.0,
-            score=self._score,
-            over_sampling=c.rollout.over_sampling,
-            expected_keep=c.algorithm.expected_keep_ratio,
-            stop=lambda: self.preempt.flag,
-            max_gen_s=c.algorithm.max_gen_minutes * 60.0,
-            stall_s=c.distributed.timeout_s if self.world > 1 else 0.0,
-            restart=self._restart_engine if restarts_in_place(c.rollout) else None,
-            resync=self._resync_engines,
-            max_restarts=c.rollout.engine_restarts,
-            prompt_retries=c.rollout.prompt_retries,
-            engine_stall_s=c.rollout.engine_stall_minutes * 60.0,
-            log=self._rank_notice,
-        )
+        self.stream = self._make_stream() if self.placement is None else None
         self.carry: list[CarryEntry] = []
         """Groups carried into the next step (rollout.partial), in queue order; the same on every rank."""
         self.carry_rows: dict[str, list[Rollout]] = {}
@@ -190,16 +179,26 @@ class DAPOTrainer:
         self.step = 0
         self.last_row: dict[str, Any] | None = None
         """The metrics row of the last logged step (checkpointed with it: a torn metrics.jsonl loses no row)."""
+        self.channel: Any = None
+        """Split launch, actor rank 0: the weight channel to the engine ranks (placement.WeightChannel)."""
+        self.carry_state: list[dict[str, Any]] = []
+        """Split launch: the carry after the last committed step as the engine ranks sent it (checkpoint form)."""
+        if self.placement is not None and self.placement.channel_rank is not None:
+            from megatron_dapo.placement import WeightChannel
+
+            self.channel = WeightChannel(self.placement, store, c.distributed.timeout_s)
         if resume_from is not None:
             resume_from = self._load(resume_from)
             self._notice(f"resumed from {resume_from} (step {self.step} of {c.trainer.total_steps})")
         else:
             if self.rank == 0:  # rows of an earlier start that saved no checkpoint: this start logs them again
                 _drop_unsaved_metrics(self.run_dir / "metrics.jsonl", self._notice)
-            if c.rollout.weight_dtype != "auto":
+            if c.rollout.weight_dtype != "auto" and self.placement is None:
                 # The engine starts from the checkpoint in full precision (SGLang from dummy weights): the first
                 # rollouts must already see the weights the sync sends.
                 self.weight_sync.sync(self.actor.export_hf_weights())
+        if self.placement is not None:
+            self._start_engines()
         self.logger = (
             MetricsLogger(
                 self.run_dir,
@@ -211,6 +210,154 @@ class DAPOTrainer:
             if self.rank == 0
             else None
         )
+
+    def _make_stream(self, between_steps: Any = None) -> RolloutStream:
+        """The rollout stream over this role's ranks (every rank colocated; the engine ranks of a split launch)."""
+        c = self.cfg
+        actor = self.placement is None  # the actor is in these processes: engines restart in place, resync from it
+        return RolloutStream(
+            self.engine,
+            self.rank,
+            self.exchange,
+            job_store(self.rank, self.world, self.exchange, c.distributed.timeout_s),
+            group_size=c.algorithm.group_size,
+            window=c.rollout.max_inflight_prompts or c.trainer.gen_prompts_per_batch,
+            cap=self.sampler.max_sampled_prompts,
+            partial=c.rollout.partial,
+            max_staleness=c.trainer.max_staleness,
+            on_stale=c.trainer.on_stale,
+            timeout_s=c.rollout.generation_timeout_minutes * 60.0,
+            score=self._score,
+            over_sampling=c.rollout.over_sampling,
+            expected_keep=c.algorithm.expected_keep_ratio,
+            stop=(lambda: self.preempt.flag) if actor else self._engines_stop,
+            max_gen_s=c.algorithm.max_gen_minutes * 60.0,
+            stall_s=c.distributed.timeout_s if self.world > 1 else 0.0,
+            restart=self._restart_engine if actor and restarts_in_place(c.rollout) else None,
+            resync=self._resync_engines if actor else None,
+            max_restarts=c.rollout.engine_restarts,
+            prompt_retries=c.rollout.prompt_retries,
+            engine_stall_s=c.rollout.engine_stall_minutes * 60.0,
+            log=self._rank_notice,
+            between_steps=between_steps,
+        )
+
+    # ------------------------------------------------------------------------------------- split launch: engines
+    def _init_engine_role(self, store: Any) -> None:
+        """An engine rank of a split launch (rollout.engine_ranks): data, verifier, sampler, its engine and the stream
+        over the engine ranks (their own default group), the weight receiver. No actor, checkpoint or logger: the
+        actor ranks own those (fit runs `_serve`)."""
+        from megatron_dapo.placement import StagedReceiver
+        from megatron_dapo.placement import WeightChannel
+        from megatron_dapo.reward import Verifier
+        from megatron_dapo.rollout import make_engine
+
+        c = self.cfg
+        self.rank, self.world = self.placement.role_rank, self.placement.role_size
+        self.preempt = PreemptionFlag()
+        self.preempt.install()
+        self.exchange = RolloutExchange(self.world, timeout_s=c.rollout.generation_timeout_minutes * 60.0)
+        self.run_dir, self.lock, self.logger, self.step = Path(c.trainer.run_dir), None, None, 0
+        self._startup(self._load_inputs)
+        self.verifier = Verifier.from_config(c.reward)
+        self.sampler = DynamicSampler.from_config(c.algorithm, c.trainer)
+        self.engine_ranks = list(range(self.world))
+        max_context = max(self.longest_prompt, 1) + c.rollout.max_response_length
+        local_rank = int(os.environ.get("LOCAL_RANK", self.placement.rank))
+        self.engine = make_engine(
+            c.rollout, c.actor.model_path, base_gpu_id=local_rank, seed=c.trainer.seed,
+            max_context=-(-max_context // 64) * 64, routed_experts=c.actor.routing_replay == "r3",
+        )  # fmt: skip
+        self.receiver = StagedReceiver(WeightChannel(self.placement, store, c.distributed.timeout_s))
+        self.stream = self._make_stream(between_steps=lambda: self.receiver.apply(self.engine))
+        self.carry, self.carry_rows = [], {}
+
+    def _serve(self) -> dict[str, float]:
+        """An engine rank's run: take the actor's start state, then generate each step as soon as the loaded weights
+        are at most trainer.max_staleness versions behind its previous step, loading pushes between engine steps,
+        and hand each step to the actor ranks (engine rank 0 posts it); then load pushes until the actor says stop."""
+        from megatron_dapo.placement import POLL_S
+        from megatron_dapo.placement import StepGeneration
+
+        c, box = self.cfg, self.mailbox
+        timeout = c.distributed.timeout_s
+        start = box.take("start", timeout, "the actor's start state", "distributed.timeout_minutes")
+        self.step = int(start["step"])
+        self.train_data.load_state_dict(start["data"])
+        self._load_carry(start["carry"])
+        params = sampling_params(
+            c.rollout, n=1, stop_token_ids=self.stop_ids, routed_experts=c.actor.routing_replay == "r3"
+        )
+        stopped = self._engines_stop
+        while self.step < c.trainer.total_steps and not stopped():
+            step, waited, received = self.step + 1, time.perf_counter(), self.receiver.received_s
+            oldest = step - 1 - c.trainer.max_staleness  # the oldest weights this step may be generated from
+            while (self.receiver.loaded is None or self.receiver.loaded < oldest) and not stopped():
+                if self.receiver.apply(self.engine) is None:
+                    time.sleep(POLL_S)
+            if stopped():
+                break
+            waited = time.perf_counter() - waited
+            result = self.stream.run(
+                step, self.sampler.start(), params, c.trainer.seed, self._fresh, self.carry, self.carry_rows
+            )
+            if result.interrupted:
+                if self.rank == 0:
+                    box.post(f"gen/{step}", StepGeneration(step, interrupted=True))
+                break
+            self.train_data.skip(result.consumed)
+            self.carry, self.carry_rows = result.carry, result.carry_rows
+            groups = dict(self.exchange.all_gather(list(result.groups.items()), "kept groups"))
+            carry = self._carry_state()
+            received = self.receiver.received_s - received
+            local = {"time/engine_wait_for_weights": Stat.max(waited), "time/engine_weight_receive": Stat.max(received)}
+            metrics = {**result.metrics, **sampled_response_metrics(result.decided)}
+            metrics.update(finalize(merge_stats(self.exchange.all_gather([local], "engine metrics"))))
+            if self.rank == 0:
+                box.post(
+                    f"gen/{step}",
+                    StepGeneration(step, result.kept, result.decided, groups, metrics, self.train_data.state_dict(),
+                                   carry),
+                )  # fmt: skip
+            self.step = step
+        # The actor may still push (it waits for every engine to join): load until it says stop, or is gone.
+        while not box.has("stop") and not self.beat.gone():
+            self.receiver.apply(self.engine)
+            time.sleep(POLL_S)
+        self.receiver.close()
+        self.stream.close()
+        return {}
+
+    def _engines_stop(self) -> bool:
+        """An engine rank stops generating: a preemption signal, or the actor ranks have ended the run."""
+        return self.preempt.flag or self.mailbox.has("stop")
+
+    # --------------------------------------------------------------------------------------- split launch: actor
+    def _start_engines(self) -> None:
+        """Split launch, actor ranks (collective): post the start state (step, data position, carry) and push the
+        weights as version `step`; the engine ranks generate from them."""
+        if self.rank == 0:
+            self.mailbox.post(
+                "start", {"step": self.step, "data": self.train_data.state_dict(), "carry": self.carry_state}
+            )
+        self._push_weights(self.step)
+
+    def _push_weights(self, version: int) -> dict[str, float]:
+        """Split launch (collective over the actor ranks): every rank walks the actor's export; rank 0 sends it to
+        the engine ranks as `version` (rollout.weight_dtype fp8: quantized as the colocated sync does)."""
+        start, named = time.perf_counter(), self.actor.export_hf_weights()
+        if self.channel is None:
+            for _ in named:
+                pass
+            return {}
+        if self.cfg.rollout.weight_dtype == "fp8":
+            from megatron_dapo.rollout.fp8 import quantize_named_tensors
+
+            named = quantize_named_tensors(named)
+        metrics = self.channel.push(version, named, self.cfg.rollout.weight_sync_bucket_mb * 2**20)
+        metrics["weight_sync/seconds"] = seconds = time.perf_counter() - start
+        metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / seconds if seconds > 0 else 0.0
+        return metrics
 
     def _load_inputs(self) -> None:
         """Run-dir lock (rank 0), tokenizer and data: the user-input part of start-up."""
@@ -268,6 +415,8 @@ class DAPOTrainer:
     def fit(self) -> dict[str, float]:
         """Train to trainer.total_steps (or a preemption). Raises JobError when none of this run's steps applied an
         optimizer update (every update skipped, or no group kept): such a run must not exit 0 as if it trained."""
+        if self.placement is not None and self.placement.is_engine:
+            return self._serve()
         last: dict[str, float] = {}
         self.session_steps = self.session_updates = 0
         if self.step == 0 and self.cfg.trainer.eval_every:
@@ -380,7 +529,10 @@ class DAPOTrainer:
             if interrupted:
                 return
             with timer("weight_sync"):
-                metrics.update(self.weight_sync.sync(self.actor.export_hf_weights()))
+                if self.placement is None:
+                    metrics.update(self.weight_sync.sync(self.actor.export_hf_weights()))
+                else:
+                    metrics.update(self._push_weights(self.step))
 
         self.memory.run_step({"generation": generation, "log-probs": log_probs, "update": update, "sync": sync})
         self.rows = {}
@@ -423,6 +575,8 @@ class DAPOTrainer:
     def _generate(self) -> Any:
         """This step's stream (collective): kept groups, the rows this rank owns, the carry for the next step."""
         c = self.cfg
+        if self.placement is not None:  # a split launch: the engine ranks generated it
+            return self._received_generation()
         if self.engine is not None:
             self.engine.weight_version = self.step - 1  # synced at the end of the previous step
         r3 = c.actor.routing_replay == "r3"  # the actor replays the engine's experts
@@ -435,6 +589,20 @@ class DAPOTrainer:
         self.rows = result.groups
         self._pending = result
         return result
+
+    def _received_generation(self) -> Any:
+        """Split launch, actor ranks: this step's generation from the engine ranks (every actor rank reads it)."""
+        from megatron_dapo.rollout.stream import StreamResult
+
+        c = self.cfg
+        message = self.mailbox.take(
+            f"gen/{self.step}", c.rollout.generation_timeout_minutes * 60.0, f"step {self.step}'s generation",
+            "rollout.generation_timeout_minutes",
+        )  # fmt: skip
+        if message.interrupted:
+            return StreamResult([], [], {}, [], {}, 0, interrupted=True)
+        self.rows, self._pending = message.groups, message
+        return StreamResult(message.kept, message.decided, message.groups, [], {}, 0, message.metrics)
 
     def _restart_engine(self) -> Any:
         """This rank's engine died while generating (the stream's restart): shut it down, build it again in the
@@ -478,7 +646,12 @@ class DAPOTrainer:
         the data position and the carry as they were): the data moves past the positions it consumed, the carry is
         the unfinished groups it left."""
         result, self._pending = self._pending, None
-        if result is not None:
+        if result is not None and self.placement is not None:  # the engine ranks' state after this step
+            self.train_data.load_state_dict(result.data)
+            self.carry_state = result.carry
+            if self.rank == 0:
+                self.mailbox.delete(f"gen/{self.step}")  # every actor rank read it before the update began
+        elif result is not None:
             self.train_data.skip(result.consumed)
             self.carry, self.carry_rows = result.carry, result.carry_rows
 
@@ -506,16 +679,23 @@ class DAPOTrainer:
         c = self.cfg
         index = row_index(kept)
         plan = RowPlan.build(row_lengths(kept), self.groups.dp_size, c.mini_batch_rows)
-        outgoing: list[list] = [[] for _ in range(self.world)]
-        wanted = [plan.rows_of(d) for d in range(self.groups.dp_size)]
-        for dst in range(self.world):
-            for row in wanted[self.dp_of_rank[dst]]:
-                g, i = index[row]
-                if kept[g].owner == self.rank:
-                    rollout = self.rows[kept[g].key].rollouts[i]
-                    outgoing[dst].append((row, rollout.routing_layers(self.routing_layers_of_rank[dst])))
-        received = dict(self.exchange.all_to_all(outgoing, "rollout rows"))
         mine = plan.rows_of(self.groups.dp_rank)
+        if self.placement is not None:  # a split launch: every actor rank received every kept group
+            layers = self.routing_layers_of_rank[self.rank]
+            received = {}
+            for row in mine:
+                g, i = index[row]
+                received[row] = self.rows[kept[g].key].rollouts[i].routing_layers(layers)
+        else:
+            outgoing: list[list] = [[] for _ in range(self.world)]
+            wanted = [plan.rows_of(d) for d in range(self.groups.dp_size)]
+            for dst in range(self.world):
+                for row in wanted[self.dp_of_rank[dst]]:
+                    g, i = index[row]
+                    if kept[g].owner == self.rank:
+                        rollout = self.rows[kept[g].key].rollouts[i]
+                        outgoing[dst].append((row, rollout.routing_layers(self.routing_layers_of_rank[dst])))
+            received = dict(self.exchange.all_to_all(outgoing, "rollout rows"))
         missing = [r for r in mine if r not in received]
         if missing:
             raise RuntimeError(f"rollout routing: rank {self.rank} did not receive rows {missing[:5]} of its plan")
@@ -612,7 +792,10 @@ class DAPOTrainer:
 
     def _carry_state(self) -> list[dict[str, Any]]:
         """The carried groups in full, in queue order (their rollouts gathered from the ranks that own them; plain
-        containers and tensors for a weights_only checkpoint); collective."""
+        containers and tensors for a weights_only checkpoint); collective. On the actor ranks of a split launch: the
+        engine ranks' carry after the last committed step."""
+        if self.placement is not None and not self.placement.is_engine:
+            return self.carry_state
         mine = [(e.key, [r.to_state() for r in self.carry_rows[e.key]]) for e in self.carry if e.owner == self.rank]
         rows = dict(self.exchange.all_gather(mine, "carried rollouts"))
         out = []
@@ -625,8 +808,12 @@ class DAPOTrainer:
         return out
 
     def _load_carry(self, states: list[dict[str, Any]]) -> None:
-        """The carry of a checkpoint, owned round-robin by the engine ranks (any rank can continue any group)."""
+        """The carry of a checkpoint, owned round-robin by the engine ranks (any rank can continue any group); the
+        actor ranks of a split launch keep it as saved, for the engine ranks (`_start_engines`)."""
         self.carry, self.carry_rows = [], {}
+        if self.placement is not None and not self.placement.is_engine:
+            self.carry_state = states
+            return
         for k, state in enumerate(states):
             owner, key = self.engine_ranks[k % len(self.engine_ranks)], f"carry:{k}"
             rollouts = [Rollout.from_state(r) for r in state["rollouts"]]
@@ -706,7 +893,8 @@ class DAPOTrainer:
                 "its carried groups cannot be resumed: start from another checkpoint or checkpoint.resume=never"
             )
         self._load_carry(state.get("carry", []))
-        self.weight_sync.sync(self.actor.export_hf_weights())
+        if self.placement is None:  # a split launch pushes them to the engine ranks next (`_start_engines`)
+            self.weight_sync.sync(self.actor.export_hf_weights())
         if self.rank == 0:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step, self._notice, restore=state.get("metrics"))
         self._barrier()
@@ -725,7 +913,11 @@ class DAPOTrainer:
             self.logger.close()
             if self.cfg.logging.plots and self.cfg.logging.jsonl:
                 plot_run(self.run_dir)
-        self.stream.close()
+        if self.stream is not None:
+            self.stream.close()
+        if self.placement is not None and self.rank == 0:
+            self.mailbox.post("stop", True)  # the engine ranks exit
+            self.beat.close()
         if self.lock is not None:
             self.lock.release()
 

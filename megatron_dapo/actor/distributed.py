@@ -28,6 +28,7 @@ import datetime
 import os
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -229,6 +230,23 @@ def init_distributed(
         ep_rank=ps.get_expert_model_parallel_rank(),
         ep_size=expert_parallel,
     )
+
+
+def init_role(num_engine_ranks: int, timeout_s: float = 1800.0) -> tuple[Any, dist.Store]:
+    """Split this launch into actor and engine ranks (rollout.engine_ranks; megatron_dapo/placement.py): connect to
+    the launch's rendezvous store and initialise torch.distributed's default group over this rank's role only (NCCL
+    for actor ranks with CUDA, else gloo). Call before init_distributed on actor ranks, which then builds megatron's
+    groups over the actor ranks. Returns (Placement, the launch store)."""
+    from megatron_dapo.placement import Placement
+    from megatron_dapo.placement import init_role_group
+    from megatron_dapo.placement import launch_store
+
+    rank, world, _, addr, port = _launch_env()
+    placement = Placement(rank, world, num_engine_ranks)
+    store = launch_store(addr, port, rank, world, timeout_s)
+    backend = "nccl" if torch.cuda.is_available() and not placement.is_engine else "gloo"
+    init_role_group(placement, store, backend, timeout_s)
+    return placement, store
 
 
 def destroy_distributed() -> None:

@@ -302,6 +302,8 @@ class RolloutStream:
         more than max_staleness weight versions behind the next step's training (`stale_before`) restarts from
         nothing (on_stale "regenerate": a finished group that held one is carried unfinished to generate it again)
         or its whole group is not carried (on_stale "drop": the prompt counts as consumed, it is not trained on).
+    between_steps: called before each engine step (an engine rank of a split launch loads weights pushed while it
+        generates there: megatron_dapo/placement.py); None: nothing.
     """
 
     def __init__(
@@ -330,6 +332,7 @@ class RolloutStream:
         log: Callable[[str], None] = lambda line: None,
         max_staleness: int = -1,
         on_stale: str = "regenerate",
+        between_steps: Callable[[], None] | None = None,
     ) -> None:
         self.engine, self.rank, self.exchange, self.store = engine, rank, exchange, store
         self.stop = stop
@@ -345,6 +348,7 @@ class RolloutStream:
         self.restart, self.resync, self.log = restart, resync, log
         self.max_restarts, self.prompt_retries, self.engine_stall_s = max_restarts, prompt_retries, engine_stall_s
         self.max_staleness, self.on_stale = max_staleness, on_stale
+        self.between_steps = between_steps
         self.restarts = 0
         """In-place restarts of this rank's engine so far (the run's; bounded by max_restarts)."""
         self.retries: dict[str, int] = {}
@@ -545,6 +549,8 @@ class _Run:
                 engine = self.s.engine
                 if engine is not None:
                     self.take()
+                if engine is not None and self.s.between_steps is not None:
+                    self.s.between_steps()
                 if engine is not None and engine.num_unfinished():
                     results = engine.step()
                     self.watch_engine(engine, bool(results))
