@@ -995,8 +995,13 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+ASYNC_RUNS = "runs as rollout.engine_ranks with the embedded engine; the SGLang engines' split is not wired yet"
+"""What of the async schedule runs today (the report's last async line)."""
+
+
 def format_async(sched: AsyncSchedule | None, sync_step_s: float) -> list[str]:
-    """The async schedule's lines of the report (time only; the run itself is synchronous until issue 24 lands)."""
+    """The async schedule's lines of the report (time only). It runs as a split launch (rollout.engine_ranks) with the
+    embedded engine; the SGLang engines' split is not wired yet (docs/rollout.md, "Asynchronous training")."""
     if sched is None:
         return ["async schedule: no disaggregated split can run (one actor replica fills the GPUs, or no engine fits)"]
     t = sched.times_s
@@ -1007,7 +1012,7 @@ def format_async(sched: AsyncSchedule | None, sync_step_s: float) -> list[str]:
         else f"on the same servers + {sched.actor_gpus} actor GPUs"
     )
     lines = [
-        f"async schedule (trainer.max_staleness >= 1; not runnable yet, issue 24): {sched.step_s:,.0f} s per step, "
+        f"async schedule (split launch, trainer.max_staleness >= 1): {sched.step_s:,.0f} s per step, "
         f"x{sync_step_s / sched.step_s:.2f} the synchronous step, {where}",
         f"  step = max(generation {t['generation']:,.1f} s, log-probs + update {train:,.1f} s) + sync "
         f"{t['sync']:,.1f} s + eval {t['eval']:,.1f} s + checkpoint {t['checkpoint']:,.1f} s",
@@ -1018,6 +1023,7 @@ def format_async(sched: AsyncSchedule | None, sync_step_s: float) -> list[str]:
     if others:
         lines.append(f"  other splits: {others}")
     lines.append("  memory of the split is not planned here: the actor's GPUs hold no engine, the engines' no actor")
+    lines.append(f"  {ASYNC_RUNS}")
     return lines
 
 

@@ -171,6 +171,24 @@ def test_validation_rules(override, message):
             ["--algorithm.old_logp_source=engine", "--actor.routing_replay=r2", "--actor.shared_prefix=false"],
             "algorithm.old_logp_source: 'engine' skips the old-log-prob pass that actor.routing_replay r2 records",
         ),
+        (["--rollout.engine_ranks=-1"], "rollout.engine_ranks: must be in [0, 1024] (0: colocated), got -1"),
+        (
+            ["--rollout.engine_ranks=1", "--rollout.engine=sglang", "--trainer.max_staleness=0"],
+            "rollout.engine_ranks: splits the launch into actor and engine ranks for the embedded engine",
+        ),
+        (
+            ["--rollout.engine_ranks=1", "--rollout.engine=transformers", "--trainer.eval_every=0"],
+            "trainer.max_staleness: must bound how far the engine ranks run ahead when rollout.engine_ranks > 0",
+        ),
+        (
+            [
+                "--rollout.engine_ranks=1",
+                "--rollout.engine=transformers",
+                "--trainer.max_staleness=0",
+                "--trainer.eval_every=5",
+            ],
+            "trainer.eval_every: evaluation on the engine ranks of a split launch (rollout.engine_ranks) is not wired",
+        ),
     ],
 )
 def test_off_policy_settings_refusals(overrides, message):

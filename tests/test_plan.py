@@ -682,7 +682,7 @@ def test_qwen32b_async_schedule_matches_the_hand_calculation():
     ckpt = 14 * n / (4 * 2e9) / 10
     assert sched.step_s == pytest.approx(max(gen, 5 * logprobs) + sync + evaluation + ckpt, rel=1e-9)
     report = plan.report()
-    assert f"async schedule (trainer.max_staleness >= 1; not runnable yet, issue 24): {sched.step_s:,.0f} s" in report
+    assert f"async schedule (split launch, trainer.max_staleness >= 1): {sched.step_s:,.0f} s" in report
     assert f"x{sum(plan.times_s.values()) / sched.step_s:.2f} the synchronous step" in report
 
 
