@@ -752,12 +752,6 @@ class RunConfig:
                 "from the weights its previous step made (on-policy, no overlap), k >= 1 from weights up to k updates "
                 "older (generation overlaps the update)",
             )
-            _check(
-                t.eval_every == 0,
-                "trainer.eval_every",
-                "evaluation on the engine ranks of a split launch (rollout.engine_ranks) is not wired yet: set 0 and "
-                "evaluate the run's hf_final with `megatron-dapo eval`",
-            )
         if a.old_logp_source == "engine":
             _check(
                 r.compare_logprobs,

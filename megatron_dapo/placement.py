@@ -9,8 +9,12 @@
 
     weight channel (WeightChannel): actor rank 0 + every engine rank, a gloo group (channel rank 0 is the actor)
       actor rank 0:  announce(version) on the store -> broadcast the buckets (header, payload), then an end marker
-      engine ranks:  pending() between engine steps (one store read) -> receive(): join the broadcasts and load each
-                     bucket into the engine; requests in flight go on and stamp later tokens with the new version
+      engine ranks:  a thread (StagedReceiver) joins each announced push and holds its buckets; the main thread
+                     loads them between engine steps (apply); requests in flight go on and stamp later tokens with
+                     the new version
+    messages (Mailbox, pickled on the store): "start" (actor -> engines: step, data position, carry), "gen/<s>"
+      (engine rank 0 -> actor ranks: StepGeneration), "eval/<version>/<engine rank>" (scores), "stop" (actor ->
+      engines); ActorBeat: actor rank 0's heartbeat, so engines whose work is over do not wait on a killed actor
 
 Actor ranks come first so an actor's global rank is its rank in the actor group (and rank 0, which logs and
 checkpoints, is an actor). On GPU the engines are SGLang servers on their own GPUs and the weights travel over the
@@ -19,6 +23,7 @@ NCCL weight-update group (rollout/sglang_engine.py); this module is the CPU form
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import threading
 import time
@@ -41,6 +46,8 @@ PREFIX = "megatron_dapo/placement/"
 """Key prefix of every group and counter this module puts on the launch's store."""
 POLL_S = 0.005
 """How long a rank waiting for a message or a push sleeps between looks at the store."""
+JOIN_S = 10.0
+"""How long closing waits for a thread (bounded: a call blocked on an unreachable store must not hold the exit)."""
 
 
 @dataclass(frozen=True)
@@ -237,6 +244,7 @@ class StagedReceiver:
         """Seconds the thread spent receiving (overlapped with generation)."""
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
         self._thread.start()
+        atexit.register(self.close)
 
     def _run(self) -> None:
         try:
@@ -269,8 +277,14 @@ class StagedReceiver:
         return self.loaded
 
     def close(self) -> None:
+        """Stop the thread and join it (idempotent; also at interpreter exit): a daemon thread left inside a store or
+        gloo call when the interpreter finalizes aborts the process ("terminate called without an active
+        exception")."""
         self._closed = True
         self._applied.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(JOIN_S)
+        atexit.unregister(self.close)
 
 
 class ActorBeat:
@@ -291,6 +305,7 @@ class ActorBeat:
             client = self.store.clone()
             self._thread = threading.Thread(target=self._beat, args=(client,), name="actor-beat", daemon=True)
             self._thread.start()
+            atexit.register(self.close)
 
     def _beat(self, client: dist.Store) -> None:
         while True:
@@ -310,9 +325,11 @@ class ActorBeat:
         return now - self._seen[1] > self.GONE_S
 
     def close(self) -> None:
+        """Stop beating and join the thread (idempotent; also at interpreter exit, see StagedReceiver.close)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.BEAT_S * 5)
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(JOIN_S)
+        atexit.unregister(self.close)
 
 
 @dataclass

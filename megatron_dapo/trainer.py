@@ -269,8 +269,30 @@ class DAPOTrainer:
             max_context=-(-max_context // 64) * 64, routed_experts=c.actor.routing_replay == "r3",
         )  # fmt: skip
         self.receiver = StagedReceiver(WeightChannel(self.placement, store, c.distributed.timeout_s))
-        self.stream = self._make_stream(between_steps=lambda: self.receiver.apply(self.engine))
+        self.stream = self._make_stream(between_steps=self._load_pushed)
         self.carry, self.carry_rows = [], {}
+        self._eval_engine: Any = None
+        self._start_step = 0
+
+    def _load_pushed(self) -> int | None:
+        """Engine ranks: load the weights the receiver holds (between engine steps); a version that the actor
+        evaluates (trainer.eval_every) is scored at once, on a second engine over the same model (requests of the
+        stream may be in flight). Returns the version loaded, or None."""
+        version = self.receiver.apply(self.engine)
+        every, start = self.cfg.trainer.eval_every, self._start_step
+        # The actor evaluates step 0 before training and every eval_every-th step after it (not the one it resumed at).
+        due = version is not None and every and version % every == 0 and (version > start or version == start == 0)
+        if due and self.eval_examples:
+            if self._eval_engine is None:
+                model = self.engine.model
+                self._eval_engine = type(self.engine)(
+                    model, dtype=next(model.parameters()).dtype, device=self.engine.device,
+                    eos_token_ids=self.engine.eos_token_ids, pad_token_id=self.engine.pad_token_id,
+                    max_running=self.engine.max_running, max_context=self.engine.max_context,
+                )  # fmt: skip
+            examples = self.eval_examples[: self.cfg.trainer.eval_max_prompts or None]
+            self.mailbox.post(f"eval/{version}/{self.rank}", self._eval_scores(examples, self._eval_engine))
+        return version
 
     def _serve(self) -> dict[str, float]:
         """An engine rank's run: take the actor's start state, then generate each step as soon as the loaded weights
@@ -282,7 +304,7 @@ class DAPOTrainer:
         c, box = self.cfg, self.mailbox
         timeout = c.distributed.timeout_s
         start = box.take("start", timeout, "the actor's start state", "distributed.timeout_minutes")
-        self.step = int(start["step"])
+        self.step = self._start_step = int(start["step"])
         self.train_data.load_state_dict(start["data"])
         self._load_carry(start["carry"])
         params = sampling_params(
@@ -293,7 +315,7 @@ class DAPOTrainer:
             step, waited, received = self.step + 1, time.perf_counter(), self.receiver.received_s
             oldest = step - 1 - c.trainer.max_staleness  # the oldest weights this step may be generated from
             while (self.receiver.loaded is None or self.receiver.loaded < oldest) and not stopped():
-                if self.receiver.apply(self.engine) is None:
+                if self._load_pushed() is None:
                     time.sleep(POLL_S)
             if stopped():
                 break
@@ -322,7 +344,7 @@ class DAPOTrainer:
             self.step = step
         # The actor may still push (it waits for every engine to join): load until it says stop, or is gone.
         while not box.has("stop") and not self.beat.gone():
-            self.receiver.apply(self.engine)
+            self._load_pushed()
             time.sleep(POLL_S)
         self.receiver.close()
         self.stream.close()
@@ -655,10 +677,11 @@ class DAPOTrainer:
             self.train_data.skip(result.consumed)
             self.carry, self.carry_rows = result.carry, result.carry_rows
 
-    def _sample(self, examples: list, n: int, temperature: float, top_p: float, seed: int) -> list:
+    def _sample(self, examples: list, n: int, temperature: float, top_p: float, seed: int, engine: Any = None) -> list:
         """Evaluation: n responses for this rank's share of `examples` (interleaved by engine rank); returns
-        (example, rollouts) pairs for the local share."""
-        if self.engine is None:
+        (example, rollouts) pairs for the local share. engine: the one to sample with (default this rank's)."""
+        engine = engine or self.engine
+        if engine is None:
             return []
         slot = self.engine_ranks.index(self.rank)
         mine = examples[slot :: len(self.engine_ranks)]
@@ -666,7 +689,7 @@ class DAPOTrainer:
             self.cfg.rollout, n, seed=seed + self.rank, stop_token_ids=self.stop_ids, temperature=temperature,
             top_p=top_p, return_logprobs=False,
         )  # fmt: skip
-        rollouts = self.engine.generate([self._render(ex) for ex in mine], params) if mine else []
+        rollouts = engine.generate([self._render(ex) for ex in mine], params) if mine else []
         return [(ex, rollouts[i * n : (i + 1) * n]) for i, ex in enumerate(mine)]
 
     def _route(self, kept: list[GroupSummary]) -> tuple[ActorBatch, RowPlan]:
@@ -729,14 +752,32 @@ class DAPOTrainer:
         if not examples:
             return {}
         start = time.perf_counter()
-        self.memory.ensure_engine_resident()
-        local = []
-        for ex, rollouts in self._sample(examples, t.eval_samples, t.eval_temperature, t.eval_top_p, seed=t.seed + 7):
-            texts = self.tokenizer.batch_decode([x.response_ids for x in rollouts], skip_special_tokens=True)
-            local.append([self.verifier(text, ex.ground_truth) for text in texts])
-        metrics = score_groups(self.eval_exchange.all_gather(local, "eval"), t.eval_samples)
+        if self.placement is not None:  # a split launch: the engine ranks scored these weights when they loaded them
+            timeout = t.eval_timeout_minutes * 60.0
+            scores = [
+                x
+                for e in range(self.placement.num_engine_ranks)
+                for x in self.mailbox.take(
+                    f"eval/{self.step}/{e}", timeout, f"step {self.step}'s evaluation", "trainer.eval_timeout_minutes"
+                )  # fmt: skip
+            ]
+        else:
+            self.memory.ensure_engine_resident()
+            scores = self.eval_exchange.all_gather(self._eval_scores(examples), "eval")
+        metrics = score_groups(scores, t.eval_samples)
         metrics["time/eval"] = time.perf_counter() - start
         return metrics
+
+    def _eval_scores(self, examples: list, engine: Any = None) -> list[list[float]]:
+        """This rank's share of the evaluation: the verifier's score of each of its examples' eval_samples
+        responses."""
+        t = self.cfg.trainer
+        local = []
+        sampled = self._sample(examples, t.eval_samples, t.eval_temperature, t.eval_top_p, t.seed + 7, engine)
+        for ex, rollouts in sampled:
+            texts = self.tokenizer.batch_decode([x.response_ids for x in rollouts], skip_special_tokens=True)
+            local.append([self.verifier(text, ex.ground_truth) for text in texts])
+        return local
 
     # ------------------------------------------------------------------------------------------------ state
     def _resume_path(self) -> Path | None:

@@ -180,15 +180,6 @@ def test_validation_rules(override, message):
             ["--rollout.engine_ranks=1", "--rollout.engine=transformers", "--trainer.eval_every=0"],
             "trainer.max_staleness: must bound how far the engine ranks run ahead when rollout.engine_ranks > 0",
         ),
-        (
-            [
-                "--rollout.engine_ranks=1",
-                "--rollout.engine=transformers",
-                "--trainer.max_staleness=0",
-                "--trainer.eval_every=5",
-            ],
-            "trainer.eval_every: evaluation on the engine ranks of a split launch (rollout.engine_ranks) is not wired",
-        ),
     ],
 )
 def test_off_policy_settings_refusals(overrides, message):

@@ -92,7 +92,9 @@ class _Row:
 
 class _RouterCapture:
     """Forward hooks on every MoE layer's router (transformers' Qwen MoE `mlp.gate`, whose forward returns (logits,
-    weights, experts [T, k])) keeping the experts of each forward while `on`; `take` stacks them per token."""
+    weights, experts [T, k])) keeping the experts of each forward while `on`; `take` stacks them per token. Only
+    the owning engine's forwards count (`live`, set around them): another engine over the same model (evaluation
+    beside the stream on a split launch) runs its forwards between two takes."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         layers = getattr(getattr(model, "model", None), "layers", None) or []
@@ -101,12 +103,13 @@ class _RouterCapture:
         experts = int(getattr(model.config, "num_experts", 0) or 0)
         self.dtype = torch.uint8 if experts <= 256 else torch.int16
         self.on = False
+        self.live = False
         self._parts: list[Tensor] = []
         for gate in gates:
             gate.register_forward_hook(self._hook)
 
     def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.on:
+        if self.on and self.live:
             self._parts.append(output[2].detach())
 
     def take(self) -> Tensor | None:
@@ -322,7 +325,7 @@ class TransformersEngine:
         n = len(key)
         cache = PrefillCache(self.model.config.num_hidden_layers)
         logits = (
-            self.model(
+            self._forward(
                 input_ids=torch.tensor([key], device=self.device),
                 attention_mask=causal_mask(n, self.model.dtype, self.device),
                 position_ids=torch.arange(n, device=self.device)[None],
@@ -372,7 +375,7 @@ class TransformersEngine:
         positions[:n] = torch.tensor([row.position for row in self._live], device=self.device)
         cache.bind_decode(m, positions)
         logits = (
-            self.model(
+            self._forward(
                 input_ids=ids,
                 attention_mask=cache.decode_mask(m, positions, self.model.dtype),
                 position_ids=positions[:, None],
@@ -388,6 +391,16 @@ class TransformersEngine:
             if row.routing is not None and routing is not None:
                 row.routing.append(routing[i : i + 1])
         self._take_tokens(list(self._live), logits, list(range(n)), finished)
+
+    def _forward(self, **inputs: Any) -> Any:
+        """The model's forward, with this engine's router capture live during it."""
+        if self._routing is None:
+            return self.model(**inputs)
+        self._routing.live = True
+        try:
+            return self.model(**inputs)
+        finally:
+            self._routing.live = False
 
     def _take_tokens(self, rows: list[_Row], logits: Tensor, slots: list[int], finished: list) -> None:
         """Sample one token per row from logits [len(rows), V] fp32; finished rows leave their slot (the last live
