@@ -159,7 +159,7 @@ def test_weights_loaded_while_requests_run_start_a_new_segment_over_the_old_kv()
     done = {}
     while engine.num_unfinished():
         done.update(engine.step())
-    for key, out in done.items():
+    for out in done.values():
         assert len(out) == PARAMS.max_new_tokens and out.finish is FinishReason.LENGTH
         (_, v0), (n, v1) = out.segments
         assert (v0, v1) == (3, 4) and 0 < n < len(out), out.segments
