@@ -70,6 +70,9 @@ from megatron_dapo.rollout.types import RolloutGroup
 class DAPOTrainer:
     """Owns the actor, the engine, data, sampler, checkpoints and logging for one run (construct on every rank)."""
 
+    placement: Any = None
+    """placement.Placement of a split launch (rollout.engine_ranks > 0), else None (colocated)."""
+
     def __init__(self, config: RunConfig) -> None:
         from megatron_dapo.actor.actor import MegatronActor
         from megatron_dapo.actor.distributed import init_distributed
@@ -82,8 +85,6 @@ class DAPOTrainer:
         from megatron_dapo.rollout.weight_sync import WeightSync
 
         self.cfg = c = config
-        self.placement: Any = None
-        """placement.Placement of a split launch (rollout.engine_ranks > 0), else None (colocated)."""
         if c.rollout.engine_ranks:
             from megatron_dapo.actor.distributed import init_role
             from megatron_dapo.placement import ActorBeat
@@ -310,16 +311,15 @@ class DAPOTrainer:
         params = sampling_params(
             c.rollout, n=1, stop_token_ids=self.stop_ids, routed_experts=c.actor.routing_replay == "r3"
         )
-        stopped = self._engines_stop
-        while self.step < c.trainer.total_steps and not stopped():
+        while self.step < c.trainer.total_steps:
             step, waited, received = self.step + 1, time.perf_counter(), self.receiver.received_s
             oldest = step - 1 - c.trainer.max_staleness  # the oldest weights this step may be generated from
-            while (self.receiver.loaded is None or self.receiver.loaded < oldest) and not stopped():
+            while (self.receiver.loaded is None or self.receiver.loaded < oldest) and not self._engines_stop():
                 if self._load_pushed() is None:
                     time.sleep(POLL_S)
-            if stopped():
-                break
             waited = time.perf_counter() - waited
+            # Every engine rank enters the stream, stopped or not: it agrees on a stop seen by any of them (a rank
+            # leaving here alone would leave the others waiting in its collectives).
             result = self.stream.run(
                 step, self.sampler.start(), params, c.trainer.seed, self._fresh, self.carry, self.carry_rows
             )
@@ -363,6 +363,12 @@ class DAPOTrainer:
                 "start", {"step": self.step, "data": self.train_data.state_dict(), "carry": self.carry_state}
             )
         self._push_weights(self.step)
+
+    def _stop_engines_on_preemption(self) -> None:
+        """Split launch, actor rank 0 waiting for a step's generation: a preemption signal here stops the engine
+        ranks (they answer with an interrupted step, and the step is dropped as in the colocated job)."""
+        if self.preempt.flag and self.rank == 0 and not self.mailbox.has("stop"):
+            self.mailbox.post("stop", True)
 
     def _push_weights(self, version: int) -> dict[str, float]:
         """Split launch (collective over the actor ranks): every rank walks the actor's export; rank 0 sends it to
@@ -619,9 +625,9 @@ class DAPOTrainer:
         c = self.cfg
         message = self.mailbox.take(
             f"gen/{self.step}", c.rollout.generation_timeout_minutes * 60.0, f"step {self.step}'s generation",
-            "rollout.generation_timeout_minutes",
+            "rollout.generation_timeout_minutes", poll=self._stop_engines_on_preemption,
         )  # fmt: skip
-        if message.interrupted:
+        if message.interrupted:  # the engine ranks stopped (a preemption signal, theirs or this rank's)
             return StreamResult([], [], {}, [], {}, 0, interrupted=True)
         self.rows, self._pending = message.groups, message
         return StreamResult(message.kept, message.decided, message.groups, [], {}, 0, message.metrics)

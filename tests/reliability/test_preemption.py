@@ -37,11 +37,14 @@ from tests.test_trainer_e2e import _stable
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = "tests._hooks_driver"
-# The session's `tiny` job and its straight 4-step run (tests/conftest.py) are the oracle: the same training
-# settings as tests/test_trainer_e2e.py's `_train` (TP=2 from the config, up to 10 sampling batches, evaluation every
-# 2 steps), every step saved.
-STEPS = ("--trainer.total_steps=4", "--checkpoint.save_every=1", "--checkpoint.keep_last=4",
-         "--algorithm.max_gen_batches=10", "--trainer.eval_every=2")  # fmt: skip
+STEPS = ("--trainer.total_steps=4", "--checkpoint.save_every=1", "--checkpoint.keep_last=4")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from megatron_dapo.dev.tiny import make_tiny_run
+
+    return make_tiny_run(tmp_path_factory.mktemp("tiny_preempt"), num_train=48, num_test=4)
 
 
 def _torchrun(tiny, run_dir) -> list[str]:
@@ -52,6 +55,14 @@ def _torchrun(tiny, run_dir) -> list[str]:
 def _launch(tiny, run_dir) -> list[str]:
     run = [sys.executable, "-m", "megatron_dapo.cli", "launch", "--nproc-per-node=2", f"--module={DRIVER}"]
     return run + [*_args(tiny, run_dir, *STEPS), "--checkpoint.preempt_grace_s=120"]
+
+
+@pytest.fixture(scope="module")
+def straight(tiny, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    proc = subprocess.run(_torchrun(tiny, run_dir), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir
 
 
 def _interrupt(cmd: list[str], sig: signal.Signals, hook: dict[str, str], when: str) -> tuple[int, str, list]:
@@ -101,7 +112,7 @@ def test_preemption_after_the_first_checkpoint_saves_and_resumes_exactly(tiny, s
     assert not list(ckpts.glob("*.partial")), sorted(p.name for p in ckpts.iterdir())
     newest = max(int(p.name.split("_")[1]) for p in ckpts.iterdir() if (p / "COMPLETE").exists())
     assert newest == saved, out[-4000:]
-    assert _metric_steps(run_dir) == list(range(saved + 1))  # step 0: the evaluation before training
+    assert _metric_steps(run_dir) == list(range(1, saved + 1))
     dropped = "a preemption signal came before step 2's update; the step is dropped, the last one saved, exiting"
     assert (dropped in out) == (saved == 1), out[-4000:]
     time.sleep(2)
@@ -134,7 +145,7 @@ def test_a_rank_killed_mid_step_restarts_the_job_which_ends_as_if_uninterrupted(
     assert re.search(r"checkpoint \S*step_00000003.partial is incomplete", out), out[-4000:]  # killed mid-save
     assert re.search(r"resumed from \S*step_00000002 \(step 2 of 4\)", out), out[-4000:]
     assert not list((run_dir / "checkpoints").glob("*.partial"))
-    assert _metric_steps(run_dir) == [0, 1, 2, 3, 4]
+    assert _metric_steps(run_dir) == [1, 2, 3, 4]
     assert _stable(_metrics(run_dir)) == _stable(_metrics(straight))
     final, expected = (load_file(str(d / "hf_final" / "model.safetensors")) for d in (run_dir, straight))
     assert all(torch.equal(final[k], expected[k]) for k in expected)
