@@ -54,16 +54,25 @@ def launch_rank_world() -> tuple[int, int]:
 def preflight(config: Any, world_size: int) -> None:
     """Checks that need no process group and give every rank the same answer; raises StartupError.
 
-    Covers: actor.tensor_parallel x pipeline_parallel dividing the world size, the model directory and its
+    Covers: actor.tensor_parallel x pipeline_parallel dividing the world size (the actor's ranks of a split launch,
+    rollout.engine_ranks), the model directory and its
     config.json (attention and KV heads divisible by TP, layers by PP), the rollout engine's package, the data files,
     the network interfaces GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name (`check_socket_ifnames`).
     """
-    a = config.actor
+    a, engines = config.actor, config.rollout.engine_ranks
     model_parallel = a.tensor_parallel * a.pipeline_parallel
-    if world_size % model_parallel:
+    if engines and engines >= world_size:
+        raise StartupError(
+            f"rollout.engine_ranks {engines} leaves no actor rank of the {world_size} processes launched (the last "
+            "engine_ranks ranks only generate)"
+        )
+    if (world_size - engines) % model_parallel:
+        ranks = f"world size {world_size} (processes launched)"
+        if engines:
+            ranks = f"actor's {world_size - engines} ranks ({world_size} launched, rollout.engine_ranks {engines})"
         raise StartupError(
             f"actor.tensor_parallel {a.tensor_parallel} x actor.pipeline_parallel {a.pipeline_parallel} = "
-            f"{model_parallel} does not divide the world size {world_size} (processes launched)"
+            f"{model_parallel} does not divide the {ranks}"
         )
     _check_model(a.model_path, a.tensor_parallel, a.pipeline_parallel)
     _check_engine(config.rollout)

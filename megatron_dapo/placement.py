@@ -128,8 +128,8 @@ class WeightChannel:
     """Versioned weight pushes from actor rank 0 to every engine rank (build it on those ranks; others skip it).
 
     The actor announces a version on the store and broadcasts its buckets; an engine rank sees the announcement with
-    `pending()` (one store read, cheap enough between two engine steps) and joins with `receive(engine)`. The actor's
-    broadcast waits until every engine has joined, so a push takes effect at each engine's next step boundary.
+    `pending()` (one store read) and joins with `receive_buckets()` (StagedReceiver does both on a thread). The actor's
+    broadcast waits until every engine has joined.
     """
 
     def __init__(self, placement: Placement, store: dist.Store, timeout_s: float) -> None:
@@ -174,18 +174,11 @@ class WeightChannel:
         version = int(self.store.get("announced"))
         return version if self.version is None or version > self.version else None
 
-    def receive(self, engine: Any) -> int:
-        """Join the announced push and load it into `engine` (begin / update_weights per bucket / end, full); sets
-        engine.weight_version. Returns the version loaded."""
-        version, buckets = self.receive_buckets()
-        load_buckets(engine, version, buckets)
-        return version
-
     def receive_buckets(self) -> tuple[int, list[list[tuple[str, torch.Tensor]]]]:
         """Join the announced push; returns (version, its buckets of (hf_name, tensor)) without loading them."""
         version = self.pending()
         if version is None:
-            raise RuntimeError("WeightChannel.receive: no push was announced")
+            raise RuntimeError("WeightChannel.receive_buckets: no push was announced")
         buckets = []
         while True:
             header, size = self._recv_header()

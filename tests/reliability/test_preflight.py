@@ -29,6 +29,7 @@ def _check(overrides: list[str], world: int = 2) -> None:
 
 def test_a_valid_layout_passes(setup):
     _check([*setup, "--actor.tensor_parallel=2"], world=4)
+    _check([*setup, "--actor.tensor_parallel=2", "--rollout.engine_ranks=1", "--trainer.max_staleness=0"], world=3)
 
 
 @pytest.mark.parametrize(
@@ -39,6 +40,16 @@ def test_a_valid_layout_passes(setup):
         (["--actor.pipeline_parallel=2"], 2, "actor.pipeline_parallel 2 must divide the model's num_hidden_layers 3"),
         (["--data.eval_files=/nope/test.jsonl"], 2, "data.eval_files[0]: /nope/test.jsonl does not exist"),
         (["--data.train_files=/nope/a.jsonl"], 2, "data.train_files[0]: /nope/a.jsonl does not exist"),
+        (
+            ["--actor.tensor_parallel=2", "--rollout.engine_ranks=1", "--trainer.max_staleness=0"],
+            4,
+            "= 2 does not divide the actor's 3 ranks (4 launched, rollout.engine_ranks 1)",
+        ),
+        (
+            ["--rollout.engine_ranks=2", "--trainer.max_staleness=0"],
+            2,
+            "rollout.engine_ranks 2 leaves no actor rank of the 2 processes launched",
+        ),
     ],
 )
 def test_layout_and_file_errors(setup, extra, world, message):
