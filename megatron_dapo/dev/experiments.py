@@ -1,6 +1,7 @@
 """The CPU experiments' arms, shared by tools/experiments/ (compare_trl, paper_ablations, rollout_mismatch_experiment,
-loss_comparison) and tools/bench/rollout_stream.py: run the main job (examples/run_smollm2_cpu.sh) once per arm with
-the same seed and number of steps, read each arm's metrics.jsonl, summarize and draw one overlay plot per curve.
+loss_comparison, routing_replay_experiment, async_experiment) and tools/bench/rollout_stream.py: run the main job
+(examples/run_smollm2_cpu.sh) once per arm with the same seed and number of steps, read each arm's metrics.jsonl,
+summarize and draw one overlay plot per curve.
 
 An arm is a name and the config overrides that make it differ from the main job. Every arm gets the same schedule:
 trainer.total_steps, trainer.seed, a held-out evaluation at step 0 and at the last step (trainer.eval_every = steps)
@@ -18,6 +19,7 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_dapo.dev import REPO_ROOT
 
@@ -172,3 +174,21 @@ def print_report(out: Path, table: list[dict], markdown: str, plots: Iterable[Pa
     for path in plots:
         print(path)
     return 0
+
+
+def report_overlays(
+    out: Path,
+    img: Path,
+    table: list[dict],
+    markdown: Any,
+    arms: Iterable[str],
+    curves: Mapping[str, tuple[str, str]],
+    prefix: str,
+) -> int:
+    """The `report` command of a tool whose plots are its arms' curves overlaid: print markdown(table) and draw
+    `overlay_plots` of every arm under out into img (nothing drawn when no arm has metrics)."""
+    if not table:
+        return print_report(out, table, "")
+    return print_report(
+        out, table, markdown(table), overlay_plots({arm: out / arm for arm in arms}, curves, img, prefix)
+    )

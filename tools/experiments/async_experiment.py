@@ -32,10 +32,9 @@ from pathlib import Path
 from megatron_dapo.dev import REPO_ROOT
 from megatron_dapo.dev.experiments import make_parser
 from megatron_dapo.dev.experiments import mean
-from megatron_dapo.dev.experiments import overlay_plots
 from megatron_dapo.dev.experiments import parse_with_overrides
-from megatron_dapo.dev.experiments import print_report
 from megatron_dapo.dev.experiments import read_metrics
+from megatron_dapo.dev.experiments import report_overlays
 from megatron_dapo.dev.experiments import run_arms
 from megatron_dapo.dev.experiments import train_rows
 
@@ -144,18 +143,13 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(out: Path, img: Path) -> list[Path]:
-    return overlay_plots({arm: out / arm for arm in ARMS}, CURVES, img, "async")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser, sub = make_parser(__doc__, ARMS, steps=8, out=REPO_ROOT / "runs" / "async")
     sub.choices["run"].set_defaults(arms=list(DEFAULT_ARMS))
     args = parse_with_overrides(parser, argv)
     if args.command == "run":
         return run(args)
-    table = summarize(args.out)
-    return print_report(args.out, table, markdown(table) if table else "", plot(args.out, args.img) if table else ())
+    return report_overlays(args.out, args.img, summarize(args.out), markdown, ARMS, CURVES, "async")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,9 @@ from megatron_dapo.dev.experiments import heldout
 from megatron_dapo.dev.experiments import main_job_command
 from megatron_dapo.dev.experiments import make_parser
 from megatron_dapo.dev.experiments import mean
-from megatron_dapo.dev.experiments import overlay_plots
 from megatron_dapo.dev.experiments import parse_with_overrides
-from megatron_dapo.dev.experiments import print_report
 from megatron_dapo.dev.experiments import read_metrics
+from megatron_dapo.dev.experiments import report_overlays
 from megatron_dapo.dev.experiments import run_arms
 from megatron_dapo.dev.experiments import train_rows
 
@@ -107,17 +106,12 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(out: Path, img: Path) -> list[Path]:
-    return overlay_plots({arm: out / arm for arm in ARMS}, CURVES, img, "rollout_mismatch")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser, _ = make_parser(__doc__, ARMS, steps=10, out=REPO_ROOT / "runs" / "rollout_mismatch")
     args = parse_with_overrides(parser, argv)
     if args.command == "run":
         return run(args)
-    table = summarize(args.out)
-    return print_report(args.out, table, markdown(table) if table else "", plot(args.out, args.img) if table else ())
+    return report_overlays(args.out, args.img, summarize(args.out), markdown, ARMS, CURVES, "rollout_mismatch")
 
 
 if __name__ == "__main__":
