@@ -143,7 +143,7 @@ class WeightChannel:
             timedelta(seconds=timeout_s),
         )  # fmt: skip
         self.version: int | None = None
-        """The last version pushed (actor) or loaded (engine)."""
+        """The last version pushed (actor) or received (engine; StagedReceiver.loaded is the one in the engine)."""
 
     # ----------------------------------------------------------------------------------------------- actor rank 0
     def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict:
