@@ -241,6 +241,9 @@ def train(config, rank: int) -> int:
     from megatron_dapo.actor.cpu_compat import import_megatron_core
 
     import_megatron_core()  # first, so that on CPU megatron's fusions are not torch.compile'd (seconds per rank)
+    from megatron_dapo.actor.ckpt_writer import install_writer_queue
+
+    install_writer_queue()  # forked now, before any socket, lock or thread exists (actor/ckpt_writer.py)
     from megatron_dapo.trainer import DAPOTrainer
 
     run_dir, attempt = config.trainer.run_dir, restarts.attempt_number()
