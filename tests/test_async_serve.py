@@ -28,8 +28,8 @@ from megatron_dapo.rollout import FinishReason
 from megatron_dapo.rollout.base import request_result
 from megatron_dapo.rollout.stream import RolloutStream
 from megatron_dapo.trainer import DAPOTrainer
-from tests.rollout.test_stream import G
 from tests.rollout.test_stream import FakeEngine
+from tests.rollout.test_stream import G
 from tests.rollout.test_stream import ThreadExchange
 from tests.rollout.test_stream import fresh
 from tests.rollout.test_stream import score
@@ -135,7 +135,8 @@ class Data:
 def _engine_rank(k: int, seed: int, box: Mailbox, weights: PushedWeights, engine: VersionedEngine) -> DAPOTrainer:
     """A bare DAPOTrainer holding what `_serve` uses on an engine rank (one engine rank)."""
     cfg = load_config(None, [f"--trainer.total_steps={STEPS}", f"--trainer.max_staleness={k}", "--trainer.eval_every=0",
-                             "--rollout.partial=true", "--trainer.on_stale=regenerate", "--algorithm.rollout_correction=tis"])  # fmt: skip
+                             "--rollout.partial=true", "--trainer.on_stale=regenerate",
+                             "--algorithm.rollout_correction=tis"])  # fmt: skip
     t = DAPOTrainer.__new__(DAPOTrainer)
     t.cfg, t.rank, t.world, t.mailbox, t.receiver, t.engine = cfg, 0, 1, box, weights, engine
     t.placement = Placement(rank=1, world_size=2, num_engine_ranks=1)
@@ -219,4 +220,3 @@ def test_serve_keeps_every_token_within_the_staleness_bound_under_random_latenci
     else:
         assert max(ages) >= 1  # generation ran ahead of the update: the bound is not vacuous
         assert engine.updated_in_flight > 0  # and weights were loaded under requests in flight
-
