@@ -53,6 +53,16 @@ ROUTED_EXPERTS_KEY = "routed_experts"
 """meta_info key of a result's routed experts (requests with return_routed_experts; 0.5.23)."""
 MAX_RUNNING_KEY = "effective_max_running_requests_per_dp"
 """The scheduler's internal-state key of its effective max_running_requests (0.5.23)."""
+WEIGHT_VERSIONS_KEY = "weight_versions"
+"""meta_info key of a finished request's weight-version spans [{"version", "start", "end"}] over its output tokens
+(0.5.23, srt/utils/weight_versions.py): a request in flight when an update set a new weight_version gets a span per
+version; the version strings are whatever the updates set (ours: the step number), "default" before any."""
+PAUSE_MODE = "retract"
+"""/pause_generation mode for an update while generating (0.5.23, io_struct.PauseGenerationReqInput): running
+requests go back to the queue with their tokens, so the prefix cache can be flushed under the pause (a scheduler
+paused in that mode ignores its queue when asked whether it is idle) and they are prefilled again under the new
+weights on /continue_generation. "in_place" would keep their KV, and the old weights' radix cache, which the next
+requests of the same prompts would reuse: computed by weights no version stamp records."""
 
 SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse(
@@ -121,8 +131,12 @@ SGLANG_API: tuple[ApiUse, ...] = (
         "fields",
         IO_STRUCT,
         "UpdateWeightsFromDistributedReqInput",
-        ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"),
+        ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format", "weight_version"),
     ),
+    ApiUse("fields", IO_STRUCT, "PauseGenerationReqInput", ("mode",)),
+    ApiUse("fields", IO_STRUCT, "ContinueGenerationReqInput", ("torch_empty_cache",)),
+    ApiUse("literals", IO_STRUCT, "*", (PAUSE_MODE,)),
+    ApiUse("literals", ("srt/utils/weight_versions.py",), "*", (WEIGHT_VERSIONS_KEY,)),
     ApiUse("fields", IO_STRUCT, "BeginWeightUpdateReqInput", (), optional=True),
     ApiUse("fields", IO_STRUCT, "EndWeightUpdateReqInput", (), optional=True),
     ApiUse("route", HTTP, "/generate", ("GenerateReqInput",)),
@@ -131,6 +145,8 @@ SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse("route", HTTP, "/init_weights_update_group", ("InitWeightsUpdateGroupReqInput",)),
     ApiUse("route", HTTP, "/update_weights_from_distributed", ("UpdateWeightsFromDistributedReqInput",)),
     ApiUse("route", HTTP, "/flush_cache", ()),
+    ApiUse("route", HTTP, "/pause_generation", ("PauseGenerationReqInput",)),
+    ApiUse("route", HTTP, "/continue_generation", ("ContinueGenerationReqInput",)),
     ApiUse("route", HTTP, "/begin_weight_update", ("BeginWeightUpdateReqInput",), optional=True),
     ApiUse("route", HTTP, "/end_weight_update", ("EndWeightUpdateReqInput",), optional=True),
     ApiUse(
@@ -231,11 +247,32 @@ def parse_sglang_output(
         raise RuntimeError(f"sglang: response does not end with its stop token {matched} (set no_stop_trim)")
     if want_logprobs and logps is None and ids:
         raise RuntimeError("sglang: no output_token_logprobs in the result (return_logprob was set)")
+    version, versions = _weight_versions(meta.get(WEIGHT_VERSIONS_KEY), version, len(ids))
     routed = None
     if routed_shape is not None:
         routed = decode_routed_experts(meta.get(ROUTED_EXPERTS_KEY), routed_shape, len(request_input_ids(request)) +
                                        len(ids) - 1)  # fmt: skip
-    return request_result(request, ids, logps if want_logprobs else None, FinishReason(kind), version, routed)
+    return request_result(
+        request, ids, logps if want_logprobs else None, FinishReason(kind), version, routed, versions=versions
+    )
+
+
+def _weight_versions(spans: list[dict] | None, version: int, num_ids: int) -> tuple[int, list[tuple[int, int]]]:
+    """(version, versions) for request_result from meta_info.weight_versions: the server's own stamps when every span
+    names a version our updates set (an integer), else `version` (the engine's) for every token. A request whose
+    weights changed under it to or from a version we did not set is an error: its tokens could not be attributed."""
+    if not spans:
+        return version, []
+    starts = [(int(s["start"]), s["version"]) for s in spans if int(s["start"]) < num_ids or int(s["start"]) == 0]
+    ours = [v.isdigit() for _, v in starts]
+    if not any(ours):
+        if len(starts) > 1:
+            raise RuntimeError(f"sglang: weights changed during a request under versions {starts} none of which an "
+                               "update of this trainer set")  # fmt: skip
+        return version, []
+    if not all(ours):
+        raise RuntimeError(f"sglang: a request's weight versions {starts} mix ours with ones this trainer did not set")
+    return int(starts[-1][1]), [(start, int(v)) for start, v in starts]
 
 
 def decode_routed_experts(encoded: str | None, shape: tuple[int, int, int], positions: int) -> Tensor:

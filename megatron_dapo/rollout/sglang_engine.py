@@ -22,8 +22,10 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -452,6 +454,7 @@ class SGLangServerEngine(ServerStream):
         self.backend = backend
         self._group = None
         self._session_routes = True
+        self._update_version: str | None = None
         self._init_stream(max_running_requests)
 
     def _query_max_running(self) -> int:
@@ -550,6 +553,8 @@ class SGLangServerEngine(ServerStream):
             "group_name": self.group_name,
             "flush_cache": False,
         }
+        if self._update_version is not None:  # an update while generating (paused_update): stamp its tokens
+            body["weight_version"] = self._update_version
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(self._post_all, "/update_weights_from_distributed", body)
             for _, t in bucket:
@@ -562,6 +567,25 @@ class SGLangServerEngine(ServerStream):
         if self._session_routes:
             self._post_all("/end_weight_update", {})
         self._post_all("/flush_cache")
+
+    @contextmanager
+    def paused_update(self, version: int) -> Iterator[None]:
+        """An update while the servers generate (asynchronous training): inside, begin/update/end_weight_update as
+        usual. The servers pause in PAUSE_MODE (running requests back to their queue, tokens kept), the update sets
+        their weight_version to `version` (each request in flight records the change at its length: the result's
+        weight-version spans, parsed into its segments), the flush in end_weight_update drops the old weights'
+        cache, and /continue_generation prefills the paused requests again under the new weights. A /generate call
+        in flight just takes longer; a failed update still continues the servers before it raises."""
+        from megatron_dapo.rollout.sglang_api import PAUSE_MODE
+
+        self._post_all("/pause_generation", {"mode": PAUSE_MODE})
+        self._update_version = str(int(version))
+        try:
+            yield
+        finally:
+            self._update_version = None
+            self._post_all("/continue_generation", {})
+        self.weight_version = int(version)
 
     def release_memory(self, tags: Sequence[str]) -> None:
         """No-op: the servers own their GPUs."""

@@ -266,3 +266,158 @@ def test_a_sigquit_from_a_failed_child_ends_the_stream_calls_with_engine_died():
             engine.abort()
     finally:
         loop.remove_signal_handler(signal.SIGQUIT)
+
+
+# ------------------------------------------------------------------------------------- updates while generating
+def _spans(events: list[tuple[str, int]], current: str, n: int) -> list[dict]:
+    """SGLang's compute_weight_version_spans (srt/utils/weight_versions.py), as meta_info.weight_versions."""
+    spans: list[dict] = []
+    for version, end in [*events, (current, n)]:
+        end = min(end, n)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
+
+
+class VersionedGenerator(Generator):
+    """Generator plus what SGLang 0.5.23's scheduler does around an update (scheduler.py pause_generation /
+    continue_generation / record_weight_version_change / flush_cache): while paused no row advances; a new
+    weight_version records (old version, tokens so far) for every live row that has tokens; a flush is refused
+    unless paused (retract) or idle. `log` holds the control calls in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version, self.paused, self.log = "default", False, []
+        self.live: list[tuple[list[list[int]], list[list[tuple[str, int]]]]] = []  # per call: (rows' tokens, events)
+
+    def set_version(self, version: str) -> None:
+        if version != self.version:
+            for toks, events in self.live:
+                for t, ev in zip(toks, events):
+                    if t:
+                        ev.append((self.version, len(t)))
+            self.version = version
+
+    def rows(self, body: dict, slow: bool):
+        self.epoch += 1
+        caps = [sp["max_new_tokens"] for sp in body["sampling_params"]]
+        toks: list[list[int]] = [[] for _ in caps]
+        events: list[list[tuple[str, int]]] = [[] for _ in caps]
+        self.live.append((toks, events))
+        every, tick = (25 if slow else 1), 0
+        while not all(len(t) >= c for t, c in zip(toks, caps)):
+            yield
+            if self.paused:
+                continue
+            tick += 1
+            if tick % every == 0:
+                for i, cap in enumerate(caps):
+                    if len(toks[i]) < cap:
+                        toks[i].append(10 + i + len(toks[i]))
+        self.live.remove((toks, events))
+        outs = []
+        for t, ev in zip(toks, events):
+            meta = {"finish_reason": {"type": "length", "length": len(t)},
+                    "output_token_logprobs": [[-0.5, x, None] for x in t],
+                    "weight_versions": _spans(ev, self.version, len(t)), "weight_version": self.version}  # fmt: skip
+            outs.append({"output_ids": t, "meta_info": meta})
+        return outs
+
+
+class UpdatingHandler(Handler):
+    def do_POST(self) -> None:
+        gen: VersionedGenerator = self.gen
+        if self.path in ("/pause_generation", "/continue_generation", "/begin_weight_update", "/end_weight_update",
+                         "/update_weights_from_distributed", "/flush_cache"):  # fmt: skip
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            gen.log.append((self.path, body))
+            if self.path == "/pause_generation":
+                gen.paused = True
+            elif self.path == "/continue_generation":
+                gen.paused = False
+            elif self.path == "/update_weights_from_distributed" and "weight_version" in body:
+                gen.set_version(body["weight_version"])
+            elif self.path == "/flush_cache":
+                assert gen.paused or not gen.live, "flush refused: requests running and the scheduler not paused"
+            return self._reply({"success": True, "message": ""})
+        return super().do_POST()
+
+
+def test_an_update_while_generating_pauses_stamps_flushes_and_continues(tmp_path):
+    """SGLangServerEngine.paused_update (asynchronous training's update in flight): pause in retract mode, the
+    update sets weight_version, the flush runs under the pause, then continue; a response in flight comes back with
+    its tokens before the update stamped with the old version and the rest with the new one (meta_info
+    weight_versions), a response started after it with the new one."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dapo.net import free_port
+    from megatron_dapo.rollout.sglang_engine import init_weight_update_group
+
+    gen = VersionedGenerator()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("H", (UpdatingHandler,), {"gen": gen, "slow": True}))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    group = init_weight_update_group("127.0.0.1", free_port(), 1, "test_in_flight", backend="gloo")
+    try:
+        engine = server_engine(httpd)
+        engine._group = group  # the servers' side of the broadcast is not modelled (one-rank group)
+        bucket = [("w", torch.ones(2))]
+
+        def update(version: int) -> None:
+            with engine.paused_update(version):
+                engine.begin_weight_update()
+                engine.update_weights(bucket)
+                engine.end_weight_update()
+
+        update(2)  # the first push, before any generation
+        assert engine.weight_version == 2 and gen.version == "2"
+        engine.submit(requests(2, "a"), PARAMS)
+        deadline = time.monotonic() + 20
+        while not (gen.live and all(len(t) >= 2 for t in gen.live[0][0])) and time.monotonic() < deadline:
+            engine.step()
+        gen.log.clear()
+        update(3)
+        routes = [(path, body.get("mode"), body.get("weight_version")) for path, body in gen.log]
+        assert routes == [("/pause_generation", "retract", None), ("/begin_weight_update", None, None),
+                          ("/update_weights_from_distributed", None, "3"), ("/end_weight_update", None, None),
+                          ("/flush_cache", None, None), ("/continue_generation", None, None)]  # fmt: skip
+        engine.submit(requests(1, "b"), PARAMS)
+        out = drain(engine)
+    finally:
+        httpd.shutdown()
+        dist.destroy_process_group(group)
+    for k in (0, 1):
+        r = out[("a", k)]
+        assert len(r) == 6 and r.segments[0] == (0, 2) and r.segments[1][1] == 3, r.segments
+        assert 2 <= r.segments[1][0] < 6
+    assert out[("b", 0)].segments == ((0, 3),)
+
+
+@pytest.mark.parametrize(
+    "spans, expected",
+    [
+        (None, ((0, 7),)),  # older servers: the engine's version
+        ([{"version": "default", "start": 0, "end": 3}], ((0, 7),)),  # no update of ours yet: the engine's
+        ([{"version": "4", "start": 0, "end": 3}], ((0, 4),)),  # the server's stamp wins over the engine's view
+        ([{"version": "4", "start": 0, "end": 1}, {"version": "5", "start": 1, "end": 3}], ((0, 4), (1, 5))),
+        ([{"version": "default", "start": 0, "end": 1}, {"version": "5", "start": 1, "end": 3}], "mix ours"),
+        ([{"version": "a", "start": 0, "end": 1}, {"version": "b", "start": 1, "end": 3}], "none of which"),
+    ],
+)
+def test_weight_version_spans_become_the_segments(spans, expected):
+    from megatron_dapo.rollout.sglang_api import parse_sglang_output
+
+    meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, t, None] for t in (5, 6, 7)]}
+    if spans is not None:
+        meta["weight_versions"] = spans
+    req = GenerationRequest("k", [1, 2], 0)
+    if isinstance(expected, str):
+        with pytest.raises(RuntimeError, match=expected):
+            parse_sglang_output({"meta_info": meta}, req, True, 7)
+        return
+    r = parse_sglang_output({"meta_info": meta}, req, True, 7)
+    assert r.segments == expected and r.response_ids.tolist() == [5, 6, 7]
