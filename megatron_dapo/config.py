@@ -371,8 +371,10 @@ class RolloutConfig:
     """Disaggregated placement (asynchronous training): the last engine_ranks ranks of the launch only generate, the
     others only train (e.g. --nproc-per-node 2 with engine_ranks 1); generation of step s may start once the
     weights are at most trainer.max_staleness versions behind s - 1, so it overlaps the actor's update of the steps
-    before (megatron_dapo/placement.py, docs/rollout.md "Asynchronous training"). Engine "transformers". 0:
-    colocated, every rank both generates and trains, in turn (the default)."""
+    before (megatron_dapo/placement.py, docs/rollout.md "Asynchronous training"). Engine "transformers" (the engine
+    ranks hold the embedded engines), or "sglang" with mode "server" (the engine ranks drive rollout.server_urls,
+    round-robin; actor rank 0 updates the servers while they generate). 0: colocated, every rank both generates and
+    trains, in turn (the default)."""
     weight_dtype: str = "auto"
     """Dtype of the weights sent to the engine each step: "auto" (as the actor exports them) or "fp8" (q/k/v/o and
     gate/up/down projections quantized to float8_e4m3fn with one fp32 scale per 128 x 128 block, the block-FP8 layout
@@ -739,11 +741,25 @@ class RunConfig:
             "that needs algorithm.rollout_correction (tis or mis) to weigh it",
         )
         if r.engine_ranks:
+            servers = (r.engine, r.mode) == ("sglang", "server")
             _check(
-                r.engine == "transformers",
+                r.engine == "transformers" or servers,
                 "rollout.engine_ranks",
-                f"splits the launch into actor and engine ranks for the embedded engine; rollout.engine {r.engine!r} "
-                "runs apart already with rollout.mode server (its asynchronous schedule is not wired yet)",
+                "splits the launch into actor and engine ranks for the embedded engine (transformers) or SGLang "
+                f"servers (sglang, rollout.mode server); not rollout.engine {r.engine!r} with mode {r.mode!r}",
+            )
+            _check(
+                not servers or r.engine_ranks <= len(r.server_urls),
+                "rollout.engine_ranks",
+                f"{r.engine_ranks} engine ranks for {len(r.server_urls)} rollout.server_urls: each engine rank drives "
+                "at least one server",
+            )
+            _check(
+                not servers or not t.eval_every,
+                "trainer.eval_every",
+                "evaluation on a split launch over SGLang servers is not wired yet (the servers move on to newer "
+                "weights while it would run): set trainer.eval_every=0 and evaluate checkpoints with "
+                "megatron-dapo eval",
             )
             _check(
                 t.max_staleness >= 0,

@@ -280,6 +280,58 @@ class StagedReceiver:
         atexit.unregister(self.close)
 
 
+class ServerPush:
+    """Actor rank 0's side of a split launch whose engines are SGLang servers (rollout.engine sglang, mode server):
+    the weights go straight to the servers over their weight-update group (NCCL on GPU), while the engine ranks'
+    requests are in flight (SGLangServerEngine.paused_update: pause, update stamped with the version, flush,
+    continue); then the version is posted on the store for the engine ranks (ServerVersions)."""
+
+    def __init__(self, updater: Any, store: dist.Store) -> None:
+        self.updater = updater
+        self.store = dist.PrefixStore(f"{PREFIX}server_version/", store)
+        self.version: int | None = None
+
+    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict:
+        """As WeightChannel.push: every (hf_name, full tensor) as weight `version`; the same metrics."""
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"ServerPush.push: version {version} after {self.version}; versions must increase")
+        total = buckets = tensors = 0
+        with self.updater.paused_update(version):
+            self.updater.begin_weight_update()
+            for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
+                self.updater.update_weights(bucket)
+                total += sum(t.numel() * t.element_size() for _, t in bucket)
+                buckets, tensors = buckets + 1, tensors + len(bucket)
+            self.updater.end_weight_update()
+        self.store.set("loaded", str(version))
+        self.version = version
+        return {"weight_sync/bytes": float(total), "weight_sync/num_buckets": float(buckets),
+                "weight_sync/num_tensors": float(tensors)}  # fmt: skip
+
+
+class ServerVersions:
+    """An engine rank's view of the servers' weights (ServerPush): StagedReceiver's contract with nothing to load,
+    the servers hold the weights. `apply` takes the newest version actor rank 0 has posted as the engine's (the
+    tokens' own stamps come from the servers, in each result's weight-version spans)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = dist.PrefixStore(f"{PREFIX}server_version/", store)
+        self.loaded: int | None = None
+        self.received_s = 0.0
+
+    def apply(self, engine: Any) -> int | None:
+        if not self.store.check(["loaded"]):
+            return None
+        version = int(self.store.get("loaded"))
+        if version == self.loaded:
+            return None
+        engine.weight_version = self.loaded = version
+        return version
+
+    def close(self) -> None:
+        pass
+
+
 class ActorBeat:
     """Actor rank 0's heartbeat on the store (a thread on its own store connection, every BEAT_S), and the engine
     ranks' view of it: an engine rank whose work is over (the run's steps generated, or a preemption signal) keeps

@@ -995,13 +995,13 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-ASYNC_RUNS = "runs as rollout.engine_ranks with the embedded engine; the SGLang engines' split is not wired yet"
+ASYNC_RUNS = "runs as rollout.engine_ranks: embedded engines, or SGLang servers updated while they generate"
 """What of the async schedule runs today (the report's last async line)."""
 
 
 def format_async(sched: AsyncSchedule | None, sync_step_s: float) -> list[str]:
     """The async schedule's lines of the report (time only). It runs as a split launch (rollout.engine_ranks) with the
-    embedded engine; the SGLang engines' split is not wired yet (docs/rollout.md, "Asynchronous training")."""
+    embedded engines or over SGLang servers (docs/rollout.md, "Asynchronous training")."""
     if sched is None:
         return ["async schedule: no disaggregated split can run (one actor replica fills the GPUs, or no engine fits)"]
     t = sched.times_s

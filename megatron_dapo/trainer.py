@@ -185,9 +185,14 @@ class DAPOTrainer:
         self.carry_state: list[dict[str, Any]] = []
         """Split launch: the carry after the last committed step as the engine ranks sent it (checkpoint form)."""
         if self.placement is not None and self.placement.channel_rank is not None:
-            from megatron_dapo.placement import WeightChannel
+            if c.rollout.engine == "sglang":  # SGLang servers: the weights go to them, their versions to the store
+                from megatron_dapo.placement import ServerPush
 
-            self.channel = WeightChannel(self.placement, store, c.distributed.timeout_s)
+                self.channel = ServerPush(make_engine(c.rollout, c.actor.model_path), store)
+            else:
+                from megatron_dapo.placement import WeightChannel
+
+                self.channel = WeightChannel(self.placement, store, c.distributed.timeout_s)
         if resume_from is not None:
             resume_from = self._load(resume_from)
             self._notice(f"resumed from {resume_from} (step {self.step} of {c.trainer.total_steps})")
@@ -265,11 +270,21 @@ class DAPOTrainer:
         self.engine_ranks = list(range(self.world))
         max_context = max(self.longest_prompt, 1) + c.rollout.max_response_length
         local_rank = int(os.environ.get("LOCAL_RANK", self.placement.rank))
-        self.engine = make_engine(
-            c.rollout, c.actor.model_path, base_gpu_id=local_rank, seed=c.trainer.seed,
-            max_context=-(-max_context // 64) * 64, routed_experts=c.actor.routing_replay == "r3",
-        )  # fmt: skip
-        self.receiver = StagedReceiver(WeightChannel(self.placement, store, c.distributed.timeout_s))
+        if c.rollout.engine == "sglang":  # SGLang servers: this rank drives its share of them over HTTP
+            from megatron_dapo.placement import ServerVersions
+            from megatron_dapo.rollout.factory import server_stream
+
+            self.engine = server_stream(
+                c.rollout, c.actor.model_path, c.rollout.server_urls[self.rank :: self.world],
+                routed_experts=c.actor.routing_replay == "r3",
+            )  # fmt: skip
+            self.receiver: Any = ServerVersions(store)
+        else:
+            self.engine = make_engine(
+                c.rollout, c.actor.model_path, base_gpu_id=local_rank, seed=c.trainer.seed,
+                max_context=-(-max_context // 64) * 64, routed_experts=c.actor.routing_replay == "r3",
+            )  # fmt: skip
+            self.receiver = StagedReceiver(WeightChannel(self.placement, store, c.distributed.timeout_s))
         self.stream = self._make_stream(between_steps=self._load_pushed)
         self.carry, self.carry_rows = [], {}
         self._eval_engine: Any = None

@@ -174,7 +174,31 @@ def test_validation_rules(override, message):
         (["--rollout.engine_ranks=-1"], "rollout.engine_ranks: must be in [0, 1024] (0: colocated), got -1"),
         (
             ["--rollout.engine_ranks=1", "--rollout.engine=sglang", "--trainer.max_staleness=0"],
-            "rollout.engine_ranks: splits the launch into actor and engine ranks for the embedded engine",
+            "rollout.engine_ranks: splits the launch into actor and engine ranks for the embedded engine "
+            "(transformers) or SGLang servers (sglang, rollout.mode server); not rollout.engine 'sglang' with mode "
+            "'colocated'",
+        ),
+        (
+            [
+                "--rollout.engine_ranks=2",
+                "--rollout.engine=sglang",
+                "--rollout.mode=server",
+                "--trainer.eval_every=0",
+                "--rollout.server_urls=http://127.0.0.1:30000",
+                "--trainer.max_staleness=0",
+            ],
+            "rollout.engine_ranks: 2 engine ranks for 1 rollout.server_urls: each engine rank drives at least one",
+        ),
+        (
+            [
+                "--rollout.engine_ranks=1",
+                "--rollout.engine=sglang",
+                "--rollout.mode=server",
+                "--trainer.eval_every=2",
+                "--rollout.server_urls=http://127.0.0.1:30000",
+                "--trainer.max_staleness=0",
+            ],
+            "trainer.eval_every: evaluation on a split launch over SGLang servers is not wired yet",
         ),
         (
             ["--rollout.engine_ranks=1", "--rollout.engine=transformers", "--trainer.eval_every=0"],

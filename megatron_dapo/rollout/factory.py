@@ -58,6 +58,22 @@ def routing_shape(model_path: str) -> tuple[int, int, int]:
     return shape.layers, shape.topk, shape.experts
 
 
+def server_stream(
+    rollout: RolloutConfig, model_path: str, urls: list[str], *, routed_experts: bool = False, **group: Any
+) -> RolloutEngine:
+    """SGLang servers (rollout.mode server) over `urls`. group: SGLangServerEngine's weight-update-group arguments
+    (master_address, master_port, backend) for the process that pushes weights; without them, generation only (an
+    engine rank of a split launch drives its share of the servers; the weights reach them from actor rank 0,
+    placement.ServerPush)."""
+    from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
+
+    server = SGLangServerEngine(
+        urls, server_tp=rollout.tensor_parallel, max_running_requests=rollout.max_running_requests, **group
+    )
+    server.routed_shape = routing_shape(model_path) if routed_experts else None
+    return server
+
+
 def make_engine(
     rollout: RolloutConfig,
     model_path: str,
@@ -102,20 +118,19 @@ def make_engine(
     if rollout.engine == "sglang" and rollout.mode == "server":
         from megatron_dapo.rollout.launch_env import num_nodes
         from megatron_dapo.rollout.launch_env import weight_sync_master_address
-        from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
 
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         address = master_address if master_address is not None else rollout.weight_sync_master_address
-        server = SGLangServerEngine(
+        return server_stream(
+            rollout,
+            model_path,
             rollout.server_urls,
-            server_tp=rollout.tensor_parallel,
+            routed_experts=routed_experts,
             master_address=weight_sync_master_address(address, rollout.server_urls, num_nodes(world)),
             master_port=master_port if master_port is not None else rollout.weight_sync_master_port,
-            max_running_requests=rollout.max_running_requests,
+            backend="nccl" if cuda else "gloo",  # a trainer without a GPU can only broadcast over gloo
         )
-        server.routed_shape = routing_shape(model_path) if routed_experts else None
-        return server
     if rollout.engine == "sglang":
         from megatron_dapo.rollout.sglang_engine import SGLangEngine
 

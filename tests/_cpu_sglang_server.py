@@ -1,0 +1,206 @@
+"""A stand-in for one SGLang 0.5.23 HTTP server on CPU (SGLang has no CPU build), for jobs whose engines are servers:
+
+    python -m tests._cpu_sglang_server --model DIR --max-new-tokens CAP --port-file FILE
+
+It generates with megatron_dapo's embedded engine (TransformersEngine, fp32) and answers the routes the trainer's
+SGLangServerEngine calls, with SGLang's semantics as read in its source (names in rollout/sglang_api.SGLANG_API):
+/generate (a batch of rows; meta_info with output_token_logprobs, finish_reason, weight_versions spans),
+/abort_request (abort_all: every call in flight returns its tokens so far), /get_server_info, the weight-update group
+(/init_weights_update_group: joins the trainer's group as SGLang's receiver does, rank rank_offset;
+/update_weights_from_distributed: receives each tensor by broadcast from rank 0 and loads it, weight_version stamps
+the tokens from then on), /begin_weight_update, /end_weight_update, /flush_cache (refused while requests run unpaused),
+/pause_generation (no row advances until /continue_generation; requests keep their tokens, as retract does).
+
+A continued (partial) request arrives as prompt + its tokens with max_new_tokens = cap - their number, as SGLang
+gets it; the engine continues it as a prefix of the job's cap (--max-new-tokens) and only the new tokens go back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.rollout import FinishReason
+from megatron_dapo.rollout import GenerationRequest
+from megatron_dapo.rollout import Rollout
+from megatron_dapo.rollout import SamplingParams
+from megatron_dapo.rollout.sglang_api import MAX_RUNNING_KEY
+from megatron_dapo.rollout.sglang_api import WEIGHT_VERSIONS_KEY
+from megatron_dapo.rollout.sglang_engine import init_weight_update_group
+from megatron_dapo.rollout.transformers_engine import TransformersEngine
+
+DEFAULT = -1
+"""The engine's weight_version before any update of ours (SGLang's "default")."""
+
+
+class Server:
+    def __init__(self, model: str, cap: int, max_running: int) -> None:
+        self.engine = TransformersEngine(model, dtype=torch.float32, device="cpu", max_running=max_running,
+                                         max_context=512)  # fmt: skip
+        self.engine.weight_version = DEFAULT
+        self.cap, self.max_running = cap, max_running
+        self.lock = threading.Lock()  # the engine, between its steps
+        self.paused = False
+        self.group = None
+        self.pending: dict[str, tuple[int, threading.Event, list]] = {}  # rid -> (prefix length, done, [result])
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                busy = not self.paused and self.engine.num_unfinished()
+                finished = self.engine.step() if busy else []
+            for rid, rollout in finished:
+                self._deliver(rid, rollout)
+            if not busy:
+                time.sleep(0.002)
+
+    def _deliver(self, rid: str, rollout: Rollout) -> None:
+        n_prefix, done, slot = self.pending.pop(rid)
+        slot.append((n_prefix, rollout))
+        done.set()
+
+    def generate(self, body: dict) -> list[dict]:
+        waits = []
+        with self.lock:
+            for ids, sp, rid in zip(body["input_ids"], body["sampling_params"], body["rid"], strict=True):
+                n_prefix = self.cap - int(sp["max_new_tokens"])
+                prompt, done_ids = ids[: len(ids) - n_prefix], ids[len(ids) - n_prefix :]
+                prefix = Rollout(prompt, done_ids, [0.0] * n_prefix, FinishReason.ABORT, segments=((0, DEFAULT),))
+                params = SamplingParams(
+                    max_new_tokens=self.cap, temperature=sp["temperature"], top_p=sp["top_p"],
+                    top_k=max(int(sp["top_k"]), 0), stop_token_ids=tuple(sp["stop_token_ids"]),
+                )  # fmt: skip
+                event, slot = threading.Event(), []
+                self.pending[rid] = (n_prefix, event, slot)
+                self.engine.submit([GenerationRequest(rid, prompt, int(sp["sampling_seed"]),
+                                                      prefix if n_prefix else None)], params)  # fmt: skip
+                waits.append((event, slot))
+        outs = []
+        for event, slot in waits:
+            event.wait()
+            n_prefix, rollout = slot[0]
+            outs.append(self._output(rollout, n_prefix))
+        return outs
+
+    @staticmethod
+    def _output(rollout: Rollout, n_prefix: int) -> dict:
+        ids = rollout.response_ids.tolist()[n_prefix:]
+        logps = rollout.engine_logp.tolist()[n_prefix:]
+        ends = [s for s, _ in rollout.segments[1:]] + [len(rollout.response_ids)]
+        spans: list[dict] = []
+        for (start, version), end in zip(rollout.segments, ends, strict=True):
+            start, end = max(start - n_prefix, 0), end - n_prefix
+            if end <= start and spans:
+                continue
+            name = "default" if version == DEFAULT else str(version)
+            if spans and spans[-1]["version"] == name:
+                spans[-1]["end"] = end
+            else:
+                spans.append({"version": name, "start": start, "end": max(end, start)})
+        kind = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}[rollout.finish]
+        reason = {"type": kind, **({"matched": ids[-1]} if kind == "stop" else {})}
+        meta = {"finish_reason": reason, "output_token_logprobs": [[lp, t, None] for lp, t in zip(logps, ids)],
+                WEIGHT_VERSIONS_KEY: spans[-1:] if not ids else spans}  # fmt: skip
+        return {"output_ids": ids, "meta_info": meta}
+
+    def abort_all(self) -> None:
+        with self.lock:
+            aborted = self.engine.abort()
+        for rid, rollout in aborted:
+            self._deliver(rid, rollout)
+
+    def join_group(self, body: dict) -> None:
+        self.group = init_weight_update_group(
+            body["master_address"], int(body["master_port"]), int(body["world_size"]), body["group_name"],
+            rank=int(body["rank_offset"]), backend=body["backend"],
+        )  # fmt: skip
+
+    def update(self, body: dict) -> None:
+        bucket = []
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(t, group_src=0, group=self.group)
+            bucket.append((name, t))
+        with self.lock:
+            self.engine.update_weights(bucket)
+            version = body.get("weight_version")
+            if version is not None and int(version) != self.engine.weight_version:
+                self.engine.weight_version = int(version)
+                print(f"update version={version} paused={self.paused} in_flight={self.engine.num_unfinished()}",
+                      flush=True)  # fmt: skip
+
+
+def make_handler(server: Server) -> type:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def _reply(self, obj, status: int = 200) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            assert self.path == "/get_server_info", self.path
+            self._reply({"internal_states": [{MAX_RUNNING_KEY: server.max_running}]})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            ok = {"success": True, "message": ""}
+            if self.path == "/generate":
+                return self._reply(server.generate(body))
+            if self.path == "/abort_request":
+                server.abort_all()
+                return self._reply(None)
+            if self.path == "/init_weights_update_group":
+                server.join_group(body)
+            elif self.path == "/update_weights_from_distributed":
+                server.update(body)
+            elif self.path == "/begin_weight_update":
+                with server.lock:
+                    server.engine.begin_weight_update()
+            elif self.path == "/end_weight_update":
+                with server.lock:
+                    server.engine.end_weight_update(full=True)
+            elif self.path == "/flush_cache":
+                if not server.paused and server.engine.num_unfinished():
+                    return self._reply({"success": False, "message": "requests are running"}, 400)
+            elif self.path == "/pause_generation":
+                server.paused = True
+            elif self.path == "/continue_generation":
+                server.paused = False
+            else:
+                return self._reply({"error": f"no route {self.path}"}, 404)
+            return self._reply(ok)
+
+    return Handler
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--max-running", type=int, default=16)
+    parser.add_argument("--port-file", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    server = Server(args.model, args.max_new_tokens, args.max_running)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server))
+    Path(args.port_file).write_text(str(httpd.server_address[1]))
+    httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
