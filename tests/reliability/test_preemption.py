@@ -92,8 +92,8 @@ CASES = {
     # here). Plain torchrun's SIGTERM reaches the writer helper in the save case (started by step 1's save, used by
     # step 2's). The generation case leaves the state the log-probs case leaves (step 1's checkpoint, nothing after
     # it), whose resume is checked there.
-    "launch_sigusr1_in_logprobs": (_launch, signal.SIGUSR1, {"SLOW_LOGP": "2:10"}, "log-probs of step 2", 1, True),
-    "torchrun_sigterm_in_a_save": (_torchrun, signal.SIGTERM, {"SLOW_SAVE": "2:10"}, "the save of step 2", 2, True),
+    "launch_sigusr1_in_logprobs": (_launch, signal.SIGUSR1, {"SLOW_LOGP": "2:5"}, "log-probs of step 2", 1, True),
+    "torchrun_sigterm_in_a_save": (_torchrun, signal.SIGTERM, {"SLOW_SAVE": "2:5"}, "the save of step 2", 2, True),
     "launch_sigterm_in_generation": (_launch, signal.SIGTERM, {"SLOW_GEN": "2:4"}, "generation of step 2", 1, False),
 }
 
