@@ -55,9 +55,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
 
 
-# Tests marked early_subprocess(argv): the command starts when collection ends and runs beside the other tests (it
-# waits on the network, not the CPU: pip's resolver in tests/test_gpu_stack.py); the test itself runs last and takes
-# the finished process from the `early_subprocess` fixture.
+# Tests marked early_subprocess(argv): the command starts when collection ends and runs beside the other tests, at the
+# lowest CPU priority (pip's resolver in tests/test_gpu_stack.py: ~2 min on the network, but also ~95 s of CPU, which
+# at normal priority slowed the suite's first minutes on a 2-core machine; niced, it takes the cores' idle moments);
+# the test itself runs last and takes the finished process from the `early_subprocess` fixture.
 _EARLY: dict[str, tuple[subprocess.Popen, IO[str]]] = {}
 
 
@@ -68,7 +69,10 @@ def pytest_collection_finish(session):
     for item in early:
         output = tempfile.TemporaryFile(mode="w+")
         argv = item.get_closest_marker("early_subprocess").args[0]
-        _EARLY[item.nodeid] = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, text=True), output
+        proc = subprocess.Popen(
+            argv, stdout=output, stderr=subprocess.STDOUT, text=True, preexec_fn=lambda: os.nice(19)
+        )
+        _EARLY[item.nodeid] = proc, output
     session.items[:] = [item for item in session.items if item not in early] + early
 
 
