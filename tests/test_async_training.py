@@ -15,13 +15,17 @@ tiny job, the last rank an engine rank (the embedded engine), the others a Megat
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
+from tests.reliability.test_run_faults import _wait_for
 from tests.test_trainer_e2e import ROOT
 from tests.test_trainer_e2e import _metrics
 from tests.test_trainer_e2e import _stable
@@ -32,9 +36,11 @@ SPLIT = ("--rollout.engine_ranks=1", "--actor.tensor_parallel=1", "--trainer.eva
 
 
 def _c10d(
-    tiny, run_dir: Path, *overrides: str, fault: str | None = None, nproc: int = 2
+    tiny, run_dir: Path, *overrides: str, fault: str | None = None, nproc: int = 2, signal_after: str | None = None
 ) -> subprocess.CompletedProcess:
-    """The tiny job on `nproc` ranks under torchrun's c10d rendezvous (as users launch), split by SPLIT."""
+    """The tiny job on `nproc` ranks under torchrun's c10d rendezvous (as users launch), split by SPLIT. With
+    signal_after, SIGTERM goes to torchrun (which forwards it to every worker, as a scheduler's preemption does) once
+    a line containing it is logged; then no process of the job may outlive it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
            "--nnodes=1", f"--nproc-per-node={nproc}", "-m", "tests._hooks_driver", "train",
            "--config", str(ROOT / "examples" / "tiny_cpu.yaml"), f"--actor.model_path={tiny['model']}",
@@ -45,9 +51,24 @@ def _c10d(
     env.pop("MEGATRON_DAPO_FAULT", None)
     if fault:
         env["MEGATRON_DAPO_FAULT"] = fault
-    log = run_dir.with_suffix(f".{fault or 'run'}.log".replace(":", "_"))
+    log = run_dir.with_suffix(f".{fault or ('signal' if signal_after else 'run')}.log".replace(":", "_"))
     with open(log, "w") as out:
-        return subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=300)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        family: list[psutil.Process] = []
+        try:
+            if signal_after is not None:
+                _wait_for(lambda: signal_after in log.read_text(), 240, repr(signal_after))
+                family = psutil.Process(proc.pid).children(recursive=True)
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+                    p.kill()
+    time.sleep(1)
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left running after the job: {[(p.pid, p.cmdline()[:6]) for p in alive]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode)
 
 
 def _log(run_dir: Path, fault: str | None = None) -> str:
@@ -78,13 +99,28 @@ def test_lockstep_split_launch_is_the_colocated_job_and_resumes_after_a_kill(tin
 
 
 @pytest.mark.slow
-def test_generation_runs_ahead_within_the_staleness_bound(tiny, tmp_path):
+def test_generation_runs_ahead_within_the_staleness_bound_and_resumes_after_preemption(tiny, tmp_path):
     # 3 ranks: the actor at TP=2 on ranks 0-1 (megatron's groups over the actor ranks only; both walk each export,
-    # rank 0 pushes it) and the engine on rank 2.
+    # rank 0 pushes it) and the engine on rank 2, which runs up to 2 steps ahead. SIGTERM to torchrun once step 2 is
+    # logged: the engine stops its stream (its steps ahead are dropped), the actor saves at its step boundary, every
+    # process exits; the resumed job regenerates from the saved data position and finishes.
     run = tmp_path / "async"
-    bound = ("--trainer.max_staleness=2", "--algorithm.rollout_correction=tis", "--actor.tensor_parallel=2")
-    proc = _c10d(tiny, run, "--trainer.total_steps=4", *bound, nproc=3)
-    assert proc.returncode == 0, _log(run)[-4000:]
+    bound = ("--trainer.total_steps=4", "--trainer.max_staleness=2", "--algorithm.rollout_correction=tis",
+             "--actor.tensor_parallel=2")  # fmt: skip
+    stopped = _c10d(tiny, run, *bound, nproc=3, signal_after="step 2 |")
+    out = run.with_suffix(".signal.log").read_text()
+    # torchrun exits 1 when signalled; the actor either finishes the update it is in and saves that step, or (before
+    # an update) drops the step and exits on the last save, as the colocated job does.
+    dropped = "a preemption signal came before step 3's update; the step is dropped, the last one saved, exiting"
+    assert stopped.returncode != 0 and (dropped in out or "saving, then exiting" in out), out[-4000:]
+    assert out.count("Traceback") == out.count("SignalException: Process"), out[-4000:]  # none from a worker
+    ckpts = run / "checkpoints"
+    assert not list(ckpts.glob("*.partial")), sorted(p.name for p in ckpts.iterdir())
+    saved = max(int(p.name.split("_")[1]) for p in ckpts.iterdir() if (p / "COMPLETE").exists())
+    assert 2 <= saved < 4, saved
+    resumed = _c10d(tiny, run, *bound, nproc=3)
+    assert resumed.returncode == 0, _log(run)[-4000:]
+    assert f"(step {saved} of 4)" in _log(run)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["train/responses"] > 0 and r["actor/skipped_steps"] == 0 for r in rows)
@@ -94,6 +130,12 @@ def test_generation_runs_ahead_within_the_staleness_bound(tiny, tmp_path):
     assert all(r["rollout/logprob_mismatch_max"] > 1e-3 for r in stale)  # generated by older weights than pi_old
     assert all("rollout_corr/is_weight_mean" in r for r in rows)  # TIS weighs them
     assert max(r["rollout_corr/kl_k3"] for r in stale) > 1e-4
+    # No prompt lost or taken twice: the data position after step 4 is every committed step's sampled prompts (the
+    # steps the engine had generated ahead of the save were dropped and their prompts taken again).
+    state = torch.load(ckpts / "step_00000004" / "trainer_state.pt", weights_only=True)["data"]
+    assert state["epoch"] * state["num_examples"] + state["position"] == sum(
+        r["sampling/prompts_sampled"] for r in rows
+    )
 
 
 @pytest.mark.slow
