@@ -38,6 +38,9 @@ EPS_LOW, EPS_HIGH = 0.2, 0.28
 def _config(hf_dir: str, tp: int, pp: int, **actor: object) -> RunConfig:
     actor_kw = dict(model_path=hf_dir, tensor_parallel=tp, pipeline_parallel=pp, dtype="fp32", lr=1e-3)
     actor_kw.update(logprob_impl="reference", lr_warmup_steps=0, grad_clip=0.0, use_distributed_optimizer=False)
+    # A GPU without Transformer Engine runs these tiny models on the local spec (full attention scores are a few KB
+    # here; the trainer refuses it by default for real lengths). With TE the flag changes nothing; on CPU neither.
+    actor_kw.update(allow_local_spec_on_gpu=True)
     actor_kw.update(actor)
     return RunConfig(
         actor=ActorConfig(**actor_kw),

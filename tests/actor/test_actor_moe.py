@@ -295,7 +295,8 @@ def _gpu_worker(hf_dir: str, batch) -> dict:
     stats = actor._forward_backward(batch)
     exported = {name: t.detach().cpu().clone() for name, t in actor.export_hf_weights()}
     return {"experts": experts, "grouped_gemm": actor.tf_config.moe_grouped_gemm, "logp": logp.cpu(),
-            "ent": ent.cpu(), "loss": stats["loss"], "grads": _hf_named_grads(actor), "exported": exported}  # fmt: skip
+            "ent": ent.cpu(), "loss": stats["loss"], "grads": {k: g.cpu() for k, g in _hf_named_grads(actor).items()},
+            "exported": exported}  # fmt: skip
 
 
 @pytest.mark.gpu
