@@ -95,21 +95,22 @@ class Server:
     def _output(rollout: Rollout, n_prefix: int) -> dict:
         ids = rollout.response_ids.tolist()[n_prefix:]
         logps = rollout.engine_logp.tolist()[n_prefix:]
-        ends = [s for s, _ in rollout.segments[1:]] + [len(rollout.response_ids)]
+        # segments is empty for a request aborted before its first token (no spans, as SGLang sends none of ours)
+        ends = [s for s, _ in rollout.segments[1:]] + ([len(rollout.response_ids)] if rollout.segments else [])
         spans: list[dict] = []
         for (start, version), end in zip(rollout.segments, ends, strict=True):
             start, end = max(start - n_prefix, 0), end - n_prefix
-            if end <= start and spans:
+            if end <= start:  # the carried prefix's own tokens, which are not sent back
                 continue
             name = "default" if version == DEFAULT else str(version)
             if spans and spans[-1]["version"] == name:
                 spans[-1]["end"] = end
             else:
-                spans.append({"version": name, "start": start, "end": max(end, start)})
+                spans.append({"version": name, "start": start, "end": end})
         kind = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}[rollout.finish]
         reason = {"type": kind, **({"matched": ids[-1]} if kind == "stop" else {})}
         meta = {"finish_reason": reason, "output_token_logprobs": [[lp, t, None] for lp, t in zip(logps, ids)],
-                WEIGHT_VERSIONS_KEY: spans[-1:] if not ids else spans}  # fmt: skip
+                WEIGHT_VERSIONS_KEY: spans}  # fmt: skip
         return {"output_ids": ids, "meta_info": meta}
 
     def abort_all(self) -> None:
