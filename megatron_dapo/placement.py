@@ -151,8 +151,7 @@ class WeightChannel:
         and received). Returns {"weight_sync/bytes", "weight_sync/num_buckets", "weight_sync/num_tensors"}."""
         if self.placement.is_engine:
             raise RuntimeError("WeightChannel.push: only actor rank 0 sends weights")
-        if self.version is not None and version <= self.version:
-            raise ValueError(f"WeightChannel.push: version {version} after {self.version}; versions must increase")
+        _check_next_version("WeightChannel.push", version, self.version)
         self.store.set("announced", str(version))
         total = buckets = tensors = 0
         for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
@@ -163,8 +162,7 @@ class WeightChannel:
             total, buckets, tensors = total + payload.numel(), buckets + 1, tensors + len(bucket)
         self._send_header(None, 0)
         self.version = version
-        return {"weight_sync/bytes": float(total), "weight_sync/num_buckets": float(buckets),
-                "weight_sync/num_tensors": float(tensors)}  # fmt: skip
+        return _push_metrics(total, buckets, tensors)
 
     # ----------------------------------------------------------------------------------------------- engine ranks
     def pending(self) -> int | None:
@@ -216,6 +214,17 @@ def load_buckets(engine: Any, version: int, buckets: list[list[tuple[str, torch.
         engine.update_weights(bucket)
     engine.end_weight_update(full=True)
     engine.weight_version = version
+
+
+def _check_next_version(who: str, version: int, last: int | None) -> None:
+    if last is not None and version <= last:
+        raise ValueError(f"{who}: version {version} after {last}; versions must increase")
+
+
+def _push_metrics(total_bytes: int, buckets: int, tensors: int) -> dict[str, float]:
+    """The metrics of one push (WeightChannel's and ServerPush's)."""
+    return {"weight_sync/bytes": float(total_bytes), "weight_sync/num_buckets": float(buckets),
+            "weight_sync/num_tensors": float(tensors)}  # fmt: skip
 
 
 class StagedReceiver:
@@ -293,8 +302,7 @@ class ServerPush:
 
     def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict:
         """As WeightChannel.push: every (hf_name, full tensor) as weight `version`; the same metrics."""
-        if self.version is not None and version <= self.version:
-            raise ValueError(f"ServerPush.push: version {version} after {self.version}; versions must increase")
+        _check_next_version("ServerPush.push", version, self.version)
         total = buckets = tensors = 0
         with self.updater.paused_update(version):
             self.updater.begin_weight_update()
@@ -305,8 +313,7 @@ class ServerPush:
             self.updater.end_weight_update()
         self.store.set("loaded", str(version))
         self.version = version
-        return {"weight_sync/bytes": float(total), "weight_sync/num_buckets": float(buckets),
-                "weight_sync/num_tensors": float(tensors)}  # fmt: skip
+        return _push_metrics(total, buckets, tensors)
 
 
 class ServerVersions:

@@ -386,8 +386,9 @@ class DAPOTrainer:
             self.mailbox.post("stop", True)
 
     def _push_weights(self, version: int) -> dict[str, float]:
-        """Split launch (collective over the actor ranks): every rank walks the actor's export; rank 0 sends it to
-        the engine ranks as `version` (rollout.weight_dtype fp8: quantized as the colocated sync does)."""
+        """Split launch (collective over the actor ranks): every rank walks the actor's export; rank 0 sends it as
+        `version` to the engine ranks (WeightChannel) or to the SGLang servers they drive (ServerPush), the fp8
+        quantization (rollout.weight_dtype) as the colocated sync does it."""
         start, named = time.perf_counter(), self.actor.export_hf_weights()
         if self.channel is None:
             for _ in named:

@@ -578,9 +578,9 @@ class SGLangServerEngine(ServerStream):
         in flight just takes longer; a failed update still continues the servers before it raises."""
         from megatron_dapo.rollout.sglang_api import PAUSE_MODE
 
-        self._post_all("/pause_generation", {"mode": PAUSE_MODE})
-        self._update_version = str(int(version))
-        try:
+        try:  # a pause refused by one server still continues the others
+            self._post_all("/pause_generation", {"mode": PAUSE_MODE})
+            self._update_version = str(int(version))
             yield
         finally:
             self._update_version = None
