@@ -31,6 +31,7 @@ from megatron_dapo.memory import PARTS
 from megatron_dapo.memory import PHASES
 from megatron_dapo.memory import parts_offloaded
 from megatron_dapo.memory import resident_by_phase
+from megatron_dapo.ops import tiling
 
 GiB = float(1 << 30)
 
@@ -443,14 +444,17 @@ def microbatches_per_rank(config: Any, dp: int, mean_seq: float) -> int:
 def lm_head_bytes(m: ModelShape, tp: int, tokens: int, impl: str, train: bool, b: int = 2) -> tuple[float, str]:
     """Extra bytes of the last stage's LM head + log-prob op for one micro-batch of `tokens`.
 
-    fused_linear: the final hidden [T, h] and fp32 stats [3, T]; backward adds d_hidden [T, h] and the LM-head weight
-    gradient [V_pad/tp, h] (b bytes each). Other impls: the logits [T, V_pad/tp] in the compute dtype (the model runs
-    with fp32_output=False) and, in backward, their gradient of the same size, plus the stats."""
+    fused_linear: the final hidden [T, h], fp32 stats [3, T] and the op's tile scratch (ops/tiling.py: one fp32 logits
+    tile, in backward also one tile of d logits and the fp32 d_hidden accumulator); backward adds d_hidden [T, h] and
+    the LM-head weight gradient [V_pad/tp, h] (b bytes each). Other impls: the logits [T, V_pad/tp] in the compute
+    dtype (the model runs with fp32_output=False) and, in backward, their gradient of the same size, plus the stats."""
     v_local = padded_vocab(m.vocab, tp) // tp
     if impl == "fused_linear":
+        tiles = tiling.scratch_bytes(tokens, v_local, m.hidden, b, train)
         if train:
-            return 2 * tokens * m.hidden * b + 12 * tokens + v_local * m.hidden * b, "2*T*h*b + 12*T + V/tp*h*b"
-        return tokens * m.hidden * b + 12 * tokens, "T*h*b + 12*T"
+            total = 2 * tokens * m.hidden * b + 12 * tokens + v_local * m.hidden * b + tiles
+            return total, "2*T*h*b + 12*T + V/tp*h*b + tiles (ops/tiling.py)"
+        return tokens * m.hidden * b + 12 * tokens + tiles, "T*h*b + 12*T + tile (ops/tiling.py)"
     if train:
         return 2 * tokens * v_local * b + 12 * tokens, "2*T*(V/tp)*b + 12*T (logits + grad)"
     return tokens * v_local * b + 12 * tokens, "T*(V/tp)*b + 12*T (logits)"

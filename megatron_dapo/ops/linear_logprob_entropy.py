@@ -1,441 +1,216 @@
-"""Fused LM head + per-token log-prob and entropy (Triton): logits = hidden @ weight.T never exist as [T, V].
+"""Fused LM head + per-token log-prob and entropy: logits = hidden @ weight.T never exist as [T, V].
 
-- Forward: programs own BLOCK_T tokens and stream vocab tiles; each tile's logits come from tl.dot over H in
-  BLOCK_H steps and go straight into the online softmax (_softmax_utils.py). Saved: hidden, weight, labels and
-  [3, T] fp32 (lse, entropy, target logit) -- the same layout as ops/logprob_entropy.py.
-- Backward: two kernels, both recompute logits tiles. d weight: one program per (vocab tile, H tile) loops over all
-  token blocks and writes its own dW tile (deterministic, no atomics). d hidden: one program per (token block,
-  H tile) loops over all vocab tiles. Cost: each recomputes the logits matmul H / BLOCK_HO times, i.e. the
-  backward is about 2 * H / BLOCK_HO forward matmuls -- it trades FLOPs for memory and determinism.
+Design: GEMM tiles plus the log-prob / entropy kernels of ops/logprob_entropy.py over each tile.
+
+- Tiles. The work is cut into [Tc tokens, Vc vocab columns] tiles (ops/tiling.py, `tile_shape`): Tc = all tokens
+  up to TileBudget.max_tokens (more are split evenly), Vc = the largest power of two with Tc * Vc within the
+  budget's elements (the shard's real columns at most). Scratch is one tile, so extra memory is bounded whatever T is.
+- Forward (token chunks outer, vocab tiles inner): z = hidden[c] @ weight[v].T as fp32 (one GEMM: cuBLAS with an
+  fp32 output for bf16/fp16 inputs, `torch.mm(..., out_dtype=torch.float32)`), then the forward kernel of
+  ops/logprob_entropy.py streams z, carrying its online softmax state (m, s, t, target logit: [4, Tc] fp32) from
+  one vocab tile to the next and finalising on the last: the same arithmetic as one pass over the row, whatever the
+  cut. Saved for backward: hidden, weight, labels and [3, T] fp32 global stats (lse, entropy, target logit).
+- Backward (vocab tiles outer, token chunks inner): per tile z once more (GEMM), the backward kernel of
+  ops/logprob_entropy.py turns z and the saved global stats into d logits for both the log-prob and the entropy
+  terms (times 1 / temperature), rounded to the weight's dtype; then d_hidden[c] += dz @ weight[v] into an fp32
+  accumulator (cuBLAS beta = 1, or an fp32 product added where this torch lacks fp32 accumulation of half inputs)
+  and d_weight[v] = dz.T @ hidden[c] (one GEMM over all tokens; with several token chunks into an fp32 [Vc, H]
+  accumulator, rounded once). Each logit tile is computed once: the backward is 3 GEMMs of 2THV (the recompute
+  limit: logits, d hidden, d weight), the forward 1, plus two elementwise passes over fp32 tiles.
+- Deterministic: GEMMs in a fixed order on one stream, kernels that each write their own rows, no atomics; d_hidden
+  sums the vocab tiles in order.
 - Vocab-parallel: weight is this rank's [V_local, H] shard (Megatron rank order), hidden is replicated. Shard stats
   are merged by one all_gather (reference.combine_vocab_shards). The weight gradient is the local shard's; the
   hidden gradient is all-reduced over tp_group inside backward, so it is already the FULL gradient on every rank.
   Do not put the hidden through Megatron's copy_to_tensor_model_parallel_region as well (that would sum twice).
-- Padding: `vocab_size` as in ops/logprob_entropy.py; padded weight rows get a zero gradient.
-- Dots: on CUDA, fp16/bf16 tiles go to tl.dot as they are (fp32 accumulate) and dlogits are rounded to the weight
-  dtype before the gradient dots; fp32 uses input_precision="ieee". The interpreter computes on raw bf16 bits, so
-  there every loaded tile is upcast to fp32 first (UPCAST constexpr).
-- Dispatch (ops/dispatch.py): CUDA or TRITON_INTERPRET=1 -> these kernels; plain CPU ->
+- Padding: `vocab_size` as in ops/logprob_entropy.py; only the shard's real columns are tiled, padded weight rows
+  get a zero gradient.
+- Memory (bf16, extra beyond inputs and their gradients): forward one fp32 tile (forward_elements * 4 B) + 28 B
+  per token; backward one fp32 tile + one weight-dtype tile (backward_elements * (4 + 2) B), the fp32 d_hidden
+  accumulator (T * H * 4 B), and with T > max_tokens an fp32 [Vc, H] d_weight accumulator (tiling.scratch_bytes,
+  which the planner uses). docs/kernels.md has the numbers at the benchmark's shapes.
+- Dispatch (ops/dispatch.py): CUDA or TRITON_INTERPRET=1 -> this path (under the interpreter the GEMMs run in
+  fp32 torch and the kernels in the interpreter, with INTERPRET_BUDGET's small tiles); plain CPU ->
   reference.linear_logprobs_and_entropy_chunked.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 
-from megatron_dapo.ops._softmax_utils import logprob_entropy_dz
-from megatron_dapo.ops._softmax_utils import online_softmax_finalize
-from megatron_dapo.ops._softmax_utils import online_softmax_update
-from megatron_dapo.ops._softmax_utils import target_logit
 from megatron_dapo.ops.dispatch import interpreting
 from megatron_dapo.ops.dispatch import use_triton
+from megatron_dapo.ops.logprob_entropy import logprob_entropy_backward
+from megatron_dapo.ops.logprob_entropy import logprob_entropy_forward
 from megatron_dapo.ops.reference import check_inputs
 from megatron_dapo.ops.reference import combine_vocab_shards
 from megatron_dapo.ops.reference import linear_logprobs_and_entropy_chunked
-from megatron_dapo.ops.reference import merge_stats
 from megatron_dapo.ops.reference import outputs_from_stats
 from megatron_dapo.ops.reference import vocab_shard
-
-# (BLOCK_T, BLOCK_V, BLOCK_H, BLOCK_HO, num_warps) per dtype; tl.dot needs >= 16. Chosen from the sm_90 AOT compile
-# report (tests/ops/test_compile_sm90.py prints registers and stack per kernel; docs/kernels.md has the table): the
-# first release's (64, 128, 64, 128, 8) hit the 255-register cap in all three kernels and spilled (bf16 d_weight
-# 688 B/thread of stack, fp32 up to 2.3 KB). bf16/fp16: BLOCK_V 64 keeps the [64, 64] fp32 logits tile and the
-# [64, 128] accumulator within 230-250 registers without spills while BLOCK_HO stays 128 (the backward recomputes
-# the logits H / BLOCK_HO times). fp32 (ieee dots, no tensor cores) needs BLOCK_HO 32 as well. Untimed: no GPU here.
-GPU_BLOCKS = {
-    torch.bfloat16: (64, 64, 64, 128, 8),
-    torch.float16: (64, 64, 64, 128, 8),
-    torch.float32: (64, 64, 32, 32, 8),
-}
-INTERPRET_BLOCKS = (16, 32, 16, 16, 1)
-INTERPRET_NUM_SMS = 2  # the interpreter has no SMs; 2 makes small test shapes exercise the vocab split
-MIN_TILES_PER_SPLIT = 8  # GPU: a split streams at least 8 vocab tiles, so the [splits, 3, T] merge stays negligible
+from megatron_dapo.ops.tiling import GPU_BUDGET
+from megatron_dapo.ops.tiling import INTERPRET_BUDGET
+from megatron_dapo.ops.tiling import TileBudget
+from megatron_dapo.ops.tiling import chunks
+from megatron_dapo.ops.tiling import tile_shape
 
 
-@triton.jit
-def _logits_tile(
-    h_ptr,
-    w_ptr,
-    rows,
-    cols,
-    row_ok,
-    col_ok,
-    H,
-    stride_h,
-    stride_w,
-    inv_temp,
-    BLOCK_T: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """z = (hidden[rows] @ weight[cols].T) * inv_temp as [BLOCK_T, BLOCK_V] fp32, -inf outside (row_ok, col_ok)."""
-    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
-    h_base = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-    w_base = w_ptr + cols.to(tl.int64)[None, :] * stride_w
-    for k0 in range(0, H, BLOCK_H):
-        ks = k0 + tl.arange(0, BLOCK_H)
-        k_ok = ks < H
-        h = tl.load(h_base + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_V]
-        if UPCAST:
-            h = h.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
-    return tl.where(row_ok[:, None] & col_ok[None, :], acc * inv_temp, float("-inf"))
+def _budget() -> TileBudget:
+    return INTERPRET_BUDGET if interpreting() else GPU_BUDGET
 
 
-@triton.jit
-def _linear_fwd_kernel(
-    h_ptr,
-    w_ptr,
-    labels_ptr,
-    stats_ptr,
-    T,
-    H,
-    n_valid,
-    stride_h,
-    stride_w,
-    class_start,
-    inv_temp,
-    cols_per_split,
-    BLOCK_T: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    # h: [T, H]; w: [V_local, H]; labels [T] int64 global. Program (token block, vocab split) streams the vocab tiles
-    # of columns [split * cols_per_split, min(n_valid, (split + 1) * cols_per_split)) and writes that slice's stats
-    # to stats [num_splits, 3, T] fp32 (lse, entropy, target logit); the host merges the splits like TP shards.
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    split = tl.program_id(1)
-    row_ok = rows < T
-    labels_local = tl.load(labels_ptr + rows, mask=row_ok, other=0) - class_start
-    v_begin = split * cols_per_split
-    v_end = tl.minimum(v_begin + cols_per_split, n_valid)
-    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_T], tl.float32)
-    t = tl.zeros([BLOCK_T], tl.float32)
-    zt = tl.zeros([BLOCK_T], tl.float32)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        z = _logits_tile(
-            h_ptr,
-            w_ptr,
-            rows,
-            cols,
-            row_ok,
-            cols < v_end,
-            H,
-            stride_h,
-            stride_w,
-            inv_temp,
-            BLOCK_T,
-            BLOCK_V,
-            BLOCK_H,
-            UPCAST,
-            DOT_PRECISION,
-        )
-        m, s, t = online_softmax_update(z, m, s, t)
-        zt += target_logit(z, cols, labels_local, v_end)
-    lse, ent = online_softmax_finalize(m, s, t)
-    out = stats_ptr + split * 3 * T
-    tl.store(out + rows, lse, mask=row_ok)
-    tl.store(out + T + rows, ent, mask=row_ok)
-    tl.store(out + 2 * T + rows, zt, mask=row_ok)
+# ---------------------------------------------------------------------------------------------------------------
+# GEMMs: fp32 results from half inputs on CUDA (cuBLAS accumulates in fp32 and writes fp32); fp32 torch elsewhere
+# ---------------------------------------------------------------------------------------------------------------
+def _half_cuda(a: torch.Tensor) -> bool:
+    return a.is_cuda and a.dtype in (torch.float16, torch.bfloat16)
 
 
-@triton.jit
-def _dlogits_tile(
-    h_ptr,
-    w_ptr,
-    labels_ptr,
-    stats_ptr,
-    grad_out_ptr,
-    rows,
-    cols,
-    T,
-    H,
-    n_valid,
-    stride_h,
-    stride_w,
-    class_start,
-    inv_temp,
-    BLOCK_T: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Recomputed d loss / d logits for a [BLOCK_T, BLOCK_V] tile, fp32, exactly 0 outside valid rows/columns."""
-    row_ok = rows < T
-    col_ok = cols < n_valid
-    labels_local = tl.load(labels_ptr + rows, mask=row_ok, other=0) - class_start
-    lse = tl.load(stats_ptr + rows, mask=row_ok, other=0.0)
-    ent = tl.load(stats_ptr + T + rows, mask=row_ok, other=0.0)
-    g_logp = tl.load(grad_out_ptr + rows, mask=row_ok, other=0.0)
-    g_ent = tl.load(grad_out_ptr + T + rows, mask=row_ok, other=0.0)
-    z = _logits_tile(
-        h_ptr,
-        w_ptr,
-        rows,
-        cols,
-        row_ok,
-        col_ok,
-        H,
-        stride_h,
-        stride_w,
-        inv_temp,
-        BLOCK_T,
-        BLOCK_V,
-        BLOCK_H,
-        UPCAST,
-        DOT_PRECISION,
-    )
-    dz = logprob_entropy_dz(z, cols, labels_local, lse, ent, g_logp, g_ent)
-    return tl.where(row_ok[:, None] & col_ok[None, :], dz * inv_temp, 0.0)
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (fp32) = a @ b, products and sums in fp32 (no rounding of the result to a's dtype)."""
+    if _half_cuda(a):
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    return torch.mm(a.float(), b.float(), out=out)
 
 
-@triton.jit
-def _linear_bwd_dweight_kernel(
-    h_ptr,
-    w_ptr,
-    labels_ptr,
-    stats_ptr,
-    grad_out_ptr,
-    dw_ptr,
-    T,
-    H,
-    V_local,
-    n_valid,
-    stride_h,
-    stride_w,
-    stride_dw,
-    class_start,
-    inv_temp,
-    BLOCK_T: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HO: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    # Program (vocab tile, H tile) owns dW[cols, hs]: sum over all tokens of dlogits[:, cols].T @ hidden[:, hs].
-    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-    hs = tl.program_id(1) * BLOCK_HO + tl.arange(0, BLOCK_HO)
-    hs_ok = hs < H
-    acc = tl.zeros([BLOCK_V, BLOCK_HO], tl.float32)
-    for t0 in range(0, T, BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T)
-        dl = _dlogits_tile(
-            h_ptr,
-            w_ptr,
-            labels_ptr,
-            stats_ptr,
-            grad_out_ptr,
-            rows,
-            cols,
-            T,
-            H,
-            n_valid,
-            stride_h,
-            stride_w,
-            class_start,
-            inv_temp,
-            BLOCK_T,
-            BLOCK_V,
-            BLOCK_H,
-            UPCAST,
-            DOT_PRECISION,
-        )
-        h = tl.load(
-            h_ptr + rows.to(tl.int64)[:, None] * stride_h + hs[None, :],
-            mask=(rows < T)[:, None] & hs_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            h = h.to(tl.float32)
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out (a's dtype, contiguous) = a @ b, fp32 accumulation, one rounding."""
+    if a.is_cuda or a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a.float(), b.float()))
+
+
+@functools.cache
+def _fp32_accumulate_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.addmm takes an fp32 accumulator with half inputs here (aten addmm.dtype_out with an fp32
+    `self`: accepted by newer torch releases, refused by some older ones). Probed once per device and dtype."""
+    try:
+        acc = torch.ones(2, 2, device=device)
+        a = torch.ones(2, 2, device=device, dtype=dtype)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool((acc == 3).all())
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32, contiguous) += a @ b with fp32 products; cuBLAS adds into acc in its epilogue where torch allows."""
+    if _half_cuda(a):
+        if _fp32_accumulate_supported(a.device, a.dtype):
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
         else:
-            dl = dl.to(h.dtype)
-        acc = tl.dot(tl.trans(dl), h, acc, input_precision=DOT_PRECISION)
-    out = dw_ptr + cols.to(tl.int64)[:, None] * stride_dw + hs[None, :]
-    tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=(cols < V_local)[:, None] & hs_ok[None, :])
+            acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+    elif a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    else:
+        acc.addmm_(a.float(), b.float())
 
 
-@triton.jit
-def _linear_bwd_dhidden_kernel(
-    h_ptr,
-    w_ptr,
-    labels_ptr,
-    stats_ptr,
-    grad_out_ptr,
-    dh_ptr,
-    T,
-    H,
-    n_valid,
-    stride_h,
-    stride_w,
-    class_start,
-    inv_temp,
-    BLOCK_T: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HO: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    # Program (token block, H tile) owns dh[rows, hs] (fp32 [T, H], contiguous): sum over vocab tiles.
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    hs = tl.program_id(1) * BLOCK_HO + tl.arange(0, BLOCK_HO)
-    hs_ok = hs < H
-    acc = tl.zeros([BLOCK_T, BLOCK_HO], tl.float32)
-    for v0 in range(0, n_valid, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        dl = _dlogits_tile(
-            h_ptr,
-            w_ptr,
-            labels_ptr,
-            stats_ptr,
-            grad_out_ptr,
-            rows,
-            cols,
-            T,
-            H,
-            n_valid,
-            stride_h,
-            stride_w,
-            class_start,
-            inv_temp,
-            BLOCK_T,
-            BLOCK_V,
-            BLOCK_H,
-            UPCAST,
-            DOT_PRECISION,
-        )
-        w = tl.load(
-            w_ptr + cols.to(tl.int64)[:, None] * stride_w + hs[None, :],
-            mask=(cols < n_valid)[:, None] & hs_ok[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            w = w.to(tl.float32)
-        else:
-            dl = dl.to(w.dtype)
-        acc = tl.dot(dl, w, acc, input_precision=DOT_PRECISION)
-    out = dh_ptr + rows.to(tl.int64)[:, None] * H + hs[None, :]
-    tl.store(out, acc, mask=(rows < T)[:, None] & hs_ok[None, :])
+# ---------------------------------------------------------------------------------------------------------------
+# forward and backward
+# ---------------------------------------------------------------------------------------------------------------
+def linear_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    inv_temp: float,
+    class_start: int,
+    n_valid: int,
+    budget: TileBudget | None = None,
+) -> torch.Tensor:
+    """This shard's stats of softmax(hidden @ weight[:n_valid].T * inv_temp), tile by tile.
 
+    Args:
+        hidden: [T, H] (inner stride 1); weight: [V_local, H] (inner stride 1), same dtype; labels: [T] int64 global.
+        inv_temp: 1 / temperature. class_start: global id of weight row 0. n_valid: real rows of this shard.
+        budget: tile sizes (default: the GPU's, or the interpreter's under TRITON_INTERPRET=1).
 
-def _launch_cfg(dtype: torch.dtype) -> tuple[tuple[int, int, int, int, int], bool, str]:
-    blocks = INTERPRET_BLOCKS if interpreting() else GPU_BLOCKS[dtype]
-    upcast = interpreting()
-    precision = "ieee" if (upcast or dtype == torch.float32) else "tf32"
-    return blocks, upcast, precision
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRET_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def num_vocab_splits(num_row_blocks: int, n_tiles: int, num_sms: int, min_tiles: int) -> int:
-    """How many vocab splits the forward grid gets: enough programs for two waves over the SMs, each split keeping
-    at least `min_tiles` vocab tiles (fewer splits when that would leave a split empty).
-
-    Without splitting, the grid is ceil(T / BLOCK_T) programs: 32 of an H100's 132 SMs at T = 2048, BLOCK_T = 64.
+    Returns:
+        [3, T] fp32 shard (lse, entropy, target logit); a shard of padding only gives (-inf, 0, 0).
     """
-    if n_tiles <= 1:
-        return 1
-    want = triton.cdiv(2 * num_sms, max(num_row_blocks, 1))
-    splits = max(1, min(want, n_tiles // max(min_tiles, 1)))
-    return triton.cdiv(n_tiles, triton.cdiv(n_tiles, splits))  # no empty split
-
-
-def linear_forward(hidden, weight, labels, *, inv_temp: float, class_start: int, n_valid: int) -> torch.Tensor:
-    """Launch the forward kernel: hidden [T, H], weight [V_local, H] (inner stride 1), labels [T] -> stats [3, T]."""
-    num_tokens, hdim = hidden.shape
+    budget = budget or _budget()
+    num_tokens = hidden.shape[0]
+    stats = torch.empty((3, num_tokens), dtype=torch.float32, device=hidden.device)
     if num_tokens == 0:
-        return torch.empty((3, 0), dtype=torch.float32, device=hidden.device)
-    (bt, bv, bh, _, warps), upcast, precision = _launch_cfg(hidden.dtype)
-    row_blocks, n_tiles = triton.cdiv(num_tokens, bt), triton.cdiv(n_valid, bv)
-    min_tiles = 1 if interpreting() else MIN_TILES_PER_SPLIT
-    splits = num_vocab_splits(row_blocks, n_tiles, _num_sms(hidden.device), min_tiles)
-    cols_per_split = max(triton.cdiv(n_tiles, splits), 1) * bv
-    stats = torch.empty((splits, 3, num_tokens), dtype=torch.float32, device=hidden.device)
-    _linear_fwd_kernel[(row_blocks, splits)](
-        hidden,
-        weight,
-        labels,
-        stats,
-        num_tokens,
-        hdim,
-        n_valid,
-        hidden.stride(0),
-        weight.stride(0),
-        class_start,
-        inv_temp,
-        cols_per_split,
-        BLOCK_T=bt,
-        BLOCK_V=bv,
-        BLOCK_H=bh,
-        UPCAST=upcast,
-        DOT_PRECISION=precision,
-        num_warps=warps,
-    )
-    return stats[0] if splits == 1 else merge_stats(stats)
+        return stats
+    if n_valid == 0:
+        stats[0], stats[1:] = float("-inf"), 0.0
+        return stats
+    tc, vc = tile_shape(num_tokens, n_valid, budget.forward_elements, budget)
+    z_buf = torch.empty(tc * vc, dtype=torch.float32, device=hidden.device)
+    vocab = chunks(n_valid, vc)
+    for c0, c1 in chunks(num_tokens, tc):
+        state = torch.empty((4, c1 - c0), dtype=torch.float32, device=hidden.device)
+        out = stats if (c0, c1) == (0, num_tokens) else torch.empty_like(state[:3])
+        for i, (v0, v1) in enumerate(vocab):
+            z = _mm_f32(hidden[c0:c1], weight[v0:v1].T, out=z_buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0))
+            logprob_entropy_forward(
+                z, labels[c0:c1], inv_temp=inv_temp, class_start=class_start + v0, n_valid=v1 - v0,
+                state=state, carry_in=i > 0, carry_out=i < len(vocab) - 1, stats=out,
+            )  # fmt: skip
+        if out is not stats:
+            stats[:, c0:c1] = out
+    return stats
 
 
-def linear_backward(hidden, weight, labels, stats, grad_out, *, inv_temp: float, class_start: int, n_valid: int):
-    """Launch both backward kernels -> (d_hidden [T, H] fp32 local partial, d_weight [V_local, H] weight dtype)."""
+def linear_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    stats: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    inv_temp: float,
+    class_start: int,
+    n_valid: int,
+    budget: TileBudget | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of sum(g_logp * logp + g_ent * entropy), each logit tile computed once.
+
+    Args:
+        hidden, weight, labels, inv_temp, class_start, n_valid, budget: as in `linear_forward`.
+        stats: [3, T] fp32 GLOBAL stats (after the vocab-parallel merge).
+        grad_out: [2, T] fp32 (g_logp, g_ent).
+
+    Returns:
+        (d_hidden [T, H] fp32, this shard's partial: sum over tp_group for the full gradient; d_weight [V_local, H]
+        in weight's dtype, zero on padding rows).
+    """
+    budget = budget or _budget()
     num_tokens, hdim = hidden.shape
-    v_local = weight.shape[0]
     d_hidden = torch.zeros((num_tokens, hdim), dtype=torch.float32, device=hidden.device)
-    d_weight = torch.zeros_like(weight)
-    if num_tokens == 0:
-        return d_hidden, d_weight
-    (bt, bv, bh, bho, warps), upcast, precision = _launch_cfg(hidden.dtype)
-    common = dict(BLOCK_T=bt, BLOCK_V=bv, BLOCK_H=bh, BLOCK_HO=bho, UPCAST=upcast, DOT_PRECISION=precision)
-    _linear_bwd_dweight_kernel[(triton.cdiv(v_local, bv), triton.cdiv(hdim, bho))](
-        hidden,
-        weight,
-        labels,
-        stats,
-        grad_out,
-        d_weight,
-        num_tokens,
-        hdim,
-        v_local,
-        n_valid,
-        hidden.stride(0),
-        weight.stride(0),
-        d_weight.stride(0),
-        class_start,
-        inv_temp,
-        num_warps=warps,
-        **common,
-    )
-    if n_valid > 0:
-        _linear_bwd_dhidden_kernel[(triton.cdiv(num_tokens, bt), triton.cdiv(hdim, bho))](
-            hidden,
-            weight,
-            labels,
-            stats,
-            grad_out,
-            d_hidden,
-            num_tokens,
-            hdim,
-            n_valid,
-            hidden.stride(0),
-            weight.stride(0),
-            class_start,
-            inv_temp,
-            num_warps=warps,
-            **common,
-        )
+    d_weight = torch.empty_like(weight)
+    d_weight[n_valid:].zero_()
+    if num_tokens == 0 or n_valid == 0:
+        return d_hidden, d_weight.zero_()
+    tc, vc = tile_shape(num_tokens, n_valid, budget.backward_elements, budget)
+    token_chunks = chunks(num_tokens, tc)
+    # The kernel reads [3, Tc] stats and [2, Tc] upstream grads contiguous: one copy per token chunk, made once.
+    rows = [(c0, c1, stats[:, c0:c1].contiguous(), grad_out[:, c0:c1].contiguous()) for c0, c1 in token_chunks]
+    z_buf = torch.empty(tc * vc, dtype=torch.float32, device=hidden.device)
+    dw_acc = torch.empty((vc, hdim), dtype=torch.float32, device=hidden.device) if len(rows) > 1 else None
+    for v0, v1 in chunks(n_valid, vc):
+        w_v = weight[v0:v1]
+        if dw_acc is not None:
+            dw_acc.zero_()
+        for c0, c1, st, g in rows:
+            z = _mm_f32(hidden[c0:c1], w_v.T, out=z_buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0))
+            dz = logprob_entropy_backward(
+                z, labels[c0:c1], st, g, inv_temp=inv_temp, class_start=class_start + v0, n_valid=v1 - v0,
+                out_dtype=weight.dtype,
+            )  # fmt: skip
+            _addmm_f32_(d_hidden[c0:c1], dz, w_v)
+            if dw_acc is None:
+                _mm_into(dz.T, hidden[c0:c1], out=d_weight[v0:v1])
+            else:
+                _addmm_f32_(dw_acc[: v1 - v0], dz.T, hidden[c0:c1])
+            del dz
+        if dw_acc is not None:
+            d_weight[v0:v1] = dw_acc[: v1 - v0]
     return d_hidden, d_weight
 
 

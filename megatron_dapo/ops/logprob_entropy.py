@@ -54,6 +54,7 @@ def _logprob_entropy_fwd_kernel(
     logits_ptr,  # [T, V_local], row stride stride_t, column stride 1, any float dtype
     labels_ptr,  # [T] int64 global ids
     stats_ptr,  # [3, T] fp32 out: shard lse, shard entropy, target logit (0 if the label is on another shard)
+    state_ptr,  # [4, T] fp32 online state (m, s, t, target logit) carried across launches; unused unless CARRY_*
     T,
     n_valid,  # leading local columns that are real tokens; the rest is padding and never read
     stride_t,
@@ -61,15 +62,26 @@ def _logprob_entropy_fwd_kernel(
     inv_temp,
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    CARRY_IN: tl.constexpr,  # continue from the state a previous launch stored (columns left of these)
+    CARRY_OUT: tl.constexpr,  # store the state for a later launch instead of finalising into stats
 ):
+    # With CARRY_IN / CARRY_OUT a row's vocabulary can be streamed over several launches (the fused LM head's
+    # vocab tiles, ops/linear_logprob_entropy.py): the same online softmax as one long pass, so the result does not
+    # depend on how the columns were cut.
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     labels_local = tl.load(labels_ptr + rows, mask=row_ok, other=0) - class_start
     row_base = logits_ptr + rows.to(tl.int64)[:, None] * stride_t
-    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_T], tl.float32)
-    t = tl.zeros([BLOCK_T], tl.float32)
-    zt = tl.zeros([BLOCK_T], tl.float32)
+    if CARRY_IN:
+        m = tl.load(state_ptr + rows, mask=row_ok, other=float("-inf"))
+        s = tl.load(state_ptr + T + rows, mask=row_ok, other=0.0)
+        t = tl.load(state_ptr + 2 * T + rows, mask=row_ok, other=0.0)
+        zt = tl.load(state_ptr + 3 * T + rows, mask=row_ok, other=0.0)
+    else:
+        m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK_T], tl.float32)
+        t = tl.zeros([BLOCK_T], tl.float32)
+        zt = tl.zeros([BLOCK_T], tl.float32)
     for v0 in range(0, n_valid, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         mask = row_ok[:, None] & (cols < n_valid)[None, :]
@@ -77,10 +89,16 @@ def _logprob_entropy_fwd_kernel(
         z = tl.load(row_base + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
         m, s, t = online_softmax_update(z, m, s, t)
         zt += target_logit(z, cols, labels_local, n_valid)
-    lse, ent = online_softmax_finalize(m, s, t)
-    tl.store(stats_ptr + rows, lse, mask=row_ok)
-    tl.store(stats_ptr + T + rows, ent, mask=row_ok)
-    tl.store(stats_ptr + 2 * T + rows, zt, mask=row_ok)
+    if CARRY_OUT:
+        tl.store(state_ptr + rows, m, mask=row_ok)
+        tl.store(state_ptr + T + rows, s, mask=row_ok)
+        tl.store(state_ptr + 2 * T + rows, t, mask=row_ok)
+        tl.store(state_ptr + 3 * T + rows, zt, mask=row_ok)
+    else:
+        lse, ent = online_softmax_finalize(m, s, t)
+        tl.store(stats_ptr + rows, lse, mask=row_ok)
+        tl.store(stats_ptr + T + rows, ent, mask=row_ok)
+        tl.store(stats_ptr + 2 * T + rows, zt, mask=row_ok)
 
 
 @triton.jit
@@ -119,22 +137,43 @@ def _logprob_entropy_bwd_kernel(
     tl.store(grad_in_ptr + rows64 * stride_gt + cols[None, :], dx.to(grad_in_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _block_v(fwd: bool) -> int:
+def _block_v(fwd: bool, width: int | None = None) -> int:
+    """Vocab tile of the forward or backward kernel; with `width` (the columns a launch covers) at most its next
+    power of two, so a narrow launch (the fused LM head's vocab tiles) does not run mostly masked lanes."""
     fwd_block, bwd_block = INTERPRET_BLOCKS if interpreting() else GPU_BLOCKS
-    return fwd_block if fwd else bwd_block
+    block = fwd_block if fwd else bwd_block
+    return block if width is None else min(block, triton.next_power_of_2(max(width, 1)))
 
 
 def logprob_entropy_forward(
-    logits: torch.Tensor, labels: torch.Tensor, *, inv_temp: float, class_start: int, n_valid: int
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    inv_temp: float,
+    class_start: int,
+    n_valid: int,
+    state: torch.Tensor | None = None,
+    carry_in: bool = False,
+    carry_out: bool = False,
+    stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the forward kernel. logits [T, V_local] (stride(1) == 1), labels [T] int64 -> shard stats [3, T] fp32."""
+    """Launch the forward kernel. logits [T, V_local] (stride(1) == 1), labels [T] int64 -> shard stats [3, T] fp32.
+
+    A row's columns may be streamed over several launches: `state` [4, T] fp32 carries the online softmax from one
+    launch (carry_out=True, columns left of the next) to the next (carry_in=True); the last launch finalises into
+    `stats` ([3, T] fp32, contiguous; allocated when None). class_start is the global id of this launch's column 0.
+    """
     num_tokens = logits.shape[0]
-    stats = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device)
+    if stats is None:
+        stats = torch.empty((3, num_tokens), dtype=torch.float32, device=logits.device)
     if num_tokens == 0:
         return stats
+    if (carry_in or carry_out) and (state is None or state.shape != (4, num_tokens) or not state.is_contiguous()):
+        raise ValueError(f"logprob_entropy_forward: carrying needs a contiguous [4, {num_tokens}] fp32 state")
     _logprob_entropy_fwd_kernel[(num_tokens,)](
-        logits, labels, stats, num_tokens, n_valid, logits.stride(0), class_start, inv_temp,
-        BLOCK_T=1, BLOCK_V=_block_v(True), num_warps=NUM_WARPS,
+        logits, labels, stats, stats if state is None else state, num_tokens, n_valid, logits.stride(0), class_start,
+        inv_temp, BLOCK_T=1, BLOCK_V=_block_v(True, logits.shape[1]), CARRY_IN=carry_in, CARRY_OUT=carry_out,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return stats
 
@@ -148,13 +187,15 @@ def logprob_entropy_backward(
     inv_temp: float,
     class_start: int,
     n_valid: int,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Launch the backward kernel. stats [3, T] global, grad_out [2, T] fp32 -> d logits [T, V_local] (logits dtype)."""
+    """Launch the backward kernel. stats [3, T] global, grad_out [2, T] fp32 (both contiguous) -> d logits
+    [T, V_local] in out_dtype (default: the logits' dtype)."""
     num_tokens, v_local = logits.shape
-    grad = torch.empty((num_tokens, v_local), dtype=logits.dtype, device=logits.device)
+    grad = torch.empty((num_tokens, v_local), dtype=out_dtype or logits.dtype, device=logits.device)
     if num_tokens == 0:
         return grad
-    block_v = _block_v(False)
+    block_v = _block_v(False, v_local)
     grid = (num_tokens, triton.cdiv(v_local, block_v))
     _logprob_entropy_bwd_kernel[grid](
         logits, labels, stats, grad_out, grad, num_tokens, v_local, n_valid, logits.stride(0), grad.stride(0),

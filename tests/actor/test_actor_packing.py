@@ -25,12 +25,6 @@ from tests.actor.test_actor import _hf_named_grads
 
 LAYOUTS = ((2, 1), (1, 2), (1, 1))  # on 2 ranks: TP=2, PP=2, DP=2
 BUDGETS = (0, 24)  # 0: trainer.micro_batch_size (4) rows per micro-batch; 24 tokens: the 50-token row alone
-PACKING_BLOCKS = (16, 64, 64, 32, 1)
-"""The fused LM-head kernels' interpreter tiles in this test (BLOCK_T, BLOCK_V, BLOCK_H, BLOCK_HO, warps): the
-logits' H reduction in one tile, still several tiles along tokens, vocab (200, or 100 a rank at TP=2: full and
-masked tiles) and the backward's H outputs. The kernels' tile edges and multi-tile reductions are swept in tests/ops
-(test_linear_logprob_entropy.py, test_vocab_parallel_all_ids.py); here what matters is the packing around them, and
-the interpreter's time was most of this test's (66 s alone with the default tiles, 24 s with these)."""
 
 
 def _budgets(layout: tuple[int, int]) -> tuple[int, ...]:
@@ -85,9 +79,7 @@ def _worker(ckpts: dict[str, str], batch, layouts=LAYOUTS) -> list[dict]:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.distributed import init_distributed
     from megatron_dapo.actor.loss import get_logprob_impl
-    from megatron_dapo.ops import linear_logprob_entropy
 
-    linear_logprob_entropy.INTERPRET_BLOCKS = PACKING_BLOCKS  # this rank's process only
     out = []
     for tp, pp in layouts:
         groups = init_distributed(tp, pp)

@@ -20,7 +20,6 @@ from tests.actor._tiny_models import VOCAB
 from tests.actor._tiny_models import tiny_checkpoints
 from tests.actor.test_actor import _config
 from tests.actor.test_actor import _hf_named_grads
-from tests.actor.test_actor_packing import PACKING_BLOCKS
 
 LAYOUTS = {(1, 2): ("llama", "qwen2"), (1, 1): ("llama",)}  # on 2 ranks: PP=2, DP=2 -> models run there
 ARMS = {"packed": (False, 0), "shared": (True, 0), "shared/8": (True, 8)}  # (shared_prefix, max_tokens)
@@ -58,9 +57,7 @@ def _worker(ckpts: dict[str, str], batch) -> list[dict]:
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.distributed import init_distributed
     from megatron_dapo.actor.loss import get_logprob_impl
-    from megatron_dapo.ops import linear_logprob_entropy
 
-    linear_logprob_entropy.INTERPRET_BLOCKS = PACKING_BLOCKS  # as the packing test: this rank's process only
     out = []
     for (tp, pp), names in LAYOUTS.items():
         groups = init_distributed(tp, pp)

@@ -4,7 +4,7 @@ then read each cubin's resource usage (registers, stack = spill space, shared me
 The interpreter (TRITON_INTERPRET=1, set by conftest) replaces @triton.jit functions, so the compile runs in a
 child process with the interpreter off. Catches what the interpreter never checks: tl.dot shape/dtype rules,
 constexpr typing, layouts, a shared-memory budget above the sm_90 limit, and register spills (a kernel at the
-255-register cap spills to local memory; issue 9 found the first fused-linear tiles spilling 360-2280 B/thread).
+255-register cap spills to local memory; issue 9 found the first fused-linear kernels spilling 360-2280 B/thread).
 
 Run directly (python tests/ops/test_compile_sm90.py) to print the per-kernel report as a markdown table.
 """
@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90
 MAX_REGISTERS = 255  # per thread on sm_90
 F32_POINTERS = (
-    "stats_ptr", "grad_out_ptr", "dh_ptr", "partial_ptr", "inv_denom_ptr", "old_ptr", "adv_ptr", "seq_lr_ptr", "out_ptr"
+    "stats_ptr", "state_ptr", "grad_out_ptr", "dh_ptr", "partial_ptr", "inv_denom_ptr", "old_ptr", "adv_ptr",
+    "seq_lr_ptr", "out_ptr",
 )  # fmt: skip
 I64_POINTERS = ("labels_ptr",)
 I32_POINTERS = ("seq_id_ptr", "starts_ptr")
@@ -53,24 +54,28 @@ def _signature(fn, data_dtype: str, overrides: dict | None = None) -> dict[str, 
 
 def _jobs() -> list[tuple]:
     """(kernel, data dtype, constexprs, num_warps, signature overrides) for every launch configuration we ship."""
-    import torch
-
-    from megatron_dapo.ops import linear_logprob_entropy as lle
     from megatron_dapo.ops import logprob_entropy as le
     from megatron_dapo.ops import pg_loss as pg
+    from megatron_dapo.ops import tiling
 
     jobs = []
-    torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     fwd_bv, bwd_bv = le.GPU_BLOCKS
-    for dt in ("bf16", "fp16", "fp32"):
-        jobs.append((le._logprob_entropy_fwd_kernel, dt, {"BLOCK_T": 1, "BLOCK_V": fwd_bv}, le.NUM_WARPS, {}))
+    no_carry = {"CARRY_IN": False, "CARRY_OUT": False}
+    for dt in ("bf16", "fp16", "fp32"):  # logprobs_and_entropy over logits of each dtype
+        consts = {"BLOCK_T": 1, "BLOCK_V": fwd_bv, **no_carry}
+        jobs.append((le._logprob_entropy_fwd_kernel, dt, consts, le.NUM_WARPS, {}))
         jobs.append((le._logprob_entropy_bwd_kernel, dt, {"BLOCK_T": 1, "BLOCK_V": bwd_bv}, le.NUM_WARPS, {}))
-        bt, bv, bh, bho, warps = lle.GPU_BLOCKS[torch_dtypes[dt]]
-        lin = {"BLOCK_T": bt, "BLOCK_V": bv, "BLOCK_H": bh, "UPCAST": False}
-        lin["DOT_PRECISION"] = "ieee" if dt == "fp32" else "tf32"
-        jobs.append((lle._linear_fwd_kernel, dt, lin, warps, {}))
-        jobs.append((lle._linear_bwd_dweight_kernel, dt, {**lin, "BLOCK_HO": bho}, warps, {}))
-        jobs.append((lle._linear_bwd_dhidden_kernel, dt, {**lin, "BLOCK_HO": bho}, warps, {}))
+    # The fused LM head's tiles: fp32 logits from the GEMM, the forward's online state carried across vocab tiles,
+    # d logits written in the weight dtype; vocab blocks as wide as the GPU budget's tiles at T = 4096.
+    budget = tiling.GPU_BUDGET
+    _, fwd_vc = tiling.tile_shape(budget.max_tokens, 1 << 30, budget.forward_elements, budget)
+    _, bwd_vc = tiling.tile_shape(budget.max_tokens, 1 << 30, budget.backward_elements, budget)
+    for carry_in, carry_out in ((False, True), (True, True), (True, False)):
+        consts = {"BLOCK_T": 1, "BLOCK_V": min(fwd_bv, fwd_vc), "CARRY_IN": carry_in, "CARRY_OUT": carry_out}
+        jobs.append((le._logprob_entropy_fwd_kernel, "fp32", consts, le.NUM_WARPS, {}))
+    for dt in ("bf16", "fp16"):
+        consts = {"BLOCK_T": 1, "BLOCK_V": min(bwd_bv, bwd_vc)}
+        jobs.append((le._logprob_entropy_bwd_kernel, "fp32", consts, le.NUM_WARPS, {"grad_in_ptr": f"*{dt}"}))
     clip, gspo, cispo = (pg.KIND_CODES[k] for k in ("clip", "gspo", "cispo"))
     for dt in ("bf16", "fp32"):  # logp dtype; old_logp/adv fp32; mask uint8 (bool) or fp32 (weights)
         # (ADV_PER_TOKEN, DUAL_CLIP, KIND, PACKED, mask pointer)
@@ -115,8 +120,7 @@ def _compile_all() -> list[dict]:
             {
                 "kernel": fn.__name__,
                 "dtype": dt,
-                "config": {k: v for k, v in constexprs.items() if k not in ("UPCAST", "DOT_PRECISION")}
-                | {"warps": num_warps, **{k: v for k, v in overrides.items() if k == "mask_ptr"}},
+                "config": constexprs | {"warps": num_warps, **overrides},
                 "registers": usage["REG"],
                 "stack": usage["STACK"],
                 "local": usage.get("LOCAL", 0),
@@ -134,8 +138,9 @@ def test_kernels_compile_for_sm90_without_spills():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 3 * 5 + 2 * (5 * 2 + 1)
-    assert {r["kernel"] for r in report} >= {"_pg_loss_fwd_kernel", "_pg_loss_bwd_kernel", "_linear_fwd_kernel"}
+    assert len(report) == 3 * 2 + 3 + 2 + 2 * (5 * 2 + 1)
+    kernels = {r["kernel"] for r in report}
+    assert kernels >= {"_pg_loss_fwd_kernel", "_pg_loss_bwd_kernel", "_logprob_entropy_fwd_kernel"}
     for row in report:
         assert row["cubin_bytes"] > 0, row
         assert row["shared"] <= SM90_MAX_SHARED, row

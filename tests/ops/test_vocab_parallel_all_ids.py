@@ -34,15 +34,19 @@ def _pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def _use_tiles(module, tiles: str) -> None:
-    """Run the interpreter with the interpreter tiles or the GPU tiles of `module` (this process only)."""
-    gpu = module.GPU_BLOCKS[torch.bfloat16] if isinstance(module.GPU_BLOCKS, dict) else module.GPU_BLOCKS
-    module.INTERPRET_BLOCKS = gpu if tiles == "gpu_tiles" else module._INTERPRET_DEFAULT
+_INTERPRET_DEFAULTS = (le.INTERPRET_BLOCKS, lle.INTERPRET_BUDGET)
+
+
+def _use_tiles(tiles: str) -> None:
+    """Run the interpreter with the interpreter tiles or the GPU tiles (this process only): the log-prob kernels'
+    vocab blocks and the fused LM head's tile budget (whose kernels are the log-prob kernels)."""
+    gpu = tiles == "gpu_tiles"
+    le.INTERPRET_BLOCKS = le.GPU_BLOCKS if gpu else _INTERPRET_DEFAULTS[0]
+    lle.INTERPRET_BUDGET = lle.GPU_BUDGET if gpu else _INTERPRET_DEFAULTS[1]
 
 
 def _logprob_worker(rank, world, group, path):
     torch.manual_seed(3)
-    le._INTERPRET_DEFAULT = le.INTERPRET_BLOCKS
     for v_local, vocab_size in CASES:
         x = torch.randn(vocab_size, world * v_local) * 4
         labels = torch.arange(vocab_size)
@@ -54,7 +58,7 @@ def _logprob_worker(rank, world, group, path):
         if path == "chunked":
             fn = logprobs_and_entropy_chunked
         else:
-            _use_tiles(le, path)
+            _use_tiles(path)
             fn = le.logprobs_and_entropy
         local = shard(x, rank, world, 1).clone().requires_grad_()
         logp, ent = fn(local, labels, temperature=0.9, tp_group=group, vocab_size=vocab_size)
@@ -69,7 +73,6 @@ def _logprob_worker(rank, world, group, path):
 
 def _linear_worker(rank, world, group, path):
     torch.manual_seed(4)
-    lle._INTERPRET_DEFAULT = lle.INTERPRET_BLOCKS
     for v_local, vocab_size in CASES:
         hdim = 24
         hidden = torch.randn(vocab_size, hdim)
@@ -84,7 +87,7 @@ def _linear_worker(rank, world, group, path):
         if path == "chunked":
             fn = linear_logprobs_and_entropy_chunked
         else:
-            _use_tiles(lle, path)
+            _use_tiles(path)
             fn = lle.linear_logprobs_and_entropy
         h = hidden.clone().requires_grad_()
         w = shard(weight, rank, world, 0).clone().requires_grad_()
