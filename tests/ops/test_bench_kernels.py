@@ -63,3 +63,50 @@ def test_shapes_come_from_named_configs_and_bad_provider_is_refused():
         bench.parse_args(["--device", "cpu", "--providers", "nope"])
     assert bench.traffic_bytes("logprob_entropy", "forward", bench.MODEL_CONFIGS["tiny"]) == 64 * 512 * 4 + 24 * 64
     assert bench.matmul_flops("linear_logprob_entropy", "full", bench.MODEL_CONFIGS["tiny"]) == 6 * 64 * 64 * 512
+
+
+def test_target_report_from_synthetic_rows():
+    """Issue 36's targets read from one run's rows: ratios to Liger's FLCE, torch.compile and the recompute limit
+    (4 x 2THV at the run's measured GEMM rate), memory, the 7B shape's absolute times, bandwidth shares, twins."""
+    bench = _load_module()
+
+    def row(op, provider, mode, config="qwen2.5-7b", **kw):
+        return dict(dict.fromkeys(bench.COLUMNS, ""), op=op, provider=provider, mode=mode, config=config, **kw)
+
+    lin, lp = "linear_logprob_entropy", "logprob_entropy"
+    rows = [
+        dict(dict.fromkeys(bench.COLUMNS, ""), op="device_matmul", provider="torch", tflops=790.0),
+        row(lin, "ours", "full", ms_median=27.0, peak_extra_mb=1170.0),
+        row(lin, "ours", "forward", ms_median=9.5, peak_extra_mb=16.1),
+        row(lin, "liger_flce", "full", ms_median=47.3, peak_extra_mb=1126.0),
+        row(lin, "torch_compile", "full", ms_median=24.0, peak_extra_mb=7300.0),
+        row(lp, "ours", "forward", ms_median=1.0, bw_share=0.80),
+        row(lp, "ours", "backward", ms_median=1.0, bw_share=0.90),
+        row(lp, "cuda_twin", "backward", ms_median=1.2),
+    ]
+    report = "\n".join(bench.target_report(rows))
+    # recompute limit: 8 x 4096 x 3584 x 152064 / 790e12 = 22.6 ms -> 27 / 22.6 = 1.19
+    assert "fwd+bwd ours / liger_flce 0.57 (target <= 0.63): met" in report
+    assert "fwd+bwd ours / torch_compile 1.12 (target <= 1.25): met" in report
+    assert "recompute limit 22.6 ms = 1.19 (target <= 1.3): met" in report
+    assert "fwd+bwd peak extra 1.143 GiB (target <= 1.2): met" in report
+    assert "fwd+bwd 27.0 ms (target <= 30.0): met" in report
+    assert "forward peak extra 16.1 MiB (target <= 16.0): MISSED" in report
+    assert "forward 9.5 ms (target <= 9.0): MISSED" in report
+    assert "forward at 0.80 of the copy bandwidth (target >= 0.85): MISSED" in report
+    assert "backward at 0.90 of the copy bandwidth (target >= 0.85): met" in report
+    assert "CUDA twin / Triton backward 1.20 (target <= 1.25): met" in report
+
+
+def test_tile_budget_arguments():
+    bench = _load_module()
+    assert bench.parse_tile_budget("4M/8M") == (4 << 20, 8 << 20)
+    assert bench.parse_tile_budget("512k/1048576") == (512 << 10, 1 << 20)
+    for bad in ("4M", "x/8M", "0/1M", ""):
+        with pytest.raises(Exception, match="FORWARD/BACKWARD"):
+            bench.parse_tile_budget(bad)
+    args = bench.parse_args(["--device", "cpu", "--tile-budgets", "2M/8M", "4M/16M"])
+    assert args.tile_budgets == ["2M/8M", "4M/16M"]
+    assert bench._applicable("linear_logprob_entropy", "ours@2M/8M", "cuda")
+    assert not bench._applicable("linear_logprob_entropy", "ours@2M/8M", "cpu")
+    assert bench.MODEL_CONFIGS["qwen2.5-7b-tp4"].vocab == 152064 // 4 and "qwen2.5-7b-tp4" in bench.GPU_CONFIGS

@@ -1,133 +1,140 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a lent H200 (device README: python3 there already holds CUDA torch and Triton; nothing
-# can be downloaded, so nothing is pip-installed from a registry and torch is never replaced).
+# All GPU evidence in one command, within 10 minutes on one H200 (issue 36 item 4). Nothing is installed from a
+# registry and torch is never replaced: python3 there already holds CUDA torch and Triton; megatron-core and Liger
+# come as carried wheels in .whl/ (pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl
+# megatron-core==0.16.1 liger-kernel==0.8.5; the device README has the full command).
 #
-# Phases, each under its own timeout, ~10 minutes for 1-5 (the smoke adds up to 7: under the 10-minute limit of one
-# device command run it apart with ONLY=sglang_smoke); a failing phase does not stop the later ones:
-#   1. environment report                       (nvidia-smi, python3 / torch / triton versions; pins.txt: the
-#                                                 installed versions beside requirements/gpu.lock's)
-#   2. optional wheels carried in .whl/          (e.g. liger_kernel-*.whl, installed --no-deps into /tmp/site)
-#   3. build the CUDA C++ twins                  (python3 csrc/build.py --arch 90)
-#   4. pytest -m gpu tests/ops tests/algorithms (TRITON_INTERPRET=0: compiled kernels on the GPU, IS weights too)
-#   4b. pytest -m gpu tests/actor                (the actor on the GPU: packed THD on Transformer Engine's attention
-#                                                 or the varlen submodule, fused LM head and fused loss vs the padded
-#                                                 reference; the MoE actors with grouped-GEMM experts (TEGroupedMLP
-#                                                 with TE) vs transformers fp64 and their export; needs
-#                                                 megatron-core: carry its wheel in .whl/, e.g.
-#                                                 pip download --no-deps -d .whl the lock's megatron-core pin)
-#   5. python3 tools/bench/logprob_kernels.py --device cuda
-#   6. colocated-SGLang smoke                   (phase_sglang_smoke: tools/gpu/sglang_smoke.py under torchrun, 1 GPU: a
-#                                                 tiny model trains 2 steps with SGLang in-process through the memory
-#                                                 choreography, actor offload "all", a checkpoint and the final export;
-#                                                 the device memory after every choreography action is recorded.
-#                                                 Skipped (not run), with the reason in sglang_smoke.log, when sglang or
-#                                                 megatron-core does not import there: nothing comes from a registry)
-#   7. FP8 sync into colocated SGLang            (phase_sglang_fp8: the same smoke rerun with rollout.weight_dtype=fp8
-#                                                 and algorithm.rollout_correction=tis: SGLang serves block-FP8 linear
-#                                                 layers and takes <name> + <name>_scale_inv every step. Skipped (not
-#                                                 run) like phase 6. Output: $OUT/sglang_fp8/, sglang_fp8.log)
-# Everything useful lands in $OUT: env.txt, build.log, pytest_gpu.log, pytest_gpu.xml, pytest_gpu_actor.log,
-# pytest_gpu_actor.xml, bench.log, bench_kernels.csv, sglang_smoke.log, sglang_smoke_{memory,metrics}.jsonl,
-# sglang_smoke_summary.json.
-#
-# Run from the repository root, e.g. through the device tool:
-#   bash tools/gpu/device_check.sh          (with carry [".whl"] if Liger's wheel was downloaded there)
-# Afterwards, append $OUT/bench_kernels.csv's rows to results/bench_kernels.csv and fill the GPU part of
-# docs/benchmarks.md ("Kernels" section).
-# Knobs: BENCH_CONFIGS (default: the four GPU model shapes), BENCH_TIMEOUT, PYTEST_TIMEOUT, SGLANG_SMOKE_TIMEOUT,
-# SGLANG_FP8_TIMEOUT; ONLY=sglang_smoke runs phases 1, 2 and 6 alone, ONLY=sglang_fp8 phases 1, 2 and 7 (each smoke
-# takes up to 7 minutes: under the 10-minute limit of one device command, run them apart).
-set -x
+# Phases, in order of value, each under its own timeout and all under one deadline (DEADLINE_S, default 540 s, so
+# the whole run ends inside a 600 s device call; a phase that would start with under 20 s left is skipped and says
+# so). A failing phase does not stop the later ones.
+#   1. environment                env.txt (nvidia-smi, versions) and pins.txt (installed vs requirements/gpu.lock)
+#   2. carried wheels             .whl/*.whl installed --no-deps into /tmp/site
+#   3. CUDA C++ twins             python3 csrc/build.py --arch 90 (the cuda_twin provider and tests need them)
+#   4. kernel tests               pytest -m gpu tests/ops tests/algorithms (compiled kernels and twins vs fp64)
+#   5. kernel benchmark           tools/bench/logprob_kernels.py: BENCH_CONFIGS (the 7B shape, its TP=4 shard,
+#                                 Llama-3-8B, Qwen2.5-32B), every provider (Liger's when its wheel is carried), then
+#                                 the fused LM head's tile sweep at the 7B shape (TILE_BUDGETS); issue 36's target
+#                                 lines at the end of bench.log
+#   6. actor step                 tools/bench/actor_step_gpu.py (ACTOR_MODELS; every logprob_impl and transformers)
+#   7. actor tests                pytest -m gpu tests/actor (needs megatron-core)
+#   8. SGLang smokes              only with ONLY=sglang_smoke / ONLY=sglang_fp8 (7 min each; SGLang must import)
+# Output: $OUT (default results/gpu/device_check) holds at most 8 files, the device tool's limit: bench_kernels.csv,
+# bench.log, actor_step_gpu.json, actor_step_gpu.md, pytest_gpu.log, pytest_gpu_actor.log, summary.txt (each phase's
+# status and seconds, the target lines) and logs.tar.gz (every log, junit xml and env file).
+# Afterwards, here: python tools/gpu/collect_device_check.py <the folder> (rows into results/bench_kernels.csv, the
+# actor step and logs into results/gpu/, the target lines printed), then fill docs/benchmarks.md "Kernels / GPU".
+# Knobs: DEADLINE_S, BENCH_CONFIGS, TILE_BUDGETS, ACTOR_MODELS, ONLY, PYTHON.
 set -o pipefail
 
-OUT="${OUT:-$PWD/results/tmp/device_check}"
-mkdir -p "$OUT"
+OUT="${OUT:-$PWD/results/gpu/device_check}"
+WORK="${WORK:-/tmp/device_check}"
+mkdir -p "$OUT" "$WORK"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/mdapo_inductor}"
 PY="${PYTHON:-python3}"
-BENCH_CONFIGS="${BENCH_CONFIGS:-smollm2-135m qwen2.5-7b llama-3-8b qwen2.5-32b}"
+DEADLINE_S="${DEADLINE_S:-540}"
+BENCH_CONFIGS="${BENCH_CONFIGS:-qwen2.5-7b qwen2.5-7b-tp4 llama-3-8b qwen2.5-32b}"
+TILE_BUDGETS="${TILE_BUDGETS:-2M/8M 4M/4M 4M/16M 8M/16M}"
+ACTOR_MODELS="${ACTOR_MODELS:-qwen2.5-0.5b qwen2.5-7b-l4 qwen2.5-1.5b}"
+START=$SECONDS
 status=0
-skipped=""
+: >"$WORK/summary.txt"
+
+left() { echo $((DEADLINE_S - (SECONDS - START))); }
+
+# phase NAME WANT_S CMD...: run CMD under timeout min(WANT_S, time left); record status and seconds in summary.txt.
+phase() {
+    local name=$1 want=$2
+    shift 2
+    local budget
+    budget=$(left)
+    if [ "$budget" -lt 20 ]; then
+        echo "$name: SKIPPED (not run): $budget s left of DEADLINE_S=$DEADLINE_S" | tee -a "$WORK/summary.txt"
+        status=1
+        return 0
+    fi
+    [ "$want" -lt "$budget" ] && budget=$want
+    local t0=$SECONDS rc=0
+    timeout "$budget" "$@" || rc=$?
+    local what="ok"
+    [ "$rc" -eq 124 ] && what="TIMED OUT after ${budget}s"
+    [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && what="FAILED rc=$rc"
+    [ "$rc" -ne 0 ] && status=1
+    echo "$name: $what ($((SECONDS - t0)) s)" | tee -a "$WORK/summary.txt"
+}
 
 # 1. environment
-timeout 60 bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print(\"triton\", triton.__version__)'; nvcc --version" \
-    >"$OUT/env.txt" 2>&1 || status=1
+phase env 60 bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); print(\"torch\", torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print(\"triton\", triton.__version__)'; nvcc --version" \
+    >"$WORK/env.txt" 2>&1
+"$PY" tools/gpu/lock_gpu_stack.py --compare-installed >"$WORK/pins.txt" 2>&1 \
+    || echo "pins: the device's versions differ from requirements/gpu.lock (table in pins.txt)" >>"$WORK/env.txt"
 
-# 1b. the device's stack against the project's pins (requirements/gpu.lock, the versions tools/gpu/Dockerfile
-# installs): a report, not a gate (a lent machine has what it has); carry wheels of the pinned versions in .whl/,
-# e.g. pip download --no-deps -d .whl "$(grep -E '^megatron-core==' requirements/gpu.lock)"
-timeout 60 "$PY" tools/gpu/lock_gpu_stack.py --compare-installed >"$OUT/pins.txt" 2>&1 \
-    || echo "pins: the device's versions differ from requirements/gpu.lock (table in pins.txt)" >>"$OUT/env.txt"
-
-# 2. carried wheels (optional): never from a registry (also for ONLY=sglang_smoke: megatron-core may come from here)
+# 2. carried wheels (never from a registry)
 if compgen -G ".whl/*.whl" >/dev/null; then
-    timeout 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl >>"$OUT/env.txt" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site" || status=1
+    phase wheels 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >>"$WORK/env.txt" 2>&1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
 if [ "${ONLY:-}" = "" ]; then
-# 3. CUDA twins
-timeout 300 "$PY" csrc/build.py --out build/cuda --arch 90 >"$OUT/build.log" 2>&1 || status=1
-if [ -f build/cuda/libmegatron_dapo_cuda.so ]; then
-    export MEGATRON_DAPO_CUDA_LIB="$PWD/build/cuda/libmegatron_dapo_cuda.so"
+    # 3. CUDA twins
+    phase build_cuda_twins 150 "$PY" csrc/build.py --out build/cuda --arch 90 >"$WORK/build.log" 2>&1
+    if [ -f build/cuda/libmegatron_dapo_cuda.so ]; then
+        export MEGATRON_DAPO_CUDA_LIB="$PWD/build/cuda/libmegatron_dapo_cuda.so"
+    fi
+
+    # 4. kernel tests
+    phase kernel_tests 150 bash -c "'$PY' -m pytest -m gpu tests/ops tests/algorithms -q -rs -p no:cacheprovider \
+        --junitxml='$WORK/pytest_gpu.xml' 2>&1 | tee '$WORK/pytest_gpu.log'"
+
+    # 5. kernel benchmark, then the fused LM head's tile sweep at the 7B shape
+    # shellcheck disable=SC2086
+    phase kernel_bench 200 bash -c "'$PY' tools/bench/logprob_kernels.py --device cuda --configs $BENCH_CONFIGS \
+        --csv '$WORK/bench_kernels.csv' 2>&1 | tee '$WORK/bench.log'"
+    # shellcheck disable=SC2086
+    phase tile_sweep 60 bash -c "'$PY' tools/bench/logprob_kernels.py --device cuda --configs qwen2.5-7b \
+        --ops linear_logprob_entropy --providers ours --modes forward full --tile-budgets $TILE_BUDGETS \
+        --csv '$WORK/bench_kernels.csv' 2>&1 | tee -a '$WORK/bench.log'"
+
+    # 6. the actor step on one GPU (writes after every arm; --time-budget-s leaves room for the phases after it)
+    # shellcheck disable=SC2086
+    phase actor_step 150 bash -c "'$PY' tools/bench/actor_step_gpu.py --models $ACTOR_MODELS --time-budget-s 110 \
+        --out '$WORK/actor_step_gpu' 2>&1 | tee '$WORK/actor_step.log'"
+
+    # 7. the actor's GPU tests (skipped inside pytest when megatron-core is missing)
+    phase actor_tests 120 bash -c "'$PY' -m pytest -m gpu tests/actor -q -rs -p no:cacheprovider \
+        --junitxml='$WORK/pytest_gpu_actor.xml' 2>&1 | tee '$WORK/pytest_gpu_actor.log'"
 fi
 
-# 4. GPU tests of the ops
-timeout "${PYTEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/ops tests/algorithms -q -rs -p no:cacheprovider \
-    --junitxml="$OUT/pytest_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
-
-# 4b. GPU tests of the actor (skipped inside pytest when megatron-core is missing)
-timeout "${PYTEST_ACTOR_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/actor -q -rs -p no:cacheprovider \
-    --junitxml="$OUT/pytest_gpu_actor.xml" 2>&1 | tee "$OUT/pytest_gpu_actor.log" || status=1
-
-# 5. benchmark (rows go to $OUT/bench_kernels.csv; copy them into results/bench_kernels.csv afterwards)
-# shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench/logprob_kernels.py --device cuda --configs $BENCH_CONFIGS \
-    --csv "$OUT/bench_kernels.csv" 2>&1 | tee "$OUT/bench.log" || status=1
-fi
-
-# 6. colocated-SGLang smoke (1 GPU, tiny model, 2 steps); the run itself goes to /tmp, only small files to $OUT
-phase_sglang_smoke() {
-    local log="$OUT/sglang_smoke.log"
-    if ! "$PY" -c 'import sglang, megatron.core' >"$log" 2>&1; then
-        echo "SKIP (not run) sglang smoke: sglang or megatron.core does not import here (error above)" | tee -a "$log"
-        skipped="$skipped sglang_smoke"
+# 8. colocated-SGLang smokes (one at a time: ONLY=sglang_smoke or ONLY=sglang_fp8); skipped when SGLang or
+# megatron-core does not import there (nothing comes from a registry)
+sglang_smoke() {
+    local name=$1
+    shift
+    if ! "$PY" -c 'import sglang, megatron.core' >"$WORK/$name.log" 2>&1; then
+        echo "$name: SKIPPED (not run): sglang or megatron.core does not import here" | tee -a "$WORK/summary.txt"
         return 0
     fi
-    timeout "${SGLANG_SMOKE_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
-        tools/gpu/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out "$OUT" --work /tmp/mdapo_sglang_smoke \
-        >>"$log" 2>&1 || status=1
-    tail -n 60 "$log"
+    mkdir -p "$WORK/$name"
+    phase "$name" 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 tools/gpu/sglang_smoke.py \
+        --config examples/tiny_gpu_sglang.yaml --out "$WORK/$name" --work "/tmp/mdapo_$name" "$@" \
+        >>"$WORK/$name.log" 2>&1
+    tail -n 60 "$WORK/$name.log"
 }
-if [ "${ONLY:-}" = "" ] || [ "${ONLY:-}" = sglang_smoke ]; then
-    phase_sglang_smoke
+if [ "${ONLY:-}" = sglang_smoke ]; then
+    sglang_smoke sglang_smoke
+elif [ "${ONLY:-}" = sglang_fp8 ]; then
+    sglang_smoke sglang_fp8 --rollout.weight_dtype=fp8 --algorithm.rollout_correction=tis
 fi
 
-# 7. FP8 sync into colocated SGLang (ONLY=sglang_fp8 runs phases 1, 2 and 7 alone)
-phase_sglang_fp8() {
-    local log="$OUT/sglang_fp8.log"
-    if [ ! -f tools/gpu/sglang_smoke.py ]; then
-        echo "SKIP (not run) sglang fp8: needs tools/gpu/sglang_smoke.py, the colocated-SGLang smoke of branch mem" | tee "$log"
-        skipped="$skipped sglang_fp8"
-        return 0
-    fi
-    if ! "$PY" -c 'import sglang, megatron.core' >"$log" 2>&1; then
-        echo "SKIP (not run) sglang fp8: sglang or megatron.core does not import here (error above)" | tee -a "$log"
-        skipped="$skipped sglang_fp8"
-        return 0
-    fi
-    mkdir -p "$OUT/sglang_fp8"
-    timeout "${SGLANG_FP8_TIMEOUT:-420}" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
-        tools/gpu/sglang_smoke.py --config examples/tiny_gpu_sglang.yaml --out "$OUT/sglang_fp8" \
-        --work /tmp/mdapo_sglang_fp8 --rollout.weight_dtype=fp8 --algorithm.rollout_correction=tis \
-        >>"$log" 2>&1 || status=1
-    tail -n 60 "$log"
-}
-if [ "${ONLY:-}" = "" ] || [ "${ONLY:-}" = sglang_fp8 ]; then
-    phase_sglang_fp8
-fi
-
-echo "device_check: status=$status (0 = every phase that ran passed); not run:${skipped:- none}"
+# Results: the target lines, then at most 8 files into $OUT
+grep -E "^(L|K) .*(met|MISSED)" "$WORK/bench.log" >>"$WORK/summary.txt" 2>/dev/null
+echo "device_check: status=$status (0 = every phase ran and passed), $((SECONDS - START)) s" | tee -a "$WORK/summary.txt"
+for f in bench_kernels.csv bench.log actor_step_gpu.json actor_step_gpu.md pytest_gpu.log pytest_gpu_actor.log \
+    summary.txt; do
+    [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
+done
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude=logs.tar.gz . 2>/dev/null
 exit $status
