@@ -244,7 +244,7 @@ def train(config, rank: int) -> int:
     from megatron_dapo.actor.ckpt_writer import install_writer_queue
 
     install_writer_queue()  # forked now, before any socket, lock or thread exists (actor/ckpt_writer.py)
-    from megatron_dapo.trainer import DAPOTrainer
+    from megatron_dapo.trainer import build_program
 
     run_dir, attempt = config.trainer.run_dir, restarts.attempt_number()
     if attempt > 0:
@@ -259,7 +259,7 @@ def train(config, rank: int) -> int:
     exit_with_launcher(config.checkpoint.preempt_grace_s)
     trainer = None
     try:
-        trainer = DAPOTrainer(config)
+        trainer = build_program(config)
         trainer.fit()
     except (StartupError, JobError) as err:  # one line; a JobError is found while training (sampling bound, peer)
         restarts.record_failure(run_dir, attempt, rank, trainer and trainer.step, err, restarts.is_retryable(err))

@@ -56,6 +56,30 @@ def score_groups(scored: Sequence[Sequence[dict[str, Any]]], k: int) -> dict[str
     }
 
 
+def sample_scores(
+    engine: Any, prompts: Sequence[list[int]], truths: Sequence[str], verifier: Any, tokenizer: Any, params: Any
+) -> list[list[dict[str, Any]]]:
+    """The evaluation driver (the trainer's evaluation and `megatron-dapo eval`): params.n responses per prompt from
+    `engine`, each scored by `verifier(text, truth)` on its decoded text. Returns one list of params.n verifier
+    results per prompt ([] without prompts: the engine is not called).
+
+    Args:
+        prompts: token ids per prompt (chat template applied). truths: ground truth per prompt.
+        params: the engine's SamplingParams (`rollout.factory.sampling_params` with the evaluation's temperature and
+            top_p).
+    """
+    if not prompts:
+        return []
+    k = params.n
+    completions = engine.generate(list(prompts), params)
+    scored = []
+    for i, truth in enumerate(truths):
+        group = completions[i * k : (i + 1) * k]
+        texts = tokenizer.batch_decode([c.response_ids for c in group], skip_special_tokens=True)
+        scored.append([verifier(text, truth) for text in texts])
+    return scored
+
+
 def evaluate(
     engine: Any,
     prompts: Sequence[list[int]],
@@ -65,19 +89,5 @@ def evaluate(
     *,
     tokenizer: Any,
 ) -> dict[str, float]:
-    """Sample params.n responses per prompt from `engine`, score them with `verifier(text, truth)`, aggregate.
-
-    Args:
-        prompts: token ids per prompt (chat template applied).
-        truths: ground truth per prompt.
-        params: the engine's SamplingParams (`rollout.factory.sampling_params` with the evaluation's temperature
-            and top_p), so `megatron-dapo eval` samples as the trainer's evaluation does.
-    """
-    k = params.n
-    completions = engine.generate(list(prompts), params)
-    scored = []
-    for i, truth in enumerate(truths):
-        group = completions[i * k : (i + 1) * k]
-        texts = tokenizer.batch_decode([c.response_ids for c in group], skip_special_tokens=True)
-        scored.append([verifier(text, truth) for text in texts])
-    return score_groups(scored, k)
+    """`sample_scores` aggregated by `score_groups` (avg@k, pass@k, cons@k with k = params.n)."""
+    return score_groups(sample_scores(engine, prompts, truths, verifier, tokenizer, params), params.n)

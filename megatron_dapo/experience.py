@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -65,6 +66,18 @@ def score_group(
         rewards=torch.tensor([s["score"] for s in scores], dtype=torch.float32) + penalties,
         penalties=penalties,
     )
+
+
+class GroupScorer:
+    """Scores a finished group on the rank that generated it: its responses decoded by `tokenizer`, the verifier's
+    results, the overlong shaping of `algo` (score_group). The rollout stream's `score` hook."""
+
+    def __init__(self, tokenizer: Any, verifier: Callable[[str, str], dict], algo: AlgorithmConfig, max_response: int):
+        self.tokenizer, self.verifier, self.algo, self.max_response = tokenizer, verifier, algo, max_response
+
+    def __call__(self, position: int, index: int, truth: str, rollouts: list[Rollout]) -> RolloutGroup:
+        texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
+        return score_group(position, index, truth, rollouts, texts, self.verifier, self.algo, self.max_response)
 
 
 def row_index(groups: Sequence[GroupSummary]) -> list[tuple[int, int]]:
@@ -142,19 +155,6 @@ def sampled_response_metrics(groups: Sequence[GroupSummary]) -> dict[str, float]
     cat = lambda key: torch.cat([getattr(g, key) for g in groups])
     truncated = torch.tensor([f is FinishReason.LENGTH for g in groups for f in g.finish])
     return response_metrics(cat("lengths"), truncated, cat("rewards"), cat("accs"), cat("penalties"))
-
-
-def build_actor_batch(
-    groups: Sequence[RolloutGroup], algo: AlgorithmConfig, pad_token_id: int, std_normalize: bool = True
-) -> ActorBatch:
-    """Every row of `groups` (full records, one process) as one ActorBatch with group-normalised advantages.
-
-    loss_mask covers response tokens (EOS included), zeroed for truncated responses under overlong filtering.
-    """
-    summaries = [g.summary(0, str(i)) for i, g in enumerate(groups)]
-    advantages, keep = batch_advantages(summaries, algo, std_normalize)
-    rows = [(r, i) for i, g in enumerate(groups) for r in g.rollouts]
-    return rows_to_batch(rows, advantages, keep, pad_token_id)
 
 
 def engine_old_logp(batch: ActorBatch) -> Tensor:

@@ -12,7 +12,8 @@
     empty_cache            (sync buckets, params); barrier
     resume_engine_kv       engine.resume_memory(kv_cache, cuda_graph)  -> the next step's generation
 
-STEP_SEQUENCE is that list; MemoryChoreographer.run_step walks it and nothing else in the trainer moves memory.
+STEP_SEQUENCE is that list; MemoryChoreographer walks it as the trainer enters each phase (`phase`, `end_step`; or
+`run_step` for a whole step) and nothing else in the trainer moves memory.
 The planner (plan.py) reads what is resident in each phase from resident_by_phase(), which runs this same sequence
 with probes, so the planned phases and the code cannot drift apart. Diagram and numbers: docs/rollout.md.
 
@@ -132,27 +133,57 @@ class MemoryChoreographer:
         self.released: set[str] = set()
         """Engine regions released by this object and not resumed yet."""
         self.started = False
+        self._cursor = 0  # the next entry of STEP_SEQUENCE in the step in progress
 
     # ------------------------------------------------------------------------------------------ the sequence
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Enter phase `name` (one of PHASES) of the step: the memory actions of STEP_SEQUENCE since the last phase run
+        first, then the caller's work runs inside. Phases are entered in STEP_SEQUENCE's order, each at most once a
+        step (a phase not entered is passed over, its actions still run); `end_step` runs the actions after the last
+        one. The trainer's step reads as `with memory.phase("generation"): ...` for each phase in turn."""
+        if name not in PHASES:
+            raise ValueError(f"MemoryChoreographer.phase: unknown phase {name!r} (expected one of {PHASES})")
+        target = STEP_SEQUENCE.index(name)
+        if target < self._cursor:
+            raise RuntimeError(
+                f"MemoryChoreographer.phase: {name!r} entered after {STEP_SEQUENCE[self._cursor - 1]!r} in one step"
+            )
+        self._advance(target)
+        if name == "generation":
+            self.ensure_engine_resident()
+        self.trace.append(name)
+        self._cursor = target + 1
+        yield
+
+    def end_step(self) -> None:
+        """Run the memory actions after the step's last phase; the next `phase` starts a new step."""
+        self._advance(len(STEP_SEQUENCE))
+        self._cursor = 0
+
+    def _advance(self, target: int) -> None:
+        """The entries of STEP_SEQUENCE from the cursor up to (not including) `target`: actions run, phases that were
+        not entered are passed over (named in the trace). A step's first call also runs `start` once."""
+        if not self.started:
+            self.start()
+        for name in STEP_SEQUENCE[self._cursor : target]:
+            self.trace.append(name)
+            if name not in PHASES:
+                getattr(self, name)()
+        self._cursor = target
+
     def run_step(self, phases: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
-        """One training step: STEP_SEQUENCE, calling phases[name]() for each of PHASES that is given (a missing
-        one is skipped, its memory actions still run). Returns {phase: its return value}."""
+        """One training step as one call: each of PHASES entered in turn, phases[name]() run inside the ones given
+        (a missing one only passes its memory actions). Returns {phase: its return value}."""
         unknown = set(phases) - set(PHASES)
         if unknown:
             raise ValueError(f"MemoryChoreographer.run_step: unknown phases {sorted(unknown)} (expected {PHASES})")
-        if not self.started:
-            self.start()
         out: dict[str, Any] = {}
-        for name in STEP_SEQUENCE:
-            if name in PHASES:
-                if name == "generation":
-                    self.ensure_engine_resident()
-                self.trace.append(name)
+        for name in PHASES:
+            with self.phase(name):
                 if name in phases:
                     out[name] = phases[name]()
-            else:
-                self.trace.append(name)
-                getattr(self, name)()
+        self.end_step()
         return out
 
     def build_engine(self, make: Callable[[], Any], *, sized_at_start: bool) -> Any:

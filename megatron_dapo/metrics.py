@@ -397,6 +397,43 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     return written
 
 
-def masked_mean(values: Tensor, mask: Tensor) -> float:
-    m = mask.to(torch.float32)
-    return float((values.float() * m).sum() / m.sum().clamp_min(1.0))
+# ---------------------------------------------------------------------------------------------------------------
+# metrics.jsonl repair on resume (the trainer's start-up)
+# ---------------------------------------------------------------------------------------------------------------
+def drop_unsaved_metrics(path: Path, log: Any = print) -> None:
+    """A start from step 0 in a run dir whose metrics.jsonl has rows (an attempt or run that failed before its first
+    checkpoint, then restarted or run again): those steps are trained and logged again, so their old rows go (named
+    through `log`) instead of appearing twice."""
+    if not path.exists() or not path.read_text(errors="replace").strip():
+        return
+    lines = len([x for x in path.read_text(errors="replace").splitlines() if x.strip()])
+    truncate_metrics(path, -1, log=lambda _: None)
+    log(f"{path}: dropped {lines} row(s) of an earlier start that saved no checkpoint; this run starts at step 0")
+
+
+def truncate_metrics(path: Path, step: int, log: Any = print, restore: dict[str, Any] | None = None) -> None:
+    """Drop metric rows logged after the checkpoint we resume from (a crash between log and save), and lines that are
+    not JSON (a torn last line from a kill in mid-write): each such line is named through `log`. `restore`: the
+    checkpoint's own row of `step`, written back when the file no longer has that step (logged)."""
+    if not path.exists() and restore is None:
+        return
+    kept, steps = [], set()
+    text = path.read_text(errors="replace") if path.exists() else ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            row_step = int(row["step"])
+        except (ValueError, TypeError, KeyError):
+            log(f"{path} line {number}: not a metrics row (torn by a kill in mid-write?); dropped: {line[:60]!r}")
+            continue
+        if row_step <= step:
+            kept.append(line)
+            steps.add(row_step)
+    if restore is not None and int(restore["step"]) == step and step not in steps:
+        kept.append(json.dumps(restore))
+        log(f"{path}: step {step}'s metrics row was missing; restored it from the checkpoint")
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

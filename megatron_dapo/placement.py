@@ -124,6 +124,21 @@ def init_role_group(placement: Placement, store: dist.Store, backend: str, timeo
     )
 
 
+def init_role(num_engine_ranks: int, timeout_s: float = 1800.0) -> tuple[Placement, dist.Store]:
+    """Split this launch into actor and engine ranks (rollout.engine_ranks): connect to the launch's rendezvous store
+    and initialise torch.distributed's default group over this rank's role only (NCCL for actor ranks with CUDA, else
+    gloo). Call before init_distributed on actor ranks, which then builds megatron's groups over the actor ranks.
+    Returns (Placement, the launch store)."""
+    from megatron_dapo.actor.distributed import launch_env
+
+    rank, world, _, addr, port = launch_env()
+    placement = Placement(rank, world, num_engine_ranks)
+    store = launch_store(addr, port, rank, world, timeout_s)
+    backend = "nccl" if torch.cuda.is_available() and not placement.is_engine else "gloo"
+    init_role_group(placement, store, backend, timeout_s)
+    return placement, store
+
+
 class WeightChannel:
     """Versioned weight pushes from actor rank 0 to every engine rank (build it on those ranks; others skip it).
 

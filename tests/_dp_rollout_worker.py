@@ -55,7 +55,7 @@ def main() -> None:
     rec: dict = {"rank": rank, "dp_rank": trainer.groups.dp_rank, "dp_size": trainer.groups.dp_size}
 
     # What this rank generated (global row id -> tokens), and what routing hands it.
-    route = trainer._route
+    route = trainer.route
 
     def recording_route(kept):
         generated = {}
@@ -63,7 +63,7 @@ def main() -> None:
         for summary in kept:
             for i in range(summary.group_size):
                 if summary.owner == rank:
-                    r = trainer.rows[summary.key].rollouts[i]
+                    r = trainer.generation.groups[summary.key].rollouts[i]
                     generated[row] = r.prompt_ids.tolist() + r.response_ids.tolist()
                 row += 1
         batch, plan = route(kept)
@@ -81,22 +81,23 @@ def main() -> None:
         )
         return batch, plan
 
-    trainer._route = recording_route
+    trainer.route = recording_route
     trainer.step = 1
     metrics = trainer.train_step()
     rec["shared_fraction"] = metrics.get("train/shared_fraction")
     rec["loss"] = metrics.get("actor/loss")
     # Groups past the cut (rollout.partial) are carried: every rank knows them, their rows stay with the rank that
     # generated them; a checkpoint's trainer state gathers them back into full groups.
-    rec["carry_owned"] = sorted(e.key for e in trainer.carry if e.owner == rank)
-    rec["store_keys"] = sorted(trainer.carry_rows)
+    gen = trainer.generation
+    rec["carry_owned"] = sorted(e.key for e in gen.carry if e.owner == rank)
+    rec["store_keys"] = sorted(gen.carry_rows)
     rec["carry_state"] = [
         {"index": s["index"], "rows": [r["prompt_ids"].tolist() + r["response_ids"].tolist() for r in s["rollouts"]]}
         for s in trainer.trainer_state()["carry"]
     ]
     rec["carry_generated"] = {
-        str(e.index): [r.prompt_ids.tolist() + r.response_ids.tolist() for r in trainer.carry_rows[e.key]]
-        for e in trainer.carry
+        str(e.index): [r.prompt_ids.tolist() + r.response_ids.tolist() for r in gen.carry_rows[e.key]]
+        for e in gen.carry
         if e.owner == rank
     }
 
@@ -130,7 +131,7 @@ def main() -> None:
         written = load_file(str(hf_dir / "model.safetensors"))
         rec["written_matches"] = set(written) == set(full) and all(torch.equal(written[k], full[k]) for k in full)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(rec))
-    trainer.stream.close()
+    trainer.generation.close()
     trainer.exchange.close()
     torch.distributed.destroy_process_group()
 

@@ -1,4 +1,5 @@
-"""megatron_dapo.cli with the trainer's testing hook (DAPOTrainer.test_hook) filled in from the environment:
+"""megatron_dapo.cli with the programs' testing hook (DAPOTrainer.test_hook, EngineRank.test_hook) filled in from the
+environment:
 `python -m tests._hooks_driver train ...` (under torchrun) stands in for a run that crashes or has one slow phase.
 The trainer itself reads none of these variables.
 
@@ -31,6 +32,7 @@ from megatron_dapo import cli
 from megatron_dapo.restarts import attempt_number
 
 if TYPE_CHECKING:
+    from megatron_dapo.engine_rank import EngineRank
     from megatron_dapo.trainer import DAPOTrainer
 
 SLOW = {
@@ -91,10 +93,10 @@ def _kill_engines(seed: int, count: int) -> None:
     RolloutStream.run = streaming_run
 
 
-def test_hook(self: DAPOTrainer, point: str) -> None:
+def test_hook(self: DAPOTrainer | EngineRank, point: str) -> None:
     fault = _setting("MEGATRON_DAPO_FAULT")
     if fault is not None and fault == (point, float(self.step)):
-        self._barrier()
+        self.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
     crash = os.environ.get("MEGATRON_DAPO_CRASH")
     if crash is not None and attempt_number() == 0:
@@ -106,7 +108,7 @@ def test_hook(self: DAPOTrainer, point: str) -> None:
     name = SLOW.get(point)
     slow = _setting(name) if name else None
     if slow is not None and int(slow[0]) == self.step:
-        self._notice(f"test hook: {NOTICE[name].format(step=self.step, seconds=slow[1])}")
+        self.notice(f"test hook: {NOTICE[name].format(step=self.step, seconds=slow[1])}")
         time.sleep(slow[1])
 
 
@@ -114,9 +116,10 @@ if __name__ == "__main__":
     from megatron_dapo.actor.cpu_compat import import_megatron_core
 
     import_megatron_core()  # before the trainer imports it (as cli.train does)
+    from megatron_dapo.engine_rank import EngineRank
     from megatron_dapo.trainer import DAPOTrainer
 
-    DAPOTrainer.test_hook = test_hook
+    DAPOTrainer.test_hook = EngineRank.test_hook = test_hook
     if "MEGATRON_DAPO_ENGINE_KILL" in os.environ:
         kill_seed, kill_count = os.environ["MEGATRON_DAPO_ENGINE_KILL"].split(":")
         _kill_engines(int(kill_seed), int(kill_count))

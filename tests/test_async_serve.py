@@ -1,4 +1,4 @@
-"""An engine rank's loop (DAPOTrainer._serve, issue 24 items 2 and 8) under random latencies, in one process: the
+"""An engine rank's loop (EngineRank.fit, issue 24 items 2 and 8) under random latencies, in one process: the
 real loop, RolloutStream, Mailbox (on a HashStore) and weight loading (placement.load_buckets), with a fake engine
 whose steps take random time and that stamps each token with the weight version it holds, and an actor thread that
 takes each step's generation, trains for a random time and pushes the next version after a random delay.
@@ -20,14 +20,13 @@ import torch.distributed as dist
 
 from megatron_dapo.algorithms import DynamicSampler
 from megatron_dapo.config import load_config
+from megatron_dapo.engine_rank import EngineRank
+from megatron_dapo.generation import RolloutContext
 from megatron_dapo.placement import Mailbox
-from megatron_dapo.placement import Placement
 from megatron_dapo.placement import StepGeneration
 from megatron_dapo.placement import load_buckets
 from megatron_dapo.rollout import FinishReason
 from megatron_dapo.rollout.base import request_result
-from megatron_dapo.rollout.stream import RolloutStream
-from megatron_dapo.trainer import DAPOTrainer
 from tests.rollout.test_stream import FakeEngine
 from tests.rollout.test_stream import G
 from tests.rollout.test_stream import ThreadExchange
@@ -132,28 +131,30 @@ class Data:
         self.position = state["position"]
 
 
-def _engine_rank(k: int, seed: int, box: Mailbox, weights: PushedWeights, engine: VersionedEngine) -> DAPOTrainer:
-    """A bare DAPOTrainer holding what `_serve` uses on an engine rank (one engine rank)."""
+class Inputs:
+    """RunInputs' part the loop reads: the data position and each fresh prompt after it, stop ids, no evaluation."""
+
+    def __init__(self) -> None:
+        self.train_data, self.stop_ids, self.eval_examples, self.hook = Data(), [2], [], None
+
+    def fresh(self, offset: int):
+        return fresh(self.train_data.position + offset)
+
+
+def _engine_rank(k: int, seed: int, box: Mailbox, weights: PushedWeights, engine: VersionedEngine) -> EngineRank:
+    """One engine rank built from its parts: the fake engine and receiver, a mailbox on a HashStore."""
     cfg = load_config(None, [f"--trainer.total_steps={STEPS}", f"--trainer.max_staleness={k}", "--trainer.eval_every=0",
                              "--rollout.partial=true", "--trainer.on_stale=regenerate",
-                             "--algorithm.rollout_correction=tis"])  # fmt: skip
-    t = DAPOTrainer.__new__(DAPOTrainer)
-    t.cfg, t.rank, t.world, t.mailbox, t.receiver, t.engine = cfg, 0, 1, box, weights, engine
-    t.placement = Placement(rank=1, world_size=2, num_engine_ranks=1)
-    t.engine_ranks, t.stop_ids, t.eval_examples = [0], [2], []
-    t.preempt = SimpleNamespace(flag=False)
-    t.beat = SimpleNamespace(gone=lambda: False)
-    t.exchange = ThreadExchange(1).for_rank(0)
-    t.train_data = data = Data()
-    t._fresh = lambda offset: fresh(data.position + offset)
-    t.sampler = DynamicSampler(target_prompts=2, enabled=False, max_sampled_prompts=60, on_cap="partial")
-    t.stream = RolloutStream(
-        engine, 0, t.exchange, dist.HashStore(), group_size=G, window=6, cap=60, partial=True, timeout_s=30,
-        score=score, max_staleness=k, on_stale="regenerate", between_steps=t._load_pushed,
-    )  # fmt: skip
-    t.carry, t.carry_rows, t._eval_engine = [], {}, None
-    assert cfg.trainer.max_staleness == k and cfg.rollout.partial
-    return t
+                             "--algorithm.rollout_correction=tis", f"--algorithm.group_size={G}",
+                             "--rollout.max_inflight_prompts=6", "--rollout.over_sampling=0",
+                             "--rollout.generation_timeout_minutes=0.5"])  # fmt: skip
+    sampler = DynamicSampler(target_prompts=2, enabled=False, max_sampled_prompts=60, on_cap="partial")
+    exchange = ThreadExchange(1).for_rank(0)
+    ctx = RolloutContext(cfg, 0, 1, exchange, Inputs(), sampler, score, lambda: False, lambda point: None, print)
+    preempt, beat = SimpleNamespace(flag=False), SimpleNamespace(gone=lambda: False)
+    rank = EngineRank(cfg, ctx, engine, weights, box, beat, preempt)
+    assert cfg.trainer.max_staleness == k and cfg.rollout.partial and rank.stream.config.window == 6
+    return rank
 
 
 def _actor(box: Mailbox, weights: PushedWeights, seed: int, train_s: float, out: dict) -> None:
@@ -190,7 +191,7 @@ def test_serve_keeps_every_token_within_the_staleness_bound_under_random_latenci
     generations: dict[int, StepGeneration] = {}
     actor = threading.Thread(target=_actor, args=(box, weights, seed, 0.05, generations))
     actor.start()
-    trainer._serve()
+    trainer.fit()
     actor.join(30)
     assert sorted(generations) == list(range(1, STEPS + 1))
 

@@ -510,6 +510,8 @@ def _megatron_counts(ckpts: dict[str, str]) -> dict[str, object]:
     from transformers import AutoConfig
 
     from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.checkpointing import allocate_adam_state
+    from megatron_dapo.actor.checkpointing import torch_adam_states
     from megatron_dapo.actor.distributed import destroy_distributed
     from megatron_dapo.actor.distributed import init_distributed
     from megatron_dapo.actor.model import build_gpt_model
@@ -539,12 +541,12 @@ def _megatron_counts(ckpts: dict[str, str]) -> dict[str, object]:
         rollout=RolloutConfig(engine="transformers", max_response_length=8),
     )
     actor = MegatronActor(cfg, groups)
-    actor._allocate_optimizer_state()
+    allocate_adam_state(actor.optimizer)
     buffers = actor.model[0].buffers
     out["param_buffer"] = [(str(b.param_data.dtype), b.param_data.numel()) for b in buffers]
     out["grad_buffer"] = [(str(b.grad_data.dtype), b.grad_data.numel()) for b in buffers]
     out["grad_unpadded"] = sum(b.numel_unpadded for b in buffers)
-    adam = [s for _, s in actor._torch_adam_states()]
+    adam = [s for _, s in torch_adam_states(actor.optimizer)]
     out["adam_bytes"] = sum(s[k].numel() * s[k].element_size() for s in adam for k in ("exp_avg", "exp_avg_sq"))
     out["adam_dtype"] = sorted({str(s["exp_avg"].dtype) for s in adam})
     del torch

@@ -11,7 +11,6 @@ from megatron_dapo.actor.packing import sequence_lengths
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.experience import apply_rollout_correction
 from megatron_dapo.experience import batch_advantages
-from megatron_dapo.experience import build_actor_batch
 from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
 from megatron_dapo.experience import row_lengths
@@ -45,6 +44,16 @@ def _group(index: int, prompt: int, lens: list[int], finish: list[str], seed: in
         rewards=torch.tensor([1.0, -1.0, -1.0, 1.0][: len(lens)]) - 0.1 * torch.arange(len(lens)),
         penalties=torch.zeros(len(lens)),
     )
+
+
+def build_actor_batch(groups: list[RolloutGroup], algo: AlgorithmConfig, pad_token_id: int, std_normalize=True):
+    """The oracle: every row of `groups` (full records, one process) as one ActorBatch with group-normalised
+    advantages; loss_mask covers response tokens (EOS included), zeroed for truncated responses under overlong
+    filtering."""
+    summaries = [g.summary(0, str(i)) for i, g in enumerate(groups)]
+    advantages, keep = batch_advantages(summaries, algo, std_normalize)
+    rows = [(r, i) for i, g in enumerate(groups) for r in g.rollouts]
+    return rows_to_batch(rows, advantages, keep, pad_token_id)
 
 
 def test_row_plan_per_mini_batch_balance():

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -39,8 +38,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
-from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
@@ -54,7 +51,9 @@ from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from megatron_dapo.actor.background_save import BackgroundWrite
-from megatron_dapo.actor.ckpt_writer import install_writer_queue
+from megatron_dapo.actor.checkpointing import ActorCheckpoint
+from megatron_dapo.actor.checkpointing import check_checkpoint
+from megatron_dapo.actor.checkpointing import checkpoint_items
 from megatron_dapo.actor.distributed import ParallelGroups
 from megatron_dapo.actor.loss import LOSS_METRICS
 from megatron_dapo.actor.loss import dapo_loss_func
@@ -74,9 +73,6 @@ from megatron_dapo.actor.packing import shared_prefix_micro_batches
 from megatron_dapo.actor.routing import RoutingReplay
 from megatron_dapo.actor.routing import routing_by_row
 from megatron_dapo.actor.routing import routing_in_order
-from megatron_dapo.actor.safe_unpickle import check_dist_checkpoint
-from megatron_dapo.actor.verified_load import load_verified
-from megatron_dapo.actor.verified_load import storage_items
 from megatron_dapo.algorithms.policy_loss import uses_reference
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.batch import RoutedExperts
@@ -235,7 +231,7 @@ class MegatronActor:
         self.tf_config.no_sync_func = self.model[0].no_sync
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.grad_scale_func = self.optimizer.scale_loss if self.dtype == torch.float16 else None
-        self._set_lr()
+        self.set_lr()
         self.offloader = ActorOffloader(self.model, self.optimizer, self.device)
         """Moves params / grads / optimizer state to host memory and back (actor.offload, megatron_dapo/memory.py)."""
 
@@ -250,14 +246,15 @@ class MegatronActor:
             return self.config.actor.lr
         return self.config.actor.lr * (step + 1) / warmup
 
-    def _set_lr(self) -> float:
+    def set_lr(self) -> float:
+        """Set the optimizer's learning rate and weight decay for the current step count; returns the lr."""
         lr = self.lr_at(self.num_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.config.actor.weight_decay * group.get("wd_mult", 1.0)
         return lr
 
-    def _unwrapped(self) -> torch.nn.Module:
+    def unwrapped(self) -> torch.nn.Module:
         """The GPTModel inside the DDP / Float16Module wrappers."""
         return get_attr_wrapped_model(self.model[0], "decoder", return_model_obj=True)
 
@@ -267,7 +264,7 @@ class MegatronActor:
         layer's weight."""
         if not (self.logprob_impl.takes_hidden and self.groups.is_last_stage):
             return None
-        gpt = self._unwrapped()
+        gpt = self.unwrapped()
         if gpt.share_embeddings_and_output_weights:
             return gpt.shared_embedding_or_output_weight()
         return gpt.output_layer.weight
@@ -306,7 +303,7 @@ class MegatronActor:
             tokens = mb.batch.tokens.to(self.device, non_blocking=True)
             position_ids = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
         hidden_out = self.logprob_impl.takes_hidden and self.groups.is_last_stage
-        gpt = self._unwrapped()
+        gpt = self.unwrapped()
         gpt.return_hidden = hidden_out  # scoped to this call: any other forward of the model returns logits
         gpt.rope_from_position_ids = shared
         replaying = self._route(mb, tokens.shape[1])
@@ -685,7 +682,7 @@ class MegatronActor:
     def _train_mini_batch(self, local: ActorBatch) -> dict[str, float]:
         """One optimizer step on this rank's rows of one mini-batch (skipped when loss or gradient is not finite)."""
         stats = self._forward_backward(local, local=True)
-        stats["lr"] = self._set_lr()
+        stats["lr"] = self.set_lr()
         stepped = False
         if math.isfinite(stats["loss"]):
             stepped, stats["grad_norm"] = self._optimizer_step()
@@ -791,7 +788,7 @@ class MegatronActor:
             raise RuntimeError(f"MegatronActor.{what}: actor state {away} is offloaded; call reload_state() first")
 
     @contextmanager
-    def _resident(self) -> Iterator[None]:
+    def resident(self) -> Iterator[None]:
         """Everything on the device for the duration (checkpoint save / load), then offloaded again as before."""
         away = self.offloader.offloaded
         self.offloader.reload(away)
@@ -835,50 +832,9 @@ class MegatronActor:
         if dist.is_initialized():
             dist.barrier()
 
-    def _sharded_state_dict(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
-        model_sd = self._unwrapped().sharded_state_dict()
-        state = {"model": model_sd, "actor": {"num_steps": self.num_steps}}
-        if with_optimizer:
-            # Before the first step torch Adam has no state: megatron's save asserts on it (distributed optimizer)
-            # or writes no moments (plain), and the load then misses them. Allocate what Adam would create.
-            self._allocate_optimizer_state()
-            state["optimizer"] = self.optimizer.sharded_state_dict(
-                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
-            )
-        return state
-
-    def _torch_adam_states(self) -> Iterator[tuple[Tensor, dict[str, Any]]]:
-        """(param, state) of the inner torch Adam, used when neither TE nor Apex is installed (CPU runs)."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = getattr(opt, "optimizer", None)
-            if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-                for group in inner.param_groups:
-                    for p in group["params"]:
-                        yield p, inner.state[p]
-
-    def _allocate_optimizer_state(self) -> None:
-        """torch Adam creates its state at the first step; megatron's checkpoint code needs it allocated, so a fresh
-        actor gets what Adam would create (zero moments, step 0)."""
-        for p, state in self._torch_adam_states():
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def _restore_adam_steps(self) -> None:
-        """Set torch Adam's per-parameter `step` to the restored optimizer step count.
-
-        megatron's DistributedOptimizer.load_state_dict (torch-Adam path) gives every parameter the SAME `step`
-        tensor, which Adam then increments once per parameter, and it can keep the pre-load value. Adam's step is
-        by construction the number of successful optimizer steps (skipped steps never reach it), so it is rebuilt
-        from num_steps, one tensor per parameter. It is also set where the load left none: megatron saves the step
-        only when it is non-zero (`if step:`), so a checkpoint from before the first step has moments without it."""
-        for _, state in self._torch_adam_states():
-            if state:
-                state["step"] = torch.tensor(float(self.num_steps), dtype=state["step"].dtype)
-
     def save_checkpoint(self, ckpt_dir: str, *, background: bool = False) -> BackgroundWrite | None:
-        """Save model, optimizer, step count (megatron dist_checkpointing) and this rank's RNG states.
+        """Save model, optimizer, step count (megatron dist_checkpointing) and this rank's RNG states
+        (actor/checkpointing.py).
 
         Collective. `ckpt_dir` is created if missing and must be empty (the trainer makes it atomic on top). See
         `load_checkpoint` for resharding; RNG states are restored only with the same world size. With background,
@@ -886,37 +842,13 @@ class MegatronActor:
         BackgroundWrite must be waited for and finalised on every rank before the directory is a checkpoint
         (actor/background_save.py; the trainer does it at the next step boundary).
         """
-        os.makedirs(ckpt_dir, exist_ok=True)
-        install_writer_queue()  # megatron's writer helper survives preemption signals (actor/ckpt_writer.py)
-        dist.barrier()
-        pending = None
-        with self._resident():
-            if background:
-                request = dist_checkpointing.save(
-                    self._sharded_state_dict(is_loading=False), ckpt_dir, async_sharded_save=True
-                )
-                pending = BackgroundWrite(request)  # the host copy is taken here, while the state is resident
-            else:
-                dist_checkpointing.save(self._sharded_state_dict(is_loading=False), ckpt_dir)
-        torch.save(_rng_state(), os.path.join(ckpt_dir, f"rng_rank{dist.get_rank():05d}_of{dist.get_world_size()}.pt"))
-        dist.barrier()
-        return pending
+        return ActorCheckpoint(self).save(ckpt_dir, background=background)
 
-    @staticmethod
-    def check_checkpoint(ckpt_dir: str | os.PathLike) -> None:
-        """Refuse a directory of `save_checkpoint` that would run code when loaded: CheckpointError, one line naming
-        the file and the global, before anything is unpickled. Every pickle megatron / torch unpickle on load is
-        checked (actor/safe_unpickle.py). Local (reads files, no collective); the trainer also runs it at start-up."""
-        check_dist_checkpoint(ckpt_dir)
-
-    @staticmethod
-    def checkpoint_items(ckpt_dir: str | os.PathLike) -> dict[str, list[tuple[int, int]]]:
-        """{tensor file of a `save_checkpoint` directory: [(offset, length) of each storage item]}: what the
-        checkpoint manifest hashes item by item, so a resume checks those bytes as it loads them (verified_load.py)."""
-        return storage_items(ckpt_dir)
+    check_checkpoint = staticmethod(check_checkpoint)
+    checkpoint_items = staticmethod(checkpoint_items)
 
     def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool = True, items: ItemHashes | None = None) -> None:
-        """Load what `save_checkpoint` wrote (collective).
+        """Load what `save_checkpoint` wrote (collective; actor/checkpointing.py).
 
         Weights reshard to any TP / PP / DP layout. The optimizer state uses megatron's "dp_reshardable" format: it
         loads into the same TP x PP layout (any DP size); to change TP or PP pass load_optimizer=False (weights and
@@ -924,66 +856,4 @@ class MegatronActor:
         (CheckpointManager.item_hashes); each storage item read is checked against them (CorruptItem, every rank).
 
         Nothing in the checkpoint runs: `check_checkpoint` comes first."""
-        self.check_checkpoint(ckpt_dir)
-        with self._resident():
-            sharded = self._sharded_state_dict(is_loading=True, with_optimizer=load_optimizer)
-            state = load_verified(lambda: dist_checkpointing.load(sharded, ckpt_dir), items)
-            self._unwrapped().load_state_dict(state["model"])
-            if load_optimizer:
-                _fill_missing_common_step(state["optimizer"])
-                with torch.no_grad():
-                    self.optimizer.load_state_dict(state["optimizer"])
-            else:
-                self.optimizer.reload_model_params()
-        self.num_steps = int(state["actor"]["num_steps"])
-        if load_optimizer:
-            self._restore_adam_steps()
-        self._set_lr()
-        rng_file = os.path.join(ckpt_dir, f"rng_rank{dist.get_rank():05d}_of{dist.get_world_size()}.pt")
-        if os.path.exists(rng_file):
-            _set_rng_state(_load_rng_file(rng_file))
-
-
-def _fill_missing_common_step(optimizer_state: Any) -> None:
-    """megatron saves Adam's shared step only when it is non-zero (`if step:`), so a checkpoint written before the
-    first optimizer step has moments without a step, which torch Adam refuses (KeyError 'step'). Put step 0 back
-    (the true value: nothing stepped) in every plain-optimizer state of the loaded dict."""
-    if not isinstance(optimizer_state, dict):
-        return
-    inner = optimizer_state.get("state")
-    if isinstance(inner, dict) and "common_step" not in inner:
-        params = [v for v in inner.values() if isinstance(v, dict)]
-        if params and all("exp_avg" in v and "step" not in v for v in params):
-            inner["common_step"] = torch.tensor(0.0)
-    for value in optimizer_state.values():
-        if isinstance(value, dict) and value is not inner:
-            _fill_missing_common_step(value)
-
-
-def _load_rng_file(path: str) -> dict[str, Any]:
-    """The RNG states of `save_checkpoint`, unpickled with torch's weights-only loader: tensors, ints, tuples and
-    dicts only, so a crafted file cannot run code (it is refused with its name)."""
-    try:
-        return torch.load(path, weights_only=True)
-    except Exception as err:  # UnpicklingError for disallowed globals, RuntimeError for a damaged archive
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"{path}: refused to load the RNG state ({first})") from None
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+        ActorCheckpoint(self).load(ckpt_dir, load_optimizer=load_optimizer, items=items)

@@ -28,7 +28,6 @@ import datetime
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,7 +89,7 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def _launch_env() -> tuple[int, int, int, str, int]:
+def launch_env() -> tuple[int, int, int, str, int]:
     """(rank, world_size, local_rank, master_addr, master_port) from torchrun, srun or a single process."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -149,7 +148,7 @@ def init_distributed(
     use_cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if use_cuda else "gloo")
     if not dist.is_initialized():
-        rank, world, local_rank, addr, port = _launch_env()
+        rank, world, local_rank, addr, port = launch_env()
     else:
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", rank)))
@@ -230,23 +229,6 @@ def init_distributed(
         ep_rank=ps.get_expert_model_parallel_rank(),
         ep_size=expert_parallel,
     )
-
-
-def init_role(num_engine_ranks: int, timeout_s: float = 1800.0) -> tuple[Any, dist.Store]:
-    """Split this launch into actor and engine ranks (rollout.engine_ranks; megatron_dapo/placement.py): connect to
-    the launch's rendezvous store and initialise torch.distributed's default group over this rank's role only (NCCL
-    for actor ranks with CUDA, else gloo). Call before init_distributed on actor ranks, which then builds megatron's
-    groups over the actor ranks. Returns (Placement, the launch store)."""
-    from megatron_dapo.placement import Placement
-    from megatron_dapo.placement import init_role_group
-    from megatron_dapo.placement import launch_store
-
-    rank, world, _, addr, port = _launch_env()
-    placement = Placement(rank, world, num_engine_ranks)
-    store = launch_store(addr, port, rank, world, timeout_s)
-    backend = "nccl" if torch.cuda.is_available() and not placement.is_engine else "gloo"
-    init_role_group(placement, store, backend, timeout_s)
-    return placement, store
 
 
 def destroy_distributed() -> None:

@@ -163,6 +163,19 @@ def make_engine(
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")
 
 
+def engine_ranks(rollout: RolloutConfig, world_size: int) -> list[int]:
+    """Global ranks that host a rollout engine in a colocated launch (prompts are sharded over them in this order).
+
+    transformers: every rank (CPU rollout is data-parallel); sglang colocated: one engine per rollout.tensor_parallel
+    GPUs (ranks per node must be a multiple of it); sglang server / vllm: rank 0 drives the engine.
+    """
+    if rollout.engine == "transformers":
+        return list(range(world_size))
+    if rollout.engine == "sglang" and rollout.mode == "colocated":
+        return [r for r in range(world_size) if r % rollout.tensor_parallel == 0]
+    return [0]
+
+
 def sizes_kv_pool_at_start(rollout: RolloutConfig) -> bool:
     """True for engines in the training processes' GPUs that size their KV pool once, from the memory free when they
     start (colocated SGLang and vLLM): the trainer builds them with the actor offloaded (MemoryChoreographer

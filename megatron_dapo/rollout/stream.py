@@ -278,77 +278,112 @@ class _Building:
         return sum(len(r) - n for r, n in zip(self.rollouts, self.before) if r is not None)
 
 
+@dataclass(frozen=True)
+class StreamConfig:
+    """The stream's settings, resolved once from the run's config (`from_run`: seconds, not minutes; the window and the
+    cap resolved). Field by field:
+
+    group_size: G. window: rollout.max_inflight_prompts (0: trainer.gen_prompts_per_batch). cap: the sampler's
+    max_sampled_prompts (0 = none). partial: rollout.partial. timeout_s: longest time without a decision before the
+    stream gives up (rollout.generation_timeout_minutes). over_sampling: rollout.over_sampling; positions past the
+    decided ones are started only up to StepSampling.ahead(over_sampling, keep estimate) (0: up to the window).
+    expected_keep: the first step's prior keep ratio (algorithm.expected_keep_ratio). max_gen_s:
+    algorithm.max_gen_minutes (0: none): past it no further queue position is decided. stall_s: a peer whose heartbeat
+    has not moved for this long ends the job naming it (0: no watch; distributed.timeout_minutes on more than one
+    rank). max_restarts: rollout.engine_restarts; prompt_retries: rollout.prompt_retries; engine_stall_s:
+    rollout.engine_stall_minutes (0: no stall check). max_staleness: trainer.max_staleness (-1: no bound); a carried
+    response past it (`oldest_version`) restarts from nothing (on_stale "regenerate": a finished group that held one
+    is carried unfinished to generate it again) or its whole group is not carried (on_stale "drop": the prompt counts
+    as consumed, it is not trained on).
+    """
+
+    group_size: int
+    window: int
+    cap: int
+    partial: bool
+    timeout_s: float
+    over_sampling: float = 0.0
+    expected_keep: float = 0.5
+    max_gen_s: float = 0.0
+    stall_s: float = 0.0
+    max_restarts: int = 0
+    prompt_retries: int = 0
+    engine_stall_s: float = 0.0
+    max_staleness: int = -1
+    on_stale: str = "regenerate"
+
+    @classmethod
+    def from_run(cls, config: Any, cap: int, world_size: int) -> StreamConfig:
+        """From a RunConfig; cap: the dynamic sampler's max_sampled_prompts; world_size: the stream's ranks."""
+        c = config
+        return cls(
+            group_size=c.algorithm.group_size,
+            window=c.rollout.max_inflight_prompts or c.trainer.gen_prompts_per_batch,
+            cap=cap,
+            partial=c.rollout.partial,
+            timeout_s=c.rollout.generation_timeout_minutes * 60.0,
+            over_sampling=c.rollout.over_sampling,
+            expected_keep=c.algorithm.expected_keep_ratio,
+            max_gen_s=c.algorithm.max_gen_minutes * 60.0,
+            stall_s=c.distributed.timeout_s if world_size > 1 else 0.0,
+            max_restarts=c.rollout.engine_restarts,
+            prompt_retries=c.rollout.prompt_retries,
+            engine_stall_s=c.rollout.engine_stall_minutes * 60.0,
+            max_staleness=c.trainer.max_staleness,
+            on_stale=c.trainer.on_stale,
+        )
+
+
+@dataclass(frozen=True)
+class StreamHooks:
+    """What the stream calls back into its owner.
+
+    score: (position, example index, truth, G finished rollouts) -> RolloutGroup (verifier + overlong shaping).
+    stop: this rank's preemption flag; once any rank's is set the step stops everywhere (StreamResult.interrupted).
+    restart: () -> a new engine for this rank, the dead one shut down (None: an engine failure ends the job).
+    resync: (ranks whose engine was restarted) -> None, collective on every rank: the actor's weights into those
+        engines (the owner walks its export; the engines' weight_version is set by the stream).
+    log: one line to this rank's log.
+    between_steps: called before each engine step (an engine rank of a split launch loads weights pushed while it
+        generates there: megatron_dapo/engine_rank.py); None: nothing.
+    """
+
+    score: Callable[[int, int, str, list[Rollout]], RolloutGroup]
+    stop: Callable[[], bool] = lambda: False
+    restart: Callable[[], Any] | None = None
+    resync: Callable[[list[int]], None] | None = None
+    log: Callable[[str], None] = lambda line: None
+    between_steps: Callable[[], Any] | None = None
+
+
 class RolloutStream:
     """Runs one step's generation (construct on every rank; `run` is collective).
 
     engine: this rank's engine (streaming protocol of rollout/base.py) or None.
     rank: this rank; exchange: the RolloutExchange (gloo all_gather at the end of the stream).
-    store: `job_store(...)`; group_size: G.
-    window: rollout.max_inflight_prompts (resolved); cap: the sampler's max_sampled_prompts (0 = none).
-    partial: rollout.partial. timeout_s: longest time without a decision before the stream gives up.
-    stop: this rank's preemption flag; once any rank's is set the step stops everywhere (StreamResult.interrupted).
-    max_gen_s: algorithm.max_gen_minutes in seconds (0: none): past it no further queue position is decided.
-    stall_s: a peer whose heartbeat has not moved for this long ends the job naming it (0: no watch; the trainer
-        passes distributed.timeout_minutes).
-    score: (position, example index, truth, G finished rollouts) -> RolloutGroup (verifier + overlong shaping).
-    over_sampling: rollout.over_sampling; positions past the decided ones are started only up to
-        StepSampling.ahead(over_sampling, keep estimate) (0: up to the window). expected_keep: the first step's prior.
-    restart: () -> a new engine for this rank, the dead one shut down (None: an engine failure ends the job).
-    resync: (ranks whose engine was restarted) -> None, collective on every rank: the actor's weights into those
-        engines (the trainer walks its export; the engines' weight_version is set by the stream).
-    max_restarts: rollout.engine_restarts; prompt_retries: rollout.prompt_retries; engine_stall_s:
-        rollout.engine_stall_minutes in seconds (0: no stall check). log: one line to this rank's log.
-    max_staleness: trainer.max_staleness (-1: no bound). At the cut, a carried response whose oldest token would be
-        more than max_staleness weight versions behind the next step's training (`stale_before`) restarts from
-        nothing (on_stale "regenerate": a finished group that held one is carried unfinished to generate it again)
-        or its whole group is not carried (on_stale "drop": the prompt counts as consumed, it is not trained on).
-    between_steps: called before each engine step (an engine rank of a split launch loads weights pushed while it
-        generates there: megatron_dapo/placement.py); None: nothing.
+    store: `job_store(...)`. config: StreamConfig; hooks: StreamHooks.
     """
 
     def __init__(
-        self,
-        engine: Any,
-        rank: int,
-        exchange: Any,
-        store: dist.Store,
-        *,
-        group_size: int,
-        window: int,
-        cap: int,
-        partial: bool,
-        timeout_s: float,
-        score: Callable[[int, int, str, list[Rollout]], RolloutGroup],
-        over_sampling: float = 0.0,
-        expected_keep: float = 0.5,
-        stop: Callable[[], bool] = lambda: False,
-        max_gen_s: float = 0.0,
-        stall_s: float = 0.0,
-        restart: Callable[[], Any] | None = None,
-        resync: Callable[[list[int]], None] | None = None,
-        max_restarts: int = 0,
-        prompt_retries: int = 0,
-        engine_stall_s: float = 0.0,
-        log: Callable[[str], None] = lambda line: None,
-        max_staleness: int = -1,
-        on_stale: str = "regenerate",
-        between_steps: Callable[[], None] | None = None,
+        self, engine: Any, rank: int, exchange: Any, store: dist.Store, config: StreamConfig, hooks: StreamHooks
     ) -> None:
+        c, h = config, hooks
+        self.config, self.hooks = c, h
         self.engine, self.rank, self.exchange, self.store = engine, rank, exchange, store
-        self.stop = stop
-        self.max_gen_s = max_gen_s
-        self.peers = PeerWatch(store, rank, exchange.world_size, stall_s) if stall_s > 0 else None
-        self.group_size, self.window, self.cap, self.partial = group_size, window, cap, partial
-        self.over_sampling = over_sampling
-        self.keep_estimate = expected_keep
+        self.stop = h.stop
+        self.max_gen_s = c.max_gen_s
+        self.peers = PeerWatch(store, rank, exchange.world_size, c.stall_s) if c.stall_s > 0 else None
+        self.group_size, self.window, self.cap, self.partial = c.group_size, c.window, c.cap, c.partial
+        self.over_sampling = c.over_sampling
+        self.keep_estimate = c.expected_keep
         """Prior keep ratio of a step (the last step's kept / sampled; first: algorithm.expected_keep_ratio)."""
-        self.timeout_s = timeout_s
-        self.score = score
+        self.timeout_s = c.timeout_s
+        self.score = h.score
         self._keys = 0
-        self.restart, self.resync, self.log = restart, resync, log
-        self.max_restarts, self.prompt_retries, self.engine_stall_s = max_restarts, prompt_retries, engine_stall_s
-        self.max_staleness, self.on_stale = max_staleness, on_stale
-        self.between_steps = between_steps
+        self.restart, self.resync, self.log = h.restart, h.resync, h.log
+        self.max_restarts, self.prompt_retries, self.engine_stall_s = c.max_restarts, c.prompt_retries, c.engine_stall_s
+        self.max_staleness, self.on_stale = c.max_staleness, c.on_stale
+        self.between_steps = h.between_steps
         self.restarts = 0
         """In-place restarts of this rank's engine so far (the run's; bounded by max_restarts)."""
         self.retries: dict[str, int] = {}
@@ -399,10 +434,16 @@ def _unfinished(prompt: list[int]) -> Rollout:
     return Rollout(prompt, [], None, FinishReason.ABORT)
 
 
+def oldest_version(train_step: int, max_staleness: int) -> int | None:
+    """The staleness rule, the one place it is written: the oldest weight version a token trained in `train_step`
+    may come from. Step s trains after version s - 1 (the weights synced after step s - 1's update), and
+    trainer.max_staleness bounds (s - 1) - version. None: no bound (-1)."""
+    return None if max_staleness < 0 else train_step - 1 - max_staleness
+
+
 def stale_before(step: int, max_staleness: int) -> int | None:
-    """The oldest weight version a response carried out of `step` may hold: the next step trains with version `step`
-    (the weights synced after this step's update), and trainer.max_staleness bounds step - version. None: no bound."""
-    return None if max_staleness < 0 else step - max_staleness
+    """The oldest weight version a response carried out of `step` may hold (it is trained in step + 1)."""
+    return oldest_version(step + 1, max_staleness)
 
 
 def drop_stale(rows: list[Rollout], oldest: int | None) -> tuple[list[Rollout], int, int]:

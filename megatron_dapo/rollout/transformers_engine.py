@@ -226,6 +226,15 @@ class TransformersEngine:
         self._received: set[str] | None = None
         self._fp8_pending: dict[str, dict[str, Tensor]] = {}  # FP8 weights waiting for their scale (or vice versa)
 
+    def evaluation_clone(self) -> TransformersEngine:
+        """A second engine over the same model (its parameters shared, not copied), with its own cache and queue: an
+        engine rank of a split launch scores an evaluation on it while the stream's requests are in flight on this
+        one (engine_rank.py)."""
+        return TransformersEngine(
+            self.model, dtype=next(self.model.parameters()).dtype, device=self.device, eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id, max_running=self.max_running, max_context=self.max_context,
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ generation
 
     def submit(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> None:

@@ -58,7 +58,7 @@ def _parity_worker(ckpts: dict[str, str], batch) -> list[dict]:
             res["reference"] = _run_impl(actor, batch)
             actor.logprob_impl = get_logprob_impl("fused_linear")
             res["fused_linear"] = _run_impl(actor, batch)
-            res["tied"] = actor._unwrapped().share_embeddings_and_output_weights
+            res["tied"] = actor.unwrapped().share_embeddings_and_output_weights
             out.append(res)
     return out
 

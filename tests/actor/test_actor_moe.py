@@ -159,9 +159,9 @@ def _replay_worker(hf_dir: str, moved_dir: str, batch, engine_routing: list) -> 
         # r3: an engine's routing (every layer, all positions but the last) replayed as given.
         local.routed_experts = RoutedExperts.from_rows([engine_routing[i] for i in rows], 8)
         r3_logp, _ = new.compute_logprobs(local, plan=plan)
-        first = new._unwrapped().decoder.layers[0].layer_number - 1
+        first = new.unwrapped().decoder.layers[0].layer_number - 1
         # As the trainer sends it under PP: only this stage's layers (Rollout.routing_layers' cut).
-        count = len(new._unwrapped().decoder.layers)
+        count = len(new.unwrapped().decoder.layers)
         cut = [engine_routing[i][:, first : first + count] for i in rows]
         local.routed_experts = RoutedExperts.from_rows(cut, 8)
         r3_cut_logp, _ = new.compute_logprobs(local, plan=plan)
@@ -288,7 +288,7 @@ def _gpu_worker(hf_dir: str, batch) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity against transformers' fp64
     groups = init_distributed(1, 1)
     actor = MegatronActor(_config(hf_dir, 1, 1), groups, hf_dir=hf_dir)
-    gpt = actor._unwrapped()
+    gpt = actor.unwrapped()
     experts = type(gpt.decoder.layers[0].mlp.experts).__name__
     logp, ent = actor.compute_logprobs(batch)
     actor.config.trainer.micro_batch_size = 4

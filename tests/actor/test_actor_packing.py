@@ -90,7 +90,7 @@ def _worker(ckpts: dict[str, str], batch, layouts=LAYOUTS) -> list[dict]:
             noise = 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(5))
             batch.old_logp = (logp + noise) * batch.response_mask  # off-policy enough that some ratios clip
             actor.pop_token_stats()
-            gpt = actor._unwrapped()
+            gpt = actor.unwrapped()
             res = {"layout": (tp, pp), "model": name, "tied": gpt.share_embeddings_and_output_weights}
             res["attention"] = type(gpt.decoder.layers[0].self_attention.core_attention).__name__
             res["reference"] = _pass(actor, batch)

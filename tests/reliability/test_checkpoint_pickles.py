@@ -40,7 +40,7 @@ from tests.reliability.test_actor_faults import _batch
 from tests.reliability.test_actor_faults import _config
 from tests.reliability.test_actor_faults import _Evil
 from tests.reliability.test_actor_faults import _weights
-from tests.reliability.test_data_identity import bare_trainer
+from tests.reliability.test_data_identity import Startup
 from tests.reliability.test_data_identity import tiny_config
 
 STEP = "step_00000001"
@@ -214,7 +214,7 @@ def test_crafted_metadata_inside_a_real_record_runs_nothing(real, tmp_path):
 
 def test_start_up_refuses_a_crafted_metadata_in_one_line(real, tmp_path):
     """The trainer's resume (checkpoint.resume=auto, inside its start-up step): one line on every rank, exit 2 under
-    the CLI; the manager is wired as DAPOTrainer.__init__ wires it."""
+    the CLI; the manager is wired as the trainer wires it."""
     from megatron_dapo.actor.actor import MegatronActor
 
     tiny = make_tiny_run(tmp_path / "tiny", num_train=8, num_test=2)
@@ -225,17 +225,12 @@ def test_start_up_refuses_a_crafted_metadata_in_one_line(real, tmp_path):
         shutil.copytree(real[0] / "ck_True" / STEP / "actor", d)
         (d / ".metadata").write_bytes(pickle.dumps(_Evil(str(marker))))
 
-    trainer = bare_trainer(config)
-    trainer._startup(trainer._load_inputs)
-    trainer.step = 1
-    trainer.ckpt.save(1, trainer.trainer_state(), config.to_dict(), crafted_actor)  # a manifest over the crafted file
-    again = bare_trainer(config)
-    again.ckpt = CheckpointManager(
-        again.ckpt.root, 2, log=again._notice, check_pickles=lambda p: MegatronActor.check_checkpoint(p / "actor")
-    )
-    again._startup(again._load_inputs)
+    first = Startup(config)
+    first.step = 1
+    first.ckpt.save(1, first.trainer_state(), config.to_dict(), crafted_actor)  # a manifest over the crafted file
+    ckpt = CheckpointManager(first.ckpt.root, 2, check_pickles=lambda p: MegatronActor.check_checkpoint(p / "actor"))
     with pytest.raises(StartupError) as err:
-        again._startup(again._resume_path)
+        Startup(config, ckpt).find()
     assert "\n" not in str(err.value) and str(err.value).startswith("checkpoint "), str(err.value)
     assert f"{STEP}/actor/.metadata: refused to unpickle 'os.makedirs'" in str(err.value)
     assert not marker.exists()

@@ -23,7 +23,7 @@ from megatron_dapo.data import iter_rows
 from megatron_dapo.data.dataset import prompt_token_ids
 from megatron_dapo.dev.tiny import make_tiny_tokenizer
 from megatron_dapo.launch import StartupError
-from tests.reliability.test_data_identity import bare_trainer
+from tests.reliability.test_data_identity import Startup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -166,9 +166,7 @@ def test_trainer_reads_the_model_positions_at_startup(data_file, tokenizer, tmp_
                 *overrides,
             ],
         )
-        trainer = bare_trainer(config)
-        trainer._startup(trainer._load_inputs)
-        return trainer
+        return Startup(config).inputs
 
     assert start(n + 12).longest_prompt == n
     with pytest.raises(StartupError, match=rf"^{data_file} row 3 \(line 4\): prompt has {n} tokens .* more than "):

@@ -8,6 +8,7 @@ identity still loads, checked by row count, with a notice.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,11 @@ from megatron_dapo.data import PromptIterator
 from megatron_dapo.data import write_rows
 from megatron_dapo.dev.tiny import make_tiny_run
 from megatron_dapo.dev.tiny import make_tiny_tokenizer
+from megatron_dapo.inputs import RunInputs
+from megatron_dapo.inputs import agree_at_startup
 from megatron_dapo.launch import StartupError
+from megatron_dapo.resume import Resume
+from megatron_dapo.resume import trainer_state
 from megatron_dapo.rollout.exchange import RolloutExchange
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,16 +133,28 @@ def test_state_without_identity_loads_with_a_notice(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ trainer level
-def bare_trainer(config):
-    """A DAPOTrainer with only what start-up needs on one rank (no process group, actor or engine)."""
-    from megatron_dapo.trainer import DAPOTrainer
+class Startup:
+    """The trainer's start-up on one rank from its public parts (RunInputs, Resume and the checkpoint manager, in
+    agree_at_startup as the trainer runs them), with no process group, actor or engine."""
 
-    t = object.__new__(DAPOTrainer)
-    t.cfg, t.rank, t.world, t.lock, t.step = config, 0, 1, None, 0
-    t.exchange = RolloutExchange(1, timeout_s=60)
-    t.ckpt = CheckpointManager(Path(config.trainer.run_dir) / "checkpoints", 2, log=t._notice)
-    t.carry, t.carry_rows, t.last_row = [], {}, None
-    return t
+    def __init__(self, config, ckpt: CheckpointManager | None = None) -> None:
+        self.config, self.step = config, 0
+        self.exchange = RolloutExchange(1, timeout_s=60)
+        self.ckpt = ckpt or CheckpointManager(Path(config.trainer.run_dir) / "checkpoints", 2, log=_notice)
+        self.resume = Resume(self.ckpt, config, 0, 1, _notice)
+        self.inputs = agree_at_startup(self.exchange, lambda: RunInputs(config, _notice))
+
+    def find(self):
+        """The checkpoint to resume from, as the trainer's start-up decides it (StartupError: one line)."""
+        return agree_at_startup(self.exchange, lambda: self.resume.find(self.inputs))
+
+    def trainer_state(self) -> dict:
+        data, architecture = self.inputs.train_data.state_dict(), self.inputs.architecture
+        return trainer_state(self.step, data, [], None, architecture)
+
+
+def _notice(line: str) -> None:
+    print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -162,24 +179,20 @@ def test_resume_on_edited_data_is_a_one_line_startup_error(tiny, tmp_path, capsy
     train = Path(tiny["train"])
     original = train.read_text()
     config = tiny_config(tiny, tmp_path / "run")
-    first = bare_trainer(config)
-    first._startup(first._load_inputs)
-    first.train_data.skip(3)
+    first = Startup(config)
+    first.inputs.train_data.skip(3)
     first.step = 1
     saved = first.ckpt.save(1, first.trainer_state(), config.to_dict(), lambda d: d.mkdir())
 
-    same = bare_trainer(config)
-    same._startup(same._load_inputs)
-    assert same._startup(same._resume_path) == saved
+    assert Startup(config).find() == saved
 
     rows = [json.loads(line) for line in original.splitlines()]
     rows[5]["reward_model"]["ground_truth"] = "99"
     try:
         _write(train, rows)
-        edited = bare_trainer(config)
-        edited._startup(edited._load_inputs)
+        edited = Startup(config)
         with pytest.raises(StartupError) as err:
-            edited._startup(edited._resume_path)
+            edited.find()
     finally:
         train.write_text(original)
     assert str(err.value) == (
@@ -187,12 +200,11 @@ def test_resume_on_edited_data_is_a_one_line_startup_error(tiny, tmp_path, capsy
     )
 
     # A checkpoint of an older version (no identity in its data state) resumes, with a notice.
-    old = bare_trainer(tiny_config(tiny, tmp_path / "old"))
-    old._startup(old._load_inputs)
+    old = Startup(tiny_config(tiny, tmp_path / "old"))
     old.step = 1
     state = old.trainer_state()
     del state["data"]["identity"]
-    path = old.ckpt.save(1, state, old.cfg.to_dict(), lambda d: d.mkdir())
+    path = old.ckpt.save(1, state, old.config.to_dict(), lambda d: d.mkdir())
     capsys.readouterr()
-    assert old._startup(old._resume_path) == path
+    assert old.find() == path
     assert "has no fingerprint of its training data (an older version)" in capsys.readouterr().err

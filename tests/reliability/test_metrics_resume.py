@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
+from megatron_dapo.metrics import drop_unsaved_metrics
 from megatron_dapo.metrics import metrics_row
-from megatron_dapo.trainer import _drop_unsaved_metrics
-from megatron_dapo.trainer import _truncate_metrics
+from megatron_dapo.metrics import truncate_metrics
 
 
 def test_torn_last_line_is_dropped_and_named(tmp_path):
@@ -17,7 +17,7 @@ def test_torn_last_line_is_dropped_and_named(tmp_path):
     text = "".join(json.dumps(r) + "\n" for r in rows)
     path.write_text(text + '{"step": 4, "actor/lo')  # torn mid-write, no newline
     lines: list[str] = []
-    _truncate_metrics(path, 2, lines.append)
+    truncate_metrics(path, 2, lines.append)
     assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:3]
     assert len(lines) == 1 and "metrics.jsonl line 5: not a metrics row" in lines[0], lines
 
@@ -26,7 +26,7 @@ def test_garbage_in_the_middle_is_dropped_too(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1}\n\xff\xfe\x00garbage\n{"step": 2}\n[]\n')
     lines: list[str] = []
-    _truncate_metrics(path, 5, lines.append)
+    truncate_metrics(path, 5, lines.append)
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     assert [x.split(":")[0].rsplit(" ", 1)[-1] for x in lines] == ["2", "4"], lines
 
@@ -38,15 +38,15 @@ def test_torn_row_of_the_checkpointed_step_is_restored_from_the_checkpoint(tmp_p
     rows = [metrics_row(s, {"loss": 0.5 * s, "actor/grad_norm": float("nan")}) for s in range(4)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]) + '{"step": 3, "actor/lo')
     lines: list[str] = []
-    _truncate_metrics(path, 3, lines.append, restore=rows[3])
+    truncate_metrics(path, 3, lines.append, restore=rows[3])
     assert [json.loads(x) for x in path.read_text().splitlines()] == rows
     assert rows[3]["actor/grad_norm"] is None  # stored as the file stores it
     assert "step 3's metrics row was missing; restored it from the checkpoint" in lines[-1], lines
     lines.clear()
-    _truncate_metrics(path, 3, lines.append, restore=rows[3])  # present: nothing added twice
+    truncate_metrics(path, 3, lines.append, restore=rows[3])  # present: nothing added twice
     assert [json.loads(x) for x in path.read_text().splitlines()] == rows and not lines
     path.unlink()
-    _truncate_metrics(path, 3, lines.append, restore=rows[3])  # the whole file lost
+    truncate_metrics(path, 3, lines.append, restore=rows[3])  # the whole file lost
     assert [json.loads(x) for x in path.read_text().splitlines()] == rows[3:]
 
 
@@ -57,11 +57,11 @@ def test_a_start_from_step_0_drops_the_rows_of_an_earlier_start_that_saved_nothi
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "actor/lo')
     lines: list[str] = []
-    _drop_unsaved_metrics(path, lines.append)
+    drop_unsaved_metrics(path, lines.append)
     assert path.read_text() == ""
     assert lines == [
         f"{path}: dropped 3 row(s) of an earlier start that saved no checkpoint; this run starts at step 0"
     ]
-    _drop_unsaved_metrics(tmp_path / "none.jsonl", lines.append)  # no file, or an empty one: nothing to say
-    _drop_unsaved_metrics(path, lines.append)
+    drop_unsaved_metrics(tmp_path / "none.jsonl", lines.append)  # no file, or an empty one: nothing to say
+    drop_unsaved_metrics(path, lines.append)
     assert len(lines) == 1

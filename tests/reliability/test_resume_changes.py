@@ -18,8 +18,8 @@ from megatron_dapo.checkpoint import checkpoint_files
 from megatron_dapo.checkpoint import hash_files
 from megatron_dapo.dev.tiny import make_tiny_run
 from megatron_dapo.launch import StartupError
-from megatron_dapo.trainer import check_architecture
-from tests.reliability.test_data_identity import bare_trainer
+from megatron_dapo.resume import check_architecture
+from tests.reliability.test_data_identity import Startup
 from tests.reliability.test_data_identity import tiny_config
 
 
@@ -33,17 +33,14 @@ def _saved_run(tiny, tmp_path, *overrides: str):
     model = tmp_path / "model"
     shutil.copytree(tiny["model"], model)
     config = tiny_config({**tiny, "model": str(model)}, tmp_path / "run", *overrides)
-    first = bare_trainer(config)
-    first._startup(first._load_inputs)
+    first = Startup(config)
     first.step = 1
     first.ckpt.save(1, first.trainer_state(), config.to_dict(), lambda d: d.mkdir())
     return model, config
 
 
 def _resume(config) -> None:
-    again = bare_trainer(config)
-    again._startup(again._load_inputs)
-    again._startup(again._resume_path)
+    Startup(config).find()
 
 
 def test_model_replaced_at_the_same_path_is_named(tiny, tmp_path):
@@ -87,7 +84,7 @@ def _forge_manifest(ckpt: Path) -> None:
     (ckpt / MANIFEST).write_text(json.dumps({"version": 1, "algorithm": "sha256", "files": files}))
 
 
-RNG = "actor/rng_rank00000_of1.pt"  # the actor's RNG file of rank 0 in a one-process run (bare_trainer)
+RNG = "actor/rng_rank00000_of1.pt"  # the actor's RNG file of rank 0 in a one-process run (Startup)
 
 
 @pytest.mark.parametrize("case", ["crafted_rng", "not_rng", "other_step_state", "garbage_state"])

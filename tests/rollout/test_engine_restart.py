@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_dapo.algorithms import DynamicSampler
 from megatron_dapo.errors import JobError
 from megatron_dapo.rollout import EngineDied
-from megatron_dapo.rollout.stream import RolloutStream
+from tests.rollout._streams import make_stream
 from tests.rollout.test_stream import PARAMS
 from tests.rollout.test_stream import FakeEngine
 from tests.rollout.test_stream import G
@@ -85,7 +85,7 @@ def run_with_deaths(world, trial, *, step=1, target=5, window=6, slots=8, deaths
             if rank in ranks:
                 engines[-1].synced = True
 
-        stream = RolloutStream(
+        stream = make_stream(
             engines[0], rank, exchange.for_rank(rank), store,
             group_size=G, window=window, cap=60, partial=partial, timeout_s=20, score=score,
             restart=restart, resync=resync, max_restarts=max_restarts, prompt_retries=retries, log=lines.append,
@@ -163,7 +163,7 @@ def test_a_prompt_past_its_retries_is_given_up_and_said():
     def resync(ranks):
         engines[-1].synced = True
 
-    stream = RolloutStream(
+    stream = make_stream(
         engines[0], 0, exchange.for_rank(0), store, group_size=G, window=2, cap=60, partial=False, timeout_s=20,
         score=score, restart=restart, resync=resync, max_restarts=5, prompt_retries=1, log=lines.append,
     )  # fmt: skip
@@ -189,7 +189,7 @@ def test_past_the_restart_budget_the_job_ends_with_one_line():
     def resync(ranks):
         engines[-1].synced = True
 
-    stream = RolloutStream(
+    stream = make_stream(
         engines[0], 0, exchange.for_rank(0), store, group_size=G, window=4, cap=60, partial=False, timeout_s=20,
         score=score, restart=restart, resync=resync, max_restarts=2, prompt_retries=100,
     )  # fmt: skip
@@ -219,7 +219,7 @@ def test_an_engine_that_returns_nothing_is_declared_dead_and_restarted():
     def resync(ranks):
         engines[-1].synced = True
 
-    stream = RolloutStream(
+    stream = make_stream(
         engines[0], 0, exchange.for_rank(0), store, group_size=G, window=4, cap=60, partial=False, timeout_s=20,
         score=score, restart=restart, resync=resync, max_restarts=1, prompt_retries=3, engine_stall_s=0.3,
         log=lines.append,

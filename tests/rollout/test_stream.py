@@ -17,7 +17,7 @@ from megatron_dapo.rollout import Rollout
 from megatron_dapo.rollout import RolloutGroup
 from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout.base import request_result
-from megatron_dapo.rollout.stream import RolloutStream
+from tests.rollout._streams import make_stream
 
 G = 4
 PARAMS = SamplingParams(max_new_tokens=9)
@@ -130,7 +130,7 @@ def run_step(
 
     def rank_main(rank: int) -> None:
         engine = FakeEngine(slots, timing_seed * 100 + rank, version=step - 1, slow=rank == slow_rank)
-        stream = RolloutStream(
+        stream = make_stream(
             engine, rank, exchange.for_rank(rank), store,
             group_size=G, window=window, cap=cap, partial=partial, timeout_s=20, score=score,
             over_sampling=over_sampling, expected_keep=0.5, max_staleness=max_staleness,

@@ -59,6 +59,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, impl: st
     os.environ.update(LOCAL_RANK=str(rank))
     torch.set_num_threads(args.threads)
     from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.checkpointing import allocate_adam_state
     from megatron_dapo.actor.distributed import init_distributed
     from megatron_dapo.config import ActorConfig
     from megatron_dapo.config import AlgorithmConfig
@@ -93,7 +94,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, impl: st
     res["logprobs_s"] = time.perf_counter() - start
     res["logprobs_peak_mb"] = _rss_mb("VmHWM")
     batch.old_logp = logp
-    actor._allocate_optimizer_state()  # Adam's moments exist before the measured step, as in any step after the first
+    allocate_adam_state(actor.optimizer)  # Adam's moments exist before the measured step, as after the first
     torch.distributed.barrier()
     _reset_peak()
     before = _rss_mb("VmRSS")

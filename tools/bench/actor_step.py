@@ -64,6 +64,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
     os.environ.update(LOCAL_RANK=str(rank))
     torch.set_num_threads(args.threads)
     from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.checkpointing import allocate_adam_state
     from megatron_dapo.actor.distributed import init_distributed
     from megatron_dapo.actor.loss import get_logprob_impl
     from megatron_dapo.config import load_config
@@ -72,7 +73,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
     cfg = load_config(args.config, [f"--actor.model_path={args.model}"])
     actor = MegatronActor(cfg, groups, hf_dir=args.model)
     batch = main_job_batch(cfg.trainer.prompts_per_step * cfg.algorithm.group_size, actor.vocab_size)
-    actor._allocate_optimizer_state()
+    allocate_adam_state(actor.optimizer)
     rows = []
     for rep in range(args.reps):
         for arm in sorted(ARMS, reverse=rep % 2 == 1):  # alternate the order: no arm always goes first

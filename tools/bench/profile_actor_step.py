@@ -158,6 +158,7 @@ def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)  # CPU dispatch, as the main job runs
     torch.set_num_threads(args.threads)
     from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.checkpointing import allocate_adam_state
     from megatron_dapo.actor.distributed import init_distributed
     from megatron_dapo.config import load_config
 
@@ -180,12 +181,12 @@ def main() -> None:
             return step()
 
     actor._optimizer_step = optimizer_step
-    actor._allocate_optimizer_state()
+    allocate_adam_state(actor.optimizer)
     batch = group_batch(args.groups, cfg.algorithm.group_size, actor.vocab_size)
-    state = {k: v.clone() for k, v in actor._unwrapped().state_dict().items() if torch.is_tensor(v)}
+    state = {k: v.clone() for k, v in actor.unwrapped().state_dict().items() if torch.is_tensor(v)}
     results = []
     for arm in args.arms.split(","):
-        actor._unwrapped().load_state_dict(state, strict=False)  # both arms start from the same weights
+        actor.unwrapped().load_state_dict(state, strict=False)  # both arms start from the same weights
         res = _arm(actor, batch, arm == "on")
         results.append(res)
         shares = " ".join(f"{k} {v:.0%}" for k, v in res["op_share"].items())
@@ -198,7 +199,7 @@ def main() -> None:
     if len(results) == 2:
         # The rounding floor for that difference: the same unshared pass with other micro-batches (other matmul
         # shapes and attention blocks), from the same weights.
-        actor._unwrapped().load_state_dict(state, strict=False)
+        actor.unwrapped().load_state_dict(state, strict=False)
         actor.config.actor.shared_prefix = False
         actor.config.trainer.micro_batch_size = max(1, cfg.trainer.micro_batch_size // 2)
         floor, _ = actor.compute_logprobs(batch, with_entropy=False)

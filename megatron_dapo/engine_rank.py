@@ -1,0 +1,194 @@
+"""The engine rank of a split launch (rollout.engine_ranks > 0; placement.py): its own program beside the trainer.
+
+    EngineRank(config, placement, store)   data, verifier, sampler, this rank's engine, the rollout stream over the
+                                           engine ranks (their own default group), the weight receiver
+      .fit()                               take the actor's start state, then generate each step as soon as the
+                                           loaded weights are within trainer.max_staleness of it (the one rule:
+                                           stream.oldest_version), loading pushes between engine steps, and hand each
+                                           step to the actor ranks (engine rank 0 posts it); then load pushes until
+                                           the actor says stop
+
+No actor, checkpoint or logger: the actor ranks (trainer.py, RemoteGeneration in generation.py) own those. A version
+that the actor evaluates (trainer.eval_every) is scored here when it is loaded, on a second engine over the same
+model (requests of the stream may be in flight on the first).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from megatron_dapo.algorithms import DynamicSampler
+from megatron_dapo.checkpoint import PreemptionFlag
+from megatron_dapo.config import RunConfig
+from megatron_dapo.experience import GroupScorer
+from megatron_dapo.experience import sampled_response_metrics
+from megatron_dapo.generation import RolloutContext
+from megatron_dapo.generation import carry_entries
+from megatron_dapo.generation import carry_state
+from megatron_dapo.inputs import RunInputs
+from megatron_dapo.inputs import agree_at_startup
+from megatron_dapo.metrics import Stat
+from megatron_dapo.metrics import finalize
+from megatron_dapo.metrics import merge_stats
+from megatron_dapo.placement import POLL_S
+from megatron_dapo.placement import ActorBeat
+from megatron_dapo.placement import Mailbox
+from megatron_dapo.placement import StepGeneration
+from megatron_dapo.rollout.exchange import RolloutExchange
+from megatron_dapo.rollout.stream import oldest_version
+
+
+class EngineRank:
+    """One engine rank of a split launch (see the module docstring). `launch` builds it on an engine rank; the
+    constructor takes the parts (tests give it a fake engine and receiver).
+
+    config: the RunConfig. ctx: RolloutContext over the engine ranks. engine: this rank's engine (or the SGLang
+    servers it drives). receiver: placement.StagedReceiver (or ServerVersions): `apply(engine)`, `loaded`,
+    `received_s`, `close()`. mailbox / beat: placement.Mailbox and ActorBeat on the launch's store. preempt: this
+    rank's PreemptionFlag (`flag`).
+    """
+
+    def __init__(
+        self, config: RunConfig, ctx: RolloutContext, engine: Any, receiver: Any, mailbox: Any, beat: Any, preempt: Any
+    ) -> None:
+        self.cfg, self.ctx = config, ctx
+        self.rank, self.world, self.exchange, self.inputs = ctx.rank, ctx.world, ctx.exchange, ctx.inputs
+        self.inputs.hook = self.test_hook  # the fresh-prompt point of generation
+        self.engine, self.receiver, self.mailbox, self.beat, self.preempt = engine, receiver, mailbox, beat, preempt
+        self.step = self._start_step = 0
+        self.engine_ranks = list(range(self.world))
+        self.stream = ctx.make_stream(engine, stop=self.stopping, log=ctx.log, between_steps=self.load_pushed)
+        self.carry, self.carry_rows = [], {}
+        self._eval_engine: Any = None
+
+    @classmethod
+    def launch(cls, config: RunConfig, placement: Any, store: Any) -> EngineRank:
+        """On an engine rank of a split launch: data, verifier, sampler, its engine (the embedded one, or its share of
+        rollout.server_urls), the weight receiver, the stream over the engine ranks (their own default group)."""
+        from megatron_dapo.placement import StagedReceiver
+        from megatron_dapo.placement import WeightChannel
+        from megatron_dapo.reward import Verifier
+        from megatron_dapo.rollout import make_engine
+
+        c = config
+        rank, world = placement.role_rank, placement.role_size
+        preempt = PreemptionFlag()
+        preempt.install()
+        exchange = RolloutExchange(world, timeout_s=c.rollout.generation_timeout_minutes * 60.0)
+        inputs = agree_at_startup(exchange, lambda: RunInputs(c, _notice if rank == 0 else lambda line: None))
+        sampler = DynamicSampler.from_config(c.algorithm, c.trainer)
+        scorer = GroupScorer(
+            inputs.tokenizer, Verifier.from_config(c.reward), c.algorithm, c.rollout.max_response_length
+        )
+        ctx = RolloutContext(
+            c, rank, world, exchange, inputs, sampler, scorer, lambda: preempt.flag, lambda point: None, _notice
+        )
+        routed = c.actor.routing_replay == "r3"
+        if c.rollout.engine == "sglang":  # SGLang servers: this rank drives its share of them over HTTP
+            from megatron_dapo.placement import ServerVersions
+            from megatron_dapo.rollout.factory import server_stream
+
+            urls = c.rollout.server_urls[rank::world]
+            engine = server_stream(c.rollout, c.actor.model_path, urls, routed_experts=routed)
+            receiver: Any = ServerVersions(store)
+        else:
+            max_context = max(inputs.longest_prompt, 1) + c.rollout.max_response_length
+            local_rank = int(os.environ.get("LOCAL_RANK", placement.rank))
+            engine = make_engine(
+                c.rollout, c.actor.model_path, base_gpu_id=local_rank, seed=c.trainer.seed,
+                max_context=-(-max_context // 64) * 64, routed_experts=routed,
+            )  # fmt: skip
+            receiver = StagedReceiver(WeightChannel(placement, store, c.distributed.timeout_s))
+        return cls(c, ctx, engine, receiver, Mailbox(store), ActorBeat(store, beating=False), preempt)
+
+    # ---------------------------------------------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, float]:
+        """This rank's run (module docstring); returns {} (the actor ranks log)."""
+        c, box = self.cfg, self.mailbox
+        timeout = c.distributed.timeout_s
+        start = box.take("start", timeout, "the actor's start state", "distributed.timeout_minutes")
+        self.step = self._start_step = int(start["step"])
+        self.inputs.train_data.load_state_dict(start["data"])
+        self.carry, self.carry_rows = carry_entries(start["carry"], self.engine_ranks, self.rank)
+        while self.step < c.trainer.total_steps:
+            step, waited, received = self.step + 1, time.perf_counter(), self.receiver.received_s
+            oldest = oldest_version(step, c.trainer.max_staleness)  # the oldest weights this step may come from
+            while self._behind(oldest) and not self.stopping():
+                if self.load_pushed() is None:
+                    time.sleep(POLL_S)
+            waited = time.perf_counter() - waited
+            # Every engine rank enters the stream, stopped or not: it agrees on a stop seen by any of them (a rank
+            # leaving here alone would leave the others waiting in its collectives).
+            result = self.ctx.run_stream(self.stream, step, self.carry, self.carry_rows)
+            if result.interrupted:
+                if self.rank == 0:
+                    box.post(f"gen/{step}", StepGeneration(step, interrupted=True))
+                break
+            self.inputs.train_data.skip(result.consumed)
+            self.carry, self.carry_rows = result.carry, result.carry_rows
+            groups = dict(self.exchange.all_gather(list(result.groups.items()), "kept groups"))
+            carry = carry_state(self.carry, self.carry_rows, self.exchange)
+            received = self.receiver.received_s - received
+            local = {"time/engine_wait_for_weights": Stat.max(waited), "time/engine_weight_receive": Stat.max(received)}
+            metrics = {**result.metrics, **sampled_response_metrics(result.decided)}
+            metrics.update(finalize(merge_stats(self.exchange.all_gather([local], "engine metrics"))))
+            if self.rank == 0:
+                data = self.inputs.train_data.state_dict()
+                box.post(f"gen/{step}", StepGeneration(step, result.kept, result.decided, groups, metrics, data, carry))
+            self.step = step
+        # The actor may still push (it waits for every engine to join): load until it says stop, or is gone.
+        while not box.has("stop") and not self.beat.gone():
+            self.load_pushed()
+            time.sleep(POLL_S)
+        self.receiver.close()
+        self.stream.close()
+        return {}
+
+    def _behind(self, oldest: int | None) -> bool:
+        """No weights loaded yet, or older than `oldest` (None: no bound)."""
+        loaded = self.receiver.loaded
+        return loaded is None or (oldest is not None and loaded < oldest)
+
+    def load_pushed(self) -> int | None:
+        """Load the weights the receiver holds (between engine steps); a version that the actor evaluates
+        (trainer.eval_every) is scored at once, on a second engine over the same model (requests of the stream may be
+        in flight). Returns the version loaded, or None."""
+        version = self.receiver.apply(self.engine)
+        every, start = self.cfg.trainer.eval_every, self._start_step
+        # The actor evaluates step 0 before training and every eval_every-th step after it (not the one it resumed at).
+        due = version is not None and every and version % every == 0 and (version > start or version == start == 0)
+        if due and self.inputs.eval_examples:
+            if self._eval_engine is None:
+                self._eval_engine = self.engine.evaluation_clone()
+            examples = self.inputs.eval_examples[: self.cfg.trainer.eval_max_prompts or None]
+            scores = self.ctx.eval_scores(self._eval_engine, examples, self.engine_ranks)
+            self.mailbox.post(f"eval/{version}/{self.rank}", scores)
+        return version
+
+    def stopping(self) -> bool:
+        """Stop generating: a preemption signal, or the actor ranks have ended the run."""
+        return self.preempt.flag or self.mailbox.has("stop")
+
+    # ---------------------------------------------------------------------------------------------- notices, hooks
+    def test_hook(self, point: str) -> None:
+        """The testing hook, as DAPOTrainer.test_hook (tests/_hooks_driver.py replaces both): a no-op in training."""
+
+    def barrier(self) -> None:
+        """A barrier over the engine ranks (the testing hook's)."""
+        import torch.distributed as dist
+
+        if self.world > 1:
+            dist.barrier(group=self.exchange.group)
+
+    def notice(self, line: str) -> None:
+        """A one-line notice on engine rank 0's stderr."""
+        if self.rank == 0:
+            _notice(line)
+
+
+def _notice(line: str) -> None:
+    """A one-line notice on this rank's stderr."""
+    print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,399 @@
+"""The trainer's one generation interface, with a local and a remote implementation.
+
+    LocalGeneration   colocated (one program on every rank): the rollout stream over this launch's engines, weights
+                      into them by WeightSync, engines restarted in place, evaluation on them
+    RemoteGeneration  the actor ranks of a split launch (rollout.engine_ranks > 0): each step's generation, the
+                      evaluation scores and the carry come from the engine ranks (engine_rank.py) through the
+                      Mailbox; weights go to them over the weight channel (placement.py)
+
+Both give the trainer (trainer.py) the same calls, collective over its ranks, in its step's order:
+
+    start(step, data, resumed)     weights into the engines (and, remote, the start state) before the first step
+    generate(step)                 the step's StreamResult (interrupted on a preemption: nothing decided)
+    rows(kept, index, wanted)      this rank's rollouts of the rows its DP rank trains on
+    commit()                       the generation becomes the run's state (data position, carry) at the first update
+    push_weights(version)          the updated weights into the engines (the sync phase)
+    eval_scores(step, examples)    the verifier's results of the evaluation, every rank's share gathered
+    carry_state() / load_carry()   the carry in checkpoint form (collective) / from a checkpoint
+    close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_dapo.evaluate import sample_scores
+from megatron_dapo.experience import GroupScorer
+from megatron_dapo.rollout.factory import engine_ranks
+from megatron_dapo.rollout.factory import sampling_params
+from megatron_dapo.rollout.stream import CarryEntry
+from megatron_dapo.rollout.stream import RolloutStream
+from megatron_dapo.rollout.stream import StreamConfig
+from megatron_dapo.rollout.stream import StreamHooks
+from megatron_dapo.rollout.stream import StreamResult
+from megatron_dapo.rollout.stream import job_store
+from megatron_dapo.rollout.types import GroupSummary
+from megatron_dapo.rollout.types import Rollout
+from megatron_dapo.rollout.types import RolloutGroup
+
+
+@dataclass
+class RolloutContext:
+    """What both sides of generation read from the run (the trainer builds it once).
+
+    config: the RunConfig; rank / world: this rank in its role's group; exchange: the role's RolloutExchange;
+    inputs: RunInputs; sampler: the DynamicSampler; stop: this rank's preemption flag; hook: the testing hook;
+    log: one line on this rank's stderr.
+    """
+
+    config: Any
+    rank: int
+    world: int
+    exchange: Any
+    inputs: Any
+    sampler: Any
+    scorer: GroupScorer
+    stop: Callable[[], bool]
+    hook: Callable[[str], None]
+    log: Callable[[str], None]
+
+    def params(self):
+        """The training SamplingParams (one response per request; G requests per prompt)."""
+        c = self.config
+        r3 = c.actor.routing_replay == "r3"  # the actor replays the engine's experts
+        return sampling_params(c.rollout, n=1, stop_token_ids=self.inputs.stop_ids, routed_experts=r3)
+
+    def make_stream(self, engine: Any, **hooks: Any) -> RolloutStream:
+        """The rollout stream over this role's ranks (collective: the queue's store address is gathered)."""
+        c = self.config
+        store = job_store(self.rank, self.world, self.exchange, c.distributed.timeout_s)
+        config = StreamConfig.from_run(c, self.sampler.max_sampled_prompts, self.world)
+        return RolloutStream(engine, self.rank, self.exchange, store, config, StreamHooks(score=self.scorer, **hooks))
+
+    def run_stream(self, stream: RolloutStream, step: int, carry: list, carry_rows: dict) -> StreamResult:
+        c = self.config
+        return stream.run(
+            step, self.sampler.start(), self.params(), c.trainer.seed, self.inputs.fresh, carry, carry_rows
+        )
+
+    def eval_scores(self, engine: Any, examples: list, engine_ranks: list[int]) -> list[list[dict]]:
+        """This rank's share of the evaluation (examples interleaved by engine rank) on `engine`."""
+        if engine is None:
+            return []
+        t = self.config.trainer
+        slot = engine_ranks.index(self.rank)
+        mine = examples[slot :: len(engine_ranks)]
+        params = sampling_params(
+            self.config.rollout, t.eval_samples, seed=t.seed + 7 + self.rank, stop_token_ids=self.inputs.stop_ids,
+            temperature=t.eval_temperature, top_p=t.eval_top_p, return_logprobs=False,
+        )  # fmt: skip
+        prompts, truths = [self.inputs.render(ex) for ex in mine], [ex.ground_truth for ex in mine]
+        return sample_scores(engine, prompts, truths, self.scorer.verifier, self.inputs.tokenizer, params)
+
+
+def carry_entries(states: list[dict[str, Any]], owners: list[int], rank: int):
+    """A checkpoint's carry owned round-robin by the engine ranks `owners` (any rank can continue any group):
+    (carry entries in queue order, this rank's rollouts by key)."""
+    carry, carry_rows = [], {}
+    for k, state in enumerate(states):
+        owner, key = owners[k % len(owners)], f"carry:{k}"
+        rollouts = [Rollout.from_state(r) for r in state["rollouts"]]
+        summary = None
+        if state["scores"] is not None:
+            x, index, truth = state["scores"], state["index"], state["truth"]
+            group = RolloutGroup(index, k, truth, rollouts, x["accs"], x["rewards"], x["penalties"])
+            summary = group.summary(owner, key)
+        carry.append(CarryEntry(int(state["index"]), str(state["truth"]), owner, key, summary))
+        if owner == rank:
+            carry_rows[key] = rollouts
+    return carry, carry_rows
+
+
+def carry_state(carry: list[CarryEntry], carry_rows: dict[str, list[Rollout]], exchange: Any) -> list[dict]:
+    """The carried groups in full, in queue order (their rollouts gathered from the ranks that own them; plain
+    containers and tensors for a weights_only checkpoint); collective over `exchange`."""
+    mine = [(k, [r.to_state() for r in rows]) for k, rows in carry_rows.items()]
+    rows = dict(exchange.all_gather(mine, "carried rollouts"))
+    out = []
+    for e in carry:
+        state = {"index": e.index, "truth": e.truth, "rollouts": rows[e.key], "scores": None}
+        if e.summary is not None:
+            x = e.summary
+            state["scores"] = {"accs": x.accs, "rewards": x.rewards, "penalties": x.penalties}
+        out.append(state)
+    return out
+
+
+class LocalGeneration:
+    """Colocated generation: see the module docstring.
+
+    ctx: RolloutContext. export: () -> the actor's named HF tensors (collective: every rank walks it). memory: the
+    MemoryChoreographer (builds the engine in the generation phase's memory, rebuilds a dead one). eval_exchange: the
+    evaluation's RolloutExchange (None without evaluation data). wait_saved: waits for a checkpoint being written
+    (before an engine restart kills this process's children).
+    """
+
+    def __init__(
+        self,
+        ctx: RolloutContext,
+        *,
+        export: Callable[[], Iterator],
+        memory: Any,
+        eval_exchange: Any,
+        local_rank: int,
+        wait_saved: Callable[[], None],
+    ) -> None:
+        from megatron_dapo.rollout.factory import restarts_in_place
+        from megatron_dapo.rollout.factory import sizes_kv_pool_at_start
+        from megatron_dapo.rollout.factory import weight_update_target
+        from megatron_dapo.rollout.weight_sync import WeightSync
+
+        c = ctx.config
+        self.ctx, self.export, self.memory, self.eval_exchange, self.wait_saved = (
+            ctx, export, memory, eval_exchange, wait_saved,
+        )  # fmt: skip
+        self.engine_ranks = engine_ranks(c.rollout, ctx.world)
+        # A fixed KV capacity per row keeps the embedded engine batch-invariant across the run (slot_cache.py).
+        max_context = max(ctx.inputs.longest_prompt, 1) + c.rollout.max_response_length
+        self.engine_args = {
+            "base_gpu_id": local_rank,
+            "seed": c.trainer.seed,
+            "max_context": -(-max_context // 64) * 64,
+            "routed_experts": c.actor.routing_replay == "r3",
+        }
+        self.engine = memory.build_engine(
+            lambda: self._make_engine() if ctx.rank in self.engine_ranks else None,
+            sized_at_start=sizes_kv_pool_at_start(c.rollout),
+        )
+        restart = self._restart_engine if restarts_in_place(c.rollout) else None
+        self.stream = ctx.make_stream(self.engine, stop=ctx.stop, restart=restart, resync=self._resync, log=ctx.log)
+        self.carry: list[CarryEntry] = []
+        """Groups carried into the next step (rollout.partial), in queue order; the same on every rank."""
+        self.carry_rows: dict[str, list[Rollout]] = {}
+        """The rollouts of the carried groups this rank owns, by key."""
+        self._pending: StreamResult | None = None
+        self.groups: dict[str, RolloutGroup] = {}
+        """This rank's kept groups of the step in progress, by key, until routed to the DP ranks that train them."""
+        # Colocated SGLang with rollout TP > 1: every rank of an engine's group hands SGLang its own GPU's copy.
+        target = weight_update_target(c.rollout, self.engine, ctx.rank, ctx.world)
+        self.weight_sync = WeightSync(
+            target, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
+        )
+
+    def _make_engine(self) -> Any:
+        from megatron_dapo.rollout import make_engine
+
+        c = self.ctx.config
+        return make_engine(c.rollout, c.actor.model_path, **self.engine_args)
+
+    def start(self, step: int, data: dict[str, Any], resumed: bool) -> None:
+        """After a resume the engines get the checkpoint's weights; on a fresh start they hold the model already,
+        unless rollout.weight_dtype is not auto (SGLang starts from dummy weights then: the first rollouts must see
+        the weights the sync sends)."""
+        if resumed or self.ctx.config.rollout.weight_dtype != "auto":
+            self.weight_sync.sync(self.export())
+
+    def generate(self, step: int) -> StreamResult:
+        if self.engine is not None:
+            self.engine.weight_version = step - 1  # synced at the end of the previous step
+        result = self.ctx.run_stream(self.stream, step, self.carry, self.carry_rows)
+        if not result.interrupted:
+            self.groups, self._pending = result.groups, result
+        return result
+
+    def rows(self, kept: list[GroupSummary], index: list[tuple[int, int]], wanted: list[list[int]], dp_of_rank: list,
+             layers_of_rank: list) -> dict[int, Rollout]:  # fmt: skip
+        """This rank's rows: every owner (the rank that generated a group) sends each row to the ranks whose DP rank
+        trains on it (wanted[d]: DP rank d's rows), with the MoE routing slice of that rank's stage (an all_to_all
+        over gloo: a rank receives only its DP rank's rows)."""
+        ctx = self.ctx
+        outgoing: list[list] = [[] for _ in range(ctx.world)]
+        for dst in range(ctx.world):
+            for row in wanted[dp_of_rank[dst]]:
+                g, i = index[row]
+                if kept[g].owner == ctx.rank:
+                    rollout = self.groups[kept[g].key].rollouts[i]
+                    outgoing[dst].append((row, rollout.routing_layers(layers_of_rank[dst])))
+        received = dict(ctx.exchange.all_to_all(outgoing, "rollout rows"))
+        self.groups = {}
+        return received
+
+    def commit(self) -> None:
+        """The data moves past the positions the step consumed; the carry is the unfinished groups it left."""
+        result, self._pending, self.groups = self._pending, None, {}
+        if result is not None:
+            self.ctx.inputs.train_data.skip(result.consumed)
+            self.carry, self.carry_rows = result.carry, result.carry_rows
+
+    def drop(self) -> None:
+        """A step dropped before its first update: nothing of its generation stays."""
+        self._pending, self.groups = None, {}
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        return self.weight_sync.sync(self.export())
+
+    def rewrite_engine_weights(self) -> None:
+        """The engine's weights were released outside the step (a save of offloaded actor state, trainer._save):
+        write them again."""
+        self.weight_sync.sync(self.export())
+
+    def eval_scores(self, step: int, examples: list) -> list[list[dict]]:
+        self.memory.ensure_engine_resident()
+        return self.eval_exchange.all_gather(self.ctx.eval_scores(self.engine, examples, self.engine_ranks), "eval")
+
+    def carry_state(self) -> list[dict[str, Any]]:
+        return carry_state(self.carry, self.carry_rows, self.ctx.exchange)
+
+    def load_carry(self, states: list[dict[str, Any]]) -> None:
+        self.carry, self.carry_rows = carry_entries(states, self.engine_ranks, self.ctx.rank)
+
+    def close(self) -> None:
+        self.stream.close()
+
+    # ------------------------------------------------------------------------------------------- engine failures
+    def _restart_engine(self) -> Any:
+        """This rank's engine died while generating (the stream's restart): shut it down, build it again in the
+        generation phase's memory (its KV pool sized as at start), hand it to the weight sync; its weights come in the
+        stream's next meeting (`_resync`)."""
+        from megatron_dapo.rollout.factory import retarget
+
+        self.wait_saved()  # SGLang's shutdown kills every child of this process, a checkpoint writer's too
+        try:
+            self.engine.shutdown()
+        except Exception as err:  # already gone with its process: the new one must start anyway
+            self.ctx.log(f"shutting the dead engine down failed ({type(err).__name__}: {err}); starting anew")
+        self.ctx.hook("engine_restart")
+        self.engine = self.memory.replace_engine(self._make_engine)
+        self.weight_sync.engine = retarget(self.weight_sync.engine, self.engine)
+        return self.engine
+
+    def _resync(self, ranks: list[int]) -> None:
+        """The stream's meeting after engines on `ranks` restarted (collective): every rank walks the actor's export
+        (TP/PP gathers); the restarted engines (with colocated SGLang TP > 1, every rank of their group) load it.
+        The other engines keep their requests in flight and are not written."""
+        from megatron_dapo.rollout.factory import update_group_size
+        from megatron_dapo.rollout.weight_sync import WeightSync
+
+        t = update_group_size(self.ctx.config.rollout)
+        mine = any(r // t == self.ctx.rank // t for r in ranks)
+        sync = WeightSync(
+            self.weight_sync.engine if mine else None,
+            bucket_bytes=self.weight_sync.bucket_bytes,
+            weight_dtype=self.weight_sync.weight_dtype,
+        )
+        with self.memory.sync_beside_generation():
+            sync.sync(self.export())
+
+
+class RemoteGeneration:
+    """The actor ranks of a split launch: see the module docstring.
+
+    ctx: RolloutContext over the actor ranks. placement / mailbox / beat: placement.py's. channel: actor rank 0's
+    weight channel (placement.WeightChannel to the engine ranks, or ServerPush to the SGLang servers they drive),
+    None on the other actor ranks. export: the actor's named HF tensors (collective).
+    """
+
+    def __init__(self, ctx: RolloutContext, *, placement: Any, mailbox: Any, beat: Any, channel: Any, export: Any):
+        self.ctx, self.placement, self.mailbox, self.beat, self.channel, self.export = (
+            ctx, placement, mailbox, beat, channel, export,
+        )  # fmt: skip
+        self.carry: list[dict[str, Any]] = []
+        """The carry after the last committed step as the engine ranks sent it (checkpoint form)."""
+        self._pending: Any = None
+        self.groups: dict[str, RolloutGroup] = {}
+
+    def start(self, step: int, data: dict[str, Any], resumed: bool) -> None:
+        """Post the start state (step, data position, carry) and push the weights as version `step`; the engine
+        ranks generate from them."""
+        if self.ctx.rank == 0:
+            self.mailbox.post("start", {"step": step, "data": data, "carry": self.carry})
+        self.push_weights(step)
+
+    def generate(self, step: int) -> StreamResult:
+        """This step's generation from the engine ranks (every actor rank reads it)."""
+        c = self.ctx.config
+        message = self.mailbox.take(
+            f"gen/{step}", c.rollout.generation_timeout_minutes * 60.0, f"step {step}'s generation",
+            "rollout.generation_timeout_minutes", poll=self._stop_engines_on_preemption,
+        )  # fmt: skip
+        if message.interrupted:  # the engine ranks stopped (a preemption signal, theirs or this rank's)
+            return StreamResult([], [], {}, [], {}, 0, interrupted=True)
+        self.groups, self._pending = message.groups, message
+        return StreamResult(message.kept, message.decided, message.groups, [], {}, 0, message.metrics)
+
+    def _stop_engines_on_preemption(self) -> None:
+        """Actor rank 0 waiting for a step's generation: a preemption signal here stops the engine ranks (they
+        answer with an interrupted step, and the step is dropped as in the colocated job)."""
+        if self.ctx.stop() and self.ctx.rank == 0 and not self.mailbox.has("stop"):
+            self.mailbox.post("stop", True)
+
+    def rows(self, kept: list[GroupSummary], index: list[tuple[int, int]], wanted: list[list[int]], dp_of_rank: list,
+             layers_of_rank: list) -> dict[int, Rollout]:  # fmt: skip
+        """Every actor rank received every kept group: its own rows, with its stage's MoE routing slice."""
+        layers = layers_of_rank[self.ctx.rank]
+        rows = {}
+        for row in wanted[dp_of_rank[self.ctx.rank]]:
+            g, i = index[row]
+            rows[row] = self.groups[kept[g].key].rollouts[i].routing_layers(layers)
+        self.groups = {}
+        return rows
+
+    def commit(self) -> None:
+        """The engine ranks' data position and carry after this step become the run's."""
+        result, self._pending, self.groups = self._pending, None, {}
+        if result is not None:
+            self.ctx.inputs.train_data.load_state_dict(result.data)
+            self.carry = result.carry
+            if self.ctx.rank == 0:
+                self.mailbox.delete(f"gen/{result.step}")  # every actor rank read it before the update began
+
+    def drop(self) -> None:
+        self._pending, self.groups = None, {}
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Every rank walks the actor's export; rank 0 sends it as `version` to the engine ranks (WeightChannel) or to
+        the SGLang servers they drive (ServerPush), fp8-quantized (rollout.weight_dtype) as the colocated sync does."""
+        c = self.ctx.config
+        start, named = time.perf_counter(), self.export()
+        if self.channel is None:
+            for _ in named:
+                pass
+            return {}
+        if c.rollout.weight_dtype == "fp8":
+            from megatron_dapo.rollout.fp8 import quantize_named_tensors
+
+            named = quantize_named_tensors(named)
+        metrics = self.channel.push(version, named, c.rollout.weight_sync_bucket_mb * 2**20)
+        metrics["weight_sync/seconds"] = seconds = time.perf_counter() - start
+        metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / seconds if seconds > 0 else 0.0
+        return metrics
+
+    def rewrite_engine_weights(self) -> None:
+        """Nothing: no engine shares the actor ranks' GPUs."""
+
+    def eval_scores(self, step: int, examples: list) -> list[list[dict]]:
+        """The engine ranks scored these weights when they loaded them (each posts its share)."""
+        t = self.ctx.config.trainer
+        timeout = t.eval_timeout_minutes * 60.0
+        return [
+            x
+            for e in range(self.placement.num_engine_ranks)
+            for x in self.mailbox.take(
+                f"eval/{step}/{e}", timeout, f"step {step}'s evaluation", "trainer.eval_timeout_minutes"
+            )
+        ]
+
+    def carry_state(self) -> list[dict[str, Any]]:
+        return self.carry
+
+    def load_carry(self, states: list[dict[str, Any]]) -> None:
+        self.carry = states  # for the engine ranks (`start`)
+
+    def close(self) -> None:
+        if self.ctx.rank == 0:
+            self.mailbox.post("stop", True)  # the engine ranks exit
+            self.beat.close()
