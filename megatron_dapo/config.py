@@ -447,10 +447,14 @@ class ActorConfig:
     recompute_activations: bool = False
     """Full activation recompute per layer (saves memory on long responses)."""
     logprob_impl: str = "fused_linear"
-    """The run's one kernel switch (registry in megatron_dapo/actor/loss.py), for the log-probs and the policy loss:
-    "fused_linear" (default; LM head fused in: the last stage returns hidden states, no [T, V] logits; Triton),
-    "fused" (megatron_dapo.ops on full logits, Triton), "fused_cuda" (the same on the CUDA C++ twins of csrc/, GPU
-    only) or "reference" (chunked plain torch on the logits, for debugging). docs/kernels.md."""
+    """How the log-probs run (registry in megatron_dapo/actor/loss.py; the policy loss follows it unless
+    actor.loss_kernel says otherwise): "fused_linear" (default; LM head fused in: the last stage returns hidden
+    states, no [T, V] logits), "fused" (megatron_dapo.ops on full logits, Triton), "fused_cuda" (the same on the CUDA
+    C++ twins of csrc/, GPU only) or "reference" (chunked plain torch on the logits, for debugging). docs/kernels.md."""
+    loss_kernel: str = "auto"
+    """The policy loss's implementation: "auto" (the backend of actor.logprob_impl: the pure-torch reference for
+    "reference", the Triton kernel for "fused" / "fused_linear", the CUDA twin for "fused_cuda"), or "reference",
+    "triton" or "cuda" whatever the log-probs run on (actor/loss.py: LOSS_KERNELS, loss_kernel)."""
     packing: bool = True
     """Pack each micro-batch's responses into one row (THD, cu_seqlens; attention and RoPE restart per sequence):
     no padding is computed. False: rows padded to the micro-batch's longest."""
@@ -502,6 +506,7 @@ class ActorConfig:
         )
         _one_of_registered(self.offload, "actor.offload")
         _one_of_registered(self.logprob_impl, "actor.logprob_impl")
+        _one_of_registered(self.loss_kernel, "actor.loss_kernel")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -9,7 +9,9 @@
 
 1. `dapo_loss_func(...)` builds the `loss_func` a Megatron forward_step_func returns. It accepts vocab-parallel logits
    [B, S, V_local] (GPTModel's output without labels), per-token log-probs [B, S] already aligned with the tokens,
-   or (with `output_weight=`) the last hidden states [B, S, H] so that no [B, S, V] logits exist.
+   or (with `output_weight=`) the last hidden states [B, S, H] so that no [B, S, V] logits exist. It is the keyword
+   form of `make_loss_func(LossBatch(...), LossContext(...), loss)`, which groups the micro-batch's tensors and the
+   rank's context (the actor's own call).
 2. `logprobs_and_entropy` / `linear_logprobs_and_entropy` (re-exported from megatron_dapo.ops),
    `sequence_logprobs_and_entropy` / `sequence_logprobs_from_hidden`: per-token log-probs and entropy from
    vocab-parallel logits or from hidden states + LM-head weight, with temperature and Megatron's padded vocab masked
@@ -41,10 +43,13 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_dapo.actor.loss import LOSS_DENOMINATOR_UNIT
+from megatron_dapo.actor.loss import LossBatch
+from megatron_dapo.actor.loss import LossContext
 from megatron_dapo.actor.loss import dapo_loss_func
 from megatron_dapo.actor.loss import get_logprob_fn
 from megatron_dapo.actor.loss import get_logprob_impl
 from megatron_dapo.actor.loss import local_loss_denominator
+from megatron_dapo.actor.loss import make_loss_func
 from megatron_dapo.actor.loss import sequence_logprobs_and_entropy
 from megatron_dapo.actor.loss import sequence_logprobs_from_hidden
 from megatron_dapo.actor.packing import PackedLayout
@@ -58,6 +63,8 @@ from megatron_dapo.ops import logprobs_and_entropy
 
 __all__ = [
     "LOSS_DENOMINATOR_UNIT",
+    "LossBatch",
+    "LossContext",
     "PackedLayout",
     "add_dapo_args",
     "dapo_config_from_args",
@@ -68,6 +75,7 @@ __all__ = [
     "linear_logprobs_and_entropy",
     "local_loss_denominator",
     "logprobs_and_entropy",
+    "make_loss_func",
     "sequence_logprobs_and_entropy",
     "sequence_logprobs_from_hidden",
 ]

@@ -56,10 +56,13 @@ from megatron_dapo.actor.checkpointing import check_checkpoint
 from megatron_dapo.actor.checkpointing import checkpoint_items
 from megatron_dapo.actor.distributed import ParallelGroups
 from megatron_dapo.actor.loss import LOSS_METRICS
-from megatron_dapo.actor.loss import dapo_loss_func
+from megatron_dapo.actor.loss import LossBatch
+from megatron_dapo.actor.loss import LossContext
 from megatron_dapo.actor.loss import get_logprob_impl
 from megatron_dapo.actor.loss import local_loss_denominator
+from megatron_dapo.actor.loss import loss_kernel
 from megatron_dapo.actor.loss import loss_metric_stats
+from megatron_dapo.actor.loss import make_loss_func
 from megatron_dapo.actor.loss import micro_batch_logprobs
 from megatron_dapo.actor.offload import ActorOffloader
 from megatron_dapo.actor.packing import PackedLayout
@@ -740,27 +743,22 @@ class MegatronActor:
         return bool(self.optimizer.step_with_ready_grads()), grad_norm
 
     def _dapo_loss(self, mb: _MicroBatch, *, denom: Tensor, num_microbatches: int) -> Callable:
-        batch = mb.batch.to(self.device)
-        return dapo_loss_func(
-            batch.tokens,
-            batch.loss_mask,
-            batch.old_logp,
-            batch.advantages,
-            num_tokens=denom,
-            loss=self.config.loss,
-            response_mask=batch.response_mask,
-            temperature=self.temperature,
-            tp_group=self.groups.tp_group,
-            vocab_size=self.vocab_size,
-            num_microbatches=num_microbatches,
-            dp_size=self.groups.dp_size,
-            logprob_fn=self.logprob_impl.fn,
-            output_weight=self._output_weight(),
-            packed=mb.layout.to(self.device) if mb.layout is not None else None,
-            fused_loss=self.logprob_impl.kernel or False,
-            is_weight=batch.is_weight,
-            ref_logp=batch.ref_logp,
+        b = mb.batch.to(self.device)
+        packed = mb.layout.to(self.device) if mb.layout is not None else None
+        batch = LossBatch(
+            b.tokens, b.loss_mask, b.old_logp, b.advantages, denom, b.response_mask, b.is_weight, b.ref_logp, packed
         )
+        ctx = LossContext(
+            temperature=self.temperature, tp_group=self.groups.tp_group, vocab_size=self.vocab_size,
+            num_microbatches=num_microbatches, dp_size=self.groups.dp_size, logprob_fn=self.logprob_impl.fn,
+            output_weight=self._output_weight(), loss_kernel=self.loss_kernel,
+        )  # fmt: skip
+        return make_loss_func(batch, ctx, self.config.loss)
+
+    @property
+    def loss_kernel(self) -> str | None:
+        """The policy loss's kernel: actor.loss_kernel, "auto" following the current logprob_impl (actor/loss.py)."""
+        return loss_kernel(self.logprob_impl.name, self.config.actor.loss_kernel)
 
     def _reduce_metrics(self, store: list[dict[str, Tensor]]) -> dict[str, float]:
         """The loss metrics (LOSS_METRICS) of every micro-batch (on the last pipeline stage), pipeline stage and DP

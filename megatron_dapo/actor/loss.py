@@ -10,7 +10,8 @@ the Megatron `loss_func` factory. Pure torch: no megatron import (megatron_dapo.
         logits [B, S, V_local] --sequence_logprobs_and_entropy-----------\
         hidden [B, S, H] + W   --sequence_logprobs_from_hidden------------+--> logp, entropy [B, S] (token-aligned)
                                                                           |
-    dapo_loss_func(tokens, loss_mask, old_logp, advantages, num_tokens=D) -> loss_func(output) -> (loss, metrics)
+    make_loss_func(LossBatch(tokens, loss_mask, old_logp, advantages, num_tokens=D, ...), LossContext(...), loss)
+        -> loss_func(output) -> (loss, metrics)      (dapo_loss_func: the integration API's keyword form of it)
 
 Every implementation takes keyword arguments (temperature, tp_group, vocab_size) and returns fp32 (logp, entropy)
 [T] each, differentiable w.r.t. its float inputs. Register a new one with `@register_logprob_impl(name)`; the
@@ -48,7 +49,12 @@ __all__ = [
     "LOGPROB_IMPLS",
     "LOSS_DENOMINATOR_UNIT",
     "LogprobImpl",
+    "LOSS_KERNELS",
+    "LossBatch",
+    "LossContext",
     "dapo_loss_func",
+    "loss_kernel",
+    "make_loss_func",
     "get_logprob_fn",
     "get_logprob_impl",
     "local_loss_denominator",
@@ -346,6 +352,134 @@ def loss_metric_stats(metrics: dict[str, Tensor]) -> Stats:
     return out
 
 
+@dataclass(frozen=True)
+class LossBatch:
+    """One micro-batch's inputs of the policy loss (batch.py alignment: position t is token t).
+
+    tokens: [B, S] int64 prompt + response tokens. loss_mask: [B, S] float, 1 on trained response tokens.
+    old_logp: [B, S] float, the behaviour policy's log-probs (0 where the mask is 0). advantages: [B] float.
+    num_tokens: D, the denominator of the WHOLE mini-batch: the sum of `local_loss_denominator` over micro-batches
+    and data-parallel ranks. response_mask: [B, S] float, tokens whose entropy is reported (None: loss_mask).
+    is_weight: [B, S] float or None, rollout-correction importance weights (ActorBatch.is_weight), passed to the loss
+    as `weights` only when given (algorithm.rollout_correction "none" runs exactly the uncorrected call; MIS's
+    rejected tokens are already out of loss_mask, hence out of D). ref_logp: [B, S] float or None, a frozen reference
+    model's log-probs, required by a loss with a KL term (`algorithms.policy_loss.uses_reference`). packed: the
+    micro-batch packed into one row (actor/packing.py): the output is then [1, T, *] for the packed tokens and the
+    per-token values are unpacked to [B, S] before the loss; the LM head runs only on the positions that predict
+    response tokens (response_mask or loss_mask).
+    """
+
+    tokens: Tensor
+    loss_mask: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    num_tokens: float | Tensor
+    response_mask: Tensor | None = None
+    is_weight: Tensor | None = None
+    ref_logp: Tensor | None = None
+    packed: PackedLayout | SharedPrefixLayout | None = None
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """How one rank reads the model's output and scales the loss for Megatron (the same for every micro-batch).
+
+    temperature: the sampling temperature the logits are divided by. tp_group / vocab_size: the vocab-parallel group
+    and the true vocab size (see `sequence_logprobs_and_entropy`). num_microbatches: micro-batches per optimizer step
+    on this rank (Megatron divides the loss by it); dp_size: data-parallel size (Megatron DDP averages gradients over
+    it); pass 1 for both if your loop already sums micro-batch losses and all-reduces gradients with SUM.
+    logprob_fn: the log-prob/entropy implementation (`get_logprob_impl(name).fn`), a hidden-input one when
+    output_weight is given. output_weight: [V_local, H] LM-head weight (this rank's shard): the output is then the
+    last hidden states and log-probs come from `sequence_logprobs_from_hidden` (no logits). loss_kernel: the policy
+    loss's implementation: None for the pure-torch reference, "triton" or "cuda" for the fused kernel
+    (ops.pg_loss.fused_surrogate_loss, every registered loss; it falls back to the reference on CPU without the
+    Triton interpreter). `kernels(actor.logprob_impl, actor.loss_kernel)` resolves the last two from the config.
+    """
+
+    temperature: float = 1.0
+    tp_group: dist.ProcessGroup | None = None
+    vocab_size: int | None = None
+    num_microbatches: int = 1
+    dp_size: int = 1
+    logprob_fn: LogProbFn = _fused
+    output_weight: Tensor | None = None
+    loss_kernel: str | None = None
+
+
+LOSS_KERNELS = ("auto", "reference", "triton", "cuda")
+"""actor.loss_kernel values: "auto" follows actor.logprob_impl (its LogprobImpl.kernel); the others choose."""
+register_choices("actor.loss_kernel", *LOSS_KERNELS)
+
+
+def loss_kernel(logprob_impl: str, choice: str = "auto") -> str | None:
+    """The policy loss's kernel (LossContext.loss_kernel) for actor.logprob_impl and actor.loss_kernel: "auto" takes
+    the log-prob implementation's backend (None for "reference"), "reference" is None, "triton" / "cuda" as named."""
+    if choice not in LOSS_KERNELS:
+        raise ValueError(f"actor.loss_kernel: unknown {choice!r}; choose one of {list(LOSS_KERNELS)}")
+    if choice == "auto":
+        return get_logprob_impl(logprob_impl).kernel
+    return None if choice == "reference" else choice
+
+
+def make_loss_func(
+    batch: LossBatch, ctx: LossContext, loss: PolicyLossConfig | None = None
+) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
+    """Build the `loss_func(output_tensor)` of one micro-batch for a Megatron forward_step_func.
+
+    The policy loss is the registered one whose config `loss` is (a PolicyLossConfig subclass from
+    algorithms/losses/, e.g. RunConfig.loss; None: DAPO with the paper's constants), divided by the global
+    denominator batch.num_tokens.
+
+    Returns:
+        loss_func(output_tensor) -> (loss, metrics). output_tensor is [B, S, V_local] logits, [B, S, H] hidden
+        states (with ctx.output_weight) or [B, S] fp32 log-probs aligned with the tokens. loss: 0-dim fp32,
+        sum(l * mask) / D * num_microbatches * dp_size. metrics: 2-element fp32 tensors [numerator, denominator]
+        (Megatron-LM's reduction convention: sum both over micro-batches and DP ranks, then divide): "loss"
+        (numerator loss * D, denominator this micro-batch's share of D), "clipfrac_high", "clipfrac_low",
+        "approx_kl", "entropy" (logits or hidden input only), "ref_kl" (a loss with a KL term); plus "ratio_max"
+        (0-dim). LOSS_METRICS says how each combines.
+    """
+    loss_cfg = loss if loss is not None else get_policy_loss("dapo").make_config()
+    policy_loss = get_policy_loss(loss_name(loss_cfg))
+    tokens, num_tokens = batch.tokens, batch.num_tokens
+    resp = (batch.response_mask if batch.response_mask is not None else batch.loss_mask).to(torch.float32)
+    mask = batch.loss_mask.to(torch.float32)
+    scale = float(ctx.num_microbatches * ctx.dp_size)
+    kwargs = dict(
+        temperature=ctx.temperature, tp_group=ctx.tp_group, vocab_size=ctx.vocab_size, logprob_fn=ctx.logprob_fn
+    )
+    is_weight_f32 = None if batch.is_weight is None else batch.is_weight.to(torch.float32)
+    needed = (resp > 0) | (mask > 0)  # packed: the LM head runs on these predictions only
+
+    def loss_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        entropy = None
+        if ctx.output_weight is not None or output_tensor.dim() == 3:
+            logp, entropy = micro_batch_logprobs(
+                output_tensor, tokens, packed=batch.packed, output_weight=ctx.output_weight, needed=needed, **kwargs
+            )
+        elif tuple(output_tensor.shape) == tuple(tokens.shape):
+            logp = output_tensor.float()
+        else:
+            raise ValueError(
+                f"dapo loss_func: output must be [B, S, V_local] logits or [B, S] log-probs with [B, S] = "
+                f"{tuple(tokens.shape)}, got {tuple(output_tensor.shape)}"
+            )
+        inputs = LossInputs(logp, batch.old_logp, batch.advantages, mask, num_tokens, is_weight_f32, batch.ref_logp)
+        loss, stats = policy_loss(inputs, loss_cfg, ctx.loss_kernel or False)
+        count = mask.sum()
+        denom = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss.device).clamp_min(1.0)
+        metrics = {"loss": _two(loss.detach() * denom, local_loss_denominator(mask, loss_cfg.loss_agg_mode))}
+        for key in ("clipfrac_high", "clipfrac_low", "approx_kl", "ref_kl"):
+            if key in stats:
+                metrics[key] = _two(stats[key] * count, count)
+        metrics["ratio_max"] = stats["ratio_max"].detach().float().reshape(())
+        if entropy is not None:
+            metrics["entropy"] = _two((entropy.detach() * resp).sum(), resp.sum())
+        return loss * scale, metrics
+
+    return loss_func
+
+
 def dapo_loss_func(
     tokens: Tensor,
     loss_mask: Tensor,
@@ -367,86 +501,10 @@ def dapo_loss_func(
     is_weight: Tensor | None = None,
     ref_logp: Tensor | None = None,
 ) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
-    """Build the `loss_func(output_tensor)` of one micro-batch for a Megatron forward_step_func.
-
-    The policy loss is `algorithm.policy_loss` from the registry (default "dapo": decoupled clip with eps_low /
-    effective_eps_high, optional dual clip clip_ratio_c), divided by the global denominator `num_tokens`.
-
-    Args:
-        tokens: [B, S] int64 prompt + response tokens of this micro-batch.
-        loss_mask: [B, S] float, 1 on trained response tokens (batch.py alignment: position t is token t).
-        old_logp: [B, S] float, log-probs of the behaviour policy (0 where the mask is 0).
-        advantages: [B] float.
-        num_tokens: D, the denominator of the WHOLE mini-batch: sum of `local_loss_denominator` over micro-batches
-            and data-parallel ranks.
-        loss: the policy loss's config (a PolicyLossConfig subclass from algorithms/losses/, e.g. RunConfig.loss);
-            its class selects the loss. None: DAPO with the paper's constants.
-        response_mask: [B, S] float, tokens whose entropy is reported (default: loss_mask).
-        temperature: sampling temperature the logits are divided by.
-        tp_group / vocab_size: vocab-parallel group and true vocab size (see `sequence_logprobs_and_entropy`).
-        num_microbatches: micro-batches per optimizer step on this rank (Megatron divides the loss by it).
-        dp_size: data-parallel size (Megatron DDP averages gradients over it). Pass 1 for both if your loop already
-            sums micro-batch losses and all-reduces gradients with SUM.
-        logprob_fn: log-prob/entropy implementation (`get_logprob_impl(name).fn`); a hidden-input one when
-            `output_weight` is given.
-        output_weight: [V_local, H] LM-head weight (this rank's vocab shard). When given, output_tensor is the last
-            hidden states [B, S, H] and log-probs come from `sequence_logprobs_from_hidden` (no logits).
-        packed: the micro-batch packed into one row (actor/packing.py): output_tensor is then [1, T, V_local] (or
-            [1, T, H]) for the packed tokens and the per-token values are unpacked to [B, S] before the loss, so the
-            loss, its aggregation and the metrics are the padded path's; the LM head runs only on the positions
-            that predict response tokens (response_mask or loss_mask).
-        fused_loss: run the policy loss through the fused kernel (ops.pg_loss.fused_surrogate_loss, every registered
-            loss): True or "triton" for the Triton kernel, "cuda" for the CUDA twin (the actor passes its
-            LogprobImpl.kernel); it falls back to the reference on CPU without the Triton interpreter.
-        is_weight: [B, S] float or None, rollout-correction importance weights (ActorBatch.is_weight, filled by
-            `algorithms.rollout_correction`); passed to the policy loss as `weights` only when given, so
-            algorithm.rollout_correction "none" runs exactly the uncorrected call. Rejected tokens (MIS) are already
-            out of loss_mask, hence out of D.
-        ref_logp: [B, S] float or None, a frozen reference model's log-probs (ActorBatch.ref_logp); required by a
-            loss with a KL term (`algorithms.policy_loss.uses_reference`), which then also reports "ref_kl".
-    Returns:
-        loss_func(output_tensor) -> (loss, metrics). output_tensor is [B, S, V_local] logits, [B, S, H] hidden
-        states (with output_weight) or [B, S] fp32 log-probs aligned with the tokens. loss: 0-dim fp32,
-        sum(l * mask) / D * num_microbatches * dp_size. metrics: 2-element fp32 tensors [numerator, denominator]
-        (Megatron-LM's reduction convention: sum both over micro-batches and DP ranks, then divide): "loss"
-        (numerator loss * D, denominator this micro-batch's share of D), "clipfrac_high", "clipfrac_low",
-        "approx_kl", "entropy" (logits or hidden input only), "ref_kl" (a loss with a KL term); plus "ratio_max"
-        (0-dim).
-    """
-    loss_cfg = loss if loss is not None else get_policy_loss("dapo").make_config()
-    policy_loss = get_policy_loss(loss_name(loss_cfg))
-    resp = (response_mask if response_mask is not None else loss_mask).to(torch.float32)
-    mask = loss_mask.to(torch.float32)
-    scale = float(num_microbatches * dp_size)
-    kwargs = dict(temperature=temperature, tp_group=tp_group, vocab_size=vocab_size, logprob_fn=logprob_fn)
-    is_weight_f32 = None if is_weight is None else is_weight.to(torch.float32)
-    needed = (resp > 0) | (mask > 0)  # packed: the LM head runs on these predictions only
-
-    def loss_func(output_tensor: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        entropy = None
-        if output_weight is not None or output_tensor.dim() == 3:
-            logp, entropy = micro_batch_logprobs(
-                output_tensor, tokens, packed=packed, output_weight=output_weight, needed=needed, **kwargs
-            )
-        elif tuple(output_tensor.shape) == tuple(tokens.shape):
-            logp = output_tensor.float()
-        else:
-            raise ValueError(
-                f"dapo loss_func: output must be [B, S, V_local] logits or [B, S] log-probs with [B, S] = "
-                f"{tuple(tokens.shape)}, got {tuple(output_tensor.shape)}"
-            )
-        loss, stats = policy_loss(
-            LossInputs(logp, old_logp, advantages, mask, num_tokens, is_weight_f32, ref_logp), loss_cfg, fused_loss
-        )
-        count = mask.sum()
-        denom = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss.device).clamp_min(1.0)
-        metrics = {"loss": _two(loss.detach() * denom, local_loss_denominator(mask, loss_cfg.loss_agg_mode))}
-        for key in ("clipfrac_high", "clipfrac_low", "approx_kl", "ref_kl"):
-            if key in stats:
-                metrics[key] = _two(stats[key] * count, count)
-        metrics["ratio_max"] = stats["ratio_max"].detach().float().reshape(())
-        if entropy is not None:
-            metrics["entropy"] = _two((entropy.detach() * resp).sum(), resp.sum())
-        return loss * scale, metrics
-
-    return loss_func
+    """The integration API's keyword form of `make_loss_func` (megatron_dapo.integration; outside Megatron scripts
+    call it in their forward_step_func): the fields of LossBatch and LossContext as keywords, fused_loss being
+    LossContext.loss_kernel (True means "triton", False the reference). The actor calls `make_loss_func`."""
+    kernel = "triton" if fused_loss is True else (fused_loss or None)
+    batch = LossBatch(tokens, loss_mask, old_logp, advantages, num_tokens, response_mask, is_weight, ref_logp, packed)
+    ctx = LossContext(temperature, tp_group, vocab_size, num_microbatches, dp_size, logprob_fn, output_weight, kernel)
+    return make_loss_func(batch, ctx, loss)

@@ -40,6 +40,45 @@ def test_one_registry_behind_the_config_field() -> None:
     assert get_logprob_fn("reference") is LOGPROB_IMPLS["reference"].fn
 
 
+def test_the_loss_kernel_follows_the_log_probs_unless_chosen() -> None:
+    """actor.loss_kernel "auto" takes actor.logprob_impl's backend; the other values choose the loss's own."""
+    auto = {name: actor_loss.loss_kernel(name) for name in LOGPROB_IMPLS}
+    assert auto == {"reference": None, "fused": "triton", "fused_cuda": "cuda", "fused_linear": "triton"}
+    assert actor_loss.loss_kernel("fused_linear", "reference") is None
+    assert actor_loss.loss_kernel("reference", "triton") == "triton"
+    assert actor_loss.loss_kernel("fused", "cuda") == "cuda"
+    with pytest.raises(ValueError, match="actor.loss_kernel: unknown 'liger'"):
+        actor_loss.loss_kernel("fused", "liger")
+    assert ActorConfig(loss_kernel="reference").loss_kernel == "reference"
+    with pytest.raises(
+        ConfigError, match=r"actor.loss_kernel: must be one of \[.auto., .cuda., .reference., .triton.\]"
+    ):
+        ActorConfig(loss_kernel="liger")
+
+
+def test_the_keyword_form_is_make_loss_func() -> None:
+    """dapo_loss_func(...) and make_loss_func(LossBatch, LossContext) give the same loss, gradient and metrics."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 40, (3, 7), generator=gen)
+    mask = (torch.rand(3, 7, generator=gen) > 0.3).float()
+    old = -torch.rand(3, 7, generator=gen) * mask
+    adv, d = torch.randn(3, generator=gen), local_loss_denominator(mask)
+    logits = torch.randn(3, 7, 40, generator=gen)
+    outs = []
+    for build in (
+        lambda: dapo_loss_func(tokens, mask, old, adv, num_tokens=d, temperature=0.7, num_microbatches=2),
+        lambda: actor_loss.make_loss_func(
+            actor_loss.LossBatch(tokens, mask, old, adv, d), actor_loss.LossContext(temperature=0.7, num_microbatches=2)
+        ),
+    ):
+        x = logits.clone().requires_grad_()
+        loss, metrics = build()(x)
+        loss.backward()
+        outs.append((loss.detach(), x.grad, {k: v.detach() for k, v in metrics.items()}))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][2].keys() == outs[1][2].keys() and all(torch.equal(outs[0][2][k], outs[1][2][k]) for k in outs[0][2])
+
+
 def test_integration_is_a_thin_re_export() -> None:
     for name in (
         "dapo_loss_func",
@@ -49,6 +88,9 @@ def test_integration_is_a_thin_re_export() -> None:
         "get_logprob_fn",
         "get_logprob_impl",
         "LOSS_DENOMINATOR_UNIT",
+        "LossBatch",
+        "LossContext",
+        "make_loss_func",
     ):
         assert getattr(integration, name) is getattr(actor_loss, name), name
         assert name in integration.__all__
