@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             return code
         return train(config, rank)
     elif args.command == "eval":
-        print(json.dumps(run_eval(config, args.model), indent=1))
+        try:
+            print(json.dumps(run_eval(config, args.model), indent=1))
+        except (ValueError, OSError) as err:  # a prompt that does not fit, a missing file: one line
+            return _user_error(err, rank)
     elif args.command == "convert":
         convert(config, args.to, args.checkpoint, args.out)
     return 0
@@ -338,12 +341,15 @@ def user_error_exit(exit_codes: Iterable[int]) -> bool:
 
 
 def run_eval(config, model_dir: str | None) -> dict[str, float]:
-    """Evaluate a HF checkpoint with the rollout engine alone (no actor, one process)."""
+    """Evaluate a HF checkpoint with the rollout engine alone (no actor, one process): the prompts read with the
+    trainer's checks (inputs.prompt_settings), sampled and scored by the trainer's evaluation driver."""
+    from transformers import AutoConfig
     from transformers import AutoTokenizer
 
     from megatron_dapo.data import PromptDataset
     from megatron_dapo.data.dataset import prompt_token_ids
     from megatron_dapo.evaluate import evaluate
+    from megatron_dapo.inputs import prompt_settings
     from megatron_dapo.reward import Verifier
     from megatron_dapo.rollout import make_engine
     from megatron_dapo.rollout.factory import sampling_params
@@ -351,7 +357,10 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     model_dir = model_dir or config.actor.model_path
     t = config.trainer
     tok = AutoTokenizer.from_pretrained(model_dir)
-    examples = PromptDataset(config.data.eval_files).examples[: t.eval_max_prompts or None]
+    settings = prompt_settings(
+        config, tok, AutoConfig.from_pretrained(model_dir), lambda line: print(line, file=sys.stderr)
+    )
+    examples = PromptDataset(config.data.eval_files, **settings).examples[: t.eval_max_prompts or None]
     engine = make_engine(config.rollout, model_dir, seed=t.seed)
     prompts = [prompt_token_ids(tok, ex.prompt_messages) for ex in examples]
     params = sampling_params(

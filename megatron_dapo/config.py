@@ -839,7 +839,7 @@ def _build_loss(name: str, values: dict[str, Any], source: str) -> Any:
             raise ConfigError(
                 f"{source}: unknown key {key!r} in section [loss] of policy loss {name!r}; known keys: {known}"
             )
-        converted[key] = _coerce(val, hints[key], f"{source}: loss.{key}")
+        converted[key] = coerce_field(val, hints[key], f"{source}: loss.{key}")
         if isinstance(converted[key], float):
             _check(math.isfinite(converted[key]), f"{source}: loss.{key}", f"must be a finite number, got {val}")
     try:
@@ -858,8 +858,10 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Convert a YAML / command-line value to the declared field type, or raise ConfigError."""
+def coerce_field(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML / command-line value to the declared field type (int, float, bool, str, lists and X | None of
+    them), or raise ConfigError naming `where`. The one field coercion (config files, --section.field overrides,
+    the integration API's --dapo-* flags)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -868,13 +870,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
         inner = [t for t in args if t is not type(None)]
-        return _coerce(value, inner[0], where)
+        return coerce_field(value, inner[0], where)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         _check(isinstance(value, list), where, f"expected a list, got {value!r}")
-        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [coerce_field(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -928,7 +930,7 @@ def _build_section(name: str, values: dict[str, Any], source: str) -> Any:
             )
         if key not in known:
             raise ConfigError(f"{source}: unknown key {key!r} in section [{name}]; known keys: {sorted(known)}")
-    kwargs = {key: _coerce(val, hints[key], f"{source}: {name}.{key}") for key, val in values.items()}
+    kwargs = {key: coerce_field(val, hints[key], f"{source}: {name}.{key}") for key, val in values.items()}
     try:
         return cls(**kwargs)
     except ConfigError as err:

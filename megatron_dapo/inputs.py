@@ -44,17 +44,7 @@ class RunInputs:
         self.architecture = model_architecture(hf_config)
         self.stop_ids = [self.tokenizer.eos_token_id]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
-        prompts = {
-            "tokenizer": self.tokenizer,
-            "max_prompt_length": c.data.max_prompt_length,
-            # A prompt plus a full response must fit the model's positions (PromptLimit.of).
-            "max_positions": getattr(hf_config, "max_position_embeddings", None),
-            "max_response_length": c.rollout.max_response_length,
-            "filter_overlong": c.data.filter_overlong_prompts,
-            "drop_duplicates": c.data.drop_duplicates,
-            "cache_dir": c.data.cache_dir or None,
-            "log": log,
-        }
+        prompts = prompt_settings(c, self.tokenizer, hf_config, log)
         train = PromptDataset(c.data.train_files, **prompts)
         self.train_data = PromptIterator(
             train.examples, seed=c.data.seed, shuffle=c.data.shuffle, identity=train.identity
@@ -83,6 +73,23 @@ class RunInputs:
         if ids is None:
             ids = self._prompt_ids[example.index] = self.render(example)
         return example.index, example.ground_truth, ids
+
+
+def prompt_settings(config: RunConfig, tokenizer: Any, hf_config: Any, log: Callable[[str], None]) -> dict[str, Any]:
+    """PromptDataset's keyword arguments for this run: the tokenizer and every length check (a prompt plus a full
+    response must fit the model's positions, PromptLimit.of), de-duplication, the prompt cache. The trainer, the
+    engine ranks and `megatron-dapo eval` read prompts with these."""
+    c = config
+    return {
+        "tokenizer": tokenizer,
+        "max_prompt_length": c.data.max_prompt_length,
+        "max_positions": getattr(hf_config, "max_position_embeddings", None),
+        "max_response_length": c.rollout.max_response_length,
+        "filter_overlong": c.data.filter_overlong_prompts,
+        "drop_duplicates": c.data.drop_duplicates,
+        "cache_dir": c.data.cache_dir or None,
+        "log": log,
+    }
 
 
 def agree_at_startup(exchange: Any, fn: Callable[[], Any], release: Callable[[], None] = lambda: None) -> Any:

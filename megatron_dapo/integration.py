@@ -37,7 +37,6 @@ import ast
 import dataclasses
 import inspect
 import textwrap
-import types
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +57,7 @@ from megatron_dapo.algorithms import PolicyLossConfig
 from megatron_dapo.algorithms import get_policy_loss
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.config import ConfigError
+from megatron_dapo.config import coerce_field
 from megatron_dapo.ops import linear_logprobs_and_entropy
 from megatron_dapo.ops import logprobs_and_entropy
 
@@ -103,33 +103,15 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _converter(tp: Any, flag: str) -> Callable[[str], Any]:
-    """argparse `type=` for a field annotation: int, float, str, bool, or X | None ("none"/"null" -> None)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        inner = [t for t in typing.get_args(tp) if t is not type(None)]
-        base = _converter(inner[0], flag)
-        return lambda text: None if text.strip().lower() in ("none", "null") else base(text)
-    if tp is bool:
+    """argparse `type=` for a field annotation: config.coerce_field, its error as argparse's."""
 
-        def to_bool(text: str) -> bool:
-            low = text.strip().lower()
-            if low in ("true", "yes", "on", "1"):
-                return True
-            if low in ("false", "no", "off", "0"):
-                return False
-            raise argparse.ArgumentTypeError(f"{flag}: expected a boolean, got {text!r}")
+    def convert(text: str) -> Any:
+        try:
+            return coerce_field(text, tp, flag)
+        except ConfigError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
 
-        return to_bool
-    if tp in (int, float, str):
-
-        def convert(text: str) -> Any:
-            try:
-                return tp(text)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{flag}: expected {tp.__name__}, got {text!r}") from None
-
-        return convert
-    raise TypeError(f"{flag}: unsupported AlgorithmConfig field type {tp!r}")
+    return convert
 
 
 def _flag(name: str) -> str:

@@ -51,6 +51,16 @@ def test_eval_and_plot(tiny, tmp_path):
     assert proc.returncode == 0 and (tmp_path / "plots" / "accuracy.png").exists()
 
 
+def test_eval_reads_prompts_with_the_trainers_length_checks(tiny, tmp_path):
+    """megatron-dapo eval loads the evaluation prompts as training does: one that does not fit data.max_prompt_length
+    is a one-line error naming the file and row (it used to skip the tokenizer's checks), exit 2."""
+    proc = _cli("eval", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"), *_overrides(tiny, tmp_path),
+                "--data.max_prompt_length=2")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {tiny['test']} row 0") and "prompt has" in line, line
+
+
 @pytest.mark.slow
 def test_convert_round_trip_is_bit_exact(tiny, tmp_path):
     config = str(ROOT / "examples" / "tiny_cpu.yaml")
