@@ -28,8 +28,8 @@ from megatron_dapo.errors import JobError
 from megatron_dapo.launch import NO_SHARED_STORE
 from megatron_dapo.launch import StartupError
 from megatron_dapo.launch import exit_with_launcher
-from megatron_dapo.launch import launch_rank_world
 from megatron_dapo.launch import preflight
+from megatron_dapo.launch_env import launch_rank_world
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -197,27 +197,24 @@ def plan_preflight(config) -> int:
     """`train`'s memory check on CUDA (skipped by trainer.preflight=false): plan the run on this job's layout
     (WORLD_SIZE / LOCAL_WORLD_SIZE under torchrun, SLURM_NTASKS / SLURM_NNODES under srun; the GPU's memory). Every
     rank gets the same answer; rank 0 prints the plan when a phase does not fit and every rank returns 2."""
-    import os
-
     import torch
 
     if not config.trainer.preflight or not torch.cuda.is_available():
         return 0
+    from megatron_dapo.launch_env import ranks_per_node
     from megatron_dapo.plan import GiB
     from megatron_dapo.plan import PlanError
     from megatron_dapo.plan import make_plan
 
-    env = os.environ
-    world = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
-    nodes = int(env.get("SLURM_NNODES") or 0)
-    per_node = int(env.get("LOCAL_WORLD_SIZE") or (world // nodes if nodes else min(world, torch.cuda.device_count())))
+    rank, world = launch_rank_world()
+    per_node = ranks_per_node(world) or min(world, torch.cuda.device_count())
     memory = torch.cuda.get_device_properties(0).total_memory / GiB
     try:
         plan = make_plan(config, nodes=max(1, world // per_node), gpus_per_node=per_node, gpu_memory_gb=memory)
     except PlanError as err:
         print(f"preflight: cannot plan this run ({err}); set --trainer.preflight=false to skip", file=sys.stderr)
         return 0
-    if plan.exit_code and (env.get("RANK") or env.get("SLURM_PROCID") or "0") == "0":
+    if plan.exit_code and rank == 0:
         print(plan.report(), file=sys.stderr)
         print("preflight: a phase does not fit or outlasts its timeout (see above); set --trainer.preflight=false to "
               "skip", file=sys.stderr)  # fmt: skip

@@ -15,7 +15,6 @@ model (requests of the stream may be in flight on the first).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -30,6 +29,7 @@ from megatron_dapo.generation import carry_entries
 from megatron_dapo.generation import carry_state
 from megatron_dapo.inputs import RunInputs
 from megatron_dapo.inputs import agree_at_startup
+from megatron_dapo.launch_env import local_rank
 from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import finalize
 from megatron_dapo.metrics import merge_stats
@@ -96,9 +96,9 @@ class EngineRank:
             receiver: Any = ServerVersions(store)
         else:
             max_context = max(inputs.longest_prompt, 1) + c.rollout.max_response_length
-            local_rank = int(os.environ.get("LOCAL_RANK", placement.rank))
+            gpu = local_rank(placement.rank)
             engine = make_engine(
-                c.rollout, c.actor.model_path, base_gpu_id=local_rank, seed=c.trainer.seed,
+                c.rollout, c.actor.model_path, base_gpu_id=gpu, seed=c.trainer.seed,
                 max_context=-(-max_context // 64) * 64, routed_experts=routed,
             )  # fmt: skip
             receiver = StagedReceiver(WeightChannel(placement, store, c.distributed.timeout_s))

@@ -40,16 +40,6 @@ class StartupError(Exception):
         self.report_rank = report_rank
 
 
-def launch_rank_world() -> tuple[int, int]:
-    """(rank, world_size) from torchrun (RANK, WORLD_SIZE) or srun (SLURM_PROCID, SLURM_NTASKS); (0, 1) otherwise."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"])
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-    return 0, 1
-
-
 # ------------------------------------------------------------------------------------------------------ preflight
 def preflight(config: Any, world_size: int) -> None:
     """Checks that need no process group and give every rank the same answer; raises StartupError.

@@ -129,7 +129,7 @@ def init_role(num_engine_ranks: int, timeout_s: float = 1800.0) -> tuple[Placeme
     and initialise torch.distributed's default group over this rank's role only (NCCL for actor ranks with CUDA, else
     gloo). Call before init_distributed on actor ranks, which then builds megatron's groups over the actor ranks.
     Returns (Placement, the launch store)."""
-    from megatron_dapo.actor.distributed import launch_env
+    from megatron_dapo.launch_env import launch_env
 
     rank, world, _, addr, port = launch_env()
     placement = Placement(rank, world, num_engine_ranks)

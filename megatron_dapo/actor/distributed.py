@@ -8,12 +8,8 @@ API:
         world_size, local_rank, tp_rank/tp_size, pp_rank/pp_size, dp_rank/dp_size, ep_rank/ep_size, pp_ranks,
         mp_ranks, device, is_first_stage / is_last_stage
 
-World and rank come from (first match wins):
-    torchrun   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
-    srun       SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; MASTER_ADDR from the environment, else
-               SLURM_LAUNCH_NODE_IPADDR, else the first host of SLURM_JOB_NODELIST (parsed here, no scontrol);
-               MASTER_PORT from the environment, else derived from SLURM_JOB_ID
-    nothing    a single process (rank 0 of 1) on 127.0.0.1 and a free port
+World and rank come from torchrun's or srun's variables, or a single process (rank 0 of 1) on a free port: read in
+one place, megatron_dapo/launch_env.py (launch_env).
 Backend: NCCL when CUDA is available (device = cuda:LOCAL_RANK), gloo otherwise; on gloo without CUDA the
 megatron-core CPU shims (cpu_compat.apply_cpu_compat) are applied here, explicitly, before any megatron call.
 Rank order inside megatron is "tp-cp-ep-dp-pp": TP ranks are adjacent, PP stages are world / pp apart.
@@ -25,14 +21,13 @@ tp (megatron's default; etp_group has the same ranks as tp_group).
 from __future__ import annotations
 
 import datetime
-import os
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.net import free_port
+from megatron_dapo.launch_env import launch_env
+from megatron_dapo.launch_env import local_rank as launch_local_rank
 
 
 @dataclass(frozen=True)
@@ -78,40 +73,6 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm nodelist: "gpu[003-005,9],cpu1" -> "gpu003"; "a1,a2" -> "a1"."""
-    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if match is None:
-        raise ValueError(f"SLURM_JOB_NODELIST: cannot parse {nodelist!r}")
-    prefix, _, ranges = match.groups()
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-def launch_env() -> tuple[int, int, int, str, int]:
-    """(rank, world_size, local_rank, master_addr, master_port) from torchrun, srun or a single process."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        local = int(env.get("LOCAL_RANK", rank))
-        addr = env.get("MASTER_ADDR", "127.0.0.1")
-        port = int(env.get("MASTER_PORT", "29500"))
-        return rank, world, local, addr, port
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local = int(env.get("SLURM_LOCALID", 0))
-        addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
-        if not addr:
-            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-            if not nodelist:
-                raise RuntimeError("srun launch: set MASTER_ADDR (no SLURM_LAUNCH_NODE_IPADDR or SLURM_JOB_NODELIST)")
-            addr = first_slurm_host(nodelist)
-        port = int(env.get("MASTER_PORT") or 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-        return rank, world, local, addr, port
-    return 0, 1, 0, "127.0.0.1", free_port()
-
-
 def init_distributed(
     tensor_parallel: int,
     pipeline_parallel: int,
@@ -151,7 +112,7 @@ def init_distributed(
         rank, world, local_rank, addr, port = launch_env()
     else:
         rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", rank)))
+        local_rank = launch_local_rank(rank)
     model_parallel = tensor_parallel * pipeline_parallel
     if world % model_parallel != 0:
         raise ValueError(

@@ -116,8 +116,8 @@ def make_engine(
             max_context=max_context,
         )
     if rollout.engine == "sglang" and rollout.mode == "server":
-        from megatron_dapo.rollout.launch_env import num_nodes
-        from megatron_dapo.rollout.launch_env import weight_sync_master_address
+        from megatron_dapo.launch_env import num_nodes
+        from megatron_dapo.launch_env import weight_sync_master_address
 
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

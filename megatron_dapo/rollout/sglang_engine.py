@@ -32,12 +32,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo.launch_env import rendezvous_store
+from megatron_dapo.launch_env import scrubbed_environ
 from megatron_dapo.memory import ENGINE_TAGS
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.base import generate_blocking
-from megatron_dapo.rollout.launch_env import rendezvous_store
-from megatron_dapo.rollout.launch_env import scrubbed_environ
 from megatron_dapo.rollout.sglang_api import ROUTE_BODY
 from megatron_dapo.rollout.sglang_api import checked
 from megatron_dapo.rollout.sglang_api import effective_max_running

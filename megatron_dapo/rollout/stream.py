@@ -123,8 +123,8 @@ def job_store(rank: int, world_size: int, exchange: Any, timeout_s: float) -> di
     """
     if world_size == 1:
         return dist.HashStore()
-    from megatron_dapo.rollout.launch_env import local_address
-    from megatron_dapo.rollout.launch_env import num_nodes
+    from megatron_dapo.launch_env import local_address
+    from megatron_dapo.launch_env import num_nodes
 
     timeout = timedelta(seconds=timeout_s)
     store = None

@@ -41,12 +41,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo.launch_env import scrubbed_environ
 from megatron_dapo.rollout.base import BlockingStream
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.base import request_result
 from megatron_dapo.rollout.base import requests_for
-from megatron_dapo.rollout.launch_env import scrubbed_environ
 from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout

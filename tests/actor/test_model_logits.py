@@ -9,11 +9,11 @@ import types
 import pytest
 import torch
 
-from megatron_dapo.actor.distributed import first_slurm_host
 from megatron_dapo.actor.distributed import init_distributed
 from megatron_dapo.actor.model import padded_vocab_size
 from megatron_dapo.actor.model import to_transformer_config
 from megatron_dapo.config import ActorConfig
+from megatron_dapo.launch_env import first_slurm_host
 from tests.actor._actor_checks import MOE
 from tests.actor._actor_checks import cached_results
 from tests.actor._actor_checks import case_params

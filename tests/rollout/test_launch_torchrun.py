@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.launch_env import is_launcher_var
+from megatron_dapo.launch_env import rendezvous_store
+from megatron_dapo.launch_env import scrubbed_env
+from megatron_dapo.launch_env import scrubbed_environ
 from megatron_dapo.net import free_port
-from megatron_dapo.rollout.launch_env import is_launcher_var
-from megatron_dapo.rollout.launch_env import rendezvous_store
-from megatron_dapo.rollout.launch_env import scrubbed_env
-from megatron_dapo.rollout.launch_env import scrubbed_environ
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_torchrun_launch_worker.py")

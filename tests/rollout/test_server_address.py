@@ -6,13 +6,13 @@ import socket
 
 import pytest
 
+from megatron_dapo import launch_env
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config import RolloutConfig
+from megatron_dapo.launch_env import num_nodes
+from megatron_dapo.launch_env import weight_sync_master_address
 from megatron_dapo.net import is_loopback
-from megatron_dapo.rollout import launch_env
 from megatron_dapo.rollout.factory import make_engine
-from megatron_dapo.rollout.launch_env import num_nodes
-from megatron_dapo.rollout.launch_env import weight_sync_master_address
 
 REMOTE = ["http://node7:30000", "http://node8:30000"]
 LOCAL = ["http://127.0.0.1:30000"]

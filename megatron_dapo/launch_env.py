@@ -1,4 +1,13 @@
-"""A clean launch environment for processes and rendezvous started from a torchrun / srun worker.
+"""The launcher's environment, read in this one module: who this rank is (torchrun or srun variables, or a single
+process), how many nodes and ranks per node, and a clean environment for processes and rendezvous started from a
+torchrun / srun worker.
+
+    launch_env()              (rank, world_size, local_rank, master_addr, master_port): RANK, WORLD_SIZE, LOCAL_RANK,
+                              MASTER_ADDR, MASTER_PORT under torchrun; SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and
+                              MASTER_ADDR (else SLURM_LAUNCH_NODE_IPADDR, else the nodelist's first host), MASTER_PORT
+                              (else derived from SLURM_JOB_ID) under srun; rank 0 of 1 on a free port otherwise
+    launch_rank_world()       (rank, world_size) alone (no address or port is looked up); local_rank(default)
+    ranks_per_node(world)     LOCAL_WORLD_SIZE (torchrun), else world / SLURM_NNODES, else None; num_nodes(world)
 
     torchrun agent --env: TORCHELASTIC_USE_AGENT_STORE=True, RANK, MASTER_ADDR, ...--> trainer rank
         trainer rank --scrubbed_environ()--> sglang.Engine / vllm.LLM --spawn--> scheduler / worker processes
@@ -33,6 +42,7 @@ children see only the MASTER_ADDR / MASTER_PORT an sbatch script exports, which 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Iterator
 from collections.abc import Mapping
@@ -117,17 +127,75 @@ def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: 
     )
 
 
+# ------------------------------------------------------------------------------------------ who this rank is
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist: "gpu[003-005,9],cpu1" -> "gpu003"; "a1,a2" -> "a1"."""
+    match = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"SLURM_JOB_NODELIST: cannot parse {nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def launch_rank_world(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world_size) from torchrun (RANK, WORLD_SIZE) or srun (SLURM_PROCID, SLURM_NTASKS); (0, 1) otherwise."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+    return 0, 1
+
+
+def launch_env(env: Mapping[str, str] | None = None) -> tuple[int, int, int, str, int]:
+    """(rank, world_size, local_rank, master_addr, master_port) from torchrun, srun or a single process (the module
+    docstring says which variables)."""
+    from megatron_dapo.net import free_port
+
+    env = os.environ if env is None else env
+    rank, world = launch_rank_world(env)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        local = int(env.get("LOCAL_RANK", rank))
+        return rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        local = int(env.get("SLURM_LOCALID", 0))
+        addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
+        if not addr:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            if not nodelist:
+                raise RuntimeError("srun launch: set MASTER_ADDR (no SLURM_LAUNCH_NODE_IPADDR or SLURM_JOB_NODELIST)")
+            addr = first_slurm_host(nodelist)
+        port = int(env.get("MASTER_PORT") or 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        return rank, world, local, addr, port
+    return 0, 1, 0, "127.0.0.1", free_port()
+
+
+def local_rank(default: int, env: Mapping[str, str] | None = None) -> int:
+    """This rank's index on its node: LOCAL_RANK (torchrun), else SLURM_LOCALID (srun), else `default`."""
+    env = os.environ if env is None else env
+    return int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", default)))
+
+
+def ranks_per_node(world_size: int, env: Mapping[str, str] | None = None) -> int | None:
+    """Ranks on each node when the launcher says: torchrun's LOCAL_WORLD_SIZE, else world / Slurm's SLURM_NNODES;
+    None when neither is set."""
+    env = os.environ if env is None else env
+    local = env.get("LOCAL_WORLD_SIZE")
+    if local and int(local) > 0:
+        return int(local)
+    slurm = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
+    return max(1, world_size // int(slurm)) if slurm and int(slurm) > 0 else None
+
+
 # ------------------------------------------------------------------------------ a routable address for servers
 
 
 def num_nodes(world_size: int, env: Mapping[str, str] | None = None) -> int:
-    """Nodes in this job: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else Slurm's SLURM_NNODES, else 1."""
-    env = os.environ if env is None else env
-    local = env.get("LOCAL_WORLD_SIZE")
-    if local and int(local) > 0:
-        return max(1, world_size // int(local))
-    slurm = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
-    return int(slurm) if slurm else 1
+    """Nodes in this job: world / `ranks_per_node`, else 1."""
+    per_node = ranks_per_node(world_size, env)
+    return max(1, world_size // per_node) if per_node else 1
 
 
 def local_address(toward: str | None = None) -> str:
