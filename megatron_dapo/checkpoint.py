@@ -527,6 +527,20 @@ class PreemptionFlag:
         self.flag = True
         self.signum = signum
 
+    def notice(self, grace_s: float) -> str:
+        """The step boundary's line once a preemption is agreed: who got the signal, and how long before the boundary
+        against checkpoint.preempt_grace_s (the launcher's SIGTERM -> SIGKILL window)."""
+        if self.received_at is None:
+            return "a peer rank got a preemption signal; saving at this step boundary"
+        waited = time.monotonic() - self.received_at
+        name = signal.Signals(self.signum).name if self.signum else "signal"
+        late = (
+            ""
+            if waited < grace_s
+            else f" (past checkpoint.preempt_grace_s={grace_s:g}: the launcher may kill the save)"
+        )
+        return f"{name} came {waited:.1f} s before this step boundary; saving, then exiting{late}"
+
     def requested(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
         local = torch.tensor([1 if self.flag else 0], dtype=torch.int64)
         if all_reduce_max is not None:

@@ -27,6 +27,7 @@ from megatron_dapo.batch import RoutedExperts
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import Stats
+from megatron_dapo.metrics import mismatch_stats
 from megatron_dapo.metrics import response_metrics
 from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GroupSummary
@@ -155,6 +156,21 @@ def sampled_response_metrics(groups: Sequence[GroupSummary]) -> dict[str, float]
     cat = lambda key: torch.cat([getattr(g, key) for g in groups])
     truncated = torch.tensor([f is FinishReason.LENGTH for g in groups for f in g.finish])
     return response_metrics(cat("lengths"), truncated, cat("rewards"), cat("accs"), cat("penalties"))
+
+
+def batch_stats(batch: ActorBatch, entropy: Tensor | None, correction: Stats, *, mismatch: bool = True) -> Stats:
+    """One rank's batch metrics as Stats (merge them over DP ranks): valid-token count (after rollout correction),
+    the old-log-prob pass's entropy (None: no such pass, old_logp_source engine; the update's entropy stands), the
+    engine/actor log-prob mismatch (mismatch False: old_logp is the engine's own) and the rollout correction's own
+    Stats (`correction`)."""
+    mask = batch.response_mask
+    local: Stats = {"train/valid_tokens": Stat.sum(float(batch.loss_mask.sum()))}
+    if entropy is not None:
+        local["actor/entropy"] = Stat.mean(float((entropy * mask).sum()), float(mask.sum()))
+    if batch.engine_logp is not None and mismatch:
+        local.update(mismatch_stats(batch.old_logp, batch.engine_logp, mask))
+    local.update(correction)
+    return local
 
 
 def engine_old_logp(batch: ActorBatch) -> Tensor:

@@ -17,7 +17,6 @@ every rank; then each row goes to the ranks of the DP rank that trains on it and
 
 from __future__ import annotations
 
-import signal
 import time
 from dataclasses import dataclass
 from dataclasses import field
@@ -41,6 +40,7 @@ from megatron_dapo.errors import JobError
 from megatron_dapo.evaluate import score_groups
 from megatron_dapo.experience import GroupScorer
 from megatron_dapo.experience import batch_advantages
+from megatron_dapo.experience import batch_stats
 from megatron_dapo.experience import engine_old_logp
 from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
@@ -54,13 +54,11 @@ from megatron_dapo.launch import RunDirLock
 from megatron_dapo.memory import MemoryChoreographer
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.metrics import PhaseTimer
-from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import Stats
 from megatron_dapo.metrics import drop_unsaved_metrics
 from megatron_dapo.metrics import finalize
 from megatron_dapo.metrics import merge_stats
 from megatron_dapo.metrics import metrics_row
-from megatron_dapo.metrics import mismatch_stats
 from megatron_dapo.metrics import plot_run
 from megatron_dapo.metrics import truncate_metrics
 from megatron_dapo.resume import Resume
@@ -122,18 +120,7 @@ class DAPOTrainer:
         self.lock = RunDirLock(self.run_dir, self.notice) if self.rank == 0 else None
         self.inputs: RunInputs = self._startup(self._load_inputs)
         self.sampler = DynamicSampler.from_config(c.algorithm, c.trainer)
-        self.ckpt = CheckpointManager(
-            checkpoint_root(self.run_dir),
-            c.checkpoint.keep_last,
-            self.rank,
-            self.barrier,
-            world_size=self.world,
-            gather=lambda obj: self.exchange.all_gather([obj], "checkpoint"),
-            log=self.notice,
-            allow_unverified=c.checkpoint.allow_unverified,
-            check_pickles=lambda path: MegatronActor.check_checkpoint(path / "actor"),
-            layout=lambda path: {f"actor/{k}": v for k, v in MegatronActor.checkpoint_items(path / "actor").items()},
-        )
+        self.ckpt = self._checkpoint_manager()
         self.resume = Resume(self.ckpt, c, self.rank, self.world, self.notice)
         resume_from = self._startup(lambda: self.resume.find(self.inputs))
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
@@ -165,16 +152,30 @@ class DAPOTrainer:
         elif self.rank == 0:  # rows of an earlier start that saved no checkpoint: this start logs them again
             drop_unsaved_metrics(self.run_dir / "metrics.jsonl", self.notice)
         self.generation.start(self.step, self.inputs.train_data.state_dict(), resumed=resume_from is not None)
+        log = c.logging
         self.logger = (
-            MetricsLogger(
-                self.run_dir,
-                console=c.logging.console,
-                jsonl=c.logging.jsonl,
-                tensorboard=c.logging.tensorboard,
-                total_steps=c.trainer.total_steps,
-            )
-            if self.rank == 0
-            else None
+            MetricsLogger(self.run_dir, console=log.console, jsonl=log.jsonl, tensorboard=log.tensorboard,
+                          total_steps=c.trainer.total_steps)
+            if self.rank == 0 else None
+        )  # fmt: skip
+
+    def _checkpoint_manager(self) -> CheckpointManager:
+        """The run's checkpoints: collective over every rank, the actor's files checked for pickles that would run
+        code and hashed item by item (MegatronActor.check_checkpoint / checkpoint_items)."""
+        from megatron_dapo.actor.actor import MegatronActor
+
+        c = self.cfg
+        return CheckpointManager(
+            checkpoint_root(self.run_dir),
+            c.checkpoint.keep_last,
+            self.rank,
+            self.barrier,
+            world_size=self.world,
+            gather=lambda obj: self.exchange.all_gather([obj], "checkpoint"),
+            log=self.notice,
+            allow_unverified=c.checkpoint.allow_unverified,
+            check_pickles=lambda path: MegatronActor.check_checkpoint(path / "actor"),
+            layout=lambda path: {f"actor/{k}": v for k, v in MegatronActor.checkpoint_items(path / "actor").items()},
         )
 
     def _make_generation(self, ctx: RolloutContext, store: Any) -> Any:
@@ -240,7 +241,7 @@ class DAPOTrainer:
             self._log(self.step, last)
             preempted = self.preempt.requested(self._all_reduce_max)
             if preempted:
-                self._preemption_notice()
+                self._note(self.preempt.notice(self.cfg.checkpoint.preempt_grace_s))
             every, last_step = self.cfg.checkpoint.save_every, self.step == self.cfg.trainer.total_steps
             if preempted or (every and self.step % every == 0) or last_step:
                 self.save(background=self.cfg.checkpoint.async_save and not (preempted or last_step))
@@ -372,19 +373,11 @@ class DAPOTrainer:
     def _batch_metrics(
         self, batch: ActorBatch, entropy: torch.Tensor | None, correction: Stats, *, mismatch: bool = True
     ) -> dict[str, float]:
-        """Entropy, valid-token count (after rollout correction), engine/actor log-prob mismatch (mismatch: False when
-        old_logp is the engine's own) and the rollout correction's metrics (`correction`, this rank's Stats) over the
-        whole batch: each DP rank's Stats (one rank per model-parallel group contributes) merged over the gloo
-        exchange."""
-        mask = batch.response_mask
-        local: Stats = {"train/valid_tokens": Stat.sum(float(batch.loss_mask.sum()))}
-        if entropy is not None:  # None: no old-log-prob pass (old_logp_source engine); the update's entropy stands
-            local["actor/entropy"] = Stat.mean(float((entropy * mask).sum()), float(mask.sum()))
-        if batch.engine_logp is not None and mismatch:
-            local.update(mismatch_stats(batch.old_logp, batch.engine_logp, mask))
-        local.update(correction)
+        """experience.batch_stats over the whole batch: each DP rank's Stats (one rank per model-parallel group
+        contributes) merged over the gloo exchange."""
         first = self.rank == min(self.groups.mp_ranks)
-        return finalize(merge_stats(self.exchange.all_gather([local] if first else [], "batch metrics")))
+        local = [batch_stats(batch, entropy, correction, mismatch=mismatch)] if first else []
+        return finalize(merge_stats(self.exchange.all_gather(local, "batch metrics")))
 
     def evaluate(self) -> dict[str, float]:
         t = self.cfg.trainer
@@ -397,16 +390,6 @@ class DAPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------------ state
-    def _preemption_notice(self) -> None:
-        flag, grace = self.preempt, self.cfg.checkpoint.preempt_grace_s
-        if flag.received_at is None:
-            self._note("a peer rank got a preemption signal; saving at this step boundary")
-            return
-        waited = time.monotonic() - flag.received_at
-        name = signal.Signals(flag.signum).name if flag.signum else "signal"
-        late = "" if waited < grace else f" (past checkpoint.preempt_grace_s={grace:g}: the launcher may kill the save)"
-        self._note(f"{name} came {waited:.1f} s before this step boundary; saving, then exiting{late}")
-
     def trainer_state(self) -> dict[str, Any]:
         """What a resume needs besides the actor (resume.trainer_state; collective: the carry is gathered)."""
         row = self.last_row if self.last_row is not None and self.last_row["step"] == self.step else None

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.background_save import BackgroundWrite
     from megatron_dapo.checkpoint import ItemHashes
 
@@ -100,9 +99,10 @@ def restore_adam_steps(optimizer: Any, num_steps: int) -> None:
 
 
 class ActorCheckpoint:
-    """Saves and loads one MegatronActor's checkpoint directory (collective on every call)."""
+    """Saves and loads one MegatronActor's checkpoint directory (collective on every call). The actor is read
+    through its public parts: unwrapped(), optimizer, num_steps, resident(), set_lr()."""
 
-    def __init__(self, actor: MegatronActor) -> None:
+    def __init__(self, actor: Any) -> None:
         self.actor = actor
 
     def _sharded_state_dict(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
