@@ -218,6 +218,25 @@ def local_address(toward: str | None = None) -> str:
         return "127.0.0.1"
 
 
+def listening_fd(host: str) -> tuple[int, int]:
+    """A TCP socket listening on `host` only (a free port), handed over as (file descriptor, port) for
+    TCPStore(master_listen_fd=...): the store then accepts connections on the job's interface, not on every
+    interface of the host (loopback on a single node)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    return sock.detach(), port  # the store owns the descriptor from here on
+
+
+def job_store_host(world_size: int, env: Mapping[str, str] | None = None) -> str:
+    """The address rank 0's job store listens on: loopback when the job is on one node, else this host's address
+    toward MASTER_ADDR (the interface the launcher's rendezvous uses)."""
+    env = os.environ if env is None else env
+    return "127.0.0.1" if num_nodes(world_size, env) == 1 else local_address(env.get("MASTER_ADDR"))
+
+
 def weight_sync_master_address(configured: str, server_urls: Sequence[str], nodes: int) -> str:
     """The address SGLang servers connect to for the weight-update group (this trainer rank hosts its store).
 

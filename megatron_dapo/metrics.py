@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo import wire
+
 # Every training step writes at least these keys (the end-to-end test checks them).
 STEP_METRICS = (
     "reward/mean",
@@ -82,6 +84,7 @@ def response_metrics(
     }
 
 
+@wire.record
 class Reduce(enum.Enum):
     """How one metric's parts from several ranks (or micro-batches) combine into its value."""
 
@@ -91,6 +94,7 @@ class Reduce(enum.Enum):
     MIN = "min"
 
 
+@wire.record
 @dataclass(frozen=True, slots=True)
 class Stat:
     """One part of a metric and its reduction. MEAN: `value` is the sum of what is averaged and `weight` the count

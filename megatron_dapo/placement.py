@@ -24,7 +24,6 @@ NCCL weight-update group (rollout/sglang_engine.py); this module is the CPU form
 from __future__ import annotations
 
 import atexit
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import wire
 from megatron_dapo.errors import JobError
 from megatron_dapo.rollout.types import GroupSummary
 from megatron_dapo.rollout.types import RolloutGroup
@@ -210,7 +210,7 @@ class WeightChannel:
         self.group.broadcast([tensor], opts).wait()
 
     def _send_header(self, header: list | None, payload_bytes: int) -> None:
-        blob = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8)
+        blob = torch.frombuffer(bytearray(wire.dumps(header)), dtype=torch.uint8)
         self._broadcast(torch.tensor([blob.numel(), payload_bytes], dtype=torch.int64))
         self._broadcast(blob)
 
@@ -219,7 +219,7 @@ class WeightChannel:
         self._broadcast(sizes)
         blob = torch.empty(int(sizes[0]), dtype=torch.uint8)
         self._broadcast(blob)
-        return pickle.loads(blob.numpy().tobytes()), int(sizes[1])
+        return wire.loads(blob.numpy().tobytes()), int(sizes[1])
 
 
 def load_buckets(engine: Any, version: int, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
@@ -399,6 +399,7 @@ class ActorBeat:
         atexit.unregister(self.close)
 
 
+@wire.record
 @dataclass
 class StepGeneration:
     """What the engine ranks hand the actor ranks for one step (posted by engine rank 0 on the store).
@@ -420,14 +421,15 @@ class StepGeneration:
 
 
 class Mailbox:
-    """Pickled messages between the roles on the launch's store: the actor's start state, each step's generation,
-    the actor's stop."""
+    """Messages between the roles on the launch's store, in the data-only encoding of wire.py (never pickle: the
+    store is reachable by whoever reaches its port): the actor's start state, each step's generation, evaluation
+    scores, the actor's stop."""
 
     def __init__(self, store: dist.Store) -> None:
         self.store = dist.PrefixStore(f"{PREFIX}mail/", store)
 
     def post(self, key: str, message: Any) -> None:
-        self.store.set(key, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        self.store.set(key, wire.dumps(message))
 
     def has(self, key: str) -> bool:
         return self.store.check([key])
@@ -446,7 +448,13 @@ class Mailbox:
                     retryable=True,
                 )
             time.sleep(POLL_S)
-        return pickle.loads(self.store.get(key))
+        try:
+            return wire.loads(self.store.get(key))
+        except wire.WireError as err:
+            raise JobError(
+                f"asynchronous training: the message {key!r} on the launch's store is not one of this job ({err}); "
+                "another process wrote to the store"
+            ) from None
 
     def delete(self, key: str) -> None:
         self.store.delete_key(key)
@@ -458,10 +466,17 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(payload: torch.Tensor, header: list) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of one bucket from its bytes and header [(name, dtype, shape)]."""
+    """The (name, tensor) pairs of one bucket from its bytes and header [(name, dtype, shape)]; a header that does not
+    add up to the payload's bytes is a JobError."""
     out, offset = [], 0
     for name, dtype, shape in header:
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if offset + n > payload.numel():
+            break
         out.append((name, payload[offset : offset + n].view(dtype).reshape(shape)))
         offset += n
+    if offset != payload.numel() or len(out) != len(header):
+        raise JobError(
+            f"weight channel: a bucket header of {len(header)} tensors does not match its {payload.numel()} bytes"
+        )
     return out

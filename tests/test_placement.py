@@ -24,3 +24,25 @@ def test_actor_ranks_come_first_and_actor_rank_0_leads_the_weight_channel():
     assert [(p.role_rank, p.role_size) for p in roles] == [(0, 3), (1, 3), (2, 3), (0, 2), (1, 2)]
     assert [p.channel_rank for p in roles] == [0, None, None, 1, 2]
     assert roles[0].engine_ranks == (3, 4) and roles[0].actor_ranks == (0, 1, 2)
+
+
+def test_a_header_that_does_not_match_its_bytes_is_refused():
+    """A bucket's header (decoded from wire.py's encoding) must add up to its payload; else one line, no view error."""
+    import torch
+
+    from megatron_dapo.errors import JobError
+    from megatron_dapo.placement import _as_bytes
+    from megatron_dapo.placement import _from_bytes
+
+    a, b = torch.randn(3, 2), torch.arange(4, dtype=torch.int64)
+    payload = torch.cat([_as_bytes(a), _as_bytes(b)])
+    header = [("a", a.dtype, (3, 2)), ("b", b.dtype, (4,))]
+    (name_a, got_a), (name_b, got_b) = _from_bytes(payload, header)
+    assert (name_a, name_b) == ("a", "b") and torch.equal(got_a, a) and torch.equal(got_b, b)
+    for bad in (
+        [("a", a.dtype, (3, 2))],
+        [("a", a.dtype, (3, 2)), ("b", b.dtype, (5,))],
+        [*header, ("c", b.dtype, (1,))],
+    ):
+        with pytest.raises(JobError, match="does not match its 56 bytes"):
+            _from_bytes(payload, bad)

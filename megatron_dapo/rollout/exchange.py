@@ -6,19 +6,20 @@
 
 A rank that leaves the stream first waits inside the gather for the others. On the default NCCL group that wait is a
 GPU kernel spinning on the GPUs SGLang is decoding on, and it ends only at the job's collective timeout
-(distributed.timeout_minutes) with NCCL's watchdog message. Here the wait is a blocking socket read in gloo, pickled
-objects never touch a GPU, and the group's own timeout (rollout.generation_timeout_minutes) ends it with one line
-that says what was waited for.
+(distributed.timeout_minutes) with NCCL's watchdog message. Here the wait is a blocking socket read in gloo, the
+objects (encoded by wire.py: data only, no pickle) never touch a GPU, and the group's own timeout
+(rollout.generation_timeout_minutes) ends it with one line that says what was waited for.
 """
 
 from __future__ import annotations
 
-import pickle
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_dapo import wire
 
 
 class ExchangeTimeout(RuntimeError):
@@ -26,7 +27,8 @@ class ExchangeTimeout(RuntimeError):
 
 
 class RolloutExchange:
-    """all_gather of Python objects over a gloo group of every rank (build it on every rank, in the same order).
+    """all_gather / all_to_all of Python values (wire.py's types) over a gloo group of every rank (build it on every
+    rank, in the same order).
 
     timeout_s: how long a rank may wait for the slowest rank's generation (config: rollout.generation_timeout_minutes)
     setting: the config field timeout_s comes from, named when it expires (evaluation has its own group and field)
@@ -44,23 +46,33 @@ class RolloutExchange:
         self.bytes_received = 0
 
     def all_gather(self, items: list[Any], what: str = "rollouts") -> list[Any]:
-        """Concatenate every rank's list of picklable items in rank order (the same result on every rank).
+        """Concatenate every rank's list of items (wire.py's types) in rank order (the same result on every rank):
+        each rank's list encoded (wire.dumps, never pickle), sizes all-gathered, then the padded bytes.
 
         Raises ExchangeTimeout (one line) when some rank has not arrived within timeout_s.
         """
         if self.group is None:
             return list(items)
-        out: list[Any] = [None] * self.world_size
+        blob = wire.dumps(items)
         try:
-            dist.all_gather_object(out, items, group=self.group)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+            dist.all_gather(sizes, torch.tensor([len(blob)], dtype=torch.int64), group=self.group)
+            width = max(int(s) for s in sizes)
+            mine = torch.zeros(width, dtype=torch.uint8)
+            mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(parts, mine, group=self.group)
         except RuntimeError as err:
             raise self._timeout(err, what) from None
-        return [x for part in out for x in part]
+        out: list[Any] = []
+        for part, size in zip(parts, sizes, strict=True):
+            out.extend(wire.loads(part[: int(size)].numpy().tobytes()))
+        return out
 
     def all_to_all(self, per_rank: list[list[Any]], what: str = "rollout rows") -> list[Any]:
-        """Send per_rank[r] (a list of picklable items) to rank r; return what every rank sent to this one,
+        """Send per_rank[r] (a list of items, wire.py's types) to rank r; return what every rank sent to this one,
         concatenated in source-rank order. Only the bytes addressed to a rank reach it (two gloo all_to_all_single
-        calls: sizes, then pickled bytes); `bytes_received` / `bytes_sent` hold the last call's totals.
+        calls: sizes, then the encoded bytes); `bytes_received` / `bytes_sent` hold the last call's totals.
 
         Raises ExchangeTimeout (one line) when some rank has not arrived within timeout_s.
         """
@@ -69,7 +81,7 @@ class RolloutExchange:
         if self.group is None:
             self.bytes_sent = self.bytes_received = 0
             return list(per_rank[0])
-        blobs = [pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) for items in per_rank]
+        blobs = [wire.dumps(items) for items in per_rank]
         send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
         recv_sizes = torch.empty(self.world_size, dtype=torch.int64)
         try:
@@ -88,7 +100,7 @@ class RolloutExchange:
         self.bytes_sent, self.bytes_received = int(send_sizes.sum()), int(recv_sizes.sum())
         out: list[Any] = []
         for part in recv[: self.bytes_received].split(recv_sizes.tolist()):
-            out.extend(pickle.loads(part.numpy().tobytes()))
+            out.extend(wire.loads(part.numpy().tobytes()))
         return out
 
     def _timeout(self, err: RuntimeError, what: str) -> Exception:

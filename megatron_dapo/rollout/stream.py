@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import signal
 import socket
 import threading
@@ -49,6 +48,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_dapo import wire
 from megatron_dapo.algorithms.dynamic_sampling import StepSampling
 from megatron_dapo.errors import JobError
 from megatron_dapo.metrics import Stat
@@ -101,13 +101,19 @@ class StoreQueue:
         return self.store.add("next", 0)
 
     def publish(self, position: int, summary: GroupSummary) -> None:
-        self.store.set(str(position), pickle.dumps(summary))
+        self.store.set(str(position), wire.dumps(summary))
 
     def read(self, position: int) -> GroupSummary | None:
         key = str(position)
         if not self.store.check([key]):
             return None
-        return pickle.loads(self.store.get(key))
+        try:
+            return wire.loads(self.store.get(key))
+        except wire.WireError as err:
+            raise JobError(
+                f"rollout queue: queue position {position} on the job store is not a message of this job ({err}); "
+                "another process wrote to the store"
+            ) from None
 
     def delete(self, positions: list[int]) -> None:
         for p in positions:
@@ -115,24 +121,28 @@ class StoreQueue:
 
 
 def job_store(rank: int, world_size: int, exchange: Any, timeout_s: float) -> dist.Store:
-    """The store the queue lives on (collective): a TCPStore hosted by rank 0 of the job, its address all-gathered over
-    the exchange's gloo group; an in-process HashStore for one process.
+    """The store the queue lives on (collective): a TCPStore hosted by rank 0 of the job on the job's interface only
+    (loopback on one node), its address all-gathered over the exchange's gloo group; an in-process HashStore for one
+    process. What crosses it is wire.py's data-only encoding.
 
     Not the default group's store: under torchrun that is the agent's, and the workers outlive a dead launcher long
     enough to save a checkpoint (docs/reliability.md), which they could not do with the queue gone.
     """
     if world_size == 1:
         return dist.HashStore()
-    from megatron_dapo.launch_env import local_address
-    from megatron_dapo.launch_env import num_nodes
+    from megatron_dapo.launch_env import job_store_host
+    from megatron_dapo.launch_env import listening_fd
 
     timeout = timedelta(seconds=timeout_s)
     store = None
     address: list[Any] = []
-    if rank == 0:
-        store = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        host = "127.0.0.1" if num_nodes(world_size) == 1 else local_address(os.environ.get("MASTER_ADDR"))
-        address = [(host, store.port)]
+    if rank == 0:  # listening on the job's interface only (loopback on one node): launch_env.job_store_host
+        host = job_store_host(world_size)
+        fd, port = listening_fd(host)
+        store = dist.TCPStore(
+            host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
+        )
+        address = [(host, port)]
     host, port = exchange.all_gather(address, "rollout queue address")[0]
     if store is None:
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
@@ -222,6 +232,7 @@ class PeerWatch:
         )
 
 
+@wire.record
 @dataclass(slots=True, eq=False)
 class CarryEntry:
     """A group carried into the next step (rollout.partial), as every rank knows it: its example, its owner rank

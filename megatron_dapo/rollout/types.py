@@ -20,7 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo import wire
 
+
+@wire.record
 class FinishReason(enum.Enum):
     """Why a response ended. STOP: a stop/EOS token was generated (and is the last token); LENGTH: the generation
     cap was reached (exactly max_new_tokens tokens); ABORT: the engine stopped it (the step reached its target and
@@ -44,6 +47,7 @@ def _logps(values: Sequence[float] | Tensor | None) -> Tensor | None:
     return None if values is None else torch.as_tensor(values, dtype=torch.float32).reshape(-1).cpu()
 
 
+@wire.record
 @dataclass(slots=True, eq=False)
 class Rollout:
     """One sampled response (possibly unfinished: finish ABORT).
@@ -176,6 +180,7 @@ class GenerationRequest:
             raise ValueError(f"GenerationRequest {self.key!r}: the prompt is empty")
 
 
+@wire.record
 @dataclass(slots=True, eq=False)
 class RolloutGroup:
     """One prompt with its G scored responses, on the rank that generated them.
@@ -241,6 +246,7 @@ class RolloutGroup:
         )
 
 
+@wire.record
 @dataclass(slots=True, eq=False)
 class GroupSummary:
     """A scored group without its tokens (every rank receives it; the sampler, advantages, metrics and the row plan
