@@ -190,6 +190,45 @@ def check_files(
     return problems
 
 
+def manifest_files(manifest: Any) -> dict[str, dict[str, Any]]:
+    """The "files" of a MANIFEST.json after checking its whole shape: {"version": 1 or 2, "algorithm": "sha256",
+    "files": {relative path: {"size": int >= 0, "sha256": 64 hex digits, "items" (optional): [[offset, length,
+    sha256], ...] with offset, length ints >= 0}}}, paths relative and inside the checkpoint. ValueError naming the
+    first thing that is not so."""
+
+    def digest(value: Any) -> bool:
+        return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+    def natural(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(manifest, dict) or set(manifest) != {"version", "algorithm", "files"}:
+        raise ValueError("expected the keys version, algorithm and files")
+    if manifest["version"] not in (1, 2) or isinstance(manifest["version"], bool):
+        raise ValueError(f"version {manifest['version']!r}")
+    if manifest["algorithm"] != "sha256":
+        raise ValueError(f"algorithm {manifest['algorithm']!r}")
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise ValueError("files is not a mapping")
+    for name, entry in files.items():
+        parts = Path(name).parts if isinstance(name, str) else ()
+        if not parts or Path(name).is_absolute() or ".." in parts or name in (MANIFEST, COMPLETE):
+            raise ValueError(f"file name {name!r}")
+        if not isinstance(entry, dict) or not {"size", "sha256"} <= set(entry) <= {"size", "sha256", "items"}:
+            raise ValueError(
+                f"the entry of {name} has keys {sorted(entry) if isinstance(entry, dict) else type(entry).__name__}"
+            )
+        if not natural(entry["size"]) or not digest(entry["sha256"]):
+            raise ValueError(f"the size or sha256 of {name}")
+        items = entry.get("items", [])
+        if not isinstance(items, list) or not all(
+            isinstance(x, list) and len(x) == 3 and natural(x[0]) and natural(x[1]) and digest(x[2]) for x in items
+        ):
+            raise ValueError(f"the items of {name}")
+    return files
+
+
 ItemHashes = dict[str, dict[tuple[int, int], str]]
 """{file relative to a checkpoint subdirectory: {(offset, length): hex sha256}}: what a verified load compares."""
 
@@ -217,6 +256,8 @@ class CheckpointManager:
         layout: `layout(path)` -> {file relative to checkpoint `path`: [(offset, length), ...]}, the storage items of
             its tensor files (the trainer passes the actor's, read from torch_dist's .metadata): their hashes go in the
             manifest, and a resume checks those bytes as it loads them, not before.
+        deep: `verify` hashes those tensor files whole too, so a checkpoint that verifies is one whose load will not
+            fail its item checks (`megatron-dapo status`, which loads nothing, decides "finished" with it).
     """
 
     def __init__(
@@ -232,6 +273,7 @@ class CheckpointManager:
         allow_unverified: bool = False,
         check_pickles: Callable[[Path], None] | None = None,
         layout: Callable[[Path], dict[str, list[tuple[int, int]]]] | None = None,
+        deep: bool = False,
     ):
         self.root = Path(root)
         self.keep_last = keep_last
@@ -243,6 +285,7 @@ class CheckpointManager:
         self.allow_unverified = allow_unverified
         self.check_pickles = check_pickles
         self.layout = layout
+        self.deep = deep
         self.pending: _Pending | None = None
         """A save whose actor files are still being written in the background (`save(..., background=True)`)."""
 
@@ -401,13 +444,20 @@ class CheckpointManager:
         return problems
 
     def _check_manifest(self, path: Path) -> list[str]:
-        """Problems of the files MANIFEST.json lists (rank r re-hashes files r, r + world, ...); collective."""
+        """Problems of the checkpoint against MANIFEST.json (rank r re-hashes files r, r + world, ...); collective. A
+        manifest of the wrong shape, or one that leaves out a file the checkpoint holds (an empty list verifies
+        nothing), is a problem like a damaged file: the checkpoint is corrupt and resume falls back past it."""
         try:
-            expected = json.loads((path / MANIFEST).read_text())["files"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            return [f"{MANIFEST} is unreadable ({type(err).__name__})"]
+            expected = manifest_files(json.loads((path / MANIFEST).read_text()))
+        except (OSError, ValueError) as err:
+            return [f"{MANIFEST} is malformed ({str(err).splitlines()[0][:200]})"]
+        unlisted = sorted(set(checkpoint_files(path)) - set(expected))
+        if unlisted:
+            more = f" (+{len(unlisted) - 3} more)" if len(unlisted) > 3 else ""
+            return [f"{MANIFEST} does not list {', '.join(unlisted[:3])}{more}"]
         names = sorted(expected)
-        found = self.gather(check_files(path, expected, names[self.rank :: self.world_size], items_at_load=True))
+        mine = names[self.rank :: self.world_size]
+        found = self.gather(check_files(path, expected, mine, items_at_load=not self.deep))
         return [p for part in found for p in part]
 
     def item_hashes(self, path: str | Path, subdir: str) -> ItemHashes | None:
@@ -417,12 +467,23 @@ class CheckpointManager:
             files = json.loads((Path(path) / MANIFEST).read_text())["files"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        prefix = subdir.rstrip("/") + "/"
+        prefix = subdir.rstrip("/") + "/" if subdir else ""
         out: ItemHashes = {}
         for name, entry in files.items():
             if name.startswith(prefix) and isinstance(entry, dict) and "items" in entry:
                 out[name[len(prefix) :]] = {(int(o), int(n)): str(h) for o, n, h in entry["items"]}
         return out or None
+
+    def seal(self, path: str | Path) -> None:
+        """Make a directory written outside `save` (`megatron-dapo convert --to megatron`'s output) verifiable: its
+        MANIFEST.json (every file hashed, tensor files item by item with `layout`) and its COMPLETE marker. Collective
+        when gather is set; rank 0 writes."""
+        path = Path(path)
+        self.barrier()
+        self._write_manifest(path)
+        if self.rank == 0:
+            (path / COMPLETE).write_text("converted\n")
+        self.barrier()
 
     def find_resumable(self, before: int | None = None) -> Path | None:
         """The newest complete checkpoint that verifies (None if there is none at all); each newer one that fails is
@@ -500,6 +561,39 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def verified_actor_checkpoint(
+    path: str | Path, *, allow_unverified: bool, log: Callable[[str], None], check_pickles: Callable[[Path], None]
+) -> tuple[Path, ItemHashes | None]:
+    """A Megatron checkpoint given by hand (`megatron-dapo convert --to hf --checkpoint`), verified as a resume would:
+    a run's step directory (MANIFEST.json beside actor/), its actor/ directory, or a directory `seal`ed by
+    `convert --to megatron`. Returns (the directory the actor loads, its item hashes for a verified load);
+    CheckpointError (one line) when it does not verify, or has no manifest and allow_unverified is off."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: {'not a directory' if path.exists() else 'does not exist'}")
+    if (path / MANIFEST).exists() and (path / "actor").is_dir():
+        root, sub = path, "actor"
+    elif (path.parent / MANIFEST).exists() and path.parent.name.startswith(PREFIX):
+        root, sub = path.parent, path.name
+    else:
+        root, sub = path, ""
+    checker = CheckpointManager(
+        root.parent, keep_last=0, log=log, allow_unverified=allow_unverified,
+        check_pickles=lambda _: check_pickles(root / sub if sub else root),
+    )  # fmt: skip
+    if root == path and not (path / COMPLETE).exists() and not (path / MANIFEST).exists():  # never sealed
+        if not allow_unverified:
+            raise CheckpointError(f"checkpoint {path}: {NO_MANIFEST}; set checkpoint.allow_unverified=true to load it")
+        log(f"checkpoint {path}: {NO_MANIFEST}; loading it unverified (checkpoint.allow_unverified)")
+        check_pickles(path)
+        return path, None
+    problems = checker.verify(root)
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint {root}: {'; '.join(problems[:3])}{more}")
+    return (root / sub if sub else root), checker.item_hashes(root, sub)
 
 
 class PreemptionFlag:

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config import load_config
@@ -86,17 +87,31 @@ EXIT_RESUMABLE = 3
 
 
 def run_status(config, requeue: bool = False) -> int:
-    """One line on the run's newest complete checkpoint; 0 when it is at trainer.total_steps, else EXIT_RESUMABLE.
+    """One line on the checkpoint a resume would start from; 0 when it is at trainer.total_steps, else EXIT_RESUMABLE.
 
+    The checkpoint is chosen as train chooses it (CheckpointManager.find_resumable: the newest that verifies, with the
+    same manifest, pickle and checkpoint.allow_unverified rules), its tensor files hashed whole since status loads
+    nothing (a read of the newest checkpoint). No usable checkpoint where some exist: one line, exit 2.
     requeue: when resumable and SLURM_JOB_ID is set, requeue the job (`scontrol requeue`; checkpoint.resume=auto then
     resumes it). The sbatch files call this after a time-limit or preemption signal and a clean exit: Slurm's own
     --requeue covers node failure and preemption, not the time limit."""
+    from megatron_dapo.actor.checkpointing import check_checkpoint
+    from megatron_dapo.checkpoint import CheckpointError
+    from megatron_dapo.checkpoint import CheckpointManager
     from megatron_dapo.checkpoint import checkpoint_root
-    from megatron_dapo.checkpoint import latest_checkpoint
     from megatron_dapo.checkpoint import step_of
 
     total = config.trainer.total_steps
-    newest = latest_checkpoint(checkpoint_root(config.trainer.run_dir))
+    chooser = CheckpointManager(
+        checkpoint_root(config.trainer.run_dir), 0, log=lambda line: print(f"[megatron_dapo] {line}", file=sys.stderr),
+        allow_unverified=config.checkpoint.allow_unverified, deep=True,
+        check_pickles=lambda path: check_checkpoint(path / "actor"),
+    )  # fmt: skip
+    try:
+        newest = chooser.find_resumable()
+    except CheckpointError as err:
+        print(f"error: {str(err).splitlines()[0]}")
+        return 2
     step = step_of(newest) if newest is not None else 0
     where = newest if newest is not None else f"no checkpoint under {config.trainer.run_dir}"
     if step >= total:
@@ -105,7 +120,11 @@ def run_status(config, requeue: bool = False) -> int:
     print(f"resumable: step {step} of {total} ({where})")
     job = os.environ.get("SLURM_JOB_ID")
     if requeue and job:
-        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        try:
+            proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        except OSError as err:  # no scontrol on PATH
+            print(f"error: scontrol requeue {job}: {err.strerror or err}")
+            return 1
         if proc.returncode != 0:
             print(f"error: scontrol requeue {job} failed ({proc.returncode}): {proc.stderr.strip()[:300]}")
             return 1
@@ -162,7 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as err:  # a prompt that does not fit, a missing file: one line
             return _user_error(err, rank)
     elif args.command == "convert":
-        convert(config, args.to, args.checkpoint, args.out)
+        from megatron_dapo.checkpoint import CheckpointError
+
+        try:
+            convert(config, args.to, args.checkpoint, args.out)
+        except CheckpointError as err:  # no checkpoint, or one that does not verify: one line
+            return _user_error(err, rank)
     return 0
 
 
@@ -369,7 +393,26 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
 
 
 def convert(config, to: str, checkpoint: str | None, out: str) -> None:
-    """HF -> Megatron dist checkpoint, or back (every rank of a torchrun job calls this)."""
+    """HF -> Megatron dist checkpoint (sealed: a MANIFEST.json and a COMPLETE marker, so it verifies like a run's), or
+    back from one verified as a resume would (checkpoint.verified_actor_checkpoint: the manifest, the restricted
+    unpicklers, each tensor item's hash as it loads), checked before any process group starts. Every rank of a
+    torchrun job calls this."""
+    from megatron_dapo.actor.checkpointing import check_checkpoint
+    from megatron_dapo.checkpoint import CheckpointError
+    from megatron_dapo.checkpoint import CheckpointManager
+    from megatron_dapo.checkpoint import verified_actor_checkpoint
+
+    if to == "hf":  # verified before megatron is imported: a bad checkpoint is a one-line error in about a second
+        if checkpoint is None:
+            raise CheckpointError("convert --to hf needs --checkpoint DIR")
+        rank0 = launch_rank_world()[0] == 0
+        actor_dir, items = verified_actor_checkpoint(
+            checkpoint, allow_unverified=config.checkpoint.allow_unverified,
+            log=lambda line: print(f"[megatron_dapo] {line}", file=sys.stderr) if rank0 else None,
+            check_pickles=check_checkpoint,
+        )  # fmt: skip
+    import torch.distributed as dist
+
     from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.distributed import init_distributed
 
@@ -381,11 +424,14 @@ def convert(config, to: str, checkpoint: str | None, out: str) -> None:
     )
     if to == "megatron":
         MegatronActor(config, groups, hf_dir=config.actor.model_path).save_checkpoint(out)
+        sealer = CheckpointManager(
+            Path(out).parent, 0, groups.rank, dist.barrier, world_size=groups.world_size,
+            layout=MegatronActor.checkpoint_items,
+        )  # fmt: skip
+        sealer.seal(out)
         return
-    if checkpoint is None:
-        raise SystemExit("error: convert --to hf needs --checkpoint DIR")
     actor = MegatronActor(config, groups)
-    actor.load_checkpoint(checkpoint, load_optimizer=False)
+    actor.load_checkpoint(str(actor_dir), load_optimizer=False, items=items)
     actor.save_hf(out, tokenizer=_tokenizer_or_none(config.actor.model_path))
 
 

@@ -75,6 +75,21 @@ def test_convert_round_trip_is_bit_exact(tiny, tmp_path):
     converted = load_file(str(back / "model.safetensors"))
     assert set(original) == set(converted)
     assert all(torch.equal(original[k], converted[k]) for k in original)
+    # --to megatron seals its output, and --to hf verifies it: one flipped byte is a one-line error, exit 2
+    assert (mcore / "MANIFEST.json").exists() and (mcore / "COMPLETE").exists()
+    from megatron_dapo.actor.safe_unpickle import load_dcp_metadata
+
+    storage = load_dcp_metadata(mcore / ".metadata").storage_data  # a byte of a weight the load reads
+    info = next(v for k, v in storage.items() if k.fqn == "embedding.word_embeddings.weight")
+    target = mcore / info.relative_path
+    data = bytearray(target.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    proc = _cli("convert", "--config", config, "--to", "hf", "--checkpoint", str(mcore), "--out", str(tmp_path / "x"),
+                *_overrides(tiny, tmp_path))  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error:") and "sha256" in line, line
 
 
 def test_a_user_error_is_exit_2_whichever_rank_torchrun_stopped_first():

@@ -140,3 +140,65 @@ def test_disk_full_during_a_save_is_one_error_and_keeps_the_previous_checkpoint(
     )
     assert "config.yaml); the previous checkpoint is intact" in str(err.value)
     assert manager.find_resumable() == tmp_path / "ckpt" / "step_00000001"
+
+
+def _manifest_variants(good: dict) -> dict[str, object]:
+    """A family of wrong manifests (issue 38 item 2): every field with wrong types and values, and lists that leave
+    files out. Each must make the checkpoint corrupt (one line) so resume falls back to the previous one."""
+    files, name = good["files"], SHARD
+    entry = files[name]
+    digest = entry["sha256"]
+    variants: dict[str, object] = {
+        "empty files": {**good, "files": {}},
+        "a file left out": {**good, "files": {k: v for k, v in files.items() if k != name}},
+        "not a dict": [good],
+        "null": None,
+        "an extra key": {**good, "signature": "x"},
+        "no files key": {k: v for k, v in good.items() if k != "files"},
+        "files a list": {**good, "files": list(files)},
+        "version 3": {**good, "version": 3},
+        "version as text": {**good, "version": "2"},
+        "version true": {**good, "version": True},
+        "algorithm md5": {**good, "algorithm": "md5"},
+        "absolute name": {**good, "files": {**files, "/etc/passwd": entry}},
+        "escaping name": {**good, "files": {**files, "../x": entry}},
+        "entry a list": {**good, "files": {**files, name: [entry["size"], digest]}},
+        "entry without size": {**good, "files": {**files, name: {"sha256": digest}}},
+        "entry with an extra key": {**good, "files": {**files, name: {**entry, "owner": 0}}},
+    }
+    for field, values in {
+        "size": [-1, "64", 1.5, None, True],
+        "sha256": ["", "x" * 64, digest.upper(), 5, digest[:63]],
+        "items": ["x", [[0, 1]], [[0, -1, digest]], [["0", 1, digest]], [[0, 1, "zz"]]],
+    }.items():
+        for value in values:
+            variants[f"{field}={value!r}"] = {**good, "files": {**files, name: {**entry, field: value}}}
+    return variants
+
+
+def test_every_wrong_manifest_is_corrupt_in_one_line_and_resume_falls_back(two_checkpoints):
+    mgr, lines = two_checkpoints
+    path = mgr.root / "step_00000002" / MANIFEST
+    good = json.loads(path.read_text())
+    for what, manifest in _manifest_variants(good).items():
+        path.write_text(json.dumps(manifest))
+        lines.clear()
+        problems = mgr.verify(mgr.root / "step_00000002")
+        assert len(problems) == 1 and "\n" not in problems[0] and MANIFEST in problems[0], (what, problems)
+        assert mgr.find_resumable().name == "step_00000001", what
+        assert any("step_00000002 is corrupt" in x for x in lines), (what, lines)
+    path.write_text("{not json")
+    assert "MANIFEST.json is malformed" in mgr.verify(mgr.root / "step_00000002")[0]
+    path.write_text(json.dumps(good))
+    assert mgr.verify(mgr.root / "step_00000002") == []
+
+
+def test_an_empty_manifest_over_garbage_does_not_verify(two_checkpoints):
+    """The probe's case: MANIFEST.json = {"version": 2, "algorithm": "sha256", "files": {}} and garbage in the shard
+    verified and trained; now the unlisted files make it corrupt."""
+    mgr, lines = two_checkpoints
+    ckpt = mgr.root / "step_00000002"
+    (ckpt / SHARD).write_bytes(b"\x13" * (ckpt / SHARD).stat().st_size)
+    (ckpt / MANIFEST).write_text(json.dumps({"version": 2, "algorithm": "sha256", "files": {}}))
+    assert mgr.verify(ckpt)[0].startswith(f"{MANIFEST} does not list {SHARD.split('/')[0]}/")
+    assert mgr.find_resumable().name == "step_00000001"
