@@ -122,6 +122,91 @@ def test_a_damaged_entry_is_rebuilt_with_one_line(tmp_path, tokenizer):
     assert again.cache.prompt_ids(len(again) - 1) == prompt_token_ids(tokenizer, again.examples[-1].prompt_messages)
 
 
+def _same_size_ground_truth_edit(entry) -> int:
+    """The probe's edit: every one-digit ground truth of examples.bin changed, the file's size kept. Returns the
+    number of rows edited."""
+    import numpy as np
+
+    data = bytearray((entry / "examples.bin").read_bytes())
+    offsets = np.load(entry / "examples.idx")
+    edits = 0
+    for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+        row = json.loads(bytes(data[start:end]))
+        if len(row[1]) == 1 and row[1].isdigit():
+            row[1] = str((int(row[1]) + 1) % 10)
+            encoded = json.dumps(row, ensure_ascii=False, default=str).encode()
+            assert len(encoded) == end - start
+            data[start:end] = encoded
+            edits += 1
+    (entry / "examples.bin").write_bytes(bytes(data))
+    return edits
+
+
+def _damages():
+    """(name, damage(entry)): each file of an entry flipped in one byte (same size), torn, or removed, and edits of
+    meta.json's content (a note, the identity, its checksum) with the rest kept."""
+
+    def flip(name):
+        def damage(entry):
+            data = bytearray((entry / name).read_bytes())
+            data[len(data) // 2] ^= 0x04
+            (entry / name).write_bytes(bytes(data))
+
+        return damage
+
+    def tear(name):
+        return lambda entry: (entry / name).write_bytes((entry / name).read_bytes()[:-3])
+
+    def remove(name):
+        return lambda entry: (entry / name).unlink()
+
+    def edit_meta(change):
+        def damage(entry):
+            meta = json.loads((entry / "meta.json").read_text())
+            change(meta)
+            (entry / "meta.json").write_text(json.dumps(meta, indent=1))
+
+        return damage
+
+    files = ["examples.bin", "examples.idx", "tokens.bin", "tokens.idx", "indices.npy", "meta.json"]
+    out = [(f"{how.__name__} {name}", how(name)) for name in files for how in (flip, tear, remove)]
+    out += [
+        ("a note changed", edit_meta(lambda m: m["notes"].append("x"))),
+        ("the longest prompt changed", edit_meta(lambda m: m.update(longest_prompt=m["longest_prompt"] + 1))),
+        (
+            "the identity changed",
+            edit_meta(lambda m: m["identity"].update(num_examples=m["identity"]["num_examples"] + 1)),
+        ),
+        ("the checksum removed", edit_meta(lambda m: m.pop("checksum"))),
+        ("a file's hash changed", edit_meta(lambda m: m["contents"]["tokens.bin"].update(sha256="0" * 64))),
+        ("the ground truths edited", _same_size_ground_truth_edit),
+    ]
+    return out
+
+
+@pytest.mark.parametrize("name, damage", _damages(), ids=[n for n, _ in _damages()])
+def test_every_damage_or_edit_of_an_entry_is_found_and_rebuilt(tmp_path, tokenizer, name, damage):
+    """The probe trained on a same-size edit of examples.bin (every one-digit ground truth changed): the entry was
+    trusted by its meta.json alone. Now each file's size and sha256 (hashed once when written) and meta.json's own
+    checksum are checked at every open; any damage is one line and the entry is rebuilt from the data files."""
+    path = write_rows(_rows(), tmp_path / "d.jsonl")
+    plain, _ = _load(path, tokenizer)
+    first, _ = _load(path, tokenizer, tmp_path / "c")
+    if name == "the ground truths edited":
+        assert damage(first.cache.entry) >= 5  # the edit reached the ground truths it is about
+    else:
+        damage(first.cache.entry)
+    again, lines = _load(path, tokenizer, tmp_path / "c")
+    assert sum("is damaged" in x and "rebuilding it" in x for x in lines) == 1, lines
+    assert list(again.examples) == list(plain.examples)
+    assert again.identity == plain.identity
+    assert [again.cache.prompt_ids(i) for i in range(len(again))] == [
+        prompt_token_ids(tokenizer, ex.prompt_messages) for ex in plain.examples
+    ]
+    _, quiet = _load(path, tokenizer, tmp_path / "c")  # the rebuilt entry verifies
+    assert not any("damaged" in x or "prompt cache: reading" in x for x in quiet), quiet
+
+
 def test_bad_input_is_the_same_one_line_error_with_the_cache(tmp_path, tokenizer):
     rows = _rows()
     rows[5]["reward_model"] = {}
