@@ -84,6 +84,9 @@ def check_state_files(path: Path, rank: int, world: int) -> dict[str, Any]:
     state = _load_state_file(file)
     if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("data"), dict)):
         raise CheckpointError(f"{file}: not a trainer state (expected a dict with step and data)")
+    updates = state.get("run_updates")
+    if updates is not None and not (isinstance(updates, int) and not isinstance(updates, bool) and updates >= 0):
+        raise CheckpointError(f"{file}: run_updates is {updates!r}, not a count")
     name = path.name
     if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != state["step"]:
         raise CheckpointError(f"{file}: holds step {state['step']}, but it sits in {name} (copied from another one?)")
@@ -94,12 +97,17 @@ def check_state_files(path: Path, rank: int, world: int) -> dict[str, Any]:
 
 
 def trainer_state(
-    step: int, data: dict[str, Any], carry: list[dict[str, Any]], metrics: dict[str, Any] | None, architecture: dict
-) -> dict[str, Any]:
+    step: int, data: dict[str, Any], carry: list[dict[str, Any]], metrics: dict[str, Any] | None, architecture: dict,
+    run_updates: int | None,
+) -> dict[str, Any]:  # fmt: skip
     """What a checkpoint holds besides the actor: step, data position (PromptIterator.state_dict), the carried groups
     in full (rollout.partial), this step's metrics row (written back into metrics.jsonl on resume when the file lost
-    it: a torn last line) and the model's architecture (`model_architecture`)."""
-    return {"step": step, "data": data, "carry": carry, "metrics": metrics, "architecture": architecture}
+    it: a torn last line), the model's architecture (`model_architecture`) and the optimizer updates the run applied
+    up to this step (None: unknown, a run resumed from a checkpoint that predates the count)."""
+    return {
+        "step": step, "data": data, "carry": carry, "metrics": metrics, "architecture": architecture,
+        "run_updates": run_updates,
+    }  # fmt: skip
 
 
 class Resume:

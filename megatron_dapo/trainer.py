@@ -144,6 +144,9 @@ class DAPOTrainer:
         )  # fmt: skip
         self.generation = self._make_generation(ctx, store)
         self.step = 0
+        self.run_updates: int | None = 0
+        """Optimizer updates applied by the run since step 1, every attempt (checkpointed; None: resumed from a
+        checkpoint that predates the count, so unknown). The no-update rule of `fit` reads it."""
         self.last_row: dict[str, Any] | None = None
         """The metrics row of the last logged step (checkpointed with it: a torn metrics.jsonl loses no row)."""
         if resume_from is not None:
@@ -219,10 +222,12 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
-        """Train to trainer.total_steps (or a preemption). Raises JobError when none of this run's steps applied an
-        optimizer update (every update skipped, or no group kept): such a run must not exit 0 as if it trained."""
+        """Train to trainer.total_steps (or a preemption). Raises JobError when the run, over every attempt since
+        step 1, has applied no optimizer update (every update skipped, or no group kept): such a run must not exit 0
+        as if it trained. A resumed attempt whose own steps apply none is fine when the run trained before (those
+        steps were counted in the checkpoint); skipped steps in a row are bounded by trainer.max_skipped_steps."""
         last: dict[str, float] = {}
-        self.session_steps = self.session_updates = 0
+        session_steps = 0
         if self.step == 0 and self.cfg.trainer.eval_every:
             self._log(0, self.evaluate())
         while self.step < self.cfg.trainer.total_steps:
@@ -234,8 +239,9 @@ class DAPOTrainer:
                 self._drop_step()
                 break
             last = metrics
-            applied = metrics.get("actor/num_updates", 0.0) - metrics.get("actor/skipped_steps", 0.0)
-            self.session_steps, self.session_updates = self.session_steps + 1, self.session_updates + int(applied)
+            applied = int(metrics.get("actor/num_updates", 0.0) - metrics.get("actor/skipped_steps", 0.0))
+            session_steps += 1
+            self.run_updates = None if self.run_updates is None else self.run_updates + applied
             if self.cfg.trainer.eval_every and self.step % self.cfg.trainer.eval_every == 0:
                 last.update(self.evaluate())
             self._log(self.step, last)
@@ -249,11 +255,11 @@ class DAPOTrainer:
             if preempted:
                 break
         self.close()
-        if self.session_steps and not self.session_updates:
+        if session_steps and self.run_updates == 0:
             raise JobError(
-                f"no optimizer update was applied in this run's {self.session_steps} steps (each skipped for a "
-                "non-finite loss or gradient, or no prompt group kept): nothing was trained; see actor/skipped_steps "
-                "and sampling/prompts_kept in metrics.jsonl"
+                f"no optimizer update was applied in this run's {self.step} steps (each skipped for a non-finite "
+                "loss or gradient, or no prompt group kept): nothing was trained; see actor/skipped_steps and "
+                "sampling/prompts_kept in metrics.jsonl"
             )
         return last
 
@@ -394,7 +400,7 @@ class DAPOTrainer:
         """What a resume needs besides the actor (resume.trainer_state; collective: the carry is gathered)."""
         row = self.last_row if self.last_row is not None and self.last_row["step"] == self.step else None
         data, carry = self.inputs.train_data.state_dict(), self.generation.carry_state()
-        return trainer_state(self.step, data, carry, row, self.inputs.architecture)
+        return trainer_state(self.step, data, carry, row, self.inputs.architecture, self.run_updates)
 
     def save(self, background: bool = False) -> Path:
         """Checkpoint this step (collective). A write that fails on any rank (a full disk) ends the job with one
@@ -440,6 +446,7 @@ class DAPOTrainer:
             path, lambda d, items: self.actor.load_checkpoint(str(d), items=items), self.inputs
         )
         self.step = int(state["step"])
+        self.run_updates = state.get("run_updates")
         self.inputs.train_data.load_state_dict(state["data"])
         self.generation.load_carry(state.get("carry", []))
         if self.rank == 0:

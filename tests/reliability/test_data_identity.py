@@ -150,7 +150,7 @@ class Startup:
 
     def trainer_state(self) -> dict:
         data, architecture = self.inputs.train_data.state_dict(), self.inputs.architecture
-        return trainer_state(self.step, data, [], None, architecture)
+        return trainer_state(self.step, data, [], None, architecture, run_updates=self.step)
 
 
 def _notice(line: str) -> None:

@@ -141,6 +141,30 @@ def test_sampling_bounds_end_the_job_with_one_line_on_every_rank(tiny, tmp_path)
 
 
 @pytest.mark.slow
+def test_a_resumed_attempt_that_keeps_no_group_ends_a_run_that_trained_with_exit_0(tiny, tmp_path):
+    """The no-update rule is the run's, not the attempt's (issue 38 item 5): step 1 applies an update (dynamic
+    sampling off: every group trains), then the resumed attempt's step 2 keeps no group (an answer format the model
+    never writes, one sampling batch, on_max_gen_batches=partial). The run trained, so it finishes with exit 0 (was:
+    exit 2, "nothing was trained", and a requeue loop marked the healthy job failed). A fresh run with step 2's
+    settings still exits 2: test_sampling_bounds_end_the_job_with_one_line_on_every_rank."""
+    run_dir = tmp_path / "run"
+    first = _run(_torchrun(tiny, run_dir, "--trainer.total_steps=1", "--algorithm.dynamic_sampling=false"))
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["actor/num_updates"] - row["actor/skipped_steps"] >= 1, row
+    nothing = [
+        "--reward.answer_format=boxed",
+        "--algorithm.max_gen_batches=1",
+        "--algorithm.on_max_gen_batches=partial",
+    ]
+    resumed = _run(_torchrun(tiny, run_dir, "--trainer.total_steps=2", *nothing))
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0 and not _error_lines(out), out[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["sampling/prompts_kept"] == 0, rows[-1]
+
+
+@pytest.mark.slow
 def test_sigterm_stops_unbounded_sampling_at_once(tiny, tmp_path):
     """max_gen_batches=0 with an hour's time bound on an all-wrong dataset: SIGTERM stops generation within
     seconds (before: the flag was read only between steps, so nothing stopped the spin)."""
