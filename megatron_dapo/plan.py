@@ -40,6 +40,22 @@ class PlanError(ValueError):
     """The layout or the model cannot be planned (the message names the field)."""
 
 
+LAYOUT_LIMITS = {"nodes": (1, 1_000_000), "gpus_per_node": (1, 64), "gpu_memory_gb": (1.0, 4096.0)}
+"""The layouts `make_plan` accepts ([low, high] per flag): beyond them a plan means nothing (and 0 divides by 0)."""
+
+
+def check_layout(nodes: Any, gpus_per_node: Any, gpu_memory_gb: Any) -> None:
+    """PlanError naming the first flag (`--nodes`, `--gpus-per-node`, `--gpu-memory-gb`) that is not a number within
+    LAYOUT_LIMITS (NaN and infinities included)."""
+    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("gpu_memory_gb", gpu_memory_gb)):
+        low, high = LAYOUT_LIMITS[name]
+        whole = name != "gpu_memory_gb"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (whole and value != int(value)) or not low <= value <= high:
+            kind = "a whole number" if whole else "a number"
+            raise PlanError(f"--{name.replace('_', '-')} {value!r}: expected {kind} from {low:g} to {high:g}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # model shapes
 # ---------------------------------------------------------------------------------------------------------------
@@ -523,6 +539,7 @@ def make_plan(
 ) -> Plan:
     """Plan `config` (a RunConfig, or any object with its sections and fields) on nodes x gpus_per_node GPUs of
     gpu_memory_gb GiB each. Raises PlanError (naming the field) when the layout cannot run at all."""
+    check_layout(nodes, gpus_per_node, gpu_memory_gb)
     a = assumptions or Assumptions()
     act, ro = config.actor, config.rollout
     m, source = resolve_model(act.model_path)
@@ -872,11 +889,15 @@ def async_schedule(
         return None
     mean_seq = a.mean_prompt_tokens + a.mean_response_frac * ro.max_response_length
     recompute = recompute_mode(act)
-    best, candidates = None, []
-    for engine_gpus in range(etp, world, etp):
+    splits = _engine_splits(world, etp, tp * pp * ep)
+    best, candidates, tried = None, [], set()
+
+    def consider(engine_gpus: int) -> None:
+        nonlocal best
+        if engine_gpus in tried:
+            return
+        tried.add(engine_gpus)
         actor_gpus = world - engine_gpus
-        if actor_gpus % (tp * pp * ep):
-            continue
         dp = actor_gpus // (tp * pp)
         num_micro = microbatches_per_rank(config, dp, mean_seq)
         split = (engine_gpus, actor_gpus)
@@ -885,9 +906,37 @@ def async_schedule(
         candidates.append((engine_gpus, step))
         if best is None or step < best.step_s:
             best = AsyncSchedule(engine_gpus, actor_gpus, times, formulas, step, candidates)
+
+    # Every split up to MAX_SPLITS of them; past that (a world of thousands of GPUs) an even sample of MAX_SPLITS,
+    # then samples ever closer around the best so far between its sampled neighbours, down to every split there:
+    # the step time falls, then rises, with the split.
+    lo, hi, per_pass = 0, len(splits) - 1, MAX_SPLITS
+    while hi >= lo:
+        stride = max(1, -(-(hi - lo + 1) // per_pass))
+        for i in range(lo, hi + 1, stride):
+            consider(splits[i])
+        if stride == 1 or best is None:
+            break
+        at = splits.index(best.engine_gpus)
+        lo, hi, per_pass = max(lo, at - stride), min(hi, at + stride), 64
     if best is not None:
         candidates.sort(key=lambda c: c[1])
     return best
+
+
+MAX_SPLITS = 1024
+"""async_schedule evaluates every engine / actor split of a world up to this many; beyond, a sample and a refinement
+(bounded time for any world: the planner answers in under a second)."""
+
+
+def _engine_splits(world: int, engine_tp: int, actor_unit: int) -> range:
+    """The engine GPU counts E of a disaggregated placement, increasing: E a multiple of engine_tp, 0 < E < world,
+    world - E a multiple of actor_unit (the actor's TP x EP x PP). An arithmetic progression (step lcm of the two)."""
+    first = next((e for e in range(engine_tp, min(world, engine_tp * actor_unit + 1), engine_tp)
+                  if (world - e) % actor_unit == 0), None)  # fmt: skip
+    if first is None:
+        return range(0)
+    return range(first, world, math.lcm(engine_tp, actor_unit))
 
 
 def offload_time(config: Any, m: ModelShape, dp: int, a: Assumptions) -> tuple[float, str]:
@@ -1044,7 +1093,7 @@ def parse_assumptions(items: list[str]) -> Assumptions:
             value = kind(text)
         except ValueError:
             raise PlanError(f"--assume {name}: expected a number, got {text!r}") from None
-        if value < 0 or (name in ("mfu", "mean_response_frac") and not 0 < value <= 1):
+        if not math.isfinite(value) or value < 0 or (name in ("mfu", "mean_response_frac") and not 0 < value <= 1):
             raise PlanError(f"--assume {name}: {value} is out of range")
         setattr(a, name, value)
     return a

@@ -714,3 +714,63 @@ def test_async_schedule_picks_the_fastest_split_and_says_when_none_runs():
     # One actor replica fills the GPUs: no split.
     one = make_plan(_config(CFG_32B), nodes=2, gpus_per_node=8, gpu_memory_gb=80)
     assert one.async_plan is None and "async schedule: no disaggregated split can run" in one.report()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every flag at 0, negative, NaN, huge (issue 38 item 4): one line, exit 2, at once
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["--nodes", "--gpus-per-node", "--gpu-memory-gb"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "-inf", "1e400", "100000000", "2.5"])
+def test_every_bad_layout_flag_is_one_line_and_exit_2(capsys, flag, value):
+    from megatron_dapo.plan import LAYOUT_LIMITS
+
+    if flag != "--gpu-memory-gb" and value in ("nan", "inf", "-inf", "1e400", "2.5"):
+        # argparse reads --nodes / --gpus-per-node as int: its own one-line usage error, exit 2
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["plan", "--config", str(CFG_7B), "--nodes", "1", f"{flag}={value}"])
+        assert stop.value.code == 2 and f"argument {flag}: invalid int value" in capsys.readouterr().err
+        return
+    low, high = LAYOUT_LIMITS[flag[2:].replace("-", "_")]
+    assert not low <= float(value) <= high or value == "2.5"  # the cases are outside the limits but one
+    code = cli.main(["plan", "--config", str(CFG_7B), "--nodes", "1", f"{flag}={value}"])
+    err = capsys.readouterr().err.strip()
+    if value == "2.5":  # 2.5 GiB is a (small) GPU: planned, and nothing fits
+        assert code == 2 and not err
+        return
+    assert code == 2 and err.count("\n") == 0 and err.startswith(f"error: {flag} "), err
+
+
+@pytest.mark.parametrize("assume", ["mfu=nan", "offload_gbps=inf", "ipc_gbps=-1", "mean_response_frac=0"])
+def test_non_finite_or_negative_assumptions_are_named(assume):
+    with pytest.raises(PlanError, match=f"--assume {assume.split('=')[0]}"):
+        parse_assumptions([assume])
+
+
+def test_engine_splits_are_every_split_the_old_scan_took():
+    """_engine_splits (an arithmetic progression) against the scan it replaced, over worlds, engine TPs and actor
+    units up to 64 x 8 x 16."""
+    from megatron_dapo.plan import _engine_splits
+
+    for world in range(1, 65):
+        for etp in (1, 2, 4, 8):
+            for unit in (1, 2, 3, 4, 6, 8, 16):
+                brute = [e for e in range(etp, world, etp) if (world - e) % unit == 0]
+                assert list(_engine_splits(world, etp, unit)) == brute, (world, etp, unit)
+
+
+def test_the_async_schedule_of_a_huge_world_is_bounded_and_agrees_with_the_full_scan(monkeypatch):
+    """Past MAX_SPLITS splits the schedule samples, then refines around the best sample: it evaluates a bounded
+    number of splits for any world (was: one per split, 400,000 at 100,000 nodes, and no answer at 1e8), and on a
+    world where the full scan is affordable it finds the same split."""
+    import megatron_dapo.plan as plan_module
+
+    calls = []
+    original = plan_module.step_times
+    monkeypatch.setattr(plan_module, "step_times", lambda *a, **k: calls.append(1) or original(*a, **k))
+    make_plan(_config(CFG_7B), nodes=1_000_000, gpus_per_node=8, gpu_memory_gb=80)
+    assert len(calls) <= plan_module.MAX_SPLITS + 20 * 130
+    sampled = make_plan(_config(CFG_7B), nodes=600, gpus_per_node=8, gpu_memory_gb=80).async_plan  # 2,399 splits
+    monkeypatch.setattr(plan_module, "MAX_SPLITS", 10**6)
+    full = make_plan(_config(CFG_7B), nodes=600, gpus_per_node=8, gpu_memory_gb=80).async_plan
+    assert len(full.candidates) == 2399 and len(sampled.candidates) < len(full.candidates)
+    assert (sampled.engine_gpus, sampled.step_s) == (full.engine_gpus, full.step_s)
