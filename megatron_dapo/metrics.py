@@ -12,6 +12,7 @@ import enum
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Iterable
 from collections.abc import Iterator
@@ -328,16 +329,40 @@ def format_step(step: int, m: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+def parse_metrics_line(line: str) -> dict[str, Any] | str:
+    """One line of metrics.jsonl as the row `metrics_row` writes ({"step": int >= 0, metric: finite number or None}),
+    or why it is not one (a torn write, an edit: not JSON, not an object, a step that is no count such as 1e400 or
+    true, a value that is not a finite number)."""
+    try:
+        row = json.loads(line)
+    except ValueError as err:  # JSONDecodeError, and numbers past what json accepts
+        return f"not JSON ({getattr(err, 'msg', err)})"
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"its step is {step!r}, not a count"
+    for key, value in row.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and math.isfinite(value)):
+            return f"{key} is {value!r}, not a finite number"
+    return row
+
+
+def read_metrics(run_dir: str | Path, log: Any = None) -> list[dict[str, Any]]:
+    """The rows of run_dir/metrics.jsonl; a line that is not a row (parse_metrics_line) is dropped and named through
+    `log` (default: a warning on stderr)."""
     path = Path(run_dir) / "metrics.jsonl"
+    log = log or (lambda line: print(f"warning: {line}", file=sys.stderr))
     rows = []
-    for i, line in enumerate(path.read_text().splitlines()):
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} line {i + 1}: invalid JSON ({err.msg})") from None
+        row = parse_metrics_line(line)
+        if isinstance(row, str):
+            log(f"{path} line {number}: not a metrics row ({row}); dropped: {line[:60]!r}")
+            continue
+        rows.append(row)
     return rows
 
 
@@ -426,15 +451,13 @@ def truncate_metrics(path: Path, step: int, log: Any = print, restore: dict[str,
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-            row_step = int(row["step"])
-        except (ValueError, TypeError, KeyError):
-            log(f"{path} line {number}: not a metrics row (torn by a kill in mid-write?); dropped: {line[:60]!r}")
+        row = parse_metrics_line(line)
+        if isinstance(row, str):
+            log(f"{path} line {number}: not a metrics row ({row}: a torn write or an edit); dropped: {line[:60]!r}")
             continue
-        if row_step <= step:
+        if row["step"] <= step:
             kept.append(line)
-            steps.add(row_step)
+            steps.add(row["step"])
     if restore is not None and int(restore["step"]) == step and step not in steps:
         kept.append(json.dumps(restore))
         log(f"{path}: step {step}'s metrics row was missing; restored it from the checkpoint")

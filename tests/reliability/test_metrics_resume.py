@@ -65,3 +65,44 @@ def test_a_start_from_step_0_drops_the_rows_of_an_earlier_start_that_saved_nothi
     drop_unsaved_metrics(tmp_path / "none.jsonl", lines.append)  # no file, or an empty one: nothing to say
     drop_unsaved_metrics(path, lines.append)
     assert len(lines) == 1
+
+
+MALFORMED = {
+    "a step past float range": '{"step": 1e400, "loss": 1}',
+    "a step of NaN": '{"step": NaN}',
+    "a fractional step": '{"step": 1.5}',
+    "a step of true": '{"step": true}',
+    "a negative step": '{"step": -3}',
+    "a string step": '{"step": "2"}',
+    "no step": '{"loss": 0.5}',
+    "a list": "[1, 2]",
+    "a number": "7",
+    "null": "null",
+    "an infinite value": '{"step": 1, "loss": Infinity}',
+    "a value past float range": '{"step": 1, "loss": -1e999}',
+    "a string value": '{"step": 1, "loss": "low"}',
+    "a nested value": '{"step": 1, "loss": {"a": 1}}',
+    "a huge integer": '{"step": ' + "9" * 5000 + "}",
+}
+
+
+def test_every_malformed_row_is_dropped_with_one_line_on_resume_and_in_plots(tmp_path):
+    """Issue 38 item 4: `step: 1e400` broke resume (OverflowError in int()); a fractional or boolean step was taken as
+    a step. Each malformed row is dropped with one line naming the line and why, both when resume repairs the file
+    and when `plot` reads it; the good rows stay."""
+    from megatron_dapo.metrics import plot_run
+    from megatron_dapo.metrics import read_metrics
+
+    good = [json.dumps(metrics_row(s, {"reward/acc": 0.1 * s})) for s in (1, 2)]
+    for name, bad in MALFORMED.items():
+        path = tmp_path / "metrics.jsonl"
+        path.write_text("\n".join([good[0], bad, good[1]]) + "\n")
+        lines: list[str] = []
+        assert [r["step"] for r in read_metrics(tmp_path, lines.append)] == [1, 2], name
+        assert len(lines) == 1 and "metrics.jsonl line 2: not a metrics row" in lines[0], (name, lines)
+        lines.clear()
+        truncate_metrics(path, 5, lines.append)
+        assert path.read_text() == good[0] + "\n" + good[1] + "\n", name
+        assert len(lines) == 1 and "line 2: not a metrics row" in lines[0] and "\n" not in lines[0], (name, lines)
+    path.write_text("\n".join([good[0], MALFORMED["a step past float range"], good[1]]) + "\n")
+    assert (tmp_path / "plots" / "accuracy.png") in plot_run(tmp_path)  # plots what is there, warns on stderr
