@@ -166,20 +166,54 @@ def _check_model(model_path: str, tp: int, pp: int) -> None:
 
 # ------------------------------------------------------------------------------------------------------ run-dir lock
 class RunDirLock:
-    """An exclusive lock on a run directory (flock on run_dir/.lock, which records the holder's host and pid).
+    """An exclusive lock on a run directory: flock on the directory itself and on run_dir/.lock, which records the
+    holder's host and pid.
 
-    A second job on the same run_dir fails with the holder's host and pid. The kernel drops a flock when its process
-    dies, so a lock file left by a dead job is simply taken over (logged). Where the filesystem has no flock, the
-    recorded pid decides: a dead pid on this host is taken over, a live one or another host's is an error.
+    A second job on the same run_dir fails with the holder's host and pid. The directory's lock cannot be bypassed by
+    deleting a file (the probe deleted .lock during a run and a second job wrote the same run dir); .lock names the
+    holder, and where directories cannot be flocked (some network filesystems) it is the lock, re-checked before each
+    save (`check`). The kernel drops a flock when its process dies, so a lock left by a dead job is simply taken over
+    (logged). Where the filesystem has no flock at all, the recorded pid decides: a dead pid on this host is taken
+    over, a live one or another host's is an error.
     """
 
     def __init__(self, run_dir: str | Path, log: Callable[[str], None] = print) -> None:
         self.path = Path(run_dir) / LOCK_NAME
         self.log = log
         self._fd: int | None = None
+        self._dir_fd: int | None = None
+        """The run directory's own descriptor, flocked; None where the filesystem cannot flock a directory."""
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._dir_fd = self._lock_directory()
+        try:
+            self._fd = self._lock_file()
+        except BaseException:
+            self._unlock_directory()
+            raise
+        self._write(self._fd)
+
+    def _lock_directory(self) -> int | None:
+        fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StartupError(self._in_use(self._holder())) from None
+        except OSError as err:  # NFS emulates flock with byte-range locks, which a read-only descriptor cannot take
+            os.close(fd)
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF):
+                raise
+            return None
+        return fd
+
+    def _unlock_directory(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)  # closing drops the flock
+            self._dir_fd = None
+
+    def _lock_file(self) -> int:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -188,17 +222,47 @@ class RunDirLock:
             raise StartupError(self._in_use(self._holder())) from None
         except OSError as err:
             if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                os.close(fd)
                 raise
             self._acquire_without_flock(fd)
         else:
             previous = self._holder()
-            if previous:
+            if previous and previous.get("pid") != os.getpid():
                 self.log(
                     f"{self.path}: taking over the lock left by host {previous.get('host')} pid {previous.get('pid')} "
                     f"(that process no longer holds it)"
                 )
-        self._fd = fd
-        self._write(fd)
+        return fd
+
+    def check(self) -> str | None:
+        """Before a save (rank 0): None when this job still holds the run dir, else the one line to stop on. A .lock
+        deleted or replaced during the run is re-created (logged) while the directory's own lock is held, since no
+        other job can then hold the run dir; without that lock, another job may have taken the new file, so the run
+        must not write over its files."""
+        if self._fd is None:
+            return None
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self.path)
+            same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+        except FileNotFoundError:
+            same = False
+        if same:
+            return None
+        if self._dir_fd is None:
+            return (
+                f"{self.path} was deleted or replaced during the run, and this filesystem cannot lock the directory "
+                f"itself: another job may now hold {self.path.parent}; stopping before the save so as not to write "
+                "over its files"
+            )
+        os.close(self._fd)
+        self._fd = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a file someone put there: no job can hold it while the directory is locked
+        self._fd = self._lock_file()
+        self._write(self._fd)
+        self.log(f"{self.path} was deleted or replaced during the run; re-created (the run directory stays locked)")
+        return None
 
     def _acquire_without_flock(self, fd: int) -> None:
         holder = self._holder()
@@ -211,6 +275,8 @@ class RunDirLock:
 
     def _in_use(self, holder: dict[str, Any]) -> str:
         who = f"host {holder.get('host', '?')} pid {holder.get('pid', '?')}, since {holder.get('since', '?')}"
+        if not holder:
+            who = f"the directory is locked; its {LOCK_NAME}, which names the holder, is missing or empty"
         return f"{self.path.parent} is in use by another job ({who}; lock {self.path})"
 
     def _holder(self) -> dict[str, Any]:
@@ -231,6 +297,7 @@ class RunDirLock:
                 os.ftruncate(self._fd, 0)
             os.close(self._fd)  # closing drops the flock
             self._fd = None
+        self._unlock_directory()
 
 
 def _alive(pid: int) -> bool:

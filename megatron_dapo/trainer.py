@@ -420,6 +420,9 @@ class DAPOTrainer:
             raise JobError(str(err), retryable=True) from None
 
     def _save(self, background: bool = False) -> Path:
+        problem = self.lock.check() if self.lock is not None else None  # the run dir is still this job's
+        if self._all_reduce_max(torch.tensor([int(problem is not None)])).item():
+            raise JobError(problem or "the run-dir lock is no longer this job's (rank 0 says why)")
         if self.logger is not None:
             self.logger.sync()  # the step's metrics row is on disk before its checkpoint says the step is done
 

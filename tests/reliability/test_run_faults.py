@@ -189,6 +189,9 @@ def test_run_dir_lock_and_workers_exit_when_the_launcher_dies(tiny, tmp_path):
         workers.extend(psutil.Process(launcher.pid).children())
         assert len(workers) == 2
         holder = json.loads((run_dir / ".lock").read_text())
+        (run_dir / ".lock").unlink()  # the probe's bypass: the lock file deleted during the run (issue 38 item 3)
+        second = _run(_launch(tiny, run_dir))
+        assert second.returncode == 2 and f"{run_dir} is in use by another job" in second.stderr, second.stderr[-3000:]
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
         _wait_for(lambda: not any(w.is_running() and w.status() != "zombie" for w in workers), 90, "workers to exit")

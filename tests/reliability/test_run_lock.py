@@ -73,3 +73,53 @@ def test_without_flock_the_recorded_pid_decides(tmp_path, monkeypatch):
     lines: list[str] = []
     RunDirLock(tmp_path, lines.append).acquire()
     assert len(lines) == 1 and f"stale lock of pid {int(dead.stdout)} on this host" in lines[0]
+
+
+def test_deleting_the_lock_file_does_not_free_the_run_dir(tmp_path, holder):
+    """The probe deleted run_dir/.lock during a run and a second job wrote the same run dir: the directory itself is
+    locked too, so the second job is still refused (the holder's name went with the file)."""
+    (tmp_path / ".lock").unlink()
+    with pytest.raises(StartupError) as err:
+        RunDirLock(tmp_path).acquire()
+    assert f"{tmp_path} is in use by another job (the directory is locked; its .lock" in str(err.value)
+    assert not (tmp_path / ".lock").exists() or not (tmp_path / ".lock").read_text()  # nothing of the refused job
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_lock_file_deleted_or_replaced_is_recreated_before_the_save(tmp_path, how):
+    lines: list[str] = []
+    lock = RunDirLock(tmp_path, lines.append)
+    lock.acquire()
+    (tmp_path / ".lock").unlink()
+    if how == "replaced":
+        (tmp_path / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    assert lock.check() is None
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    assert len(lines) == 1 and "was deleted or replaced during the run; re-created" in lines[0], lines
+    assert lock.check() is None and len(lines) == 1  # intact now: nothing more
+    with pytest.raises(StartupError):  # and still held: the file's flock and the directory's
+        RunDirLock(tmp_path).acquire()
+    lock.release()
+    RunDirLock(tmp_path).acquire()
+
+
+def test_without_a_directory_lock_a_deleted_lock_file_stops_the_save(tmp_path, monkeypatch):
+    """Where the filesystem cannot flock a directory (NFS emulates flock with byte-range locks, which a read-only
+    descriptor cannot take: EBADF), .lock is the lock; deleting it lets a second job in, so the first job stops before
+    its next save instead of writing over the second's files."""
+    real = fcntl.flock
+
+    def no_directory_flock(fd, op):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", no_directory_flock)
+    first = RunDirLock(tmp_path)
+    first.acquire()
+    assert first.check() is None
+    (tmp_path / ".lock").unlink()
+    RunDirLock(tmp_path).acquire()  # the bypass this filesystem allows
+    problem = first.check()
+    assert problem is not None and "\n" not in problem
+    assert problem.startswith(f"{tmp_path / '.lock'} was deleted or replaced during the run") and "stopping" in problem
