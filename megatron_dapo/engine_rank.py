@@ -33,8 +33,8 @@ from megatron_dapo.launch_env import local_rank
 from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import finalize
 from megatron_dapo.metrics import merge_stats
+from megatron_dapo.placement import GONE_S
 from megatron_dapo.placement import POLL_S
-from megatron_dapo.placement import ActorBeat
 from megatron_dapo.placement import Mailbox
 from megatron_dapo.placement import StepGeneration
 from megatron_dapo.rollout.exchange import RolloutExchange
@@ -47,7 +47,7 @@ class EngineRank:
 
     config: the RunConfig. ctx: RolloutContext over the engine ranks. engine: this rank's engine (or the SGLang
     servers it drives). receiver: placement.StagedReceiver (or ServerVersions): `apply(engine)`, `loaded`,
-    `received_s`, `close()`. mailbox / beat: placement.Mailbox and ActorBeat on the launch's store. preempt: this
+    `received_s`, `close()`. mailbox / beat: placement.Mailbox and launch_watch on the launch's store. preempt: this
     rank's PreemptionFlag (`flag`).
     """
 
@@ -70,11 +70,13 @@ class EngineRank:
         rollout.server_urls), the weight receiver, the stream over the engine ranks (their own default group)."""
         from megatron_dapo.placement import StagedReceiver
         from megatron_dapo.placement import WeightChannel
+        from megatron_dapo.placement import launch_watch
         from megatron_dapo.reward import Verifier
         from megatron_dapo.rollout import make_engine
 
         c = config
         rank, world = placement.role_rank, placement.role_size
+        beat = launch_watch(placement, store, c.distributed.timeout_s)  # beating from here: the engine's load is slow
         preempt = PreemptionFlag()
         preempt.install()
         exchange = RolloutExchange(world, timeout_s=c.rollout.generation_timeout_minutes * 60.0)
@@ -102,14 +104,18 @@ class EngineRank:
                 max_context=-(-max_context // 64) * 64, routed_experts=routed,
             )  # fmt: skip
             receiver = StagedReceiver(WeightChannel(placement, store, c.distributed.timeout_s))
-        return cls(c, ctx, engine, receiver, Mailbox(store), ActorBeat(store, beating=False), preempt)
+        return cls(c, ctx, engine, receiver, Mailbox(store), beat, preempt)
 
     # ---------------------------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
         """This rank's run (module docstring); returns {} (the actor ranks log)."""
         c, box = self.cfg, self.mailbox
         timeout = c.distributed.timeout_s
-        start = box.take("start", timeout, "the actor's start state", "distributed.timeout_minutes")
+        try:
+            start = box.take("start", timeout, "the actor's start state", "distributed.timeout_minutes",
+                             poll=lambda: self._wait_on_actor("the actor's start state"))  # fmt: skip
+        except _Signalled:  # a preemption signal before the run began: nothing to hand over
+            return self._close()
         self.step = self._start_step = int(start["step"])
         self.inputs.train_data.load_state_dict(start["data"])
         self.carry, self.carry_rows = carry_entries(start["carry"], self.engine_ranks, self.rank)
@@ -117,6 +123,7 @@ class EngineRank:
             step, waited, received = self.step + 1, time.perf_counter(), self.receiver.received_s
             oldest = oldest_version(step, c.trainer.max_staleness)  # the oldest weights this step may come from
             while self._behind(oldest) and not self.stopping():
+                self.beat.check(f"the weights of step {step}")  # actor rank 0 stopped or dead: one line
                 if self.load_pushed() is None:
                     time.sleep(POLL_S)
             waited = time.perf_counter() - waited
@@ -140,11 +147,22 @@ class EngineRank:
                 box.post(f"gen/{step}", StepGeneration(step, result.kept, result.decided, groups, metrics, data, carry))
             self.step = step
         # The actor may still push (it waits for every engine to join): load until it says stop, or is gone.
-        while not box.has("stop") and not self.beat.gone():
+        while not box.has("stop") and self.beat.silent_s(0) <= GONE_S:
             self.load_pushed()
             time.sleep(POLL_S)
+        return self._close()
+
+    def _wait_on_actor(self, what: str) -> None:
+        """While waiting for the actor: a preemption signal ends the wait (_Signalled), actor rank 0 silent for
+        distributed.timeout_minutes ends the job naming it."""
+        if self.preempt.flag:
+            raise _Signalled
+        self.beat.check(what)
+
+    def _close(self) -> dict[str, float]:
         self.receiver.close()
         self.stream.close()
+        self.beat.close()
         return {}
 
     def _behind(self, oldest: int | None) -> bool:
@@ -187,6 +205,10 @@ class EngineRank:
         """A one-line notice on engine rank 0's stderr."""
         if self.rank == 0:
             _notice(line)
+
+
+class _Signalled(Exception):
+    """A preemption signal reached an engine rank waiting for the actor."""
 
 
 def _notice(line: str) -> None:

@@ -289,6 +289,10 @@ class LocalGeneration:
             sync.sync(self.export())
 
 
+class _NoAnswer(Exception):
+    """The engine ranks did not answer a stop within placement.STOP_ANSWER_S."""
+
+
 class RemoteGeneration:
     """The actor ranks of a split launch: see the module docstring.
 
@@ -314,22 +318,36 @@ class RemoteGeneration:
         self.push_weights(step)
 
     def generate(self, step: int) -> StreamResult:
-        """This step's generation from the engine ranks (every actor rank reads it)."""
-        c = self.ctx.config
-        message = self.mailbox.take(
-            f"gen/{step}", c.rollout.generation_timeout_minutes * 60.0, f"step {step}'s generation",
-            "rollout.generation_timeout_minutes", poll=self._stop_engines_on_preemption,
-        )  # fmt: skip
-        if message.interrupted:  # the engine ranks stopped (a preemption signal, theirs or this rank's)
-            return StreamResult([], [], {}, [], {}, 0, interrupted=True)
+        """This step's generation from the engine ranks (every actor rank reads it). While waiting: an engine rank
+        silent for distributed.timeout_minutes ends the job naming it (placement.launch_watch); a preemption signal
+        stops the engine ranks, whose answer (an interrupted step) is awaited for STOP_ANSWER_S at most. The actor
+        ranks agree on the outcome (an interrupted step on one is one on all)."""
+        from megatron_dapo.placement import STOP_ANSWER_S
+
+        c, what = self.ctx.config, f"step {step}'s generation"
+        signalled: list[float] = []
+
+        def poll() -> None:
+            self.beat.check(what)
+            if self.ctx.stop():
+                if self.ctx.rank == 0 and not self.mailbox.has("stop"):
+                    self.mailbox.post("stop", True)  # the engine ranks answer with an interrupted step
+                signalled.append(signalled[0] if signalled else time.monotonic())
+                if time.monotonic() - signalled[0] > STOP_ANSWER_S:
+                    raise _NoAnswer
+
+        try:
+            message = self.mailbox.take(
+                f"gen/{step}", c.rollout.generation_timeout_minutes * 60.0, what, "rollout.generation_timeout_minutes",
+                poll=poll,
+            )  # fmt: skip
+        except _NoAnswer:
+            message = None
+        interrupted = message is None or message.interrupted
+        if any(self.ctx.exchange.all_gather([interrupted], "the generation's outcome")):
+            return StreamResult([], [], {}, [], {}, 0, interrupted=True)  # the step is dropped as in the colocated job
         self.groups, self._pending = message.groups, message
         return StreamResult(message.kept, message.decided, message.groups, [], {}, 0, message.metrics)
-
-    def _stop_engines_on_preemption(self) -> None:
-        """Actor rank 0 waiting for a step's generation: a preemption signal here stops the engine ranks (they
-        answer with an interrupted step, and the step is dropped as in the colocated job)."""
-        if self.ctx.stop() and self.ctx.rank == 0 and not self.mailbox.has("stop"):
-            self.mailbox.post("stop", True)
 
     def rows(self, kept: list[GroupSummary], index: list[tuple[int, int]], wanted: list[list[int]], dp_of_rank: list,
              layers_of_rank: list) -> dict[int, Rollout]:  # fmt: skip
@@ -383,7 +401,8 @@ class RemoteGeneration:
             x
             for e in range(self.placement.num_engine_ranks)
             for x in self.mailbox.take(
-                f"eval/{step}/{e}", timeout, f"step {step}'s evaluation", "trainer.eval_timeout_minutes"
+                f"eval/{step}/{e}", timeout, f"step {step}'s evaluation", "trainer.eval_timeout_minutes",
+                poll=lambda: self.beat.check(f"step {step}'s evaluation"),
             )
         ]
 
@@ -396,4 +415,4 @@ class RemoteGeneration:
     def close(self) -> None:
         if self.ctx.rank == 0:
             self.mailbox.post("stop", True)  # the engine ranks exit
-            self.beat.close()
+        self.beat.close()

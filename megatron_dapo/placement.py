@@ -14,7 +14,8 @@
                      the new version
     messages (Mailbox, pickled on the store): "start" (actor -> engines: step, data position, carry), "gen/<s>"
       (engine rank 0 -> actor ranks: StepGeneration), "eval/<version>/<engine rank>" (scores), "stop" (actor ->
-      engines); ActorBeat: actor rank 0's heartbeat, so engines whose work is over do not wait on a killed actor
+      engines); launch_watch: every rank's heartbeat, so a wait on a stopped or dead peer ends within
+      distributed.timeout_minutes naming it, and engines whose work is over do not wait on a killed actor
 
 Actor ranks come first so an actor's global rank is its rank in the actor group (and rank 0, which logs and
 checkpoints, is an actor). On GPU the engines are SGLang servers on their own GPUs and the weights travel over the
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_dapo import wire
 from megatron_dapo.errors import JobError
+from megatron_dapo.rollout.stream import PeerWatch
 from megatron_dapo.rollout.types import GroupSummary
 from megatron_dapo.rollout.types import RolloutGroup
 from megatron_dapo.rollout.weight_sync import bucket_named_tensors
@@ -87,6 +89,10 @@ class Placement:
     @property
     def role(self) -> str:
         return "engine" if self.is_engine else "actor"
+
+    def role_of(self, rank: int) -> str:
+        """The role of global rank `rank`."""
+        return "engine" if rank >= self.num_actor_ranks else "actor"
 
     @property
     def role_rank(self) -> int:
@@ -354,49 +360,25 @@ class ServerVersions:
         pass
 
 
-class ActorBeat:
-    """Actor rank 0's heartbeat on the store (a thread on its own store connection, every BEAT_S), and the engine
-    ranks' view of it: an engine rank whose work is over (the run's steps generated, or a preemption signal) keeps
-    loading pushes until the actor says stop, or until the beat has stood still for GONE_S (the actor was killed:
-    nobody will say stop, and the launcher's SIGTERM only set this rank's preemption flag)."""
+GONE_S = 5.0
+"""An engine rank whose work is over keeps loading pushes until the actor says stop, or until actor rank 0's beat
+has stood still this long (it was killed: nobody will say stop, and the launcher's SIGTERM only set a flag)."""
+STOP_ANSWER_S = 10.0
+"""How long actor ranks wait, after a preemption signal, for the engine ranks to answer a step's generation as
+interrupted; past it the step is dropped without them (a stopped or dead engine answers nothing), so the actor saves
+and exits within the signal's grace period."""
 
-    BEAT_S = 1.0
-    GONE_S = 5.0
 
-    def __init__(self, store: dist.Store, beating: bool) -> None:
-        self.store = dist.PrefixStore(f"{PREFIX}beat/", store)
-        self._stop = threading.Event()
-        self._seen: tuple[bytes | None, float] = (None, time.monotonic())
-        self._thread = None
-        if beating:
-            client = self.store.clone()
-            self._thread = threading.Thread(target=self._beat, args=(client,), name="actor-beat", daemon=True)
-            self._thread.start()
-            atexit.register(self.close)
-
-    def _beat(self, client: dist.Store) -> None:
-        while True:
-            try:
-                client.add("actor", 1)
-            except Exception:  # the store is gone: the launch is ending
-                return
-            if self._stop.wait(self.BEAT_S):
-                return
-
-    def gone(self) -> bool:
-        """Whether actor rank 0's beat has not moved for GONE_S (engine ranks)."""
-        now = time.monotonic()
-        value = self.store.get("actor") if self.store.check(["actor"]) else None
-        if value != self._seen[0]:
-            self._seen = (value, now)
-        return now - self._seen[1] > self.GONE_S
-
-    def close(self) -> None:
-        """Stop beating and join the thread (idempotent; also at interpreter exit, see StagedReceiver.close)."""
-        self._stop.set()
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join(JOIN_S)
-        atexit.unregister(self.close)
+def launch_watch(placement: Placement, store: dist.Store, stall_s: float) -> PeerWatch:
+    """Every rank's heartbeat on the launch's store, and the peers this rank waits on: actor ranks watch the engine
+    ranks (a step's generation, evaluation scores), engine ranks watch actor rank 0 (the start state, the weights,
+    the end). A watched peer silent for stall_s (distributed.timeout_minutes) ends the wait with one line naming its
+    role and rank (rollout/stream.py's PeerWatch: the colocated stream's own liveness check, over a subset)."""
+    watched = (0,) if placement.is_engine else placement.engine_ranks
+    return PeerWatch(
+        dist.PrefixStore(f"{PREFIX}watch/", store), placement.rank, placement.world_size, stall_s, watched=watched,
+        names=lambda r: f"{placement.role_of(r)} rank {r}",
+    )  # fmt: skip
 
 
 @wire.record

@@ -91,11 +91,11 @@ class DAPOTrainer:
 
         self.cfg = c = config
         self.placement = placement
-        if placement is not None:  # a split launch: messages to the engine ranks, and actor rank 0's heartbeat
-            from megatron_dapo.placement import ActorBeat
+        if placement is not None:  # a split launch: messages to the engine ranks, every rank's heartbeat
             from megatron_dapo.placement import Mailbox
+            from megatron_dapo.placement import launch_watch
 
-            self.mailbox, self.beat = Mailbox(store), ActorBeat(store, beating=placement.rank == 0)
+            self.mailbox, self.beat = Mailbox(store), launch_watch(placement, store, c.distributed.timeout_s)
         self.groups = init_distributed(
             c.actor.tensor_parallel,
             c.actor.pipeline_parallel,

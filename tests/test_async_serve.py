@@ -151,7 +151,8 @@ def _engine_rank(k: int, seed: int, box: Mailbox, weights: PushedWeights, engine
     sampler = DynamicSampler(target_prompts=2, enabled=False, max_sampled_prompts=60, on_cap="partial")
     exchange = ThreadExchange(1).for_rank(0)
     ctx = RolloutContext(cfg, 0, 1, exchange, Inputs(), sampler, score, lambda: False, lambda point: None, print)
-    preempt, beat = SimpleNamespace(flag=False), SimpleNamespace(gone=lambda: False)
+    preempt = SimpleNamespace(flag=False)
+    beat = SimpleNamespace(check=lambda what: None, silent_s=lambda rank: 0.0, close=lambda: None)  # the actor lives
     rank = EngineRank(cfg, ctx, engine, weights, box, beat, preempt)
     assert cfg.trainer.max_staleness == k and cfg.rollout.partial and rank.stream.config.window == 6
     return rank

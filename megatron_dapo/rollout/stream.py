@@ -41,6 +41,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from dataclasses import field
 from datetime import timedelta
@@ -165,13 +166,19 @@ class PeerWatch:
     PREFIX = "megatron_dapo/alive/"
     JOIN_S = 10.0
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, stall_s: float) -> None:
-        self.store, self.rank, self.world, self.stall_s = store, rank, world_size, stall_s
+    def __init__(
+        self, store: dist.Store, rank: int, world_size: int, stall_s: float, watched: Iterable[int] | None = None,
+        names: Callable[[int], str] = lambda r: f"rank {r}",
+    ) -> None:  # fmt: skip
+        """watched: the ranks `check` looks at (default: every other rank). names: how an error names a rank (a split
+        launch says "engine rank 3")."""
+        self.store, self.rank, self.world, self.stall_s, self.names = store, rank, world_size, stall_s, names
         store.set(f"{self.PREFIX}who/{rank}", f"{socket.gethostname()} {os.getpid()}")
         now = time.monotonic()
-        self.seen: dict[int, tuple[bytes | None, float]] = {r: (None, now) for r in range(world_size) if r != rank}
+        watched = [r for r in range(world_size) if r != rank] if watched is None else [r for r in watched if r != rank]
+        self.seen: dict[int, tuple[bytes | None, float]] = {r: (None, now) for r in watched}
         self.next = 0.0
-        client = dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
+        client = store.clone()  # its own connection (a TCPStore, or the launch's PrefixStore over one)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(client,), name="megatron_dapo-heartbeat", daemon=True)
         self._thread.start()
@@ -196,21 +203,32 @@ class PeerWatch:
             self._thread.join(self.JOIN_S)
         atexit.unregister(self.close)
 
-    def check(self) -> None:
+    def check(self, waiting_for: str = "") -> None:
+        """JobError naming each watched rank whose beat has not moved for stall_s (looked at once per HEARTBEAT_S);
+        waiting_for: what this rank waits on, for the line."""
         now = time.monotonic()
         if now < self.next:
             return
         self.next = now + HEARTBEAT_S
+        self._look(now)
+        stalled = sorted(r for r, (_, since) in self.seen.items() if now - since > self.stall_s)
+        if stalled:
+            self._end(stalled, waiting_for)
+
+    def silent_s(self, rank: int) -> float:
+        """Seconds since watched rank `rank`'s beat last moved, as this rank has seen it (a fresh look)."""
+        now = time.monotonic()
+        self._look(now)
+        return now - self.seen[rank][1]
+
+    def _look(self, now: float) -> None:
         for r, (value, _) in list(self.seen.items()):
             key = f"{self.PREFIX}beat/{r}"
             current = self.store.get(key) if self.store.check([key]) else None
             if current != value:
                 self.seen[r] = (current, now)
-        stalled = sorted(r for r, (_, since) in self.seen.items() if now - since > self.stall_s)
-        if stalled:
-            self._end(stalled)
 
-    def _end(self, stalled: list[int]) -> None:
+    def _end(self, stalled: list[int], waiting_for: str = "") -> None:
         parts = []
         for r in stalled:
             who_key = f"{self.PREFIX}who/{r}"
@@ -222,11 +240,12 @@ class PeerWatch:
                     note = ", killed"
                 except OSError:
                     pass
-            parts.append(f"rank {r} (host {host}, pid {pid}{note})")
-        alive = [r for r in range(self.world) if r not in stalled]
+            parts.append(f"{self.names(r)} (host {host}, pid {pid}{note})")
+        alive = [r for r in [self.rank, *self.seen] if r not in stalled]  # this rank and the watched ones it sees
+        waiting = f" while rank {self.rank} waited for {waiting_for}" if waiting_for else ""
         raise JobError(
-            f"{', '.join(parts)} made no progress for {self.stall_s:g} s (distributed.timeout_minutes): stopped "
-            "(SIGSTOP), hung or swapping; ending the job, which resumes from its last checkpoint",
+            f"{', '.join(parts)} made no progress for {self.stall_s:g} s{waiting} (distributed.timeout_minutes): "
+            "stopped (SIGSTOP), hung or swapping; ending the job, which resumes from its last checkpoint",
             report_rank=min(alive),
             retryable=True,
         )

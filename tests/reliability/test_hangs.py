@@ -219,6 +219,87 @@ def test_a_stopped_rank_during_generation_ends_the_job_naming_it(tiny, tmp_path)
     assert not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE
 
 
+SPLIT = ["--rollout.engine_ranks=1", "--trainer.max_staleness=0", "--actor.tensor_parallel=1", "--trainer.eval_every=0",
+         "--trainer.total_steps=3", "--algorithm.max_gen_batches=10"]  # fmt: skip
+"""A split launch of the tiny job: actor rank 0, engine rank 1."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stopped, hook, waiter",
+    [
+        # the engine rank, while it generates step 2: actor rank 0 waits for that generation
+        ("1", {"SLOW_GEN": "1:2"}, "engine rank 1 (host {host}, pid {pid}, killed) made no progress for 15 s while "
+                                   "rank 0 waited for step 2's generation"),
+        # actor rank 0, in step 1's log-probs: the engine rank (lockstep, max_staleness 0) waits for step 2's weights
+        ("0", {"SLOW_LOGP": "1:4"}, "actor rank 0 (host {host}, pid {pid}, killed) made no progress for 15 s while "
+                                    "rank 1 waited for the weights of step 2"),
+    ],
+)  # fmt: skip
+def test_a_stopped_rank_of_a_split_launch_ends_the_job_naming_it(tiny, tmp_path, stopped, hook, waiter):
+    """Issue 38 item 3: on a split launch a stopped engine rank held the actor for rollout.generation_timeout_minutes
+    (60 min), and a stopped actor left the engine ranks waiting for weights for ever. Every rank beats
+    (placement.launch_watch) and each wait checks the peers it waits on: distributed.timeout_minutes (0.25 here) after
+    the SIGSTOP the waiting rank ends the job with one line naming the stopped rank's role, rank, host and pid, and
+    kills it (same host)."""
+    cmd = _torchrun(tiny, tmp_path / "run", *SPLIT, "--distributed.timeout_minutes=0.25")
+    cmd[cmd.index("megatron_dapo.cli")] = "tests._hooks_driver"
+    proc, lines = _start(cmd, **hook)
+    target = None
+    try:
+        _wait_for(lambda: any("test hook:" in x for x in lines), 240, "the slow hook")
+        workers = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == stopped]
+        assert len(workers) == 1
+        target = workers[0]
+        target.send_signal(signal.SIGSTOP)
+        signalled = time.monotonic()
+        proc.wait(timeout=180)
+        waited = time.monotonic() - signalled
+    finally:
+        if target is not None and target.is_running():
+            target.send_signal(signal.SIGCONT)
+        _stop(proc)
+    out = "".join(lines)
+    errors = _error_lines(out)
+    assert len(errors) == 1, out[-3000:]
+    assert waiter.format(host=socket.gethostname(), pid=target.pid) in errors[0], errors[0]
+    assert waited < 90, f"{waited:.0f} s from SIGSTOP to the end of the job"
+    assert not target.is_running() or target.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_engine_rank_is_stopped_saves_and_exits_within_the_grace(tiny, tmp_path):
+    """Issue 38 item 3: torchrun's SIGTERM (a preemption) reached actor rank 0 while it waited for a stopped engine
+    rank's generation; it asked the engines to stop and waited for their answer until SIGKILLed 30 s later. Now the
+    answer is awaited placement.STOP_ANSWER_S at most: the step is dropped, the last step saved, and the actor exits
+    cleanly well within the launcher's 30 s."""
+    from megatron_dapo.placement import STOP_ANSWER_S
+
+    run_dir = tmp_path / "run"
+    cmd = _torchrun(tiny, run_dir, *SPLIT, "--checkpoint.save_every=0")
+    cmd[cmd.index("megatron_dapo.cli")] = "tests._hooks_driver"
+    proc, lines = _start(cmd, SLOW_GEN="1:2")
+    engine = None
+    try:
+        _wait_for(lambda: any("test hook:" in x for x in lines), 240, "step 2's slow generation")
+        engine = next(p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1")
+        actor = next(p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "0")
+        engine.send_signal(signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker, as a scheduler's preemption does
+        signalled = time.monotonic()
+        _wait_for(lambda: not actor.is_running() or actor.status() == psutil.STATUS_ZOMBIE, 60, "the actor's exit")
+        actor_s = time.monotonic() - signalled
+        proc.wait(timeout=60)
+    finally:
+        if engine is not None and engine.is_running():
+            engine.send_signal(signal.SIGCONT)
+        _stop(proc)
+    out = "".join(lines)
+    assert "a preemption signal came before step 2's update; the step is dropped" in out, out[-3000:]
+    assert STOP_ANSWER_S <= actor_s < 30, f"the actor exited {actor_s:.0f} s after SIGTERM"
+    assert (run_dir / "checkpoints" / "step_00000001" / "COMPLETE").exists()  # the last step, saved on the way out
+
+
 _BUSY_HEARTBEAT = """
 import torch.distributed as dist
 from datetime import timedelta
