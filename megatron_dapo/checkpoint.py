@@ -341,8 +341,8 @@ class CheckpointManager:
         write = None
         if save_actor is not None and background:
             write = save_actor(partial / "actor", background=True)
-        elif save_actor is not None:
-            save_actor(partial / "actor")
+        elif save_actor is not None:  # megatron's collective write: a full disk on any rank fails it on every rank
+            self._agreed(partial, "writing the actor's files", lambda: save_actor(partial / "actor"))
         self._agreed(partial, "writing the trainer state", state)
         self.pending = _Pending(partial, complete, write, test_hook)
         if write is None:
@@ -366,6 +366,7 @@ class CheckpointManager:
             error = pending.write.wait()
             errors = [e for e in self.gather(f"rank {self.rank}: {error}" if error else None) if e]
             if errors:
+                self._discard(pending.partial)
                 raise CheckpointError(
                     f"checkpoint {pending.partial}: the background write failed ({errors[0]}); the previous "
                     "checkpoint is intact"
@@ -386,16 +387,26 @@ class CheckpointManager:
         error = None
         try:
             write()
-        except OSError as err:
+        except BaseException as raised:  # torch's CheckpointException is a BaseException wrapping each rank's error
+            err = os_error_in(raised)
+            if err is None:
+                raise
             error = f"{what} failed on rank {self.rank}: {err.strerror or err}" + (
                 f" ({err.filename})" if err.filename else ""
             )
         self.barrier()
         errors = [e for e in self.gather(error) if e]
         if errors:
+            self._discard(partial)
             raise CheckpointError(
-                f"checkpoint {partial}: {errors[0]}; the previous checkpoint is intact (free the space and resume)"
+                f"checkpoint {partial}: {errors[0]}; the previous checkpoint is intact (free the space and resume); "
+                f"{partial.name} removed"
             )
+
+    def _discard(self, partial: Path) -> None:
+        """Remove a save that failed (rank 0, after every rank agreed): a full disk keeps none of its space."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
 
     def _write_manifest(self, path: Path) -> None:
         """Hash every file of the checkpoint (rank r takes files r, r + world, ...); rank 0 writes MANIFEST.json."""
@@ -550,6 +561,28 @@ class _Pending:
     write: Any
     """The actor's background write (wait() -> error text or None; finalize(), collective), or None."""
     test_hook: Callable[[str], None] | None
+
+
+def os_error_in(err: BaseException) -> OSError | None:
+    """The file-system OSError behind `err` (itself, its cause or context, or a failure that torch's distributed
+    checkpoint gathered from a rank: CheckpointException.failures), or None when there is none: a bug, or a lost peer
+    (ConnectionError, TimeoutError), which must end the job as it is rather than wait in the save's next barrier."""
+    seen: set[int] = set()
+    todo: list[Any] = [err]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return None
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+    return None
 
 
 def _fsync_dir(path: Path) -> None:

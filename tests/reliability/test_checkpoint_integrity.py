@@ -142,6 +142,79 @@ def test_disk_full_during_a_save_is_one_error_and_keeps_the_previous_checkpoint(
     assert manager.find_resumable() == tmp_path / "ckpt" / "step_00000001"
 
 
+_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron_dapo.checkpoint import CheckpointError, CheckpointManager
+
+root = Path(sys.argv[1])
+manager = CheckpointManager(root, keep_last=2)
+manager.save(1, {"step": 1}, {"trainer": {}}, lambda d: dcp.save({"w": torch.ones(16)}, checkpoint_id=d))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    manager.save(2, {"step": 2}, {"trainer": {}}, lambda d: dcp.save({"w": torch.ones(1 << 20)}, checkpoint_id=d))
+except CheckpointError as err:
+    print("ERROR", err)
+print("LEFT", sorted(p.name for p in root.iterdir()))
+print("RESUMES", manager.find_resumable().name)
+"""
+
+
+def test_a_file_system_error_inside_the_actors_collective_write_is_one_line_and_leaves_nothing(tmp_path):
+    """Issue 38 item 4: a full disk inside megatron's own write (torch's distributed checkpoint, which gathers each
+    rank's failure into a CheckpointException) was a traceback and left `.partial` behind. Here a real write hits the
+    process's file-size limit (EFBIG, as ENOSPC would): one CheckpointError naming the phase and the error, the
+    `.partial` removed, the previous checkpoint the one to resume from."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK,
+                           str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error = next(line for line in out.splitlines() if line.startswith("ERROR"))
+    assert "step_00000002.partial: writing the actor's files failed on rank 0: File too large" in error, error
+    assert "the previous checkpoint is intact" in error and "step_00000002.partial removed" in error
+    assert "LEFT ['step_00000001']" in out and "RESUMES step_00000001" in out, out
+
+
+def test_a_failed_background_write_is_one_line_and_leaves_nothing(tmp_path):
+    """checkpoint.async_save: the write's error comes at the next step boundary (finish_pending): one line, and the
+    `.partial` removed there too."""
+
+    class FailedWrite:
+        def wait(self):
+            return "OSError: [Errno 28] No space left on device"
+
+        def finalize(self):
+            raise AssertionError("never finalised")
+
+    manager = CheckpointManager(tmp_path / "ckpt", keep_last=2)
+    manager.save(1, {"step": 1}, {"trainer": {}})
+    manager.save(2, {"step": 2}, {"trainer": {}}, lambda d, background=False: FailedWrite(), background=True)
+    with pytest.raises(CheckpointError, match=r"the background write failed \(rank 0: OSError: \[Errno 28\] No space"):
+        manager.finish_pending()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001"]
+
+
+def test_an_error_that_is_not_the_file_systems_propagates_from_the_save(tmp_path):
+    """Only file-system errors become the one-line CheckpointError: a bug in the actor's save, or a lost peer
+    (ConnectionError), ends the job as it is."""
+    from megatron_dapo.checkpoint import os_error_in
+
+    manager = CheckpointManager(tmp_path / "ckpt", keep_last=2)
+    with pytest.raises(ZeroDivisionError):
+        manager.save(1, {"step": 1}, {"trainer": {}}, lambda d: 1 / 0)
+    with pytest.raises(ConnectionResetError):
+        manager.save(1, {"step": 1}, {"trainer": {}}, lambda d: (_ for _ in ()).throw(ConnectionResetError(104, "x")))
+    wrapped = RuntimeError("write failed")
+    wrapped.__cause__ = OSError(28, "No space left on device")
+    assert os_error_in(wrapped).errno == 28 and os_error_in(RuntimeError("x")) is None
+
+
 def _manifest_variants(good: dict) -> dict[str, object]:
     """A family of wrong manifests (issue 38 item 2): every field with wrong types and values, and lists that leave
     files out. Each must make the checkpoint corrupt (one line) so resume falls back to the previous one."""
