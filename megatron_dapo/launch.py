@@ -51,6 +51,7 @@ def preflight(config: Any, world_size: int) -> None:
     """
     a, engines = config.actor, config.rollout.engine_ranks
     model_parallel = a.tensor_parallel * a.pipeline_parallel
+    ep = getattr(a, "expert_parallel", 1)
     if engines and engines >= world_size:
         raise StartupError(
             f"rollout.engine_ranks {engines} leaves no actor rank of the {world_size} processes launched (the last "
@@ -64,7 +65,13 @@ def preflight(config: Any, world_size: int) -> None:
             f"actor.tensor_parallel {a.tensor_parallel} x actor.pipeline_parallel {a.pipeline_parallel} = "
             f"{model_parallel} does not divide the {ranks}"
         )
-    _check_model(a.model_path, a.tensor_parallel, a.pipeline_parallel)
+    if (world_size - engines) % (model_parallel * ep):
+        raise StartupError(
+            f"actor.tensor_parallel {a.tensor_parallel} x actor.expert_parallel {ep} x actor.pipeline_parallel "
+            f"{a.pipeline_parallel} = {model_parallel * ep} does not divide the actor's {world_size - engines} ranks "
+            "(experts are split over data-parallel ranks)"
+        )
+    _check_model(a.model_path, a.tensor_parallel, a.pipeline_parallel, a)
     _check_engine(config.rollout)
     check_socket_ifnames(os.environ)
     check_restart_store(os.environ)
@@ -139,7 +146,7 @@ def _check_engine(rollout: Any) -> None:
     )
 
 
-def _check_model(model_path: str, tp: int, pp: int) -> None:
+def _check_model(model_path: str, tp: int, pp: int, actor: Any = None) -> None:
     if not model_path:
         raise StartupError("actor.model_path: not set")
     config_file = Path(model_path) / "config.json"
@@ -162,6 +169,28 @@ def _check_model(model_path: str, tp: int, pp: int) -> None:
         raise StartupError(
             f"actor.pipeline_parallel {pp} must divide the model's num_hidden_layers {layers} ({config_file})"
         )
+    if actor is not None and isinstance(text, dict):
+        _check_experts(text, actor, config_file)
+
+
+def _check_experts(text: dict[str, Any], actor: Any, config_file: Path) -> None:
+    """The actor's mixture-of-experts settings against the model (actor.model.check_moe, the check the actor's build
+    makes, here before any process starts): expert_parallel or routing_replay on a dense model, expert_parallel not
+    dividing the experts. An architecture the actor does not support is left to the build's own error."""
+    import types
+
+    from megatron_dapo.actor.model import check_moe
+    from megatron_dapo.actor.model import model_arch
+
+    hf = types.SimpleNamespace(**text)
+    try:
+        model_arch(hf)
+    except ValueError:
+        return
+    try:
+        check_moe(hf, actor)
+    except (ValueError, TypeError, AttributeError) as err:
+        raise StartupError(f"{str(err).splitlines()[0]} ({config_file})") from None
 
 
 # ------------------------------------------------------------------------------------------------------ run-dir lock

@@ -194,7 +194,7 @@ def sequence_parallel_on(actor_config: ActorConfig, *, use_te: bool) -> bool:
     return bool(actor_config.sequence_parallel and actor_config.tensor_parallel > 1 and use_te)
 
 
-def _check_moe(hf_config: Any, actor_config: ActorConfig) -> MoeShape | None:
+def check_moe(hf_config: Any, actor_config: ActorConfig) -> MoeShape | None:
     """The model's MoeShape after checking what the actor supports (one-line ValueError otherwise)."""
     moe = moe_shape(hf_config)
     ep = actor_config.expert_parallel
@@ -277,7 +277,7 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
     arch = model_arch(hf_config)
     tp, pp = actor_config.tensor_parallel, actor_config.pipeline_parallel
     _check_hf_config(hf_config, arch, pp)
-    moe = _check_moe(hf_config, actor_config)
+    moe = check_moe(hf_config, actor_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if kv_heads % tp != 0 and tp % kv_heads != 0:

@@ -70,3 +70,46 @@ def test_engine_package_missing(setup, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(StartupError, match=r"rollout.engine=vllm, but the vllm package is not installed"):
         _check([*setup, "--rollout.engine=vllm"])
+
+
+def _model(tmp_path, **fields) -> str:
+    model = tmp_path / "m"
+    model.mkdir(exist_ok=True)
+    base = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    (model / "config.json").write_text(json.dumps({**base, **fields}))
+    return f"--actor.model_path={model}"
+
+
+DENSE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 48}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model, extra, world, message",
+    [
+        (DENSE, ["--actor.expert_parallel=2"], 2, "actor.expert_parallel: 2 needs a mixture-of-experts model; llama is "
+                                                  "dense"),
+        (DENSE, ["--actor.routing_replay=r3"], 2, "actor.routing_replay: r3 needs a mixture-of-experts model"),
+        (MOE, ["--actor.expert_parallel=3"], 3, "actor.expert_parallel: 3 must divide the model's num_experts 8"),
+        (MOE, ["--actor.expert_parallel=2"], 3, "actor.tensor_parallel 1 x actor.expert_parallel 2 x "
+                                                "actor.pipeline_parallel 1 = 2 does not divide the actor's 3 ranks"),
+        (MOE, ["--actor.expert_parallel=2", "--rollout.engine_ranks=1", "--trainer.max_staleness=0"], 4,
+         "= 2 does not divide the actor's 3 ranks"),
+    ],
+)  # fmt: skip
+def test_expert_layout_mistakes_are_found_before_launch(setup, tmp_path, model, extra, world, message):
+    """Issue 38 item 4: expert parallelism not dividing the world, on a dense model, or not dividing the experts, and
+    routing replay on a dense model passed `megatron-dapo check` and then failed in every rank's actor build (a
+    traceback per rank, retried by launch and job.sh). The build's own check (actor.model.check_moe) now runs first."""
+    overrides = [*setup, _model(tmp_path, **model), "--actor.tensor_parallel=1", *extra]
+    with pytest.raises(StartupError) as err:
+        _check(overrides, world=world)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_valid_expert_layouts_pass(setup, tmp_path):
+    _check([*setup, _model(tmp_path, **MOE), "--actor.tensor_parallel=1", "--actor.expert_parallel=2",
+            "--actor.routing_replay=r3"], world=2)  # fmt: skip
+    _check([*setup, _model(tmp_path, **DENSE), "--actor.tensor_parallel=1"], world=3)
+    _check([*setup, _model(tmp_path, architectures=["SomethingElse"]), "--actor.tensor_parallel=1"], world=2)
