@@ -98,13 +98,33 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def check_compatible(saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]], where: str) -> None:
-    """Raise CheckpointError (a ValueError) naming every field that changed in a way a resumed run cannot absorb."""
+def check_compatible(
+    saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]], where: str, *, moe: bool = False
+) -> None:
+    """Raise CheckpointError (a ValueError) naming every field that changed in a way a resumed run cannot absorb.
+
+    moe: the model is a mixture of experts. Its checkpoint reshards over a changed TP, PP or expert_parallel > 1
+    (megatron's distributed checkpoint), but not between expert_parallel 1 and > 1: with expert parallelism megatron
+    keeps the experts' optimizer state in a second, chained optimizer, so the saved and the new optimizer state have
+    different names (measured: EP 2 -> 4 resumes, EP 2 -> 1 fails in megatron's load)."""
+    if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+        raise CheckpointError(f"{where}: config.yaml is not a run config (sections of fields)")
     changed = [
         f"{s}.{f}: {saved.get(s, {}).get(f)!r} -> {current.get(s, {}).get(f)!r}"
         for s, f in INCOMPATIBLE_FIELDS
         if saved.get(s, {}).get(f) != current.get(s, {}).get(f)
     ]
+    was, now = saved.get("actor", {}), current.get("actor", {})
+    if moe and (was.get("expert_parallel", 1) > 1) != (now.get("expert_parallel", 1) > 1):
+
+        def layout(a: dict[str, Any]) -> str:
+            return f"TP {a.get('tensor_parallel')} x EP {a.get('expert_parallel', 1)} x PP {a.get('pipeline_parallel')}"
+
+        changed.append(
+            f"actor.expert_parallel: {was.get('expert_parallel', 1)!r} -> {now.get('expert_parallel', 1)!r} (saved "
+            f"{layout(was)}, now {layout(now)}: a mixture-of-experts checkpoint reshards between expert_parallel "
+            "values above 1, not between 1 and more, whose optimizer states differ)"
+        )
     if changed:
         raise CheckpointError(
             f"{where}: cannot resume, the config changed incompatibly ({'; '.join(changed)}); "
@@ -528,10 +548,14 @@ class CheckpointManager:
             )
         return None
 
-    def check_config(self, path: str | Path, config: dict[str, Any]) -> None:
-        """CheckpointError naming every field of `config` that cannot change when resuming from `path`."""
-        saved = yaml.safe_load((Path(path) / "config.yaml").read_text())
-        check_compatible(saved, config, str(path))
+    def check_config(self, path: str | Path, config: dict[str, Any], *, moe: bool = False) -> None:
+        """CheckpointError naming every field of `config` that cannot change when resuming from `path` (moe: see
+        check_compatible)."""
+        try:
+            saved = yaml.safe_load((Path(path) / "config.yaml").read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise CheckpointError(f"{path}: config.yaml cannot be read ({str(err).splitlines()[0]})") from None
+        check_compatible(saved, config, str(path), moe=moe)
 
     def load(
         self,

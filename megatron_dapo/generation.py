@@ -401,7 +401,10 @@ class RemoteGeneration:
             x
             for e in range(self.placement.num_engine_ranks)
             for x in self.mailbox.take(
-                f"eval/{step}/{e}", timeout, f"step {step}'s evaluation", "trainer.eval_timeout_minutes",
+                f"eval/{step}/{e}",
+                timeout,
+                f"step {step}'s evaluation",
+                "trainer.eval_timeout_minutes",
                 poll=lambda: self.beat.check(f"step {step}'s evaluation"),
             )
         ]

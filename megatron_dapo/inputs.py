@@ -23,7 +23,7 @@ from megatron_dapo.resume import model_architecture
 class RunInputs:
     """Tokenizer, prompt data and model facts of one run (see the module docstring).
 
-    Attributes: tokenizer; architecture (resume.model_architecture of the model's config.json); stop_ids (EOS);
+    Attributes: tokenizer; architecture (resume.model_architecture of the model's config.json); moe; stop_ids (EOS);
     pad_id (the tokenizer's pad id, else EOS); train_data (PromptIterator over the training prompts); eval_examples
     (evaluation prompts, [] without data.eval_files); longest_prompt (tokens, over both sets).
     """
@@ -42,6 +42,8 @@ class RunInputs:
         self.tokenizer = AutoTokenizer.from_pretrained(c.actor.model_path)
         hf_config = AutoConfig.from_pretrained(c.actor.model_path)
         self.architecture = model_architecture(hf_config)
+        self.moe = bool(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None))
+        """A mixture-of-experts model (its checkpoints' expert layout: checkpoint.check_compatible)."""
         self.stop_ids = [self.tokenizer.eos_token_id]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         prompts = prompt_settings(c, self.tokenizer, hf_config, log)

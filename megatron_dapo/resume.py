@@ -145,7 +145,7 @@ class Resume:
     def check(self, path: Path, inputs: Any) -> None:
         """What a resume from `path` needs besides its files: the config compatible, the data and the model the same
         (one line each, every rank)."""
-        self.ckpt.check_config(path, self.config.to_dict())
+        self.ckpt.check_config(path, self.config.to_dict(), moe=getattr(inputs, "moe", False))
         saved = check_state_files(path, self.rank, self.world)
         inputs.train_data.check_state(saved.get("data", {}), where=str(path), log=self.log)
         check_architecture(saved.get("architecture"), inputs.architecture, str(path))

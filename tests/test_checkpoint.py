@@ -79,3 +79,21 @@ def test_preemption_flag_catches_signals():
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def test_a_moe_checkpoint_refuses_expert_parallel_between_1_and_more():
+    """check_compatible's MoE rule: expert_parallel may change among values above 1 (megatron reshards), not between
+    1 and more (a chained optimizer for the experts exists only with expert parallelism); dense models never mind."""
+
+    def config(ep: int) -> dict:
+        c = RunConfig().to_dict()
+        c["actor"].update(expert_parallel=ep, tensor_parallel=1)
+        return c
+
+    check_compatible(config(2), config(4), "ck", moe=True)
+    check_compatible(config(1), config(2), "ck", moe=False)
+    for saved, now in ((2, 1), (1, 2), (1, 8)):
+        with pytest.raises(ValueError, match=rf"actor.expert_parallel: {saved} -> {now} \(saved TP 1 x EP {saved} x "):
+            check_compatible(config(saved), config(now), "ck", moe=True)
+    with pytest.raises(ValueError, match="config.yaml is not a run config"):
+        check_compatible(["not", "a", "dict"], config(1), "ck")

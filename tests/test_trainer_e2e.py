@@ -139,6 +139,15 @@ def test_moe_dapo_steps_at_expert_parallel_2(tmp_path_factory):
     assert set(final) == set(initial) and "model.layers.1.mlp.experts.7.down_proj.weight" in final
     moved = [k for k in initial if ".mlp.experts." in k and (initial[k] - final[k]).abs().max() > 1e-5]
     assert len(moved) > len([k for k in initial if ".mlp.experts." in k]) // 2
+    # Resuming this checkpoint without expert parallelism: megatron keeps the experts' optimizer state in a chained
+    # optimizer only when expert_parallel > 1, so the load would fail inside megatron on every rank (issue 38 item 4).
+    # It is refused at start-up with the saved and the new layout, one line, exit 2 (EP 2 -> 4 reshards).
+    proc = _train(tiny, run_dir, "--trainer.total_steps=3", "--actor.tensor_parallel=1", "--actor.expert_parallel=1",
+                  "--trainer.eval_every=0", check=False)  # fmt: skip
+    log = Path(run_dir).with_suffix(".run.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, log[-3000:]
+    assert "actor.expert_parallel: 2 -> 1 (saved TP 1 x EP 2 x PP 1, now TP 1 x EP 1 x PP 1" in errors[0], errors[0]
 
 
 @pytest.mark.slow
