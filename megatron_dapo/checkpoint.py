@@ -27,6 +27,9 @@ SIGTERM / SIGUSR1 (Slurm preemption) only set a flag; generation stops on it at 
 the trainer checks it at step boundaries, agreeing across ranks, saves and exits 0. A step past its generation runs to
 its end first, so the launcher must wait long enough before SIGKILL:
 checkpoint.preempt_grace_s, which `megatron-dapo launch` passes to torchrun (docs/reliability.md, Preemption).
+
+torch is imported where a checkpoint's state files are written or read: finding, verifying and choosing a
+checkpoint (`megatron-dapo status`) needs none.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 COMPLETE = "COMPLETE"
@@ -343,6 +345,8 @@ class CheckpointManager:
 
         def state() -> None:
             if self.rank == 0:
+                import torch
+
                 torch.save(trainer_state, partial / "trainer_state.pt")
                 (partial / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -573,6 +577,8 @@ class CheckpointManager:
         self.check_config(path, config)
         if load_actor is not None:
             load_actor(path / "actor", self.item_hashes(path, "actor"))  # restores this rank's RNG states too
+        import torch
+
         return torch.load(path / "trainer_state.pt", weights_only=True)
 
 
@@ -692,7 +698,11 @@ class PreemptionFlag:
         )
         return f"{name} came {waited:.1f} s before this step boundary; saving, then exiting{late}"
 
-    def requested(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+    def requested(self, all_reduce_max: Callable[[Any], Any] | None = None) -> bool:
+        """Whether a preemption signal reached this rank or, with all_reduce_max (a MAX all-reduce of an int64
+        tensor over the ranks), any rank (collective)."""
+        import torch
+
         local = torch.tensor([1 if self.flag else 0], dtype=torch.int64)
         if all_reduce_max is not None:
             local = all_reduce_max(local)

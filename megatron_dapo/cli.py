@@ -90,12 +90,14 @@ def run_status(config, requeue: bool = False) -> int:
     """One line on the checkpoint a resume would start from; 0 when it is at trainer.total_steps, else EXIT_RESUMABLE.
 
     The checkpoint is chosen as train chooses it (CheckpointManager.find_resumable: the newest that verifies, with the
-    same manifest, pickle and checkpoint.allow_unverified rules), its tensor files hashed whole since status loads
-    nothing (a read of the newest checkpoint). No usable checkpoint where some exist: one line, exit 2.
+    same manifest and checkpoint.allow_unverified rules), its tensor files hashed whole since status loads nothing (a
+    read of the newest checkpoint). Its pickles are not checked (that needs torch, which status does not import):
+    a checkpoint holding a pickle that would run code was written by someone, and train refuses it with its own
+    one-line error (exit 2) instead of falling back, so it decides nothing here. No usable checkpoint where some
+    exist: one line, exit 2.
     requeue: when resumable and SLURM_JOB_ID is set, requeue the job (`scontrol requeue`; checkpoint.resume=auto then
     resumes it). The sbatch files call this after a time-limit or preemption signal and a clean exit: Slurm's own
     --requeue covers node failure and preemption, not the time limit."""
-    from megatron_dapo.actor.checkpointing import check_checkpoint
     from megatron_dapo.checkpoint import CheckpointError
     from megatron_dapo.checkpoint import CheckpointManager
     from megatron_dapo.checkpoint import checkpoint_root
@@ -105,7 +107,6 @@ def run_status(config, requeue: bool = False) -> int:
     chooser = CheckpointManager(
         checkpoint_root(config.trainer.run_dir), 0, log=lambda line: print(f"[megatron_dapo] {line}", file=sys.stderr),
         allow_unverified=config.checkpoint.allow_unverified, deep=True,
-        check_pickles=lambda path: check_checkpoint(path / "actor"),
     )  # fmt: skip
     try:
         newest = chooser.find_resumable()

@@ -179,8 +179,8 @@ def _check_experts(text: dict[str, Any], actor: Any, config_file: Path) -> None:
     dividing the experts. An architecture the actor does not support is left to the build's own error."""
     import types
 
-    from megatron_dapo.actor.model import check_moe
-    from megatron_dapo.actor.model import model_arch
+    from megatron_dapo.actor.arch import check_moe
+    from megatron_dapo.actor.arch import model_arch
 
     hf = types.SimpleNamespace(**text)
     try:

@@ -24,7 +24,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from megatron_dapo.algorithms.policy_loss import uses_reference
+from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.config import mini_batch_rows
 from megatron_dapo.fp8_format import fp8_weight_bytes
 from megatron_dapo.memory import PARTS

@@ -27,7 +27,7 @@ import torch
 
 from megatron_dapo.actor.packing import RowPlan
 from megatron_dapo.algorithms import DynamicSampler
-from megatron_dapo.algorithms.policy_loss import uses_reference
+from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import CheckpointManager

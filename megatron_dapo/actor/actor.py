@@ -76,7 +76,7 @@ from megatron_dapo.actor.packing import shared_prefix_micro_batches
 from megatron_dapo.actor.routing import RoutingReplay
 from megatron_dapo.actor.routing import routing_by_row
 from megatron_dapo.actor.routing import routing_in_order
-from megatron_dapo.algorithms.policy_loss import uses_reference
+from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.batch import RoutedExperts
 from megatron_dapo.checkpoint import ItemHashes

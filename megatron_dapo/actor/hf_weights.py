@@ -55,11 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_dapo.actor.model import QK_NORM_ARCHS
-from megatron_dapo.actor.model import MoeShape
-from megatron_dapo.actor.model import has_qkv_bias
-from megatron_dapo.actor.model import model_arch
-from megatron_dapo.actor.model import moe_shape
+from megatron_dapo.actor.arch import QK_NORM_ARCHS
+from megatron_dapo.actor.arch import MoeShape
+from megatron_dapo.actor.arch import has_qkv_bias
+from megatron_dapo.actor.arch import model_arch
+from megatron_dapo.actor.arch import moe_shape
 from megatron_dapo.actor.model import padded_vocab_size
 
 if TYPE_CHECKING:

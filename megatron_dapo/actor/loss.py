@@ -39,7 +39,9 @@ from megatron_dapo.algorithms import LossInputs
 from megatron_dapo.algorithms import PolicyLossConfig
 from megatron_dapo.algorithms import get_policy_loss
 from megatron_dapo.algorithms import loss_name
-from megatron_dapo.algorithms.policy_loss import LOSS_DENOMINATOR_UNIT
+from megatron_dapo.algorithms.loss_configs import LOSS_DENOMINATOR_UNIT
+from megatron_dapo.choices import LOSS_KERNELS
+from megatron_dapo.config import choices
 from megatron_dapo.config import register_choices
 from megatron_dapo.metrics import Reduce
 from megatron_dapo.metrics import Stat
@@ -102,7 +104,8 @@ def register_logprob_impl(
         if name in LOGPROB_IMPLS:
             raise ValueError(f"logprob impl {name!r} is already registered")
         LOGPROB_IMPLS[name] = LogprobImpl(name=name, fn=fn, takes_hidden=takes_hidden, kernel=kernel)
-        register_choices("actor.logprob_impl", name)
+        if name not in choices("actor.logprob_impl"):  # the built-in ones are declared in choices.py
+            register_choices("actor.logprob_impl", name)
         return fn
 
     return wrap
@@ -404,11 +407,6 @@ class LossContext:
     logprob_fn: LogProbFn = _fused
     output_weight: Tensor | None = None
     loss_kernel: str | None = None
-
-
-LOSS_KERNELS = ("auto", "reference", "triton", "cuda")
-"""actor.loss_kernel values: "auto" follows actor.logprob_impl (its LogprobImpl.kernel); the others choose."""
-register_choices("actor.loss_kernel", *LOSS_KERNELS)
 
 
 def loss_kernel(logprob_impl: str, choice: str = "auto") -> str | None:

@@ -1,10 +1,6 @@
 """Hugging Face config -> megatron TransformerConfig + layer spec -> GPTModel for one pipeline stage.
 
-API:
-    SUPPORTED_ARCHITECTURES                    {"LlamaForCausalLM": "llama", ..., "Qwen3MoeForCausalLM": "qwen3_moe"}
-    model_arch(hf_config) -> str               "llama", "qwen2", "qwen3", "qwen3_moe" or "qwen2_moe" (ValueError
-                                               naming the field otherwise)
-    moe_shape(hf_config) -> MoeShape | None    experts, top-k, expert width, norm_topk, shared expert width
+API (the architectures, model_arch, moe_shape and check_moe, torch-free, are in actor/arch.py):
     padded_vocab_size(vocab, tp, divisible_by=128) -> int
     to_transformer_config(hf_config, actor_config, *, on_cpu) -> TransformerConfig
     use_transformer_engine(actor_config, *, on_cpu) -> bool   (GPU without TE: RuntimeError naming the fix)
@@ -40,13 +36,18 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from megatron_dapo.actor.arch import QK_NORM_ARCHS
+from megatron_dapo.actor.arch import MoeShape
+from megatron_dapo.actor.arch import check_moe
+from megatron_dapo.actor.arch import has_qkv_bias
+from megatron_dapo.actor.arch import model_arch
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -55,66 +56,7 @@ if TYPE_CHECKING:
     from megatron_dapo.actor.distributed import ParallelGroups
     from megatron_dapo.config import ActorConfig
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-}
-_MODEL_TYPES = {arch: arch for arch in SUPPORTED_ARCHITECTURES.values()}
-QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
-"""Architectures with an RMSNorm over each head's query and key (HF q_norm / k_norm, megatron q_ / k_layernorm)."""
-QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
-"""Architectures whose q/k/v projections have biases (Qwen2-MoE: unless its config sets qkv_bias false)."""
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
-"""Mixture-of-experts architectures: every decoder layer's MLP is a routed MoE block (+ a gated shared expert for
-Qwen2-MoE)."""
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def model_arch(hf_config: Any) -> str:
-    """The supported architecture family of an HF config: "llama", "qwen2" or "qwen3"."""
-    for arch in getattr(hf_config, "architectures", None) or []:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_ARCHITECTURES[arch]
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type in _MODEL_TYPES:
-        return _MODEL_TYPES[model_type]
-    raise ValueError(
-        f"hf config: architectures {getattr(hf_config, 'architectures', None)} / model_type {model_type!r} "
-        f"not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def has_qkv_bias(hf_config: Any) -> bool:
-    """Whether the model's q/k/v projections have biases."""
-    return model_arch(hf_config) in QKV_BIAS_ARCHS and bool(getattr(hf_config, "qkv_bias", True))
-
-
-@dataclass(frozen=True)
-class MoeShape:
-    """The routed-expert part of an MoE model's config (HF names in comments)."""
-
-    experts: int  # num_experts (config.json: num_experts or num_local_experts)
-    topk: int  # num_experts_per_tok
-    ffn: int  # moe_intermediate_size: one expert's hidden width
-    norm_topk: bool  # norm_topk_prob: the top-k softmax weights renormalised to sum to 1
-    shared_ffn: int  # shared_expert_intermediate_size (Qwen2-MoE; 0: no shared expert)
-
-
-def moe_shape(hf_config: Any) -> MoeShape | None:
-    """MoeShape of an MoE architecture's config, None for dense ones."""
-    if model_arch(hf_config) not in MOE_ARCHS:
-        return None
-    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
-    return MoeShape(
-        experts=int(experts),
-        topk=int(hf_config.num_experts_per_tok),
-        ffn=int(hf_config.moe_intermediate_size),
-        norm_topk=bool(getattr(hf_config, "norm_topk_prob", False)),
-        shared_ffn=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
-    )
 
 
 def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
@@ -192,31 +134,6 @@ def sequence_parallel_on(actor_config: ActorConfig, *, use_te: bool) -> bool:
     """Megatron sequence parallel: actor.sequence_parallel at TP > 1 with the Transformer Engine spec only (CPU has
     no TE and gloo no reduce-scatter; the local spec has no sequence-parallel norm)."""
     return bool(actor_config.sequence_parallel and actor_config.tensor_parallel > 1 and use_te)
-
-
-def check_moe(hf_config: Any, actor_config: ActorConfig) -> MoeShape | None:
-    """The model's MoeShape after checking what the actor supports (one-line ValueError otherwise)."""
-    moe = moe_shape(hf_config)
-    ep = actor_config.expert_parallel
-    if moe is None:
-        for field, value, off in (("expert_parallel", ep, 1), ("routing_replay", actor_config.routing_replay, "none")):
-            if value != off:
-                raise ValueError(
-                    f"actor.{field}: {value} needs a mixture-of-experts model; {model_arch(hf_config)} is dense"
-                )
-        return None
-    if moe.experts % ep != 0:
-        raise ValueError(f"actor.expert_parallel: {ep} must divide the model's num_experts {moe.experts}")
-    dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    if dense or step != 1:
-        raise ValueError(
-            f"hf config: mlp_only_layers {dense} / decoder_sparse_step {step} not supported: every layer must be MoE "
-            "(SGLang 0.5.23 builds every Qwen MoE layer sparse and would drop dense-layer weights)"
-        )
-    if moe.topk < 2 and moe.norm_topk:
-        raise ValueError("hf config: num_experts_per_tok 1 with norm_topk_prob not supported (megatron's router)")
-    return moe  # HF's router_aux_loss_coef is not read: actor.moe_aux_loss_coeff decides (0 for RL)
 
 
 def _moe_fields(moe: MoeShape | None, actor_config: ActorConfig, *, use_te: bool) -> dict[str, Any]:

@@ -15,28 +15,20 @@ which runs the same `Surrogate` spec); `dapo_policy_loss` is its DAPO spelling w
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from megatron_dapo.config import register_choices
+from megatron_dapo.algorithms.loss_configs import LOSS_AGG_MODES
+from megatron_dapo.algorithms.loss_configs import PolicyLossConfig
+from megatron_dapo.algorithms.loss_configs import make_loss_config
+from megatron_dapo.algorithms.loss_configs import register_loss_config
 
-LOSS_DENOMINATOR_UNIT = {
-    "token-mean": "tokens",
-    "seq-mean-token-mean": "sequences",
-    "seq-mean-token-sum": "sequences",
-    "seq-mean-token-sum-norm": "sequences",
-}
-"""Each aggregation (`agg_loss`) and what its global denominator D counts: valid tokens, or responses with at least
-one valid token."""
-LOSS_AGG_MODES = tuple(LOSS_DENOMINATOR_UNIT)
 SURROGATES = ("clip", "gspo", "cispo")
 
 
@@ -61,31 +53,6 @@ class LossInputs:
     ref_logp: Tensor | None = None
 
 
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Base of every policy loss's config (the run config's `loss` section holds the selected loss's fields).
-
-    Subclasses are frozen dataclasses with a `loss_agg_mode` (a field, or a ClassVar where the loss fixes it; the
-    actor reads it for the loss denominator's unit); `AGG_MODES` lists the aggregations the loss accepts (a config
-    naming another is refused with one line), `check()` raises ValueError("field: message") for any other rule."""
-
-    AGG_MODES: ClassVar[tuple[str, ...]] = LOSS_AGG_MODES
-    std_normalize: bool = True
-    """Advantages (R - mean) / (std + eps) per group (True) or R - mean (Dr. GRPO)."""
-
-    loss_agg_mode: ClassVar[str] = "token-mean"
-
-    def resolve(self, *, max_response_length: int) -> PolicyLossConfig:
-        """This config with what depends on the rest of the run filled in (RunConfig calls it); default: itself."""
-        return self
-
-    def check(self) -> None:
-        if self.loss_agg_mode not in self.AGG_MODES:
-            raise ValueError(
-                f"loss_agg_mode: must be one of {list(self.AGG_MODES)} for this loss, got {self.loss_agg_mode!r}"
-            )
-
-
 PolicyLossFn = Callable[[LossInputs, Any, "bool | str"], tuple[Tensor, dict[str, Tensor]]]
 """fn(inputs, config, fused) -> (loss 0-dim fp32, metrics {clipfrac_high, clipfrac_low, approx_kl, ratio_max});
 fused True (or a kernel backend, "triton" / "cuda") runs the fused kernel path (the reference on CPU without the
@@ -104,15 +71,8 @@ class PolicyLoss:
         return self.fn(inputs, config, fused)
 
     def make_config(self, values: dict[str, Any] | None = None) -> PolicyLossConfig:
-        """The config from {field: value} (already type-converted); ValueError "field: message" on a broken rule."""
-        values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(self.config_cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: not a field of policy loss {self.name!r}; its fields: {sorted(known)}")
-        cfg = self.config_cls(**values)
-        cfg.check()
-        return cfg
+        """The config from {field: value} (loss_configs.make_loss_config)."""
+        return make_loss_config(self.name, values)
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
@@ -124,8 +84,8 @@ def register_policy_loss(name: str, config_cls: type[PolicyLossConfig]) -> Calla
     def wrap(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
+        register_loss_config(name, config_cls)  # declared already for the built-in losses (loss_configs.py)
         POLICY_LOSSES[name] = PolicyLoss(name, config_cls, fn)
-        register_choices("algorithm.policy_loss", name, payload=POLICY_LOSSES[name].make_config)
         return fn
 
     return wrap
@@ -385,11 +345,6 @@ def surrogate_loss(inputs: LossInputs, spec: Surrogate) -> tuple[Tensor, dict[st
         token_lr = torch.where(mask != 0, inputs.logp.float() - inputs.old_logp.float(), torch.zeros_like(ratio))
         metrics = policy_metrics(ratio, log_ratio, adv, mask, spec, token_lr)
     return loss, metrics
-
-
-def uses_reference(config: PolicyLossConfig) -> bool:
-    """Whether a loss config needs a frozen reference model's log-probs (a KL term: `kl_coef` > 0)."""
-    return float(getattr(config, "kl_coef", 0.0)) > 0.0
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:

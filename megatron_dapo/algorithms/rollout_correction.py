@@ -28,12 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_dapo.config import register_choices
+from megatron_dapo.choices import ROLLOUT_CORRECTION_LEVELS
+from megatron_dapo.choices import ROLLOUT_CORRECTIONS
 
-ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
-ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
-register_choices("algorithm.rollout_correction", *ROLLOUT_CORRECTIONS)
-register_choices("algorithm.rollout_correction_level", *ROLLOUT_CORRECTION_LEVELS)
 # Same bound as the policy loss's LOG_RATIO_CLAMP (and verl's SAFETY_BOUND): exp(20) ~ 4.9e8 stays finite in fp32.
 IS_LOG_CLAMP = 20.0
 

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from megatron_dapo.algorithms.loss_configs import LOSS_DENOMINATOR_UNIT
 from megatron_dapo.algorithms.policy_loss import LOG_RATIO_CLAMP
-from megatron_dapo.algorithms.policy_loss import LOSS_DENOMINATOR_UNIT
 from megatron_dapo.algorithms.policy_loss import ClipBounds
 from megatron_dapo.algorithms.policy_loss import LossInputs
 from megatron_dapo.algorithms.policy_loss import Surrogate
