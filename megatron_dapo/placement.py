@@ -430,13 +430,9 @@ class Mailbox:
                     retryable=True,
                 )
             time.sleep(POLL_S)
-        try:
-            return wire.loads(self.store.get(key))
-        except wire.WireError as err:
-            raise JobError(
-                f"asynchronous training: the message {key!r} on the launch's store is not one of this job ({err}); "
-                "another process wrote to the store"
-            ) from None
+        return wire.load_stored(
+            self.store.get(key), f"asynchronous training: the message {key!r} on the launch's store"
+        )
 
     def delete(self, key: str) -> None:
         self.store.delete_key(key)

@@ -176,6 +176,17 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
     return value
 
 
+def load_stored(data: bytes, what: str) -> Any:
+    """`loads` of a value read from a store (the job's or the launch's TCPStore, reachable by whoever reaches its
+    port): a value that is not a message of this job ends the job with one line (JobError) naming `what`."""
+    from megatron_dapo.errors import JobError
+
+    try:
+        return loads(data)
+    except WireError as err:
+        raise JobError(f"{what} is not a message of this job ({err}); another process wrote to the store") from None
+
+
 class _Reader:
     def __init__(self, view: memoryview, pos: int) -> None:
         self.view, self.pos = view, pos

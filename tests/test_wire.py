@@ -152,7 +152,7 @@ def test_the_queue_and_the_mailbox_refuse_a_planted_payload_with_one_line(tmp_pa
     box.post("gen/1", StepGeneration(1, interrupted=True))
     assert box.take("gen/1", 1, "step 1", "x").interrupted
     box.store.set("gen/2", pickle.dumps(_Payload(str(marker))))
-    with pytest.raises(JobError, match="'gen/2' on the launch's store is not one of this job"):
+    with pytest.raises(JobError, match="'gen/2' on the launch's store is not a message of this job"):
         box.take("gen/2", 1, "step 2", "x")
     assert not marker.exists()
 

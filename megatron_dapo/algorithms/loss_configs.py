@@ -55,6 +55,14 @@ class PolicyLossConfig:
             )
 
 
+def _check_clip_range(eps_low: float, eps_high: float) -> None:
+    """The clip range's rule (DAPO's ratio, GSPO's sequence ratio): eps_low in (0, 1), eps_high in (0, 10]."""
+    if not 0 < eps_low < 1:
+        raise ValueError(f"eps_low: must be in (0, 1), got {eps_low}")
+    if not 0 < eps_high <= 10:
+        raise ValueError(f"eps_high: must be in (0, 10], got {eps_high}")
+
+
 @dataclass(frozen=True)
 class DAPOConfig(PolicyLossConfig):
     """The paper's loss: ratio clipped to [1 - eps_low, 1 + eps_high], sum over all valid tokens / their count."""
@@ -74,10 +82,7 @@ class DAPOConfig(PolicyLossConfig):
 
     def check(self) -> None:
         PolicyLossConfig.check(self)
-        if not 0 < self.eps_low < 1:
-            raise ValueError(f"eps_low: must be in (0, 1), got {self.eps_low}")
-        if not 0 < self.eps_high <= 10:
-            raise ValueError(f"eps_high: must be in (0, 10], got {self.eps_high}")
+        _check_clip_range(self.eps_low, self.eps_high)
         if self.eps_high < self.eps_low:
             raise ValueError(f"eps_high: must be >= eps_low {self.eps_low}, got {self.eps_high}")
         if self.clip_ratio_c is not None and not 1 < self.clip_ratio_c <= 100:
@@ -154,10 +159,7 @@ class GSPOConfig(PolicyLossConfig):
 
     def check(self) -> None:
         PolicyLossConfig.check(self)
-        if not 0 < self.eps_low < 1:
-            raise ValueError(f"eps_low: must be in (0, 1), got {self.eps_low}")
-        if not 0 < self.eps_high <= 10:
-            raise ValueError(f"eps_high: must be in (0, 10], got {self.eps_high}")
+        _check_clip_range(self.eps_low, self.eps_high)
 
 
 @dataclass(frozen=True)

@@ -108,13 +108,7 @@ class StoreQueue:
         key = str(position)
         if not self.store.check([key]):
             return None
-        try:
-            return wire.loads(self.store.get(key))
-        except wire.WireError as err:
-            raise JobError(
-                f"rollout queue: queue position {position} on the job store is not a message of this job ({err}); "
-                "another process wrote to the store"
-            ) from None
+        return wire.load_stored(self.store.get(key), f"rollout queue: queue position {position} on the job store")
 
     def delete(self, positions: list[int]) -> None:
         for p in positions:

@@ -188,6 +188,29 @@ def test_sigterm_stops_unbounded_sampling_at_once(tiny, tmp_path):
     assert waited < 60, f"{waited:.0f} s from SIGTERM to exit"
 
 
+def _stop_a_rank(cmd: list[str], hook: dict[str, str], ready: str, rank: str) -> tuple[str, psutil.Process, float]:
+    """Run `cmd` under tests._hooks_driver with the slow `hook`; once a line holds `ready`, SIGSTOP the worker of
+    RANK `rank` and wait for the job's end. Returns (its output, the stopped process, seconds from SIGSTOP to the
+    end); the stopped process is continued if it survived."""
+    cmd[cmd.index("megatron_dapo.cli")] = "tests._hooks_driver"
+    proc, lines = _start(cmd, **hook)
+    target = None
+    try:
+        _wait_for(lambda: any(ready in x for x in lines), 240, repr(ready))
+        workers = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == rank]
+        assert len(workers) == 1
+        target = workers[0]
+        target.send_signal(signal.SIGSTOP)
+        signalled = time.monotonic()
+        proc.wait(timeout=180)
+        waited = time.monotonic() - signalled
+    finally:
+        if target is not None and target.is_running():
+            target.send_signal(signal.SIGCONT)
+        _stop(proc)
+    return "".join(lines), target, waited
+
+
 @pytest.mark.slow
 def test_a_stopped_rank_during_generation_ends_the_job_naming_it(tiny, tmp_path):
     """SIGSTOP of rank 1 while it generates: rank 0 sees its heartbeat stand still for distributed.timeout_minutes
@@ -195,23 +218,7 @@ def test_a_stopped_rank_during_generation_ends_the_job_naming_it(tiny, tmp_path)
     =60 applied), ends the job with one line naming rank 1 and kills the stopped process (same host)."""
     cmd = _torchrun(tiny, tmp_path / "run", "--distributed.timeout_minutes=0.25", "--trainer.total_steps=3",
                     "--algorithm.max_gen_batches=10")  # fmt: skip
-    cmd[cmd.index("megatron_dapo.cli")] = "tests._hooks_driver"
-    proc, lines = _start(cmd, SLOW_GEN="2:2")
-    stopped = None
-    try:
-        _wait_for(lambda: any("generation of step 2 is slow" in x for x in lines), 240, "step 2's generation")
-        workers = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
-        assert len(workers) == 1
-        stopped = workers[0]
-        stopped.send_signal(signal.SIGSTOP)
-        signalled = time.monotonic()
-        proc.wait(timeout=180)
-        waited = time.monotonic() - signalled
-    finally:
-        if stopped is not None and stopped.is_running():
-            stopped.send_signal(signal.SIGCONT)
-        _stop(proc)
-    out = "".join(lines)
+    out, stopped, waited = _stop_a_rank(cmd, {"SLOW_GEN": "2:2"}, "generation of step 2 is slow", "1")
     errors = _error_lines(out)
     assert len(errors) == 1, out[-3000:]
     assert f"rank 1 (host {socket.gethostname()}, pid {stopped.pid}, killed) made no progress for 15 s" in errors[0]
@@ -243,23 +250,7 @@ def test_a_stopped_rank_of_a_split_launch_ends_the_job_naming_it(tiny, tmp_path,
     the SIGSTOP the waiting rank ends the job with one line naming the stopped rank's role, rank, host and pid, and
     kills it (same host)."""
     cmd = _torchrun(tiny, tmp_path / "run", *SPLIT, "--distributed.timeout_minutes=0.25")
-    cmd[cmd.index("megatron_dapo.cli")] = "tests._hooks_driver"
-    proc, lines = _start(cmd, **hook)
-    target = None
-    try:
-        _wait_for(lambda: any("test hook:" in x for x in lines), 240, "the slow hook")
-        workers = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == stopped]
-        assert len(workers) == 1
-        target = workers[0]
-        target.send_signal(signal.SIGSTOP)
-        signalled = time.monotonic()
-        proc.wait(timeout=180)
-        waited = time.monotonic() - signalled
-    finally:
-        if target is not None and target.is_running():
-            target.send_signal(signal.SIGCONT)
-        _stop(proc)
-    out = "".join(lines)
+    out, target, waited = _stop_a_rank(cmd, hook, "test hook:", stopped)
     errors = _error_lines(out)
     assert len(errors) == 1, out[-3000:]
     assert waiter.format(host=socket.gethostname(), pid=target.pid) in errors[0], errors[0]
