@@ -354,16 +354,19 @@ def read_metrics(run_dir: str | Path, log: Any = None) -> list[dict[str, Any]]:
     `log` (default: a warning on stderr)."""
     path = Path(run_dir) / "metrics.jsonl"
     log = log or (lambda line: print(f"warning: {line}", file=sys.stderr))
-    rows = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+    return [row for _, row in _metrics_rows(path.read_text(errors="replace"), path, log)]
+
+
+def _metrics_rows(text: str, path: Path, log: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(line, row) of each metrics row of `text` (metrics.jsonl's); a line that is not one is named through `log`."""
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         row = parse_metrics_line(line)
         if isinstance(row, str):
-            log(f"{path} line {number}: not a metrics row ({row}); dropped: {line[:60]!r}")
+            log(f"{path} line {number}: not a metrics row ({row}: a torn write or an edit); dropped: {line[:60]!r}")
             continue
-        rows.append(row)
-    return rows
+        yield line, row
 
 
 PLOTS: Sequence[tuple[str, Sequence[str]]] = (
@@ -414,16 +417,20 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(5, 3.2))
         for key, points in series.items():
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=key)
-        ax.set_xlabel("step")
-        ax.set_title(name)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=100)
+        written.append(save_step_plot(fig, ax, name, out_dir / f"{name}.png"))
         plt.close(fig)
-        written.append(path)
     return written
+
+
+def save_step_plot(fig: Any, ax: Any, title: str, path: Path, title_size: float | None = None) -> Path:
+    """Label a per-step matplotlib axis (x: step, grid, legend) and save its figure to `path` (100 dpi)."""
+    ax.set_xlabel("step")
+    ax.set_title(title, fontsize=title_size)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -448,13 +455,7 @@ def truncate_metrics(path: Path, step: int, log: Any = print, restore: dict[str,
         return
     kept, steps = [], set()
     text = path.read_text(errors="replace") if path.exists() else ""
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        row = parse_metrics_line(line)
-        if isinstance(row, str):
-            log(f"{path} line {number}: not a metrics row ({row}: a torn write or an edit); dropped: {line[:60]!r}")
-            continue
+    for line, row in _metrics_rows(text, path, log):
         if row["step"] <= step:
             kept.append(line)
             steps.add(row["step"])

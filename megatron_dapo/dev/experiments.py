@@ -11,7 +11,6 @@ session resumes where it stopped.
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.dev import REPO_ROOT
+from megatron_dapo.metrics import read_metrics as read_metrics_file
+from megatron_dapo.metrics import save_step_plot
 
 MAIN_JOB = REPO_ROOT / "examples" / "run_smollm2_cpu.sh"
 
@@ -42,10 +43,7 @@ def main_job_command(run_dir: Path, steps: int, seed: int, overrides: Sequence[s
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The rows of run_dir/metrics.jsonl ([] when the arm has not run)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics_file(run_dir) if (Path(run_dir) / "metrics.jsonl").exists() else []
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -114,14 +112,7 @@ def overlay_plots(
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=arm)
                 drawn = True
         if drawn:
-            ax.set_xlabel("step")
-            ax.set_title(title, fontsize=9)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-            fig.tight_layout()
-            path = img / f"{prefix}_{name}.png"
-            fig.savefig(path, dpi=100)
-            written.append(path)
+            written.append(save_step_plot(fig, ax, title, img / f"{prefix}_{name}.png", title_size=9))
         plt.close(fig)
     return written
 
