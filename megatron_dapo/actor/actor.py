@@ -126,6 +126,33 @@ def _prompt_layout(batch: ActorBatch, lengths: list[int]) -> tuple[list[int], Te
     return prompts, ids.cpu()
 
 
+def _ddp_config(actor: Any) -> DistributedDataParallelConfig:
+    """Megatron DDP's settings: fp32 gradient reduction, no overlap (the trainer's step order), the distributed
+    optimizer per actor.use_distributed_optimizer."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=actor.use_distributed_optimizer,
+    )
+
+
+def _optimizer_config(actor: Any, dtype: torch.dtype) -> OptimizerConfig:
+    """Megatron's Adam from the actor section (a constant lr: `set_lr` drives the warm-up), in the model's dtype."""
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=actor.lr,
+        min_lr=actor.lr,
+        weight_decay=actor.weight_decay,
+        adam_beta1=actor.adam_beta1,
+        adam_beta2=actor.adam_beta2,
+        clip_grad=actor.grad_clip,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=actor.use_distributed_optimizer,
+    )
+
+
 class MegatronActor:
     """The policy model: Megatron GPTModel chunks + DDP + Megatron optimizer, driven by one RunConfig.
 
@@ -209,28 +236,8 @@ class MegatronActor:
             self.optimizer = None
             self.offloader = ActorOffloader(self.model, None, self.device)
             return
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=config.actor.use_distributed_optimizer,
-        )
-        self.model = [DistributedDataParallel(self.tf_config, ddp_config, model)]
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=config.actor.lr,
-                min_lr=config.actor.lr,
-                weight_decay=config.actor.weight_decay,
-                adam_beta1=config.actor.adam_beta1,
-                adam_beta2=config.actor.adam_beta2,
-                clip_grad=config.actor.grad_clip,
-                bf16=self.dtype == torch.bfloat16,
-                fp16=self.dtype == torch.float16,
-                params_dtype=self.dtype,
-                use_distributed_optimizer=config.actor.use_distributed_optimizer,
-            ),
-            self.model,
-        )
+        self.model = [DistributedDataParallel(self.tf_config, _ddp_config(config.actor), model)]
+        self.optimizer = get_megatron_optimizer(_optimizer_config(config.actor, self.dtype), self.model)
         self.tf_config.no_sync_func = self.model[0].no_sync
         self.tf_config.finalize_model_grads_func = finalize_model_grads
         self.tf_config.grad_scale_func = self.optimizer.scale_loss if self.dtype == torch.float16 else None

@@ -101,11 +101,6 @@ def init_distributed(
     """
     from megatron.core import parallel_state as ps
 
-    if min(tensor_parallel, pipeline_parallel, expert_parallel) < 1:
-        raise ValueError(
-            f"init_distributed: tensor_parallel, pipeline_parallel and expert_parallel must be >= 1, "
-            f"got {tensor_parallel}, {pipeline_parallel} and {expert_parallel}"
-        )
     use_cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if use_cuda else "gloo")
     if not dist.is_initialized():
@@ -113,45 +108,10 @@ def init_distributed(
     else:
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = launch_local_rank(rank)
-    model_parallel = tensor_parallel * pipeline_parallel
-    if world % model_parallel != 0:
-        raise ValueError(
-            f"init_distributed: world_size {world} is not divisible by tensor_parallel {tensor_parallel} "
-            f"x pipeline_parallel {pipeline_parallel} = {model_parallel}"
-        )
-    if world % (model_parallel * expert_parallel) != 0:
-        raise ValueError(
-            f"init_distributed: world_size {world} is not divisible by tensor_parallel {tensor_parallel} "
-            f"x expert_parallel {expert_parallel} x pipeline_parallel {pipeline_parallel} = "
-            f"{model_parallel * expert_parallel} (experts are split over data-parallel ranks)"
-        )
-    if backend == "nccl":
-        if not use_cuda:
-            raise RuntimeError("init_distributed: backend 'nccl' needs CUDA; use 'gloo' on CPU")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-        if not use_cuda:
-            from megatron_dapo.actor.cpu_compat import apply_cpu_compat
-
-            apply_cpu_compat()
-    timeout = datetime.timedelta(seconds=timeout_s)
+    _check_layout(world, tensor_parallel, pipeline_parallel, expert_parallel)
+    device = _device(backend, use_cuda, local_rank)
     if not dist.is_initialized():
-        try:
-            dist.init_process_group(
-                backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timeout
-            )
-        except dist.DistError as err:  # a dead or unreachable rendezvous host, a rank that never started
-            from megatron_dapo.launch import StartupError
-
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise StartupError(
-                f"rank {rank} of {world}: no rendezvous at {addr}:{port} within distributed.timeout_minutes="
-                f"{timeout_s / 60:g} ({first}); is MASTER_ADDR node 0's address and reachable from this node "
-                "(docs/cluster.md), the port free, and every rank started?",
-                report_rank=rank,
-            ) from None
+        _init_process_group(backend, addr, port, rank, world, timeout_s)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -164,6 +124,71 @@ def init_distributed(
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(seed)
+    return _groups(rank, world, local_rank, device, tensor_parallel, pipeline_parallel, expert_parallel)
+
+
+def _check_layout(world: int, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int) -> None:
+    """ValueError (one line) for a layout the world cannot hold."""
+    if min(tensor_parallel, pipeline_parallel, expert_parallel) < 1:
+        raise ValueError(
+            f"init_distributed: tensor_parallel, pipeline_parallel and expert_parallel must be >= 1, "
+            f"got {tensor_parallel}, {pipeline_parallel} and {expert_parallel}"
+        )
+    model_parallel = tensor_parallel * pipeline_parallel
+    if world % model_parallel != 0:
+        raise ValueError(
+            f"init_distributed: world_size {world} is not divisible by tensor_parallel {tensor_parallel} "
+            f"x pipeline_parallel {pipeline_parallel} = {model_parallel}"
+        )
+    if world % (model_parallel * expert_parallel) != 0:
+        raise ValueError(
+            f"init_distributed: world_size {world} is not divisible by tensor_parallel {tensor_parallel} "
+            f"x expert_parallel {expert_parallel} x pipeline_parallel {pipeline_parallel} = "
+            f"{model_parallel * expert_parallel} (experts are split over data-parallel ranks)"
+        )
+
+
+def _device(backend: str, use_cuda: bool, local_rank: int) -> torch.device:
+    """This rank's device for `backend` (NCCL: its GPU, set current; gloo: the CPU, with the CPU shims applied)."""
+    if backend == "nccl":
+        if not use_cuda:
+            raise RuntimeError("init_distributed: backend 'nccl' needs CUDA; use 'gloo' on CPU")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    if not use_cuda:
+        from megatron_dapo.actor.cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat()
+    return torch.device("cpu")
+
+
+def _init_process_group(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+    """The default process group over the launcher's rendezvous; a rendezvous that fails is one StartupError line
+    naming the address (a dead or unreachable host, a rank that never started)."""
+    try:
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )  # fmt: skip
+    except dist.DistError as err:
+        from megatron_dapo.launch import StartupError
+
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise StartupError(
+            f"rank {rank} of {world}: no rendezvous at {addr}:{port} within distributed.timeout_minutes="
+            f"{timeout_s / 60:g} ({first}); is MASTER_ADDR node 0's address and reachable from this node "
+            "(docs/cluster.md), the port free, and every rank started?",
+            report_rank=rank,
+        ) from None
+
+
+def _groups(
+    rank: int, world: int, local_rank: int, device: torch.device, tensor_parallel: int, pipeline_parallel: int,
+    expert_parallel: int,
+) -> ParallelGroups:  # fmt: skip
+    """ParallelGroups read from megatron's parallel_state once it is initialised."""
+    from megatron.core import parallel_state as ps
+
     pp_group = ps.get_pipeline_model_parallel_group()
     mp_group = ps.get_model_parallel_group()
     return ParallelGroups(
@@ -181,7 +206,7 @@ def init_distributed(
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         pp_size=pipeline_parallel,
         dp_rank=ps.get_data_parallel_rank(),
-        dp_size=world // model_parallel,
+        dp_size=world // (tensor_parallel * pipeline_parallel),
         pp_ranks=tuple(dist.get_process_group_ranks(pp_group)),
         mp_ranks=tuple(dist.get_process_group_ranks(mp_group)),
         device=device,
