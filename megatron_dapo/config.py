@@ -31,6 +31,9 @@ from yaml.nodes import ScalarNode
 
 from megatron_dapo.net import is_loopback
 from megatron_dapo.net import url_host
+from megatron_dapo.rollout.engines import ENGINES
+from megatron_dapo.rollout.engines import MODES
+from megatron_dapo.rollout.engines import with_capability
 
 
 class ConfigError(ValueError):
@@ -382,8 +385,10 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _check_numbers(self, "rollout")
-        _one_of(self.engine, ("transformers", "sglang", "vllm"), "rollout.engine")
-        _one_of(self.mode, ("colocated", "server"), "rollout.mode")
+        _one_of(self.engine, tuple(ENGINES), "rollout.engine")
+        _one_of(self.mode, MODES, "rollout.mode")
+        kind = ENGINES[self.engine]
+        _check(self.mode in kind.modes, "rollout.mode", f'"{self.mode}" is not implemented for engine "{self.engine}"')
         if self.mode == "server":
             _check(bool(self.server_urls), "rollout.server_urls", 'must list at least one URL when mode is "server"')
             remote = [u for u in self.server_urls if not is_loopback(url_host(u))]
@@ -396,11 +401,9 @@ class RolloutConfig:
             )
         _one_of(self.weight_dtype, ("auto", "fp8"), "rollout.weight_dtype")
         _check(
-            self.weight_dtype == "auto"
-            or self.engine == "transformers"
-            or (self.engine, self.mode) == ("sglang", "colocated"),
+            self.weight_dtype == "auto" or self.mode in kind.fp8_modes,
             "rollout.weight_dtype",
-            f'"fp8" is implemented for engine "transformers" and colocated "sglang", not {self.engine} {self.mode}',
+            f'"fp8" is implemented for engines {with_capability("fp8")}, not {self.engine} {self.mode}',
         )
 
 
@@ -746,12 +749,12 @@ class RunConfig:
             "that needs algorithm.rollout_correction (tis or mis) to weigh it",
         )
         if r.engine_ranks:
-            servers = (r.engine, r.mode) == ("sglang", "server")
+            servers = r.mode == "server"
             _check(
-                r.engine == "transformers" or servers,
+                r.mode in ENGINES[r.engine].split_modes,
                 "rollout.engine_ranks",
-                "splits the launch into actor and engine ranks for the embedded engine (transformers) or SGLang "
-                f"servers (sglang, rollout.mode server); not rollout.engine {r.engine!r} with mode {r.mode!r}",
+                f"splits the launch into actor and engine ranks for the engines {with_capability('split')}; not "
+                f"rollout.engine {r.engine!r} with mode {r.mode!r}",
             )
             _check(
                 not servers or r.engine_ranks <= len(r.server_urls),
@@ -785,10 +788,10 @@ class RunConfig:
                 "'engine' skips the old-log-prob pass that actor.routing_replay r2 records its experts in; use r3",
             )
         _check(
-            self.actor.routing_replay != "r3" or r.engine != "vllm",
+            self.actor.routing_replay != "r3" or ENGINES[r.engine].routing,
             "actor.routing_replay",
-            "r3 needs every token's experts from the rollout engine; rollout.engine 'vllm' does not return them "
-            "(transformers and sglang do); use r2",
+            f"r3 needs every token's experts from the rollout engine; rollout.engine {r.engine!r} does not return "
+            f"them ({with_capability('routing')} do); use r2",
         )
         cap = a.max_gen_batches * t.gen_prompts_per_batch
         _check(

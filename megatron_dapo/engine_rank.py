@@ -89,7 +89,7 @@ class EngineRank:
             c, rank, world, exchange, inputs, sampler, scorer, lambda: preempt.flag, lambda point: None, _notice
         )
         routed = c.actor.routing_replay == "r3"
-        if c.rollout.engine == "sglang":  # SGLang servers: this rank drives its share of them over HTTP
+        if c.rollout.mode == "server":  # the servers: this rank drives its share of them over HTTP
             from megatron_dapo.placement import ServerVersions
             from megatron_dapo.rollout.factory import server_stream
 

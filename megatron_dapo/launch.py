@@ -128,15 +128,19 @@ def check_socket_ifnames(env: Mapping[str, str], available: list[str] | None = N
 
 
 def _check_engine(rollout: Any) -> None:
-    """The in-process engine's package must import (SGLang's server mode talks HTTP and needs none here)."""
+    """The in-process engine's package must import (rollout/engines.py: the embedded engine needs none, server mode
+    talks HTTP and needs none here)."""
+    from megatron_dapo.rollout.engines import engine_kind
+
     engine = rollout.engine
-    if engine == "transformers" or (engine == "sglang" and rollout.mode == "server"):
+    package = engine_kind(engine).needs_package(rollout.mode)
+    if package is None:
         return
-    if importlib.util.find_spec(engine) is None:
+    if importlib.util.find_spec(package) is None:
         problem = "is not installed"
     else:
         try:
-            importlib.import_module(engine)
+            importlib.import_module(package)
             return
         except Exception as err:  # a broken install raises anything from its imports
             problem = f"cannot be imported ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"

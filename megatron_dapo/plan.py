@@ -32,6 +32,7 @@ from megatron_dapo.memory import PHASES
 from megatron_dapo.memory import parts_offloaded
 from megatron_dapo.memory import resident_by_phase
 from megatron_dapo.ops import tiling
+from megatron_dapo.rollout.engines import engine_kind
 
 GiB = float(1 << 30)
 
@@ -586,8 +587,9 @@ def make_plan(
     times, formulas = step_times(config, m, nodes, gpus_per_node, dp, a, setup.recompute, num_micro, kv_tokens)
     if ro.mode != "colocated":
         notes.append("server mode: the SGLang servers' GPUs are not planned here (only the actor's)")
-    if ro.engine != "sglang":
-        notes.append(f"rollout.engine {ro.engine}: engine memory is planned with SGLang's rules")
+    planned_as = engine_kind(engine_kind(ro.engine).planned_as)
+    if planned_as.name != ro.engine:
+        notes.append(f"rollout.engine {ro.engine}: engine memory is planned with {planned_as.label}'s rules")
     lead, lead_formula = preemption_lead(config, m, nodes, a, times)
     plan = Plan(m, source, layout, gpu_memory_gb - a.safety_gib, phases, times, formulas, a, notes, lead, lead_formula)
     plan.over_timeouts = over_timeouts(config, times)

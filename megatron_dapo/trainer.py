@@ -199,7 +199,7 @@ class DAPOTrainer:
         self.memory.build_engine(lambda: None, sized_at_start=sizes_kv_pool_at_start(c.rollout))  # no engine here
         channel = None
         if self.placement.channel_rank is not None:
-            if c.rollout.engine == "sglang":  # SGLang servers: the weights go to them, their versions to the store
+            if c.rollout.mode == "server":  # the servers get the weights, their versions go to the store
                 from megatron_dapo.placement import ServerPush
 
                 channel = ServerPush(make_engine(c.rollout, c.actor.model_path), store)

@@ -174,9 +174,8 @@ def test_validation_rules(override, message):
         (["--rollout.engine_ranks=-1"], "rollout.engine_ranks: must be in [0, 1024] (0: colocated), got -1"),
         (
             ["--rollout.engine_ranks=1", "--rollout.engine=sglang", "--trainer.max_staleness=0"],
-            "rollout.engine_ranks: splits the launch into actor and engine ranks for the embedded engine "
-            "(transformers) or SGLang servers (sglang, rollout.mode server); not rollout.engine 'sglang' with mode "
-            "'colocated'",
+            'rollout.engine_ranks: splits the launch into actor and engine ranks for the engines "transformers", '
+            "\"server sglang\"; not rollout.engine 'sglang' with mode 'colocated'",
         ),
         (
             [

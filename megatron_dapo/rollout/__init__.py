@@ -1,36 +1,36 @@
 """Rollout engines and per-step weight sync (see README.md in this folder).
 
 SGLang and vLLM are imported only when their engine is built (megatron_dapo.rollout.sglang_engine / vllm_engine).
+The names below load on first use (PEP 562): the engine table (rollout/engines.py), which the config reads, imports
+no torch.
 """
 
-from megatron_dapo.rollout.base import EngineDied
-from megatron_dapo.rollout.base import RolloutEngine
-from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.rollout.base import WeightUpdateError
-from megatron_dapo.rollout.factory import make_engine
-from megatron_dapo.rollout.factory import sampling_params
-from megatron_dapo.rollout.transformers_engine import TransformersEngine
-from megatron_dapo.rollout.types import FinishReason
-from megatron_dapo.rollout.types import GenerationRequest
-from megatron_dapo.rollout.types import GroupSummary
-from megatron_dapo.rollout.types import Rollout
-from megatron_dapo.rollout.types import RolloutGroup
-from megatron_dapo.rollout.weight_sync import WeightSync
-from megatron_dapo.rollout.weight_sync import bucket_named_tensors
+from __future__ import annotations
 
-__all__ = [
-    "EngineDied",
-    "FinishReason",
-    "GenerationRequest",
-    "GroupSummary",
-    "Rollout",
-    "RolloutEngine",
-    "RolloutGroup",
-    "SamplingParams",
-    "TransformersEngine",
-    "WeightSync",
-    "WeightUpdateError",
-    "bucket_named_tensors",
-    "make_engine",
-    "sampling_params",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineDied": "base",
+    "RolloutEngine": "base",
+    "SamplingParams": "base",
+    "WeightUpdateError": "base",
+    "make_engine": "factory",
+    "sampling_params": "factory",
+    "TransformersEngine": "transformers_engine",
+    "FinishReason": "types",
+    "GenerationRequest": "types",
+    "GroupSummary": "types",
+    "Rollout": "types",
+    "RolloutGroup": "types",
+    "WeightSync": "weight_sync",
+    "bucket_named_tensors": "weight_sync",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -74,6 +74,28 @@ def server_stream(
     return server
 
 
+def _pushing_server_stream(
+    rollout: RolloutConfig, model_path: str, master_address: str | None, master_port: int | None, routed_experts: bool
+) -> RolloutEngine:
+    """The servers of rollout.server_urls, with this process as the pusher of their weight-update group (make_engine
+    documents the address and port)."""
+    from megatron_dapo.launch_env import num_nodes
+    from megatron_dapo.launch_env import weight_sync_master_address
+
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    address = master_address if master_address is not None else rollout.weight_sync_master_address
+    return server_stream(
+        rollout,
+        model_path,
+        rollout.server_urls,
+        routed_experts=routed_experts,
+        master_address=weight_sync_master_address(address, rollout.server_urls, num_nodes(world)),
+        master_port=master_port if master_port is not None else rollout.weight_sync_master_port,
+        backend="nccl" if torch.cuda.is_available() else "gloo",  # a trainer without a GPU broadcasts over gloo
+    )
+
+
 def make_engine(
     rollout: RolloutConfig,
     model_path: str,
@@ -102,8 +124,7 @@ def make_engine(
         with enable_return_routed_experts (a server must have been started with --enable-return-routed-experts)
         and decodes them with the model's shape; the transformers engine needs nothing.
     """
-    cuda = torch.cuda.is_available()
-    device = device or ("cuda" if cuda else "cpu")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if rollout.engine == "transformers":
         from megatron_dapo.rollout.transformers_engine import TransformersEngine
@@ -115,22 +136,8 @@ def make_engine(
             max_running=rollout.max_running_requests or TRANSFORMERS_MAX_RUNNING,
             max_context=max_context,
         )
-    if rollout.engine == "sglang" and rollout.mode == "server":
-        from megatron_dapo.launch_env import num_nodes
-        from megatron_dapo.launch_env import weight_sync_master_address
-
-        dist = torch.distributed
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        address = master_address if master_address is not None else rollout.weight_sync_master_address
-        return server_stream(
-            rollout,
-            model_path,
-            rollout.server_urls,
-            routed_experts=routed_experts,
-            master_address=weight_sync_master_address(address, rollout.server_urls, num_nodes(world)),
-            master_port=master_port if master_port is not None else rollout.weight_sync_master_port,
-            backend="nccl" if cuda else "gloo",  # a trainer without a GPU can only broadcast over gloo
-        )
+    if rollout.mode == "server":  # SGLang servers, the one engine with a server mode (rollout/engines.py)
+        return _pushing_server_stream(rollout, model_path, master_address, master_port, routed_experts)
     if rollout.engine == "sglang":
         from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
@@ -147,9 +154,7 @@ def make_engine(
             engine_kwargs=engine_kwargs,
             routed_shape=routing_shape(model_path) if routed_experts else None,
         )
-    if rollout.engine == "vllm":
-        if rollout.mode == "server":
-            raise ValueError('rollout.mode: "server" is implemented for engine "sglang" only')
+    if rollout.engine == "vllm":  # colocated only (rollout/engines.py; the config refuses its server mode)
         from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(
