@@ -18,6 +18,7 @@ router is N(0, router_std) (config.initializer_range by default).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +40,6 @@ def upcycle_llama_to_moe(
     from transformers import AutoTokenizer
     from transformers import GenerationConfig
     from transformers import LlamaForCausalLM
-    from transformers import Qwen2MoeConfig
     from transformers import Qwen2MoeForCausalLM
 
     src_dir, out_dir = Path(src_dir), Path(out_dir)
@@ -50,32 +50,7 @@ def upcycle_llama_to_moe(
         raise ValueError(f"{src_dir}/config.json: attention_bias / mlp_bias are not carried by Qwen2-MoE")
     if not 1 <= top_k <= num_experts or (top_k == 1 and num_experts > 1):
         raise ValueError(f"upcycle: top_k {top_k} with {num_experts} experts (need 2 <= top_k <= num_experts)")
-    cfg = Qwen2MoeConfig(
-        vocab_size=src_cfg.vocab_size,
-        hidden_size=src_cfg.hidden_size,
-        intermediate_size=src_cfg.intermediate_size,
-        num_hidden_layers=src_cfg.num_hidden_layers,
-        num_attention_heads=src_cfg.num_attention_heads,
-        num_key_value_heads=src_cfg.num_key_value_heads,
-        hidden_act=src_cfg.hidden_act,
-        max_position_embeddings=src_cfg.max_position_embeddings,
-        initializer_range=src_cfg.initializer_range,
-        rms_norm_eps=src_cfg.rms_norm_eps,
-        tie_word_embeddings=src_cfg.tie_word_embeddings,
-        rope_parameters=dict(src_cfg.rope_parameters),
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        moe_intermediate_size=src_cfg.intermediate_size,
-        shared_expert_intermediate_size=shared_width,
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=True,
-        qkv_bias=False,
-        router_aux_loss_coef=0.0,
-        bos_token_id=src_cfg.bos_token_id,
-        eos_token_id=src_cfg.eos_token_id,
-        pad_token_id=src_cfg.pad_token_id,
-    )
+    cfg = _moe_config(src_cfg, num_experts, top_k, shared_width)
     src = LlamaForCausalLM.from_pretrained(src_dir)
     dtype = next(src.parameters()).dtype
     dst = Qwen2MoeForCausalLM(cfg).to(dtype)
@@ -119,3 +94,36 @@ def upcycle_llama_to_moe(
     if (src_dir / "tokenizer_config.json").exists():  # a checkpoint without a tokenizer (tests) gets none
         AutoTokenizer.from_pretrained(src_dir).save_pretrained(out_dir)
     return out_dir
+
+
+def _moe_config(src_cfg: Any, num_experts: int, top_k: int, shared_width: int) -> Any:
+    """The Qwen2-MoE config of the upcycled model: the Llama's shapes, every layer sparse, experts as wide as the
+    Llama's MLP, a shared expert of `shared_width`, renormalised top-k, no auxiliary loss."""
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        vocab_size=src_cfg.vocab_size,
+        hidden_size=src_cfg.hidden_size,
+        intermediate_size=src_cfg.intermediate_size,
+        num_hidden_layers=src_cfg.num_hidden_layers,
+        num_attention_heads=src_cfg.num_attention_heads,
+        num_key_value_heads=src_cfg.num_key_value_heads,
+        hidden_act=src_cfg.hidden_act,
+        max_position_embeddings=src_cfg.max_position_embeddings,
+        initializer_range=src_cfg.initializer_range,
+        rms_norm_eps=src_cfg.rms_norm_eps,
+        tie_word_embeddings=src_cfg.tie_word_embeddings,
+        rope_parameters=dict(src_cfg.rope_parameters),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        moe_intermediate_size=src_cfg.intermediate_size,
+        shared_expert_intermediate_size=shared_width,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        qkv_bias=False,
+        router_aux_loss_coef=0.0,
+        bos_token_id=src_cfg.bos_token_id,
+        eos_token_id=src_cfg.eos_token_id,
+        pad_token_id=src_cfg.pad_token_id,
+    )
