@@ -188,19 +188,22 @@ def test_sigterm_stops_unbounded_sampling_at_once(tiny, tmp_path):
     assert waited < 60, f"{waited:.0f} s from SIGTERM to exit"
 
 
-def _stop_a_rank(cmd: list[str], hook: dict[str, str], ready: str, rank: str) -> tuple[str, psutil.Process, float]:
-    """Run `cmd` under tests._hooks_driver with the slow `hook`; once a line holds `ready`, SIGSTOP the worker of
-    RANK `rank` and wait for the job's end. Returns (its output, the stopped process, seconds from SIGSTOP to the
-    end); the stopped process is continued if it survived."""
+def _stop_a_rank(
+    cmd: list[str], hook: dict[str, str], ready: str, rank: str, sig: int = signal.SIGSTOP
+) -> tuple[str, psutil.Process, float]:
+    """Run `cmd` under tests._hooks_driver with the slow `hook`; once a line holds `ready`, send `sig` (SIGSTOP) to
+    the worker of RANK `rank` and wait for the job's end. Returns (its output, that process, seconds from the signal
+    to the end); a stopped process is continued if it survived, and no process of the job may outlive it."""
     cmd[cmd.index("megatron_dapo.cli")] = "tests._hooks_driver"
     proc, lines = _start(cmd, **hook)
-    target = None
+    target, family = None, []
     try:
         _wait_for(lambda: any(ready in x for x in lines), 240, repr(ready))
+        family = psutil.Process(proc.pid).children(recursive=True)
         workers = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == rank]
         assert len(workers) == 1
         target = workers[0]
-        target.send_signal(signal.SIGSTOP)
+        target.send_signal(sig)
         signalled = time.monotonic()
         proc.wait(timeout=180)
         waited = time.monotonic() - signalled
@@ -208,6 +211,9 @@ def _stop_a_rank(cmd: list[str], hook: dict[str, str], ready: str, rank: str) ->
         if target is not None and target.is_running():
             target.send_signal(signal.SIGCONT)
         _stop(proc)
+    time.sleep(1)
+    alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left running after the job: {[(p.pid, p.cmdline()[:6]) for p in alive]}"
     return "".join(lines), target, waited
 
 
@@ -256,6 +262,26 @@ def test_a_stopped_rank_of_a_split_launch_ends_the_job_naming_it(tiny, tmp_path,
     assert waiter.format(host=socket.gethostname(), pid=target.pid) in errors[0], errors[0]
     assert waited < 90, f"{waited:.0f} s from SIGSTOP to the end of the job"
     assert not target.is_running() or target.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "killed, hook, role",
+    [("1", {"SLOW_GEN": "1:2"}, "the engine rank, generating step 2"),
+     ("0", {"SLOW_LOGP": "1:4"}, "actor rank 0, in step 1's log-probs")],
+)  # fmt: skip
+def test_a_killed_rank_of_a_split_launch_ends_the_job_at_once(tiny, tmp_path, killed, hook, role):
+    """The SIGKILL neighbour of the stopped-rank cases (issue 38 item 6): with the default distributed timeout, a rank
+    of either role killed mid-step ends the whole job within a minute (torchrun sees the death and signals the
+    others; the actor gives up on a dead engine's answer after placement.STOP_ANSWER_S, an engine rank leaves when
+    actor rank 0's beat stops), no process outlives it, and torchrun's summary names the killed rank."""
+    cmd = _torchrun(tiny, tmp_path / "run", *SPLIT)
+    out, target, waited = _stop_a_rank(cmd, hook, "test hook:", killed, sig=signal.SIGKILL)
+    assert waited < 60, f"{waited:.0f} s from the SIGKILL of {role} to the end of the job"
+    assert f"rank      : {killed}" in out and "exitcode  : -9" in out, out[-3000:]
+    assert out.count("Traceback (most recent call last)") == 1, out[-3000:]  # torchrun's summary only
+    if killed == "1":  # the actor, signalled while it waited for the dead engine, dropped the step and saved
+        assert "a preemption signal came before step 2's update; the step is dropped" in out, out[-3000:]
 
 
 @pytest.mark.slow
