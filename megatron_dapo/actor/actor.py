@@ -31,8 +31,6 @@ from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from dataclasses import fields
 from functools import partial
 from typing import Any
 
@@ -64,15 +62,13 @@ from megatron_dapo.actor.loss import loss_kernel
 from megatron_dapo.actor.loss import loss_metric_stats
 from megatron_dapo.actor.loss import make_loss_func
 from megatron_dapo.actor.loss import micro_batch_logprobs
+from megatron_dapo.actor.micro_batches import MicroBatch
+from megatron_dapo.actor.micro_batches import MicroBatcher
 from megatron_dapo.actor.offload import ActorOffloader
 from megatron_dapo.actor.packing import PackedLayout
 from megatron_dapo.actor.packing import RowPlan
 from megatron_dapo.actor.packing import SharedPrefixLayout
-from megatron_dapo.actor.packing import micro_batch_rows
-from megatron_dapo.actor.packing import prompt_groups
-from megatron_dapo.actor.packing import prompt_lengths
 from megatron_dapo.actor.packing import sequence_lengths
-from megatron_dapo.actor.packing import shared_prefix_micro_batches
 from megatron_dapo.actor.routing import RoutingReplay
 from megatron_dapo.actor.routing import routing_by_row
 from megatron_dapo.actor.routing import routing_in_order
@@ -85,45 +81,6 @@ from megatron_dapo.metrics import all_reduce_stats
 from megatron_dapo.metrics import finalize
 from megatron_dapo.metrics import identity
 from megatron_dapo.metrics import merge_stats
-
-
-@dataclass
-class _MicroBatch:
-    """One micro-batch of a pass: its rows (ids into the pass's batch), the rows cut to their longest length
-    (width rounded up to `multiple`), and the packed layout when actor.packing is on (a SharedPrefixLayout when
-    actor.shared_prefix is also on)."""
-
-    rows: list[int]
-    batch: ActorBatch
-    layout: PackedLayout | SharedPrefixLayout | None
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.layout.num_tokens if self.layout is not None else self.batch.tokens.numel()
-
-
-def _cut_columns(batch: ActorBatch, width: int) -> ActorBatch:
-    """Every [B, S] tensor cut (or zero-padded) to [B, width]; advantages unchanged."""
-
-    def cut(t: Any) -> Any:
-        if not isinstance(t, Tensor) or t.dim() != 2:
-            return t
-        if t.shape[1] >= width:
-            return t[:, :width]
-        return torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
-
-    return ActorBatch(**{f.name: cut(getattr(batch, f.name)) for f in fields(batch)})
-
-
-def _prompt_layout(batch: ActorBatch, lengths: list[int]) -> tuple[list[int], Tensor]:
-    """(per row P clamped to [1, length], group ids [B]) from the batch's group_ids / prompt_lengths; without them
-    P is the first response column and every row is its own group (nothing is shared)."""
-    if batch.prompt_lengths is None:
-        prompts = prompt_lengths(batch.response_mask, lengths)
-    else:
-        prompts = [min(max(int(p), 1), n) for p, n in zip(batch.prompt_lengths.tolist(), lengths, strict=True)]
-    ids = batch.group_ids if batch.group_ids is not None else torch.arange(len(batch), dtype=torch.int64)
-    return prompts, ids.cpu()
 
 
 def _ddp_config(actor: Any) -> DistributedDataParallelConfig:
@@ -190,7 +147,6 @@ class MegatronActor:
         self.temperature = float(config.rollout.temperature)
         self.num_steps = 0
         """Successful optimizer steps so far (drives the warm-up)."""
-        self._tokens = [0, 0, 0]  # rows' / computed / held (computed minus padding) tokens since pop_token_stats
         self.num_skipped = 0
         """Steps skipped because the loss or a gradient was not finite."""
         self.consecutive_skipped = 0
@@ -209,6 +165,8 @@ class MegatronActor:
 
             hf_weights.load_hf_into_model([model], hf_dir, self.hf_config, groups)
         self.tf_config = model.config
+        self.batcher = MicroBatcher(config, groups, sequence_parallel=bool(self.tf_config.sequence_parallel))
+        """Which rows this rank trains and their micro-batches (actor/micro_batches.py)."""
         if self.tf_config.num_moe_experts and groups.tp_size > 1 and not self.tf_config.sequence_parallel:
             # megatron-core 0.16.1's MoELayer refuses this in training mode, and without sequence parallel every TP
             # rank would dispatch its copy of the tokens (expert gradients tp times too large).
@@ -280,7 +238,7 @@ class MegatronActor:
         return gpt.output_layer.weight
 
     def _forward_step(
-        self, make_loss: Callable[[_MicroBatch], Callable], data_iterator: Iterator[_MicroBatch], model: Any
+        self, make_loss: Callable[[MicroBatch], Callable], data_iterator: Iterator[MicroBatch], model: Any
     ) -> tuple[Tensor, Callable]:
         """Megatron forward_step_func. Padded: [b, S] tokens -> on the last stage logits [b, S, V_local] (or hidden
         states [b, S, H] for a hidden-input log-prob implementation). Packed: one [1, T] row with cu_seqlens
@@ -339,7 +297,7 @@ class MegatronActor:
             output = output.transpose(0, 1)  # [S, b, H] -> [b, S, H]
         return output, make_loss(mb)
 
-    def _route(self, mb: _MicroBatch, width: int) -> bool:
+    def _route(self, mb: MicroBatch, width: int) -> bool:
         """Set this stage's MoE routers for micro-batch `mb` (actor.routing_replay): record (an R2 old-log-prob pass),
         replay mb's routed_experts (this stage's layers of them), or route freely. Returns True when replaying."""
         if self.routing is None:
@@ -385,7 +343,7 @@ class MegatronActor:
         return out
 
     def _run_schedule(
-        self, micro: list[_MicroBatch], make_loss: Callable[[_MicroBatch], Callable], forward_only: bool
+        self, micro: list[MicroBatch], make_loss: Callable[[MicroBatch], Callable], forward_only: bool
     ) -> list[Any]:
         # variable_seq_lengths is on (model.py): micro-batches of different widths / packed lengths exchange their
         # shapes between pipeline stages, so seq_length / micro_batch_size here are only the first one's.
@@ -407,111 +365,13 @@ class MegatronActor:
                 self.routing.off()
 
     def row_plan(self, batch: ActorBatch) -> RowPlan:
-        """The placement of a full batch's rows over DP ranks (`packing.RowPlan`): mini-batches of
-        trainer.mini_batch_prompts * algorithm.group_size rows, each balanced by tokens. The trainer builds the same
-        plan from response lengths (`RowPlan.build`) to send each DP rank only its rows."""
-        lengths = sequence_lengths(batch.response_mask).tolist()
-        return RowPlan.build(lengths, self.groups.dp_size, self.config.mini_batch_rows)
-
-    def _local_rows(self, batch: ActorBatch, plan: RowPlan | None, where: str) -> tuple[ActorBatch, RowPlan]:
-        """(this DP rank's rows, the plan): selected from a full batch (plan None) or checked (batch already local)."""
-        if plan is None:
-            plan = self.row_plan(batch)
-            return batch.select(torch.tensor(plan.rows_of(self.groups.dp_rank), dtype=torch.int64)), plan
-        if plan.dp_size != self.groups.dp_size:
-            raise ValueError(
-                f"MegatronActor.{where}: plan is for dp_size {plan.dp_size}, actor has {self.groups.dp_size}"
-            )
-        expected = len(plan.rows_of(self.groups.dp_rank))
-        if len(batch) != expected:
-            raise ValueError(
-                f"MegatronActor.{where}: with plan=..., batch must hold this DP rank's {expected} rows "
-                f"(plan.rows_of({self.groups.dp_rank})), got {len(batch)}"
-            )
-        return batch, plan
-
-    def _micro_batches(self, batch: ActorBatch) -> list[_MicroBatch]:
-        """Cut this rank's rows (all of `batch`) into micro-batches (actor.max_tokens_per_microbatch, else
-        trainer.micro_batch_size rows; packed when actor.packing; prompt groups kept together and laid out with a
-        shared prefix when actor.shared_prefix). Without rows, one dummy micro-batch (zero masks) so the pipeline
-        and the gradient all-reduce still happen. Token counts go to `pop_token_stats`."""
-        a = self.config.actor
-        lengths = sequence_lengths(batch.response_mask).tolist()
-        # Under sequence parallel the sequence is split over TP ranks: packed lengths / widths are multiples of tp.
-        multiple = self.groups.tp_size if self.tf_config.sequence_parallel else 1
-        shared = a.packing and a.shared_prefix
-        rows_per_mb = self.config.trainer.micro_batch_size
-        if shared:
-            prompts, group_ids = _prompt_layout(batch, lengths)
-            groups = prompt_groups(group_ids, list(range(len(batch))))
-            cut = shared_prefix_micro_batches(
-                lengths, prompts, groups, max_tokens=a.max_tokens_per_microbatch, rows_per_micro_batch=rows_per_mb
-            )
-        else:
-            cut = micro_batch_rows(
-                lengths,
-                list(range(len(batch))),
-                max_tokens=a.max_tokens_per_microbatch,
-                rows_per_micro_batch=rows_per_mb,
-                packed=a.packing,
-            )
-        micro = []
-        for rows in cut:
-            width = max(lengths[i] for i in rows)
-            sub = _cut_columns(batch.select(torch.tensor(rows)), -(-width // multiple) * multiple)
-            lens = torch.tensor([lengths[i] for i in rows], dtype=torch.int64)
-            micro.append(_MicroBatch(rows=rows, batch=sub, layout=self._layout(sub, lens, multiple)))
-            self._tokens[0] += int(lens.sum())
-        if not micro:
-            width = -(-2 // multiple) * multiple
-            zeros = torch.zeros(1, width)
-            dummy = ActorBatch(
-                tokens=torch.zeros(1, width, dtype=torch.int64),
-                loss_mask=zeros,
-                response_mask=zeros.clone(),
-                advantages=torch.zeros(1),
-                old_logp=None if batch.old_logp is None else zeros.clone(),
-            )
-            lens = torch.tensor([width], dtype=torch.int64)
-            micro.append(_MicroBatch(rows=[], batch=dummy, layout=self._layout(dummy, lens, multiple)))
-        for m in micro:
-            self._tokens[1] += m.computed_tokens
-            if isinstance(m.layout, SharedPrefixLayout):
-                self._tokens[2] += m.layout.num_real
-            elif m.rows:
-                self._tokens[2] += int(sequence_lengths(m.batch.response_mask).sum())
-        return micro
-
-    def _layout(self, sub: ActorBatch, lens: Tensor, multiple: int) -> PackedLayout | SharedPrefixLayout | None:
-        """The micro-batch's layout: None (padded), PackedLayout (actor.packing) or SharedPrefixLayout."""
-        if not self.config.actor.packing:
-            return None
-        if self.config.actor.shared_prefix:
-            prompts, group_ids = _prompt_layout(sub, lens.tolist())
-            return SharedPrefixLayout.build(sub.tokens, lens, prompts, group_ids, multiple)
-        return PackedLayout.build(sub.tokens, lens, multiple)
+        """The placement of a full batch's rows over DP ranks (MicroBatcher.row_plan)."""
+        return self.batcher.row_plan(batch)
 
     def pop_token_stats(self) -> dict[str, float]:
-        """Token counts of the actor's passes since the last call, summed over data-parallel ranks; resets them.
-        Collective over dp_group.
-
-        Returns:
-            {"real_tokens": the rows' prompt + response tokens (each row counted whole), "computed_tokens": the
-            tokens the model ran (with padding; with actor.shared_prefix each prompt once per micro-batch),
-            "pad_fraction": 1 - held / computed where held = computed tokens that are not padding,
-            "shared_fraction": 1 - held / real, the share of the rows' tokens not recomputed thanks to
-            actor.shared_prefix (0 without it)}.
-        """
-        counts = torch.tensor(self._tokens, dtype=torch.float64, device=self.device)
-        dist.all_reduce(counts, group=self.groups.dp_group)
-        self._tokens = [0, 0, 0]
-        real, computed, held = float(counts[0]), float(counts[1]), float(counts[2])
-        return {
-            "real_tokens": real,
-            "computed_tokens": computed,
-            "pad_fraction": 1.0 - held / max(computed, 1.0),
-            "shared_fraction": 1.0 - held / max(real, 1.0),
-        }
+        """Token counts of the actor's passes since the last call (MicroBatcher.pop_token_stats; collective over
+        dp_group)."""
+        return self.batcher.pop_token_stats()
 
     def _from_last_stage(self, tensor: Tensor) -> Tensor:
         """Broadcast a tensor (same shape on every stage) from the last pipeline stage to the others."""
@@ -528,7 +388,7 @@ class MegatronActor:
     ) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs (and entropies) of the batch's tokens under the current weights.
 
-        Forward only, through the pipeline schedule, micro-batched (see `_micro_batches`); rows are placed on
+        Forward only, through the pipeline schedule, micro-batched (see `MicroBatcher.cut`); rows are placed on
         data-parallel ranks by `row_plan`. Temperature is rollout.temperature; padded vocab columns do not count.
 
         Args:
@@ -553,7 +413,7 @@ class MegatronActor:
             raise ValueError("MegatronActor.compute_logprobs: record_routing needs plan= (this DP rank's rows)")
         try:
             if plan is not None:
-                local, _ = self._local_rows(batch, plan, "compute_logprobs")
+                local, _ = self.batcher.local_rows(batch, plan, "compute_logprobs")
                 self._recorded = {} if record else None
                 out = self._local_logprobs(local, with_entropy, len(local))[:, : len(local)].cpu()
                 if record:
@@ -572,7 +432,7 @@ class MegatronActor:
         """[1 or 2, max(num_rows, 1), S] fp32 on self.device, on every PP stage: log-probs (and entropies) of this
         rank's rows (all of `batch`, B <= num_rows) in rows 0..B-1, zeros elsewhere."""
         s = batch.tokens.shape[1]
-        micro = self._micro_batches(batch)
+        micro = self.batcher.cut(batch)
         store = self._run_schedule(micro, self._collect_logprobs, forward_only=True)
         out = torch.zeros(2, max(num_rows, 1), s, dtype=torch.float32, device=self.device)
         if self.groups.is_last_stage:
@@ -587,7 +447,7 @@ class MegatronActor:
     def _full_logprobs(self, batch: ActorBatch, with_entropy: bool) -> Tensor:
         """[1 or 2, B, S] fp32 on CPU for a full batch: each DP rank computes its rows, then an all-gather over DP."""
         b, s = batch.tokens.shape
-        local, plan = self._local_rows(batch, None, "compute_logprobs")
+        local, plan = self.batcher.local_rows(batch, None, "compute_logprobs")
         parts = [plan.rows_of(d) for d in range(self.groups.dp_size)]
         out = self._local_logprobs(local, with_entropy, max(len(p) for p in parts))
         if self.groups.dp_size > 1:
@@ -601,7 +461,7 @@ class MegatronActor:
                 full[:, torch.tensor(rows)] = part[:, : len(rows)].cpu()
         return full
 
-    def _collect_logprobs(self, mb: _MicroBatch) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
+    def _collect_logprobs(self, mb: MicroBatch) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
         weight = self._output_weight()
         layout = mb.layout.to(self.device) if mb.layout is not None else None
 
@@ -649,7 +509,7 @@ class MegatronActor:
         self._require_resident("update", ("params", "grads", "optimizer"))
         if batch.old_logp is None:
             raise ValueError("MegatronActor.update: batch.old_logp is None; call compute_logprobs first")
-        local, plan = self._local_rows(batch, plan, "update")
+        local, plan = self.batcher.local_rows(batch, plan, "update")
         results = []
         for _ in range(self.config.trainer.ppo_epochs):
             for rows in plan.local_mini_batches(self.groups.dp_rank):
@@ -679,7 +539,7 @@ class MegatronActor:
         if not local:
             plan = RowPlan.build(sequence_lengths(mini.response_mask).tolist(), self.groups.dp_size, max(len(mini), 1))
             mini = mini.select(torch.tensor(plan.rows_of(self.groups.dp_rank), dtype=torch.int64))
-        micro = self._micro_batches(mini)
+        micro = self.batcher.cut(mini)
         denom = local_loss_denominator(mini.loss_mask, self.config.loss.loss_agg_mode).to(self.device)
         dist.all_reduce(denom, group=self.groups.dp_group)
         make_loss = partial(self._dapo_loss, denom=denom, num_microbatches=len(micro))
@@ -749,7 +609,7 @@ class MegatronActor:
             torch._foreach_mul_(grads, clip / (grad_norm + 1.0e-6))
         return bool(self.optimizer.step_with_ready_grads()), grad_norm
 
-    def _dapo_loss(self, mb: _MicroBatch, *, denom: Tensor, num_microbatches: int) -> Callable:
+    def _dapo_loss(self, mb: MicroBatch, *, denom: Tensor, num_microbatches: int) -> Callable:
         b = mb.batch.to(self.device)
         packed = mb.layout.to(self.device) if mb.layout is not None else None
         batch = LossBatch(

@@ -220,7 +220,7 @@ def test_apply_rollout_correction_sets_mask_and_weights():
 
 def test_actor_micro_batches_carry_engine_logp_and_weights():
     pytest.importorskip("megatron.core")
-    from megatron_dapo.actor.actor import _cut_columns
+    from megatron_dapo.actor.micro_batches import _cut_columns
 
     _, old, engine, mask, adv = _loss_inputs()
     batch = ActorBatch(
