@@ -25,7 +25,6 @@ finalize_model_grads all-reduces with the first stage as before).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -37,15 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import Float16Module
-from megatron.core.utils import get_attr_wrapped_model
 from torch import Tensor
 
 from megatron_dapo.actor.background_save import BackgroundWrite
@@ -65,13 +57,12 @@ from megatron_dapo.actor.loss import micro_batch_logprobs
 from megatron_dapo.actor.micro_batches import MicroBatch
 from megatron_dapo.actor.micro_batches import MicroBatcher
 from megatron_dapo.actor.offload import ActorOffloader
-from megatron_dapo.actor.packing import PackedLayout
+from megatron_dapo.actor.optimizer import ActorOptimizer
+from megatron_dapo.actor.optimizer import ddp_config
 from megatron_dapo.actor.packing import RowPlan
-from megatron_dapo.actor.packing import SharedPrefixLayout
 from megatron_dapo.actor.packing import sequence_lengths
 from megatron_dapo.actor.routing import RoutingReplay
-from megatron_dapo.actor.routing import routing_by_row
-from megatron_dapo.actor.routing import routing_in_order
+from megatron_dapo.actor.schedule import PipelineSchedule
 from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.batch import RoutedExperts
@@ -83,31 +74,19 @@ from megatron_dapo.metrics import identity
 from megatron_dapo.metrics import merge_stats
 
 
-def _ddp_config(actor: Any) -> DistributedDataParallelConfig:
-    """Megatron DDP's settings: fp32 gradient reduction, no overlap (the trainer's step order), the distributed
-    optimizer per actor.use_distributed_optimizer."""
-    return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=actor.use_distributed_optimizer,
-    )
-
-
-def _optimizer_config(actor: Any, dtype: torch.dtype) -> OptimizerConfig:
-    """Megatron's Adam from the actor section (a constant lr: `set_lr` drives the warm-up), in the model's dtype."""
-    return OptimizerConfig(
-        optimizer="adam",
-        lr=actor.lr,
-        min_lr=actor.lr,
-        weight_decay=actor.weight_decay,
-        adam_beta1=actor.adam_beta1,
-        adam_beta2=actor.adam_beta2,
-        clip_grad=actor.grad_clip,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        params_dtype=dtype,
-        use_distributed_optimizer=actor.use_distributed_optimizer,
-    )
+def _average_steps(results: list[dict[str, float]]) -> dict[str, float]:
+    """The update's metrics: each loss metric averaged over the optimizer steps taken (skipped ones excluded), and
+    the counts of skipped and all steps."""
+    out: dict[str, float] = {}
+    ok = [r for r in results if not r["skipped"]]
+    keys = ["loss", "grad_norm", "lr", "clipfrac_high", "clipfrac_low", "approx_kl", "ratio_max", "entropy"]
+    keys += ["ref_kl"] if any("ref_kl" in r for r in results) else []
+    for key in keys:
+        values = [r[key] for r in ok if key in r]
+        out[f"actor/{key}"] = sum(values) / len(values) if values else float("nan")
+    out["actor/skipped_steps"] = float(sum(r["skipped"] for r in results))
+    out["actor/num_updates"] = float(len(results))
+    return out
 
 
 class MegatronActor:
@@ -145,12 +124,6 @@ class MegatronActor:
         self.logprob_impl = get_logprob_impl(config.actor.logprob_impl)
         """The log-prob implementation (a LogprobImpl; may be swapped between calls, e.g. in tests)."""
         self.temperature = float(config.rollout.temperature)
-        self.num_steps = 0
-        """Successful optimizer steps so far (drives the warm-up)."""
-        self.num_skipped = 0
-        """Steps skipped because the loss or a gradient was not finite."""
-        self.consecutive_skipped = 0
-        """Steps skipped in a row (a successful step resets it); trainer.max_skipped_steps bounds it."""
 
         check_shared_prefix(config.actor, on_cpu=groups.device.type == "cpu")
         model = build_gpt_model(
@@ -176,7 +149,6 @@ class MegatronActor:
             )
         self.routing: RoutingReplay | None = None
         """Drives the MoE routers' replay (actor.routing_replay r2 / r3; None otherwise), `actor/routing.py`."""
-        self._recorded: dict[int, Tensor] | None = None  # R2: per pass row, its recorded routing (while recording)
         if self.tf_config.moe_enable_routing_replay and not frozen:
             self.routing = RoutingReplay(model)
         self.dtype = self.tf_config.params_dtype  # fp32 on CPU whatever actor.dtype says (model.py)
@@ -184,6 +156,10 @@ class MegatronActor:
         if self.dtype != torch.float32:
             model = Float16Module(self.tf_config, model)
         self.frozen = frozen
+        self.steps: ActorOptimizer | None = None
+        """The optimizer step, the warm-up lr and the step counters (actor/optimizer.py); None when frozen."""
+        self.optimizer = None
+        """megatron.core's optimizer (self.steps.megatron): what checkpoints and the offloader hold."""
         if frozen:
             # Parameters keep requires_grad: megatron's parallel linears take another code path for frozen weights
             # (tensor_parallel/layers.py, linear_with_frozen_weight) whose results differ from the trained model's in
@@ -191,178 +167,31 @@ class MegatronActor:
             # gradient: compute_logprobs runs under no_grad and there is no DDP buffer or optimizer.
             model.eval()
             self.model = [model]
-            self.optimizer = None
-            self.offloader = ActorOffloader(self.model, None, self.device)
-            return
-        self.model = [DistributedDataParallel(self.tf_config, _ddp_config(config.actor), model)]
-        self.optimizer = get_megatron_optimizer(_optimizer_config(config.actor, self.dtype), self.model)
-        self.tf_config.no_sync_func = self.model[0].no_sync
-        self.tf_config.finalize_model_grads_func = finalize_model_grads
-        self.tf_config.grad_scale_func = self.optimizer.scale_loss if self.dtype == torch.float16 else None
-        self.set_lr()
+        else:
+            self.model = [DistributedDataParallel(self.tf_config, ddp_config(config.actor), model)]
+            self.steps = ActorOptimizer(
+                config.actor, config.trainer.max_skipped_steps, self.model, self.dtype, self.device
+            )
+            self.optimizer = self.steps.megatron
+            self.tf_config.no_sync_func = self.model[0].no_sync
+            self.tf_config.finalize_model_grads_func = finalize_model_grads
+            self.tf_config.grad_scale_func = self.optimizer.scale_loss if self.dtype == torch.float16 else None
+        self.schedule = PipelineSchedule(self.model, self.tf_config, groups, self.routing)
+        """Runs micro-batches through the pipeline (actor/schedule.py)."""
         self.offloader = ActorOffloader(self.model, self.optimizer, self.device)
         """Moves params / grads / optimizer state to host memory and back (actor.offload, megatron_dapo/memory.py)."""
 
-    # ---------------------------------------------------------------------------------------------------------
-    # helpers
-    # ---------------------------------------------------------------------------------------------------------
-    def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step `step` (0-based): linear warm-up over actor.lr_warmup_steps, then
-        constant actor.lr (step k < W uses lr * (k + 1) / W)."""
-        warmup = self.config.actor.lr_warmup_steps
-        if warmup <= 0 or step >= warmup:
-            return self.config.actor.lr
-        return self.config.actor.lr * (step + 1) / warmup
-
-    def set_lr(self) -> float:
-        """Set the optimizer's learning rate and weight decay for the current step count; returns the lr."""
-        lr = self.lr_at(self.num_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
-            group["weight_decay"] = self.config.actor.weight_decay * group.get("wd_mult", 1.0)
-        return lr
-
     def unwrapped(self) -> torch.nn.Module:
         """The GPTModel inside the DDP / Float16Module wrappers."""
-        return get_attr_wrapped_model(self.model[0], "decoder", return_model_obj=True)
-
-    def _output_weight(self) -> Tensor | None:
-        """The LM-head weight [V_local, H] of the last stage for hidden-input log-prob implementations, else None:
-        the tied embedding when embeddings are shared (megatron's copy of it on a PP>1 last stage), else the output
-        layer's weight."""
-        if not (self.logprob_impl.takes_hidden and self.groups.is_last_stage):
-            return None
-        gpt = self.unwrapped()
-        if gpt.share_embeddings_and_output_weights:
-            return gpt.shared_embedding_or_output_weight()
-        return gpt.output_layer.weight
-
-    def _forward_step(
-        self, make_loss: Callable[[MicroBatch], Callable], data_iterator: Iterator[MicroBatch], model: Any
-    ) -> tuple[Tensor, Callable]:
-        """Megatron forward_step_func. Padded: [b, S] tokens -> on the last stage logits [b, S, V_local] (or hidden
-        states [b, S, H] for a hidden-input log-prob implementation). Packed: one [1, T] row with cu_seqlens
-        (PackedSeqParams, qkv_format "thd": attention and RoPE restart per sequence) -> [1, T, V_local] / [1, T, H].
-        Shared prefix: one [1, T] row in BSHD form with the layout's attention mask [1, 1, T, T] and RoPE positions,
-        same outputs as packed. On other stages the stage's output [S, b, H] ([T, 1, H] packed / shared)."""
-        mb = next(data_iterator)
-        layout = mb.layout
-        kwargs: dict[str, Any] = {"fp32_output": False} if self.dtype != torch.float32 else {}
-        attention_mask = None
-        shared = isinstance(layout, SharedPrefixLayout)
-        if shared:
-            # One BSHD row (batch 1, no packed_seq_params): the prefix/branch structure goes in as the attention
-            # mask (VarlenDotProductAttention) and RoPE is taken at the layout's per-token positions.
-            layout = layout.to(self.device)
-            tokens, position_ids = layout.tokens, layout.position_ids
-            attention_mask = layout.attention_mask()
-        elif layout is not None:
-            layout = layout.to(self.device)
-            tokens, position_ids = layout.tokens, layout.position_ids
-            cu = layout.cu_seqlens.to(torch.int32)
-            kwargs["packed_seq_params"] = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                max_seqlen_q=layout.max_seqlen,
-                max_seqlen_kv=layout.max_seqlen,
-            )
-        else:
-            tokens = mb.batch.tokens.to(self.device, non_blocking=True)
-            position_ids = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
-        hidden_out = self.logprob_impl.takes_hidden and self.groups.is_last_stage
-        gpt = self.unwrapped()
-        gpt.return_hidden = hidden_out  # scoped to this call: any other forward of the model returns logits
-        gpt.rope_from_position_ids = shared
-        replaying = self._route(mb, tokens.shape[1])
-        try:
-            output = model(tokens, position_ids, attention_mask, **kwargs)
-        finally:
-            gpt.return_hidden = False
-            gpt.rope_from_position_ids = False
-        if self._recorded is not None:
-            lengths = sequence_lengths(mb.batch.response_mask).tolist() if mb.rows else []
-            flat = self.routing.recorded()
-            for row, routed in zip(mb.rows, routing_by_row(flat, layout, lengths, tokens.shape[1]), strict=True):
-                self._recorded[row] = routed
-        if replaying and output.requires_grad:
-            output.register_hook(self.routing.backward_hook)
-        if hidden_out:
-            if self.tf_config.sequence_parallel and self.groups.tp_size > 1:
-                # [S/tp, b, H] -> [S, b, H]. The fused op already all-reduces d(hidden) over tp_group (every rank
-                # holds the full gradient), so the backward of the gather must only split, not reduce-scatter.
-                output = gather_from_sequence_parallel_region(
-                    output, tensor_parallel_output_grad=False, group=self.groups.tp_group
-                )
-            output = output.transpose(0, 1)  # [S, b, H] -> [b, S, H]
-        return output, make_loss(mb)
-
-    def _route(self, mb: MicroBatch, width: int) -> bool:
-        """Set this stage's MoE routers for micro-batch `mb` (actor.routing_replay): record (an R2 old-log-prob pass),
-        replay mb's routed_experts (this stage's layers of them), or route freely. Returns True when replaying."""
-        if self.routing is None:
-            return False
-        if self._recorded is not None:
-            self.routing.record()
-            return False
-        routed = mb.batch.routed_experts
-        if routed is None or not mb.rows:
-            self.routing.off()
-            return False
-        layout = mb.layout if isinstance(mb.layout, PackedLayout) else None
-        rows = [routed.row(i) for i in range(len(routed))]
-        if rows and rows[0].shape[1] != self.routing.num_layers:  # every layer's routing (an engine's, R3)
-            first = self.routing.first_layer
-            rows = [r[:, first : first + self.routing.num_layers] for r in rows]
-        ordered, real = routing_in_order(rows, layout, width, self.routing.num_layers, self.routing.topk)
-        self.routing.replay(ordered, self.device, real)
-        return True
+        return self.schedule.unwrapped()
 
     def pop_routing_agreement(self, prefix: str) -> dict[str, float]:
-        """Routing agreement of the replayed forwards since the last call (collective over all ranks): per MoE layer
-        the fraction of replayed tokens whose replayed top-k set is the one the router itself picks now, as
-        {prefix}/routing_agreement (all layers, token-weighted), {prefix}/routing_agreement_min (worst layer) and
-        {prefix}/routing_agreement_layer_{i}. {} without routing replay or when nothing was replayed."""
+        """Routing agreement of the replayed forwards since the last call (collective over all ranks;
+        `RoutingReplay.agreement_metrics`): {prefix}/routing_agreement, ..._min, ..._layer_{i}. {} without routing
+        replay or when nothing was replayed."""
         if self.routing is None:
             return {}
-        layers = self.tf_config.num_layers
-        stats = torch.zeros(2, layers, dtype=torch.float64, device=self.device)
-        agree, count = self.routing.pop_agreement()
-        first = self.routing.first_layer
-        stats[0, first : first + len(agree)] = agree.to(self.device)
-        stats[1, first : first + len(count)] = count.to(self.device)
-        # Each stage holds its layers, each DP rank its tokens; TP ranks repeat the same routing (counted once).
-        for group in (self.groups.pp_group, self.groups.dp_group):
-            dist.all_reduce(stats, group=group)
-        if stats[1].sum() == 0:
-            return {}
-        per_layer = (stats[0] / stats[1].clamp_min(1)).tolist()
-        out = {f"{prefix}/routing_agreement": float(stats[0].sum() / stats[1].sum())}
-        out[f"{prefix}/routing_agreement_min"] = min(per_layer)
-        out.update({f"{prefix}/routing_agreement_layer_{i}": v for i, v in enumerate(per_layer)})
-        return out
-
-    def _run_schedule(
-        self, micro: list[MicroBatch], make_loss: Callable[[MicroBatch], Callable], forward_only: bool
-    ) -> list[Any]:
-        # variable_seq_lengths is on (model.py): micro-batches of different widths / packed lengths exchange their
-        # shapes between pipeline stages, so seq_length / micro_batch_size here are only the first one's.
-        first = micro[0]
-        width = first.layout.num_tokens if first.layout is not None else first.batch.tokens.shape[1]
-        rows = 1 if first.layout is not None else len(first.batch)
-        try:
-            return get_forward_backward_func()(
-                forward_step_func=partial(self._forward_step, make_loss),
-                data_iterator=iter(micro),
-                model=self.model,
-                num_microbatches=len(micro),
-                seq_length=width,
-                micro_batch_size=rows,
-                forward_only=forward_only,
-            )
-        finally:
-            if self.routing is not None:
-                self.routing.off()
+        return self.routing.agreement_metrics(prefix, self.groups, self.tf_config.num_layers)
 
     def row_plan(self, batch: ActorBatch) -> RowPlan:
         """The placement of a full batch's rows over DP ranks (MicroBatcher.row_plan)."""
@@ -372,12 +201,6 @@ class MegatronActor:
         """Token counts of the actor's passes since the last call (MicroBatcher.pop_token_stats; collective over
         dp_group)."""
         return self.batcher.pop_token_stats()
-
-    def _from_last_stage(self, tensor: Tensor) -> Tensor:
-        """Broadcast a tensor (same shape on every stage) from the last pipeline stage to the others."""
-        if self.groups.pp_size > 1:
-            dist.broadcast(tensor, src=self.groups.pp_ranks[-1], group=self.groups.pp_group)
-        return tensor
 
     # ---------------------------------------------------------------------------------------------------------
     # log-probs
@@ -414,26 +237,29 @@ class MegatronActor:
         try:
             if plan is not None:
                 local, _ = self.batcher.local_rows(batch, plan, "compute_logprobs")
-                self._recorded = {} if record else None
-                out = self._local_logprobs(local, with_entropy, len(local))[:, : len(local)].cpu()
+                recorded: dict[int, Tensor] | None = {} if record else None
+                out = self._local_logprobs(local, with_entropy, len(local), recorded)[:, : len(local)].cpu()
                 if record:
-                    rows = [self._recorded[i] for i in range(len(local))]
+                    rows = [recorded[i] for i in range(len(local))]
                     batch.routed_experts = RoutedExperts.from_rows(rows, self.routing.num_experts)
             else:
                 out = self._full_logprobs(batch, with_entropy)
         finally:
-            self._recorded = None
             for chunk in self.model:
                 chunk.train(not self.frozen)
         out = out * batch.response_mask.to(torch.float32)
         return out[0], (out[1] if with_entropy else None)
 
-    def _local_logprobs(self, batch: ActorBatch, with_entropy: bool, num_rows: int) -> Tensor:
+    def _local_logprobs(
+        self, batch: ActorBatch, with_entropy: bool, num_rows: int, recorded: dict[int, Tensor] | None = None
+    ) -> Tensor:
         """[1 or 2, max(num_rows, 1), S] fp32 on self.device, on every PP stage: log-probs (and entropies) of this
-        rank's rows (all of `batch`, B <= num_rows) in rows 0..B-1, zeros elsewhere."""
+        rank's rows (all of `batch`, B <= num_rows) in rows 0..B-1, zeros elsewhere. recorded: see
+        `PipelineSchedule.run`."""
         s = batch.tokens.shape[1]
         micro = self.batcher.cut(batch)
-        store = self._run_schedule(micro, self._collect_logprobs, forward_only=True)
+        hidden = self.logprob_impl.takes_hidden
+        store = self.schedule.run(micro, self._collect_logprobs, forward_only=True, hidden=hidden, recorded=recorded)
         out = torch.zeros(2, max(num_rows, 1), s, dtype=torch.float32, device=self.device)
         if self.groups.is_last_stage:
             for mb, d in zip(micro, store, strict=True):
@@ -442,7 +268,7 @@ class MegatronActor:
                     width = min(d["logp"].shape[1], s)
                     out[0, idx, :width] = d["logp"][:, :width]
                     out[1, idx, :width] = d["entropy"][:, :width]
-        return self._from_last_stage(out if with_entropy else out[:1].contiguous())
+        return self.schedule.from_last_stage(out if with_entropy else out[:1].contiguous())
 
     def _full_logprobs(self, batch: ActorBatch, with_entropy: bool) -> Tensor:
         """[1 or 2, B, S] fp32 on CPU for a full batch: each DP rank computes its rows, then an all-gather over DP."""
@@ -462,7 +288,7 @@ class MegatronActor:
         return full
 
     def _collect_logprobs(self, mb: MicroBatch) -> Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]:
-        weight = self._output_weight()
+        weight = self.schedule.output_weight(self.logprob_impl.takes_hidden)
         layout = mb.layout.to(self.device) if mb.layout is not None else None
 
         def loss_func(output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -514,20 +340,7 @@ class MegatronActor:
         for _ in range(self.config.trainer.ppo_epochs):
             for rows in plan.local_mini_batches(self.groups.dp_rank):
                 results.append(self._train_mini_batch(local.select(rows)))
-        return {**self._average(results), **self.pop_routing_agreement("actor")}
-
-    @staticmethod
-    def _average(results: list[dict[str, float]]) -> dict[str, float]:
-        out: dict[str, float] = {}
-        ok = [r for r in results if not r["skipped"]]
-        keys = ["loss", "grad_norm", "lr", "clipfrac_high", "clipfrac_low", "approx_kl", "ratio_max", "entropy"]
-        keys += ["ref_kl"] if any("ref_kl" in r for r in results) else []
-        for key in keys:
-            values = [r[key] for r in ok if key in r]
-            out[f"actor/{key}"] = sum(values) / len(values) if values else float("nan")
-        out["actor/skipped_steps"] = float(sum(r["skipped"] for r in results))
-        out["actor/num_updates"] = float(len(results))
-        return out
+        return {**_average_steps(results), **self.pop_routing_agreement("actor")}
 
     def _forward_backward(self, mini: ActorBatch, *, local: bool = False) -> dict[str, float]:
         """Zero the grads, run forward/backward on this rank's rows of one mini-batch; gradients end up reduced over
@@ -543,71 +356,14 @@ class MegatronActor:
         denom = local_loss_denominator(mini.loss_mask, self.config.loss.loss_agg_mode).to(self.device)
         dist.all_reduce(denom, group=self.groups.dp_group)
         make_loss = partial(self._dapo_loss, denom=denom, num_microbatches=len(micro))
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        store = self._run_schedule(micro, make_loss, forward_only=False)
+        self.steps.zero_grad()
+        store = self.schedule.run(micro, make_loss, forward_only=False, hidden=self.logprob_impl.takes_hidden)
         return self._reduce_metrics(store)
 
     def _train_mini_batch(self, local: ActorBatch) -> dict[str, float]:
         """One optimizer step on this rank's rows of one mini-batch (skipped when loss or gradient is not finite)."""
         stats = self._forward_backward(local, local=True)
-        stats["lr"] = self.set_lr()
-        stepped = False
-        if math.isfinite(stats["loss"]):
-            stepped, stats["grad_norm"] = self._optimizer_step()
-        if not stepped:
-            for chunk in self.model:
-                chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            self.num_skipped += 1
-            self.consecutive_skipped += 1
-        else:
-            self.num_steps += 1
-            self.consecutive_skipped = 0
-            self._check_finite_weights()
-        stats["skipped"] = float(not stepped)
-        limit = self.config.trainer.max_skipped_steps
-        if limit and self.consecutive_skipped >= limit:
-            raise RuntimeError(
-                f"MegatronActor.update: {self.consecutive_skipped} optimizer steps in a row were skipped (loss or "
-                f"gradient not finite; last loss {stats['loss']}, grad_norm {stats.get('grad_norm', float('nan'))}); "
-                f"stopping at trainer.max_skipped_steps={limit}: lower actor.lr or check the data and rewards"
-            )
-        return stats
-
-    @torch.no_grad()
-    def _check_finite_weights(self) -> None:
-        """Raise if any weight of any rank is NaN/Inf after a step, before it reaches a checkpoint or the engine
-        (collective over all ranks: every rank raises together)."""
-        bad = [name for chunk in self.model for name, p in chunk.named_parameters() if not torch.isfinite(p).all()]
-        flag = torch.tensor([float(len(bad))], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
-            where = f"on this rank: {', '.join(bad[:3])}" if bad else "on another rank"
-            raise RuntimeError(
-                f"MegatronActor.update: non-finite weights after optimizer step {self.num_steps} "
-                f"(actor.lr={self.config.actor.lr}, lr used {self.lr_at(self.num_steps - 1)}; {where}); stopping"
-            )
-
-    @torch.no_grad()
-    def _optimizer_step(self) -> tuple[bool, float]:
-        """Megatron's step in its public parts, with a finite check between norm and update:
-        prepare_grads (copy/unscale to main grads) -> get_grad_norm (global) -> skip if not finite -> clip by the
-        total norm (coefficient actor.grad_clip / (norm + 1e-6) when < 1) -> step_with_ready_grads.
-        Returns (stepped, grad_norm before clipping); the decision is the same on every rank (global norm)."""
-        found_inf = bool(self.optimizer.prepare_grads())
-        grad_norm = float(self.optimizer.get_grad_norm())
-        ok = torch.tensor([float(not found_inf and math.isfinite(grad_norm))], device=self.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok.item() == 0.0:
-            return False, grad_norm
-        clip = self.config.actor.grad_clip
-        if clip > 0.0 and clip / (grad_norm + 1.0e-6) < 1.0:
-            optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-            grads = [p.grad for opt in optimizers for p in opt.get_parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, clip / (grad_norm + 1.0e-6))
-        return bool(self.optimizer.step_with_ready_grads()), grad_norm
+        return {**stats, **self.steps.step(stats["loss"])}
 
     def _dapo_loss(self, mb: MicroBatch, *, denom: Tensor, num_microbatches: int) -> Callable:
         b = mb.batch.to(self.device)
@@ -618,7 +374,7 @@ class MegatronActor:
         ctx = LossContext(
             temperature=self.temperature, tp_group=self.groups.tp_group, vocab_size=self.vocab_size,
             num_microbatches=num_microbatches, dp_size=self.groups.dp_size, logprob_fn=self.logprob_impl.fn,
-            output_weight=self._output_weight(), loss_kernel=self.loss_kernel,
+            output_weight=self.schedule.output_weight(self.logprob_impl.takes_hidden), loss_kernel=self.loss_kernel,
         )  # fmt: skip
         return make_loss_func(batch, ctx, self.config.loss)
 

@@ -100,7 +100,7 @@ def restore_adam_steps(optimizer: Any, num_steps: int) -> None:
 
 class ActorCheckpoint:
     """Saves and loads one MegatronActor's checkpoint directory (collective on every call). The actor is read
-    through its public parts: unwrapped(), optimizer, num_steps, resident(), set_lr()."""
+    through its public parts: unwrapped(), optimizer, steps (the step count and lr), resident()."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -108,7 +108,7 @@ class ActorCheckpoint:
     def _sharded_state_dict(self, is_loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
         actor = self.actor
         model_sd = actor.unwrapped().sharded_state_dict()
-        state = {"model": model_sd, "actor": {"num_steps": actor.num_steps}}
+        state = {"model": model_sd, "actor": {"num_steps": actor.steps.num_steps}}
         if with_optimizer:
             # Before the first step torch Adam has no state: megatron's save asserts on it (distributed optimizer) or
             # writes no moments (plain), and the load then misses them. Allocate what Adam would create.
@@ -162,10 +162,10 @@ class ActorCheckpoint:
                     actor.optimizer.load_state_dict(state["optimizer"])
             else:
                 actor.optimizer.reload_model_params()
-        actor.num_steps = int(state["actor"]["num_steps"])
+        actor.steps.num_steps = int(state["actor"]["num_steps"])
         if load_optimizer:
-            restore_adam_steps(actor.optimizer, actor.num_steps)
-        actor.set_lr()
+            restore_adam_steps(actor.optimizer, actor.steps.num_steps)
+        actor.steps.set_lr()
         rng_file = os.path.join(ckpt_dir, rng_file_name(dist.get_rank(), dist.get_world_size()))
         if os.path.exists(rng_file):
             _set_rng_state(_load_rng_file(rng_file))

@@ -31,9 +31,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from megatron_dapo.actor.distributed import ParallelGroups
 from megatron_dapo.actor.packing import PackedLayout
+from megatron_dapo.batch import RoutedExperts
 
 
 def _filler(count: int, layers: int, k: int) -> Tensor:
@@ -139,6 +142,22 @@ class RoutingReplay:
             r.set_target_indices(ordered[:, j].to(device, torch.int64).contiguous())
             r.set_router_replay_action(self._actions.REPLAY_FORWARD)
 
+    def replay_rows(self, routed: RoutedExperts | None, layout: Any, width: int, device: torch.device) -> bool:
+        """Replay a micro-batch's given routing in the next forward: routed holds its rows' experts (every layer's,
+        an engine's under r3, or this stage's), laid out as the micro-batch is (`layout` packed, else padded to
+        `width`). None (no routing given, or an empty micro-batch): the routers route freely. Returns True when
+        replaying."""
+        if routed is None:
+            self.off()
+            return False
+        rows = [routed.row(i) for i in range(len(routed))]
+        if rows and rows[0].shape[1] != self.num_layers:  # every layer's routing: this stage's layers of it
+            rows = [r[:, self.first_layer : self.first_layer + self.num_layers] for r in rows]
+        packed = layout if isinstance(layout, PackedLayout) else None
+        ordered, real = routing_in_order(rows, packed, width, self.num_layers, self.topk)
+        self.replay(ordered, device, real)
+        return True
+
     def backward_hook(self, grad: Tensor) -> Tensor:
         """Registered on a replayed forward's output: its backward (and recompute) pops the FIFO of indices."""
         for r in self.replays:
@@ -150,6 +169,26 @@ class RoutingReplay:
         out = (self.agree.clone(), self.count.clone())
         self.agree.zero_()
         self.count.zero_()
+        return out
+
+    def agreement_metrics(self, prefix: str, groups: ParallelGroups, total_layers: int) -> dict[str, float]:
+        """Routing agreement of the replayed forwards since the last call (collective over all ranks): per MoE layer
+        the fraction of replayed tokens whose replayed top-k set is the one the router itself picks now, as
+        {prefix}/routing_agreement (all layers, token-weighted), {prefix}/routing_agreement_min (worst layer) and
+        {prefix}/routing_agreement_layer_{i} (i over the model's total_layers). {} when nothing was replayed."""
+        stats = torch.zeros(2, total_layers, dtype=torch.float64, device=groups.device)
+        agree, count = self.pop_agreement()
+        stats[0, self.first_layer : self.first_layer + len(agree)] = agree.to(groups.device)
+        stats[1, self.first_layer : self.first_layer + len(count)] = count.to(groups.device)
+        # Each stage holds its layers, each DP rank its tokens; TP ranks repeat the same routing (counted once).
+        for group in (groups.pp_group, groups.dp_group):
+            dist.all_reduce(stats, group=group)
+        if stats[1].sum() == 0:
+            return {}
+        per_layer = (stats[0] / stats[1].clamp_min(1)).tolist()
+        out = {f"{prefix}/routing_agreement": float(stats[0].sum() / stats[1].sum())}
+        out[f"{prefix}/routing_agreement_min"] = min(per_layer)
+        out.update({f"{prefix}/routing_agreement_layer_{i}": v for i, v in enumerate(per_layer)})
         return out
 
     def off(self) -> None:

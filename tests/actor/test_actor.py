@@ -194,17 +194,17 @@ def _training_worker(hf_dir: str, batch: ActorBatch, ckpt_dir: str) -> dict:
     # A NaN old log-prob on one valid token: the step is skipped, reported, and changes nothing.
     bad = ActorBatch(**{k: (v.clone() if v is not None else None) for k, v in vars(batch).items()})
     bad.old_logp[5, 6] = float("nan")
-    before, steps = _snapshot(actor), actor.num_steps
+    before, steps = _snapshot(actor), actor.steps.num_steps
     res["nan_metrics"] = actor.update(bad)
     res["nan_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, _snapshot(actor)))
-    res["nan_steps"] = actor.num_steps - steps
+    res["nan_steps"] = actor.steps.num_steps - steps
     # Checkpoint: save, update, load, update again -> the same weights (optimizer state and step count restored).
     logp_at_save, _ = actor.compute_logprobs(batch)
     actor.save_checkpoint(ckpt_dir)
     actor.update(batch)
     after_first = _snapshot(actor)
     actor.load_checkpoint(ckpt_dir)
-    res["steps_after_load"] = actor.num_steps
+    res["steps_after_load"] = actor.steps.num_steps
     actor.update(batch.select(mine), plan=plan)  # this DP rank's rows only: the same step as the full batch
     res["resume_identical"] = all(torch.equal(a, b) for a, b in zip(after_first, _snapshot(actor)))
     # The same checkpoint's weights into another layout (TP=2, DP=1), without HF weights: same log-probs.
@@ -212,7 +212,7 @@ def _training_worker(hf_dir: str, batch: ActorBatch, ckpt_dir: str) -> dict:
     other = MegatronActor(_config(hf_dir, 2, 1, use_distributed_optimizer=True, grad_clip=1.0), groups)
     other.load_checkpoint(ckpt_dir, load_optimizer=False)
     res["reshard_logp_err"] = float((other.compute_logprobs(batch)[0] - logp_at_save).abs().max())
-    res["reshard_steps"] = other.num_steps
+    res["reshard_steps"] = other.steps.num_steps
     return res
 
 

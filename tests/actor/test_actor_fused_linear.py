@@ -36,7 +36,7 @@ def _run_impl(actor, batch) -> dict:
         "loss": stats["loss"],
         "entropy": stats["entropy"],
         "grads": _hf_named_grads(actor),
-        "uses_hidden": actor._output_weight() is not None,
+        "uses_hidden": actor.schedule.output_weight(actor.logprob_impl.takes_hidden) is not None,
     }
 
 

@@ -108,7 +108,7 @@ def _checkpoint_worker(hf_dir: str, work: str) -> dict:
             for _ in range(2):
                 actor.update(batch)
         out[f"identical_{dist_opt}"] = all(torch.equal(a, b) for a, b in zip(_weights(fresh), _weights(resumed)))
-        out[f"steps_{dist_opt}"] = (fresh.num_steps, resumed.num_steps)
+        out[f"steps_{dist_opt}"] = (fresh.steps.num_steps, resumed.steps.num_steps)
 
     # A crafted RNG file in an otherwise valid checkpoint: refused by name, nothing runs.
     ckpt = f"{work}/crafted"

@@ -78,7 +78,7 @@ def _resume_worker(hf_dir: str, work: str) -> dict:
 
         state = mgr.load(mgr.find_resumable(), _cfg(hf_dir), load)
         out[f"identical_{dist_opt}"] = all(torch.equal(a, b) for a, b in zip(_weights(actor), _weights(resumed)))
-        out[f"steps_{dist_opt}"] = (state["step"], resumed.num_steps)
+        out[f"steps_{dist_opt}"] = (state["step"], resumed.steps.num_steps)
 
     crafted = Path(work) / "crafted_actor"
     shutil.copytree(Path(work) / "ck_True" / STEP / "actor", crafted)

@@ -289,7 +289,7 @@ def trl_arm(out: Path, steps: int, seed: int, threads: int, extra: list[str]) ->
     warmup = act.lr_warmup_steps
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda k: 1.0 if warmup <= 0 or k >= warmup else (k + 1) / warmup
-    )  # our MegatronActor.lr_at: update k < W uses lr * (k + 1) / W
+    )  # our ActorOptimizer.lr_at: update k < W uses lr * (k + 1) / W
     args = trl.GRPOConfig(
         output_dir=str(out / "trl_output"),
         use_cpu=True,
