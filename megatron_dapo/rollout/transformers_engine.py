@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from megatron_dapo.rollout.base import SamplingParams
-from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.base import generate_blocking
 from megatron_dapo.rollout.base import request_result
+from megatron_dapo.rollout.param_writer import ParameterWriter
 from megatron_dapo.rollout.slot_cache import ATTENTION_NAME
 from megatron_dapo.rollout.slot_cache import ROW_BLOCK
 from megatron_dapo.rollout.slot_cache import PrefillCache
@@ -120,27 +120,6 @@ class _RouterCapture:
         return torch.stack(parts, dim=1).to("cpu", self.dtype)
 
 
-def fused_expert_rows(params: dict[str, Tensor]) -> dict[str, tuple[str, int, slice]]:
-    """Per-expert checkpoint names of transformers' fused MoE experts (transformers 5: `mlp.experts.gate_up_proj`
-    [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]; its conversion mapping merges the
-    checkpoint's `mlp.experts.{e}.{gate,up,down}_proj.weight` into them on load) -> (fused parameter name, expert,
-    rows). Models without fused experts give {}."""
-    out: dict[str, tuple[str, int, slice]] = {}
-    for name, p in params.items():
-        prefix, _, leaf = name.rpartition(".")
-        if not prefix.endswith("mlp.experts") or p.dim() != 3:
-            continue
-        if leaf == "gate_up_proj":
-            half = p.shape[1] // 2
-            for e in range(p.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = (name, e, slice(0, half))
-                out[f"{prefix}.{e}.up_proj.weight"] = (name, e, slice(half, None))
-        elif leaf == "down_proj":
-            for e in range(p.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = (name, e, slice(None))
-    return out
-
-
 def _check_full_attention(config: Any) -> None:
     """The slot cache applies one causal mask to every layer: refuse sliding-window layers."""
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -221,10 +200,9 @@ class TransformersEngine:
         # Prefill needs the last position's logits only ([1, V] instead of [1, P, V]).
         self._prefill_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         self._asleep = False
-        self._index_parameters()
+        self.weights = ParameterWriter(self.model)
+        """The model's HF parameter names and the weight-update sessions that write them (rollout/param_writer.py)."""
         self._routing = _RouterCapture(self.model) if getattr(self.model.config, "num_experts", 0) else None
-        self._received: set[str] | None = None
-        self._fp8_pending: dict[str, dict[str, Tensor]] = {}  # FP8 weights waiting for their scale (or vice versa)
 
     def evaluation_clone(self) -> TransformersEngine:
         """A second engine over the same model (its parameters shared, not copied), with its own cache and queue: an
@@ -451,102 +429,26 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ weights
 
-    def _index_parameters(self) -> None:
-        """Map every parameter name, aliases of tied weights included, to its tensor and canonical name; and the
-        checkpoint's per-expert names of MoE models to their rows of transformers' fused expert parameters."""
-        self._params: dict[str, Tensor] = {}
-        self._canonical: dict[str, str] = {}
-        first_name: dict[int, str] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            canonical = first_name.setdefault(id(p), name)
-            self._params[name] = p
-            self._canonical[name] = canonical
-        self._experts = fused_expert_rows(self._params)
-        fused = {param for param, _, _ in self._experts.values()}
-        self.parameter_names = frozenset(set(first_name.values()) - fused | set(self._experts))
-
-    def _target(self, name: str) -> Tensor | None:
-        """The tensor an HF name writes into (a view of a fused expert parameter for per-expert names), or None."""
-        if name in self._experts:
-            param, expert, rows = self._experts[name]
-            return self._params[param][expert, rows]
-        return self._params.get(name)
-
     def begin_weight_update(self) -> None:
         """Open an update session (resuming released weights); end_weight_update() checks that every parameter
         arrived."""
         self.resume_memory(["weights"])
-        self._received = set()
-        self._fp8_pending = {}
+        self.weights.begin()
 
-    @torch.no_grad()
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
         """Copy full HF-named tensors into the parameters in place (cast to the engine dtype).
 
         bucket: (hf_name, tensor) pairs; each tensor has the parameter's full shape, any float dtype/device. The FP8
         payload of rollout.weight_dtype "fp8" (rollout/fp8.py) is accepted too: a float8_e4m3fn `name` and its fp32
         `name + "_scale_inv"` (128 x 128 blocks) are dequantized into the parameter once both have arrived, in
-        whatever order or bucket.
+        whatever order or bucket (rollout/param_writer.py).
         Raises WeightUpdateError naming the tensor on an unknown name or a shape mismatch.
         """
-        from megatron_dapo.rollout.fp8 import SCALE_SUFFIX
-
-        cls = type(self.model).__name__
-        for name, tensor in bucket:
-            base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
-            if base is not None and self._target(base) is not None:
-                self._fp8_part(base, "scale_inv", tensor)
-                continue
-            target = self._target(name)
-            if target is None:
-                raise WeightUpdateError(f"update_weights: unknown tensor {name!r} (not a parameter of {cls})")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise WeightUpdateError(
-                    f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, {cls} expects "
-                    f"{tuple(target.shape)}"
-                )
-            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                self._fp8_part(name, "q", tensor)
-                continue
-            self._copy_in(name, tensor)
-
-    def _copy_in(self, name: str, tensor: Tensor) -> None:
-        self._target(name).copy_(tensor)
-        if self._received is not None:
-            self._received.add(self._canonical.get(name, name))
-
-    def _fp8_part(self, name: str, part: str, tensor: Tensor) -> None:
-        """Hold one half of an FP8 weight (q or scale_inv); dequantize into the parameter when both are here."""
-        from megatron_dapo.rollout.fp8 import dequantize_block_fp8
-
-        pending = self._fp8_pending.setdefault(name, {})
-        pending[part] = tensor
-        if len(pending) == 2:
-            del self._fp8_pending[name]
-            try:
-                weight = dequantize_block_fp8(pending["q"], pending["scale_inv"], self._target(name).dtype)
-            except ValueError as err:
-                raise WeightUpdateError(f"update_weights: tensor {name!r}: {err}") from None
-            self._copy_in(name, weight)
+        self.weights.write(bucket)
 
     def end_weight_update(self, *, full: bool = True) -> None:
         """Close the session; with full=True every parameter (tied aliases counted once) must have arrived."""
-        received, self._received = self._received, None
-        if received is None:
-            raise WeightUpdateError("end_weight_update: no update session is open (call begin_weight_update)")
-        if self._fp8_pending:
-            name, parts = next(iter(self._fp8_pending.items()))
-            self._fp8_pending = {}
-            raise WeightUpdateError(
-                f"end_weight_update: FP8 tensor {name!r} got its {next(iter(parts))} but not its "
-                f"{'scale_inv' if 'q' in parts else 'fp8 weight'}"
-            )
-        missing = sorted(self.parameter_names - received)
-        if full and missing:
-            raise WeightUpdateError(
-                f"end_weight_update: tensor {missing[0]!r} was not received "
-                f"({len(missing)} of {len(self.parameter_names)} parameters missing)"
-            )
+        self.weights.end(full=full)
 
     def load_weights(self, named_tensors: Sequence[tuple[str, Tensor]]) -> None:
         """One full update from a list of (hf_name, tensor): begin, one bucket, end(full=True)."""
@@ -576,5 +478,5 @@ class TransformersEngine:
 
     def shutdown(self) -> None:
         """Drop the model."""
-        self._params = {}
+        self.weights = ParameterWriter(torch.nn.Module())
         self.model = None  # type: ignore[assignment]

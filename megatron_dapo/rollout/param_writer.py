@@ -1,0 +1,139 @@
+"""Writes full Hugging Face-named tensors into a transformers model's parameters in place: the receiving side of a
+weight sync into the embedded engine (rollout/transformers_engine.py).
+
+    begin() -> write(bucket)* -> end(full)
+    a name resolves to its parameter (tied aliases to one), or to its rows of a fused MoE expert parameter; an FP8
+    payload (rollout.weight_dtype "fp8": the float8 weight and its "_scale_inv") is dequantized once both halves
+    are here, in whatever order or bucket; end(full=True) checks that every parameter arrived exactly as named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from megatron_dapo.rollout.base import WeightUpdateError
+
+
+def fused_expert_rows(params: dict[str, Tensor]) -> dict[str, tuple[str, int, slice]]:
+    """Per-expert checkpoint names of transformers' fused MoE experts (transformers 5: `mlp.experts.gate_up_proj`
+    [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]; its conversion mapping merges the
+    checkpoint's `mlp.experts.{e}.{gate,up,down}_proj.weight` into them on load) -> (fused parameter name, expert,
+    rows). Models without fused experts give {}."""
+    out: dict[str, tuple[str, int, slice]] = {}
+    for name, p in params.items():
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or p.dim() != 3:
+            continue
+        if leaf == "gate_up_proj":
+            half = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = (name, e, slice(0, half))
+                out[f"{prefix}.{e}.up_proj.weight"] = (name, e, slice(half, None))
+        elif leaf == "down_proj":
+            for e in range(p.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = (name, e, slice(None))
+    return out
+
+
+class ParameterWriter:
+    """The HF names of one model's parameters and the sessions that write them.
+
+    model: the transformers model (its parameters are written in place, cast to their dtype and device).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_name = type(model).__name__
+        self._params: dict[str, Tensor] = {}
+        self._canonical: dict[str, str] = {}
+        first_name: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical = first_name.setdefault(id(p), name)
+            self._params[name] = p
+            self._canonical[name] = canonical
+        self._experts = fused_expert_rows(self._params)
+        fused = {param for param, _, _ in self._experts.values()}
+        self.parameter_names = frozenset(set(first_name.values()) - fused | set(self._experts))
+        """The names a full update must bring: one per parameter (tied aliases once), per expert for fused ones."""
+        self._received: set[str] | None = None
+        self._fp8_pending: dict[str, dict[str, Tensor]] = {}  # FP8 weights waiting for their scale (or vice versa)
+
+    def target(self, name: str) -> Tensor | None:
+        """The tensor an HF name writes into (a view of a fused expert parameter for per-expert names), or None."""
+        if name in self._experts:
+            param, expert, rows = self._experts[name]
+            return self._params[param][expert, rows]
+        return self._params.get(name)
+
+    def begin(self) -> None:
+        """Open a session: `end` checks what arrived since."""
+        self._received = set()
+        self._fp8_pending = {}
+
+    @torch.no_grad()
+    def write(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
+        """Copy (hf_name, tensor) pairs into the parameters; each tensor has the parameter's full shape, any float
+        dtype / device, or is one half of an FP8 weight (rollout/fp8.py). Raises WeightUpdateError naming the tensor
+        on an unknown name or a shape mismatch."""
+        from megatron_dapo.rollout.fp8 import SCALE_SUFFIX
+
+        cls = self.model_name
+        for name, tensor in bucket:
+            base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+            if base is not None and self.target(base) is not None:
+                self._fp8_part(base, "scale_inv", tensor)
+                continue
+            target = self.target(name)
+            if target is None:
+                raise WeightUpdateError(
+                    f"update_weights: unknown tensor {name!r} (not a parameter of {self.model_name})"
+                )
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise WeightUpdateError(
+                    f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, {cls} expects "
+                    f"{tuple(target.shape)}"
+                )
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                self._fp8_part(name, "q", tensor)
+                continue
+            self._copy_in(name, tensor)
+
+    def _copy_in(self, name: str, tensor: Tensor) -> None:
+        self.target(name).copy_(tensor)
+        if self._received is not None:
+            self._received.add(self._canonical.get(name, name))
+
+    def _fp8_part(self, name: str, part: str, tensor: Tensor) -> None:
+        """Hold one half of an FP8 weight (q or scale_inv); dequantize into the parameter when both are here."""
+        from megatron_dapo.rollout.fp8 import dequantize_block_fp8
+
+        pending = self._fp8_pending.setdefault(name, {})
+        pending[part] = tensor
+        if len(pending) == 2:
+            del self._fp8_pending[name]
+            try:
+                weight = dequantize_block_fp8(pending["q"], pending["scale_inv"], self.target(name).dtype)
+            except ValueError as err:
+                raise WeightUpdateError(f"update_weights: tensor {name!r}: {err}") from None
+            self._copy_in(name, weight)
+
+    def end(self, *, full: bool = True) -> None:
+        """Close the session; with full=True every parameter (tied aliases counted once) must have arrived."""
+        received, self._received = self._received, None
+        if received is None:
+            raise WeightUpdateError("end_weight_update: no update session is open (call begin_weight_update)")
+        if self._fp8_pending:
+            name, parts = next(iter(self._fp8_pending.items()))
+            self._fp8_pending = {}
+            raise WeightUpdateError(
+                f"end_weight_update: FP8 tensor {name!r} got its {next(iter(parts))} but not its "
+                f"{'scale_inv' if 'q' in parts else 'fp8 weight'}"
+            )
+        missing = sorted(self.parameter_names - received)
+        if full and missing:
+            raise WeightUpdateError(
+                f"end_weight_update: tensor {missing[0]!r} was not received "
+                f"({len(missing)} of {len(self.parameter_names)} parameters missing)"
+            )
