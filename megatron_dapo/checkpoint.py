@@ -373,6 +373,11 @@ class CheckpointManager:
             self.finish_pending()
         return final
 
+    def holds(self, step: int) -> bool:
+        """Whether the newest complete checkpoint is step `step`'s."""
+        newest = latest_checkpoint(self.root)
+        return newest is not None and newest.name == step_dir_name(step)
+
     def wait_written(self) -> None:
         """Wait for this rank's background write of the pending save, if any (not collective; finish_pending still
         completes it). Before anything that may kill this process's children: the writer runs in them."""

@@ -22,15 +22,21 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config import load_config
 from megatron_dapo.errors import JobError
+from megatron_dapo.errors import rank_notice
 from megatron_dapo.launch import NO_SHARED_STORE
 from megatron_dapo.launch import StartupError
 from megatron_dapo.launch import exit_with_launcher
 from megatron_dapo.launch import preflight
 from megatron_dapo.launch_env import launch_rank_world
+
+if TYPE_CHECKING:
+    from megatron_dapo.engine_rank import EngineRank
+    from megatron_dapo.trainer import DAPOTrainer
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,7 +111,7 @@ def run_status(config, requeue: bool = False) -> int:
 
     total = config.trainer.total_steps
     chooser = CheckpointManager(
-        checkpoint_root(config.trainer.run_dir), 0, log=lambda line: print(f"[megatron_dapo] {line}", file=sys.stderr),
+        checkpoint_root(config.trainer.run_dir), 0, log=rank_notice,
         allow_unverified=config.checkpoint.allow_unverified, deep=True,
     )  # fmt: skip
     try:
@@ -258,6 +264,23 @@ def _user_error(err: BaseException, rank: int, report_rank: int = 0) -> int:
     return 2
 
 
+def _build_program(config) -> DAPOTrainer | EngineRank:
+    """This rank's program: the trainer, or on an engine rank of a split launch (rollout.engine_ranks > 0) an
+    EngineRank (engine_rank.py), a program of its own. Both have fit() and step."""
+    from megatron_dapo.trainer import DAPOTrainer
+
+    if not config.rollout.engine_ranks:
+        return DAPOTrainer(config)
+    from megatron_dapo.placement import init_role
+
+    placement, store = init_role(config.rollout.engine_ranks, config.distributed.timeout_s)
+    if placement.is_engine:
+        from megatron_dapo.engine_rank import EngineRank
+
+        return EngineRank.launch(config, placement, store)
+    return DAPOTrainer(config, placement, store)
+
+
 def train(config, rank: int) -> int:
     """One attempt of the job (megatron_dapo/restarts.py): after a failed attempt, rank 0 says why and the job
     resumes from its last verified checkpoint, unless the failure was an error a restart repeats (exit 2 at once). An
@@ -269,13 +292,11 @@ def train(config, rank: int) -> int:
     from megatron_dapo.actor.ckpt_writer import install_writer_queue
 
     install_writer_queue()  # forked now, before any socket, lock or thread exists (actor/ckpt_writer.py)
-    from megatron_dapo.trainer import build_program
-
     run_dir, attempt = config.trainer.run_dir, restarts.attempt_number()
     if attempt > 0:
         previous = restarts.previous_attempt(run_dir, attempt, config.distributed.max_restarts)
         if rank == 0 and previous.line:
-            print(f"[megatron_dapo] {previous.line}", file=sys.stderr, flush=True)
+            rank_notice(previous.line)
         if not previous.retry:
             restarts.carry_refusal(run_dir, attempt, rank, previous)
             return 2
@@ -284,7 +305,7 @@ def train(config, rank: int) -> int:
     exit_with_launcher(config.checkpoint.preempt_grace_s)
     trainer = None
     try:
-        trainer = build_program(config)
+        trainer = _build_program(config)
         trainer.fit()
     except (StartupError, JobError) as err:  # one line; a JobError is found while training (sampling bound, peer)
         restarts.record_failure(run_dir, attempt, rank, trainer and trainer.step, err, restarts.is_retryable(err))
@@ -409,7 +430,7 @@ def convert(config, to: str, checkpoint: str | None, out: str) -> None:
         rank0 = launch_rank_world()[0] == 0
         actor_dir, items = verified_actor_checkpoint(
             checkpoint, allow_unverified=config.checkpoint.allow_unverified,
-            log=lambda line: print(f"[megatron_dapo] {line}", file=sys.stderr) if rank0 else None,
+            log=rank_notice if rank0 else None,
             check_pickles=check_checkpoint,
         )  # fmt: skip
     import torch.distributed as dist

@@ -15,14 +15,12 @@ model (requests of the stream may be in flight on the first).
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
-from megatron_dapo.algorithms import DynamicSampler
 from megatron_dapo.checkpoint import PreemptionFlag
 from megatron_dapo.config import RunConfig
-from megatron_dapo.experience import GroupScorer
+from megatron_dapo.errors import rank_notice
 from megatron_dapo.experience import sampled_response_metrics
 from megatron_dapo.generation import RolloutContext
 from megatron_dapo.generation import carry_entries
@@ -71,7 +69,6 @@ class EngineRank:
         from megatron_dapo.placement import StagedReceiver
         from megatron_dapo.placement import WeightChannel
         from megatron_dapo.placement import launch_watch
-        from megatron_dapo.reward import Verifier
         from megatron_dapo.rollout import make_engine
 
         c = config
@@ -80,13 +77,9 @@ class EngineRank:
         preempt = PreemptionFlag()
         preempt.install()
         exchange = RolloutExchange(world, timeout_s=c.rollout.generation_timeout_minutes * 60.0)
-        inputs = agree_at_startup(exchange, lambda: RunInputs(c, _notice if rank == 0 else lambda line: None))
-        sampler = DynamicSampler.from_config(c.algorithm, c.trainer)
-        scorer = GroupScorer(
-            inputs.tokenizer, Verifier.from_config(c.reward), c.algorithm, c.rollout.max_response_length
-        )
-        ctx = RolloutContext(
-            c, rank, world, exchange, inputs, sampler, scorer, lambda: preempt.flag, lambda point: None, _notice
+        inputs = agree_at_startup(exchange, lambda: RunInputs(c, rank_notice if rank == 0 else lambda line: None))
+        ctx = RolloutContext.for_run(
+            c, rank, world, exchange, inputs, stop=lambda: preempt.flag, hook=lambda point: None, log=rank_notice
         )
         routed = c.actor.routing_replay == "r3"
         if c.rollout.mode == "server":  # the servers: this rank drives its share of them over HTTP
@@ -196,21 +189,13 @@ class EngineRank:
 
     def barrier(self) -> None:
         """A barrier over the engine ranks (the testing hook's)."""
-        import torch.distributed as dist
-
-        if self.world > 1:
-            dist.barrier(group=self.exchange.group)
+        self.exchange.barrier()
 
     def notice(self, line: str) -> None:
         """A one-line notice on engine rank 0's stderr."""
         if self.rank == 0:
-            _notice(line)
+            rank_notice(line)
 
 
 class _Signalled(Exception):
     """A preemption signal reached an engine rank waiting for the actor."""
-
-
-def _notice(line: str) -> None:
-    """A one-line notice on this rank's stderr."""
-    print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)

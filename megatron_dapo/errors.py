@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
+
+def rank_notice(line: str) -> None:
+    """A one-line notice on this rank's stderr, as every part of a job prints them (start-up and resume decisions,
+    a dead engine, a preemption)."""
+    print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
+
 
 class JobError(RuntimeError):
     """A condition found while training that ends the job; the message is one line naming what and why.

@@ -27,6 +27,8 @@ from megatron_dapo.batch import RoutedExperts
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import Stats
+from megatron_dapo.metrics import finalize
+from megatron_dapo.metrics import merge_stats
 from megatron_dapo.metrics import mismatch_stats
 from megatron_dapo.metrics import response_metrics
 from megatron_dapo.rollout.types import FinishReason
@@ -171,6 +173,21 @@ def batch_stats(batch: ActorBatch, entropy: Tensor | None, correction: Stats, *,
         local.update(mismatch_stats(batch.old_logp, batch.engine_logp, mask))
     local.update(correction)
     return local
+
+
+def gathered_batch_stats(
+    gather: Callable[[list[Stats]], list[Stats]],
+    batch: ActorBatch,
+    entropy: Tensor | None,
+    correction: Stats,
+    *,
+    contributes: bool,
+    mismatch: bool = True,
+) -> dict[str, float]:
+    """`batch_stats` over the whole batch: each DP rank's Stats (contributes: this rank is the one of its model-
+    parallel group that does) gathered from every rank (`gather`: the rollout exchange's all_gather) and merged."""
+    local = [batch_stats(batch, entropy, correction, mismatch=mismatch)] if contributes else []
+    return finalize(merge_stats(gather(local)))
 
 
 def engine_old_logp(batch: ActorBatch) -> Tensor:

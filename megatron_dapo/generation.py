@@ -61,6 +61,21 @@ class RolloutContext:
     hook: Callable[[str], None]
     log: Callable[[str], None]
 
+    @classmethod
+    def for_run(
+        cls, config: Any, rank: int, world: int, exchange: Any, inputs: Any, *, stop: Callable[[], bool],
+        hook: Callable[[str], None], log: Callable[[str], None],
+    ) -> RolloutContext:  # fmt: skip
+        """The context of a run: its dynamic sampler and its group scorer (the reward's verifier, the algorithm's
+        overlong shaping) built from the config, as both the trainer and an engine rank use them."""
+        from megatron_dapo.algorithms import DynamicSampler
+        from megatron_dapo.reward import Verifier
+
+        sampler = DynamicSampler.from_config(config.algorithm, config.trainer)
+        verifier = Verifier.from_config(config.reward)
+        scorer = GroupScorer(inputs.tokenizer, verifier, config.algorithm, config.rollout.max_response_length)
+        return cls(config, rank, world, exchange, inputs, sampler, scorer, stop, hook, log)
+
     def params(self):
         """The training SamplingParams (one response per request; G requests per prompt)."""
         c = self.config
@@ -419,3 +434,42 @@ class RemoteGeneration:
         if self.ctx.rank == 0:
             self.mailbox.post("stop", True)  # the engine ranks exit
         self.beat.close()
+
+
+def make_generation(
+    ctx: RolloutContext,
+    *,
+    export: Callable[[], Iterator],
+    memory: Any,
+    placement: Any = None,
+    store: Any = None,
+    remote: tuple[Any, Any] | None = None,
+    eval_exchange: Any = None,
+    local_rank: int = 0,
+    wait_saved: Callable[[], None] = lambda: None,
+) -> LocalGeneration | RemoteGeneration:
+    """The trainer's generation: LocalGeneration on a colocated launch (placement None); RemoteGeneration on the actor
+    ranks of a split one, with remote = (mailbox, beat) from placement.py, and no engine in this rank's memory (actor
+    rank 0 holds the weight channel: to the engine ranks, or to the SGLang servers they drive)."""
+    if placement is None:
+        return LocalGeneration(
+            ctx, export=export, memory=memory, eval_exchange=eval_exchange, local_rank=local_rank,
+            wait_saved=wait_saved,
+        )  # fmt: skip
+    from megatron_dapo.rollout import make_engine
+    from megatron_dapo.rollout.factory import sizes_kv_pool_at_start
+
+    c = ctx.config
+    memory.build_engine(lambda: None, sized_at_start=sizes_kv_pool_at_start(c.rollout))  # no engine here
+    channel = None
+    if placement.channel_rank is not None:
+        if c.rollout.mode == "server":  # the servers get the weights, their versions go to the store
+            from megatron_dapo.placement import ServerPush
+
+            channel = ServerPush(make_engine(c.rollout, c.actor.model_path), store)
+        else:
+            from megatron_dapo.placement import WeightChannel
+
+            channel = WeightChannel(placement, store, c.distributed.timeout_s)
+    mailbox, beat = remote
+    return RemoteGeneration(ctx, placement=placement, mailbox=mailbox, beat=beat, channel=channel, export=export)

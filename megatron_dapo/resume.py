@@ -175,3 +175,26 @@ class Resume:
                 "its carried groups cannot be resumed: start from another checkpoint or checkpoint.resume=never"
             )
         return path, state
+
+
+def run_checkpoints(
+    config: RunConfig, rank: int, world: int, *, barrier: Callable[[], None], gather: Callable, log: Callable
+) -> CheckpointManager:
+    """The run's checkpoints (collective over every rank: barrier over the job, gather of one object per rank): the
+    actor's files checked for pickles that would run code and hashed item by item (actor/checkpointing.py)."""
+    from megatron_dapo.actor.checkpointing import check_checkpoint
+    from megatron_dapo.actor.checkpointing import checkpoint_items
+    from megatron_dapo.checkpoint import checkpoint_root
+
+    return CheckpointManager(
+        checkpoint_root(config.trainer.run_dir),
+        config.checkpoint.keep_last,
+        rank,
+        barrier,
+        world_size=world,
+        gather=gather,
+        log=log,
+        allow_unverified=config.checkpoint.allow_unverified,
+        check_pickles=lambda path: check_checkpoint(path / "actor"),
+        layout=lambda path: {f"actor/{k}": v for k, v in checkpoint_items(path / "actor").items()},
+    )

@@ -20,48 +20,43 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from dataclasses import field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_dapo.actor.packing import RowPlan
-from megatron_dapo.algorithms import DynamicSampler
 from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.checkpoint import CheckpointError
-from megatron_dapo.checkpoint import CheckpointManager
 from megatron_dapo.checkpoint import PreemptionFlag
-from megatron_dapo.checkpoint import checkpoint_root
-from megatron_dapo.checkpoint import latest_checkpoint
-from megatron_dapo.checkpoint import step_dir_name
 from megatron_dapo.config import RunConfig
 from megatron_dapo.errors import JobError
+from megatron_dapo.errors import rank_notice
 from megatron_dapo.evaluate import score_groups
-from megatron_dapo.experience import GroupScorer
 from megatron_dapo.experience import batch_advantages
-from megatron_dapo.experience import batch_stats
 from megatron_dapo.experience import engine_old_logp
+from megatron_dapo.experience import gathered_batch_stats
 from megatron_dapo.experience import rollout_correction_parts
 from megatron_dapo.experience import row_index
 from megatron_dapo.experience import row_lengths
 from megatron_dapo.experience import rows_to_batch
 from megatron_dapo.experience import sampled_response_metrics
 from megatron_dapo.generation import RolloutContext
+from megatron_dapo.generation import make_generation
 from megatron_dapo.inputs import RunInputs
 from megatron_dapo.inputs import agree_at_startup
 from megatron_dapo.launch import RunDirLock
 from megatron_dapo.memory import MemoryChoreographer
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.metrics import PhaseTimer
-from megatron_dapo.metrics import Stats
 from megatron_dapo.metrics import drop_unsaved_metrics
-from megatron_dapo.metrics import finalize
-from megatron_dapo.metrics import merge_stats
 from megatron_dapo.metrics import metrics_row
 from megatron_dapo.metrics import plot_run
 from megatron_dapo.metrics import truncate_metrics
 from megatron_dapo.resume import Resume
+from megatron_dapo.resume import run_checkpoints
 from megatron_dapo.resume import trainer_state
 from megatron_dapo.rollout.exchange import RolloutExchange
 from megatron_dapo.rollout.types import GroupSummary
@@ -80,22 +75,21 @@ class StepState:
 
 class DAPOTrainer:
     """The actor's program: every rank of a colocated launch, the actor ranks of a split one (placement and store:
-    placement.init_role's, None when colocated). Owns the actor, generation, data, sampler, checkpoints and logging."""
+    placement.init_role's, None when colocated). Owns the actor, generation, data, checkpoints and logging."""
 
     def __init__(self, config: RunConfig, placement: Any = None, store: Any = None) -> None:
         from megatron_dapo.actor.actor import MegatronActor
         from megatron_dapo.actor.distributed import init_distributed
         from megatron_dapo.actor.reference import WithReference
         from megatron_dapo.actor.reference import reference_model
-        from megatron_dapo.reward import Verifier
 
         self.cfg = c = config
-        self.placement = placement
+        self.remote = None
         if placement is not None:  # a split launch: messages to the engine ranks, every rank's heartbeat
             from megatron_dapo.placement import Mailbox
             from megatron_dapo.placement import launch_watch
 
-            self.mailbox, self.beat = Mailbox(store), launch_watch(placement, store, c.distributed.timeout_s)
+            self.remote = Mailbox(store), launch_watch(placement, store, c.distributed.timeout_s)
         self.groups = init_distributed(
             c.actor.tensor_parallel,
             c.actor.pipeline_parallel,
@@ -119,8 +113,10 @@ class DAPOTrainer:
         self.run_dir = Path(c.trainer.run_dir)
         self.lock = RunDirLock(self.run_dir, self.notice) if self.rank == 0 else None
         self.inputs: RunInputs = self._startup(self._load_inputs)
-        self.sampler = DynamicSampler.from_config(c.algorithm, c.trainer)
-        self.ckpt = self._checkpoint_manager()
+        self.ckpt = run_checkpoints(
+            c, self.rank, self.world, barrier=self.barrier, log=self.notice,
+            gather=lambda obj: self.exchange.all_gather([obj], "checkpoint"),
+        )  # fmt: skip
         self.resume = Resume(self.ckpt, c, self.rank, self.world, self.notice)
         resume_from = self._startup(lambda: self.resume.find(self.inputs))
         self.actor = MegatronActor(c, self.groups, hf_dir=None if resume_from else c.actor.model_path)
@@ -134,15 +130,8 @@ class DAPOTrainer:
         # The one owner of device memory moves per step (megatron_dapo/memory.py, docs/rollout.md). A colocated
         # SGLang / vLLM engine starts with the actor offloaded, so its KV pool is sized from the GPU without it.
         models = self.actor if self.reference is None else WithReference(self.actor, self.reference)
-        self.memory = MemoryChoreographer(None, models, offload=c.actor.offload, barrier=self._host_barrier)
-        scorer = GroupScorer(
-            self.inputs.tokenizer, Verifier.from_config(c.reward), c.algorithm, c.rollout.max_response_length
-        )
-        ctx = RolloutContext(
-            c, self.rank, self.world, self.exchange, self.inputs, self.sampler, scorer, lambda: self.preempt.flag,
-            self.test_hook, self.rank_notice,
-        )  # fmt: skip
-        self.generation = self._make_generation(ctx, store)
+        self.memory = MemoryChoreographer(None, models, offload=c.actor.offload, barrier=self.exchange.barrier)
+        self.generation = self._generation(placement, store)
         self.step = 0
         self.run_updates: int | None = 0
         """Optimizer updates applied by the run since step 1, every attempt (checkpointed; None: resumed from a
@@ -162,53 +151,18 @@ class DAPOTrainer:
             if self.rank == 0 else None
         )  # fmt: skip
 
-    def _checkpoint_manager(self) -> CheckpointManager:
-        """The run's checkpoints: collective over every rank, the actor's files checked for pickles that would run
-        code and hashed item by item (MegatronActor.check_checkpoint / checkpoint_items)."""
-        from megatron_dapo.actor.actor import MegatronActor
-
-        c = self.cfg
-        return CheckpointManager(
-            checkpoint_root(self.run_dir),
-            c.checkpoint.keep_last,
-            self.rank,
-            self.barrier,
-            world_size=self.world,
-            gather=lambda obj: self.exchange.all_gather([obj], "checkpoint"),
-            log=self.notice,
-            allow_unverified=c.checkpoint.allow_unverified,
-            check_pickles=lambda path: MegatronActor.check_checkpoint(path / "actor"),
-            layout=lambda path: {f"actor/{k}": v for k, v in MegatronActor.checkpoint_items(path / "actor").items()},
-        )
-
-    def _make_generation(self, ctx: RolloutContext, store: Any) -> Any:
-        """LocalGeneration on a colocated launch; RemoteGeneration on the actor ranks of a split one (actor rank 0
-        holds the weight channel: to the engine ranks, or to the SGLang servers they drive)."""
-        from megatron_dapo.generation import LocalGeneration
-        from megatron_dapo.generation import RemoteGeneration
-
-        c, export = self.cfg, lambda: self.actor.export_hf_weights()  # resolved per call (tests wrap the actor's)
-        if self.placement is None:
-            return LocalGeneration(
-                ctx, export=export, memory=self.memory, eval_exchange=self.eval_exchange,
-                local_rank=self.groups.local_rank, wait_saved=self.ckpt.wait_written,
-            )  # fmt: skip
-        from megatron_dapo.rollout import make_engine
-        from megatron_dapo.rollout.factory import sizes_kv_pool_at_start
-
-        self.memory.build_engine(lambda: None, sized_at_start=sizes_kv_pool_at_start(c.rollout))  # no engine here
-        channel = None
-        if self.placement.channel_rank is not None:
-            if c.rollout.mode == "server":  # the servers get the weights, their versions go to the store
-                from megatron_dapo.placement import ServerPush
-
-                channel = ServerPush(make_engine(c.rollout, c.actor.model_path), store)
-            else:
-                from megatron_dapo.placement import WeightChannel
-
-                channel = WeightChannel(self.placement, store, c.distributed.timeout_s)
-        return RemoteGeneration(ctx, placement=self.placement, mailbox=self.mailbox, beat=self.beat, channel=channel,
-                                export=export)  # fmt: skip
+    def _generation(self, placement: Any, store: Any) -> Any:
+        """The step's generation (generation.make_generation: local, or remote on a split launch) over this rank's
+        rollout context (RolloutContext.for_run: data, sampler, scorer, preemption flag)."""
+        ctx = RolloutContext.for_run(
+            self.cfg, self.rank, self.world, self.exchange, self.inputs, stop=lambda: self.preempt.flag,
+            hook=self.test_hook, log=rank_notice,
+        )  # fmt: skip
+        return make_generation(
+            ctx, export=lambda: self.actor.export_hf_weights(),  # resolved per call (tests wrap the actor's)
+            memory=self.memory, placement=placement, store=store, remote=self.remote, eval_exchange=self.eval_exchange,
+            local_rank=self.groups.local_rank, wait_saved=self.ckpt.wait_written,
+        )  # fmt: skip
 
     def _load_inputs(self) -> RunInputs:
         """Run-dir lock (rank 0), tokenizer and data: the user-input part of start-up."""
@@ -245,9 +199,9 @@ class DAPOTrainer:
             if self.cfg.trainer.eval_every and self.step % self.cfg.trainer.eval_every == 0:
                 last.update(self.evaluate())
             self._log(self.step, last)
-            preempted = self.preempt.requested(self._all_reduce_max)
+            preempted = self.preempt.requested(self.groups.max_over_job)
             if preempted:
-                self._note(self.preempt.notice(self.cfg.checkpoint.preempt_grace_s))
+                self.notice(f"step {self.step}: {self.preempt.notice(self.cfg.checkpoint.preempt_grace_s)}")
             every, last_step = self.cfg.checkpoint.save_every, self.step == self.cfg.trainer.total_steps
             if preempted or (every and self.step % every == 0) or last_step:
                 self.save(background=self.cfg.checkpoint.async_save and not (preempted or last_step))
@@ -267,13 +221,12 @@ class DAPOTrainer:
         """A preemption signal came before the step's first update: the step never happened; the last one is saved
         (one decision on every rank) and the run ends."""
         self.step -= 1
-        self._note(
-            f"a preemption signal came before step {self.step + 1}'s update; the step is dropped, the last one saved, "
-            "exiting"
+        self.notice(
+            f"step {self.step}: a preemption signal came before step {self.step + 1}'s update; the step is dropped, "
+            "the last one saved, exiting"
         )
-        newest = latest_checkpoint(self.ckpt.root)
-        unsaved = self.step > 0 and (newest is None or newest.name != step_dir_name(self.step))
-        if self._all_reduce_max(torch.tensor([int(unsaved)])).item():
+        unsaved = self.step > 0 and not self.ckpt.holds(self.step)
+        if self.groups.max_over_job(torch.tensor([int(unsaved)])).item():
             self.save()
 
     def train_step(self) -> dict[str, float] | None:
@@ -317,7 +270,7 @@ class DAPOTrainer:
 
     def _abandoned(self, state: StepState) -> bool:
         """Whether a preemption signal reached any rank (collective: every rank asks at the same points)."""
-        if not state.interrupted and self.preempt.requested(self._all_reduce_max):
+        if not state.interrupted and self.preempt.requested(self.groups.max_over_job):
             state.interrupted = True
         return state.interrupted
 
@@ -337,7 +290,10 @@ class DAPOTrainer:
                 batch.ref_logp, _ = self.reference.compute_logprobs(batch, plan=plan, with_entropy=False)
         # Per row, so the local rows get exactly what the whole batch would; MIS changes D, so before update.
         correction = {} if from_engine else rollout_correction_parts(batch, self.cfg.algorithm)
-        metrics.update(self._batch_metrics(batch, entropy, correction, mismatch=not from_engine))
+        first = self.rank == min(self.groups.mp_ranks)  # one rank of each model-parallel group contributes
+        gather = partial(self.exchange.all_gather, what="batch metrics")
+        metrics.update(gathered_batch_stats(gather, batch, entropy, correction, contributes=first,
+                                            mismatch=not from_engine))  # fmt: skip
 
     def _update(self, state: StepState, timer: PhaseTimer) -> None:
         batch, plan, metrics = state.batch, state.plan, state.metrics
@@ -376,15 +332,6 @@ class DAPOTrainer:
         """Global row ids this rank received in the last step (tests read it)."""
         return batch, plan
 
-    def _batch_metrics(
-        self, batch: ActorBatch, entropy: torch.Tensor | None, correction: Stats, *, mismatch: bool = True
-    ) -> dict[str, float]:
-        """experience.batch_stats over the whole batch: each DP rank's Stats (one rank per model-parallel group
-        contributes) merged over the gloo exchange."""
-        first = self.rank == min(self.groups.mp_ranks)
-        local = [batch_stats(batch, entropy, correction, mismatch=mismatch)] if first else []
-        return finalize(merge_stats(self.exchange.all_gather(local, "batch metrics")))
-
     def evaluate(self) -> dict[str, float]:
         t = self.cfg.trainer
         examples = self.inputs.eval_examples[: t.eval_max_prompts or None]
@@ -421,7 +368,7 @@ class DAPOTrainer:
 
     def _save(self, background: bool = False) -> Path:
         problem = self.lock.check() if self.lock is not None else None  # the run dir is still this job's
-        if self._all_reduce_max(torch.tensor([int(problem is not None)])).item():
+        if self.groups.max_over_job(torch.tensor([int(problem is not None)])).item():
             raise JobError(problem or "the run-dir lock is no longer this job's (rank 0 says why)")
         if self.logger is not None:
             self.logger.sync()  # the step's metrics row is on disk before its checkpoint says the step is done
@@ -457,15 +404,12 @@ class DAPOTrainer:
         self.barrier()
         return path
 
-    def export_final_hf(self, out_dir: str | Path) -> None:
-        """Write the actor's weights and the tokenizer as a Hugging Face checkpoint (`MegatronActor.save_hf`: rank 0
-        receives and writes, no other rank holds a full-model copy; every rank must call)."""
-        self.actor.save_hf(str(out_dir), tokenizer=self.inputs.tokenizer)
-
     def close(self) -> None:
         self._finish_save()  # a background save still pending (collective)
         self.memory.finish()  # engine released, actor parameters on the device for the export
-        self.export_final_hf(self.run_dir / "hf_final")
+        # The final weights and tokenizer as a Hugging Face checkpoint (MegatronActor.save_hf: rank 0 receives and
+        # writes, no other rank holds a full-model copy).
+        self.actor.save_hf(str(self.run_dir / "hf_final"), tokenizer=self.inputs.tokenizer)
         if self.logger is not None:
             self.logger.close()
             if self.cfg.logging.plots and self.cfg.logging.jsonl:
@@ -483,52 +427,16 @@ class DAPOTrainer:
         are written, its manifest not yet), "in_save" (the manifest is written, the checkpoint not yet marked
         complete), "after_step" (after the step's boundary and save)."""
 
-    def _note(self, line: str) -> None:
-        """A one-line notice on rank 0's stderr, prefixed with the step (e.g. the preemption decision)."""
-        self.notice(f"step {self.step}: {line}")
-
-    def rank_notice(self, line: str) -> None:
-        """A one-line notice on this rank's stderr (what only this rank knows, e.g. its engine died)."""
-        import sys
-
-        print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
-
     def notice(self, line: str) -> None:
-        """A one-line notice on rank 0's stderr, no step prefix (start-up and resume decisions)."""
+        """A one-line notice on rank 0's stderr (start-up, resume and preemption decisions)."""
         if self.rank == 0:
-            self.rank_notice(line)
+            rank_notice(line)
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         self.last_row = metrics_row(step, metrics)
         if self.logger is not None:
             self.logger.log(step, metrics)
 
-    def _host_barrier(self) -> None:
-        """A barrier on the gloo group of the rollout exchange (a CPU wait: no NCCL kernel on the engine's GPUs)."""
-        if self.world > 1:
-            torch.distributed.barrier(group=self.exchange.group)
-
     def barrier(self) -> None:
         """A barrier over every rank of the job (checkpoints, the testing hook)."""
-        if self.world > 1:
-            torch.distributed.barrier(group=self.groups.world_group)
-
-    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.groups.world_group)
-        return t
-
-
-def build_program(config: RunConfig) -> Any:
-    """This rank's program: the trainer, or on an engine rank of a split launch (rollout.engine_ranks > 0) an
-    EngineRank (engine_rank.py). Both have fit() and step."""
-    if not config.rollout.engine_ranks:
-        return DAPOTrainer(config)
-    from megatron_dapo.placement import init_role
-
-    placement, store = init_role(config.rollout.engine_ranks, config.distributed.timeout_s)
-    if placement.is_engine:
-        from megatron_dapo.engine_rank import EngineRank
-
-        return EngineRank.launch(config, placement, store)
-    return DAPOTrainer(config, placement, store)
+        self.groups.world_barrier()

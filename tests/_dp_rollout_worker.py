@@ -121,7 +121,7 @@ def main() -> None:
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with PeakRSS() as rss:
-        trainer.export_final_hf(hf_dir)
+        trainer.actor.save_hf(str(hf_dir), tokenizer=trainer.inputs.tokenizer)  # as the trainer closes
     trainer.actor.export_hf_weights = export
     rec.update(export_bytes=held["bytes"], export_tensors=held["tensors"], rss_start=rss.start, rss_peak=rss.peak)
     # The written file equals the full export every rank can still make (dst_rank=None).

@@ -72,6 +72,17 @@ class ParallelGroups:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
+    def world_barrier(self) -> None:
+        """A barrier over every rank of the job."""
+        if self.world_size > 1:
+            dist.barrier(group=self.world_group)
+
+    def max_over_job(self, t: torch.Tensor) -> torch.Tensor:
+        """t all-reduced in place with MAX over every rank of the job (one decision on every rank); returns t."""
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.world_group)
+        return t
+
 
 def init_distributed(
     tensor_parallel: int,

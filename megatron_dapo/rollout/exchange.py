@@ -45,6 +45,11 @@ class RolloutExchange:
         self.bytes_sent = 0
         self.bytes_received = 0
 
+    def barrier(self) -> None:
+        """A barrier over the group's ranks (a CPU wait on gloo: no NCCL kernel on an engine's GPU)."""
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
     def all_gather(self, items: list[Any], what: str = "rollouts") -> list[Any]:
         """Concatenate every rank's list of items (wire.py's types) in rank order (the same result on every rank):
         each rank's list encoded (wire.dumps, never pickle), sizes all-gathered, then the padded bytes.
