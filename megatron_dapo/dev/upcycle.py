@@ -96,23 +96,21 @@ def upcycle_llama_to_moe(
     return out_dir
 
 
+_KEPT_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+)  # fmt: skip
+"""The Llama config's fields the upcycled Qwen2-MoE config keeps as they are."""
+
+
 def _moe_config(src_cfg: Any, num_experts: int, top_k: int, shared_width: int) -> Any:
     """The Qwen2-MoE config of the upcycled model: the Llama's shapes, every layer sparse, experts as wide as the
     Llama's MLP, a shared expert of `shared_width`, renormalised top-k, no auxiliary loss."""
     from transformers import Qwen2MoeConfig
 
     return Qwen2MoeConfig(
-        vocab_size=src_cfg.vocab_size,
-        hidden_size=src_cfg.hidden_size,
-        intermediate_size=src_cfg.intermediate_size,
-        num_hidden_layers=src_cfg.num_hidden_layers,
-        num_attention_heads=src_cfg.num_attention_heads,
-        num_key_value_heads=src_cfg.num_key_value_heads,
-        hidden_act=src_cfg.hidden_act,
-        max_position_embeddings=src_cfg.max_position_embeddings,
-        initializer_range=src_cfg.initializer_range,
-        rms_norm_eps=src_cfg.rms_norm_eps,
-        tie_word_embeddings=src_cfg.tie_word_embeddings,
+        **{name: getattr(src_cfg, name) for name in _KEPT_FIELDS},
         rope_parameters=dict(src_cfg.rope_parameters),
         decoder_sparse_step=1,
         mlp_only_layers=[],
@@ -123,7 +121,4 @@ def _moe_config(src_cfg: Any, num_experts: int, top_k: int, shared_width: int) -
         norm_topk_prob=True,
         qkv_bias=False,
         router_aux_loss_coef=0.0,
-        bos_token_id=src_cfg.bos_token_id,
-        eos_token_id=src_cfg.eos_token_id,
-        pad_token_id=src_cfg.pad_token_id,
     )

@@ -55,16 +55,6 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-__all__ = [
-    "ANSWER_FORMATS",
-    "TAIL_CHARS",
-    "Verifier",
-    "compute_score",
-    "extract_answer",
-    "make_verifier",
-    "parse_integer",
-]
-
 ANSWER_FORMATS: tuple[str, ...] = ("answer_line", "boxed", "last_number")
 """Values accepted by ``reward.answer_format``."""
 
