@@ -103,6 +103,7 @@ FIELD_RANGES: dict[str, Range] = {
     "rollout.top_k": Range(0, _MAX_TOKENS, note="0: off"),
     "rollout.mem_fraction": Range(0, 1, "()"),
     "rollout.weight_sync_bucket_mb": Range(1, 65536),
+    "rollout.weight_sync_full_every": Range(0, _MAX_STEPS, note="0: only when needed"),
     "rollout.generation_timeout_minutes": Range(0, _WEEK_MINUTES, "(]"),
     "rollout.weight_sync_master_port": Range(1, 65535),
     "rollout.max_running_requests": Range(0, _MAX_COUNT, note="0: the engine's default"),
@@ -325,6 +326,13 @@ class RolloutConfig:
     """Share of GPU memory the engine may take (SGLang mem_fraction_static / vLLM gpu_memory_utilization)."""
     weight_sync_bucket_mb: int = 512
     """Size bound of one weight-sync bucket, in MiB."""
+    weight_sync_delta: bool = False
+    """Changed-weights sync: each step sends only the weight elements whose value (in the dtype sent) changed since
+    the engine's last update, a tensor in full where that is no smaller (rollout/delta.py; exact). The trainer keeps
+    a host copy of the sent weights. Colocated transformers engine; not with weight_dtype "fp8" or engine_ranks yet."""
+    weight_sync_full_every: int = 0
+    """With weight_sync_delta, every N-th sync sends every tensor in full (0: only the first one and those after an
+    engine restart or a failed sync)."""
     compare_logprobs: bool = True
     """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
     generation_timeout_minutes: float = 60.0
@@ -405,6 +413,14 @@ class RolloutConfig:
             "rollout.weight_dtype",
             f'"fp8" is implemented for engines {with_capability("fp8")}, not {self.engine} {self.mode}',
         )
+        if self.weight_sync_delta:
+            _check(
+                self.mode in kind.delta_modes and self.weight_dtype == "auto" and not self.engine_ranks,
+                "rollout.weight_sync_delta",
+                f'implemented for engines {with_capability("delta")} with weight_dtype "auto" and no engine_ranks, '
+                f'not {self.engine} {self.mode} with weight_dtype "{self.weight_dtype}", '
+                f"engine_ranks {self.engine_ranks}",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

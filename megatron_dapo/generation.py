@@ -195,9 +195,11 @@ class LocalGeneration:
         """This rank's kept groups of the step in progress, by key, until routed to the DP ranks that train them."""
         # Colocated SGLang with rollout TP > 1: every rank of an engine's group hands SGLang its own GPU's copy.
         target = weight_update_target(c.rollout, self.engine, ctx.rank, ctx.world)
+        r = c.rollout
         self.weight_sync = WeightSync(
-            target, bucket_bytes=c.rollout.weight_sync_bucket_mb * 2**20, weight_dtype=c.rollout.weight_dtype
-        )
+            target, bucket_bytes=r.weight_sync_bucket_mb * 2**20, weight_dtype=r.weight_dtype,
+            delta=r.weight_sync_delta, full_every=r.weight_sync_full_every,
+        )  # fmt: skip
 
     def _make_engine(self) -> Any:
         from megatron_dapo.rollout import make_engine
@@ -302,6 +304,8 @@ class LocalGeneration:
         )
         with self.memory.sync_beside_generation():
             sync.sync(self.export())
+        if mine:
+            self.weight_sync.reset()  # a restarted engine holds no delta base: the next step's sync is full
 
 
 class _NoAnswer(Exception):

@@ -115,6 +115,28 @@ def test_dapo_steps_resume_after_hard_kill(tiny, straight, tmp_path):
 
 
 @pytest.mark.slow
+def test_delta_weight_sync_trains_as_the_full_sync_across_a_hard_kill(tiny, straight, tmp_path):
+    """rollout.weight_sync_delta with a full sync every 3: killed after step 2, resumed (its first sync full, its
+    sender's copies gone with the process), the run's metrics and final weights equal the straight run's; only what
+    the sync sent differs in kind. (The tiny model exports fp32, where an Adam step moves nearly every element, so
+    most tensors go in full here; tests/rollout/test_delta_sync.py checks the deltas bit for bit in bf16.)"""
+    run_dir = tmp_path / "delta"
+    delta = ("--trainer.total_steps=4", "--rollout.weight_sync_delta=true", "--rollout.weight_sync_full_every=3")
+    assert _train(tiny, run_dir, *delta, fault="after_step:2", check=False).returncode != 0
+    _train(tiny, run_dir, *delta)
+    rows = [r for r in _metrics(run_dir) if r["step"] >= 1]
+    assert all(0.0 < r["weight_sync/changed_fraction"] <= 1.0 for r in rows)
+
+    def without_sync(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.startswith("weight_sync/")} for r in _stable(rows)]
+
+    assert without_sync(_metrics(run_dir)) == without_sync(_metrics(straight))
+    final = load_file(str(straight / "hf_final" / "model.safetensors"))
+    final_delta = load_file(str(run_dir / "hf_final" / "model.safetensors"))
+    assert all(torch.equal(final[k], final_delta[k]) for k in final)
+
+
+@pytest.mark.slow
 def test_moe_dapo_steps_at_expert_parallel_2(tmp_path_factory):
     """A Qwen3-MoE actor (8 experts, top-2) trained by the whole job under torchrun: 2 ranks, actor.expert_parallel=2
     (each rank holds 4 experts; DP=2 for the rest), routing replay r3: the engines return every token's experts,

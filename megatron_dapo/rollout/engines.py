@@ -2,10 +2,11 @@
 outside rollout/ branches on an engine's name (config checks, the start-up checks, the planner, the split launch).
 Torch-free: the config reads it on any import path. How each engine is built is rollout/factory.py's.
 
-    name           package   modes                  fp8 weights   split launch         routing (r3)   memory
-    transformers   (ours)    colocated              colocated     colocated (embedded)  yes            SGLang's rules
-    sglang         sglang    colocated, server      colocated     server (drives them)  yes            SGLang's rules
-    vllm           vllm      colocated              no            no                    no             SGLang's rules
+    name           package   modes                  fp8 weights   split launch         routing (r3)   delta sync
+    transformers   (ours)    colocated              colocated     colocated (embedded)  yes            colocated
+    sglang         sglang    colocated, server      colocated     server (drives them)  yes            no
+    vllm           vllm      colocated              no            no                    no             no
+    (memory: every engine is planned with SGLang's rules)
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ class EngineKind:
         embedded engines and receive the weights over the weight channel) or "server" (the engine ranks drive
         rollout.server_urls and actor rank 0 pushes the weights to the servers).
     routing: returns every token's routed experts (actor.routing_replay r3).
+    delta_modes: those where its weight update applies changed-weights entries (rollout.weight_sync_delta,
+        rollout/delta.py). SGLang 0.5.23 has the seam: update_weights_from_tensor(load_format=F) calls F(model,
+        named_tensors) when F is listed in the server argument custom_weight_loader
+        (model_runner_components/weight_updater.py); such a loader must map an HF-named delta into each TP rank's
+        shard of the fused parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, experts -> w13 / w2). Not written.
     label: its name in prose. planned_as: the engine whose memory rules the planner applies to it.
     """
 
@@ -34,6 +40,7 @@ class EngineKind:
     fp8_modes: tuple[str, ...]
     split_modes: tuple[str, ...]
     routing: bool
+    delta_modes: tuple[str, ...] = ()
     planned_as: str = "sglang"
 
     def needs_package(self, mode: str) -> str | None:
@@ -44,7 +51,16 @@ class EngineKind:
 ENGINES: dict[str, EngineKind] = {
     e.name: e
     for e in (
-        EngineKind("transformers", "transformers", None, ("colocated",), ("colocated",), ("colocated",), routing=True),
+        EngineKind(
+            "transformers",
+            "transformers",
+            None,
+            ("colocated",),
+            ("colocated",),
+            ("colocated",),
+            routing=True,
+            delta_modes=("colocated",),
+        ),  # fmt: skip
         EngineKind("sglang", "SGLang", "sglang", ("colocated", "server"), ("colocated",), ("server",), routing=True),
         EngineKind("vllm", "vLLM", "vllm", ("colocated",), (), (), routing=False),
     )
@@ -63,9 +79,10 @@ def engine_kind(name: str) -> EngineKind:
 
 
 def with_capability(what: str, mode: str | None = None) -> str:
-    """The engines (and modes) that have capability `what` ("fp8", "split", "routing"), for error lines."""
+    """The engines (and modes) that have capability `what` ("fp8", "split", "routing", "delta"), for error lines."""
     names = []
     for e in ENGINES.values():
-        modes = {"fp8": e.fp8_modes, "split": e.split_modes, "routing": e.modes if e.routing else ()}[what]
+        modes = {"fp8": e.fp8_modes, "split": e.split_modes, "routing": e.modes if e.routing else (),
+                 "delta": e.delta_modes}[what]  # fmt: skip
         names += [f"{m} {e.name}" if len(e.modes) > 1 else e.name for m in modes if mode is None or m == mode]
     return ", ".join(f'"{n}"' for n in names)

@@ -5,6 +5,8 @@ weight sync into the embedded engine (rollout/transformers_engine.py).
     a name resolves to its parameter (tied aliases to one), or to its rows of a fused MoE expert parameter; an FP8
     payload (rollout.weight_dtype "fp8": the float8 weight and its "_scale_inv") is dequantized once both halves
     are here, in whatever order or bucket; end(full=True) checks that every parameter arrived exactly as named.
+    A changed-weights sync (rollout/delta.py) sends WeightDelta entries: each is applied only when the engine holds
+    the version it was computed against, which only a completed delta-mode update sets.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 from torch import Tensor
 
 from megatron_dapo.rollout.base import WeightUpdateError
+from megatron_dapo.rollout.delta import WeightDelta
+from megatron_dapo.rollout.delta import apply_delta
 
 
 def fused_expert_rows(params: dict[str, Tensor]) -> dict[str, tuple[str, int, slice]]:
@@ -59,6 +63,11 @@ class ParameterWriter:
         """The names a full update must bring: one per parameter (tied aliases once), per expert for fused ones."""
         self._received: set[str] | None = None
         self._fp8_pending: dict[str, dict[str, Tensor]] = {}  # FP8 weights waiting for their scale (or vice versa)
+        self.version: int | None = None
+        """The delta-mode sync whose update completed last (None: none, or plain tensors or an unfinished session
+        since): the only base a WeightDelta may apply to."""
+        self._base: int | None = None  # the version held when this session began
+        self._session: int | None = None  # the delta-mode version this session writes
 
     def target(self, name: str) -> Tensor | None:
         """The tensor an HF name writes into (a view of a fused expert parameter for per-expert names), or None."""
@@ -68,7 +77,10 @@ class ParameterWriter:
         return self._params.get(name)
 
     def begin(self) -> None:
-        """Open a session: `end` checks what arrived since."""
+        """Open a session: `end` checks what arrived since. Until it completes the engine holds no version (a session
+        that never ends leaves a mix no delta may build on)."""
+        self._base = self.version if self._received is None else None
+        self.version = self._session = None
         self._received = set()
         self._fp8_pending = {}
 
@@ -86,6 +98,9 @@ class ParameterWriter:
                 self._fp8_part(base, "scale_inv", tensor)
                 continue
             target = self.target(name)
+            if isinstance(tensor, WeightDelta):
+                self._write_delta(name, target, tensor)
+                continue
             if target is None:
                 raise WeightUpdateError(
                     f"update_weights: unknown tensor {name!r} (not a parameter of {self.model_name})"
@@ -99,6 +114,29 @@ class ParameterWriter:
                 self._fp8_part(name, "q", tensor)
                 continue
             self._copy_in(name, tensor)
+
+    def _write_delta(self, name: str, target: Tensor | None, delta: WeightDelta) -> None:
+        """One WeightDelta: the full tensor (base None) or its changed elements, on the version they were computed
+        against only."""
+        if target is None:
+            raise WeightUpdateError(f"update_weights: unknown tensor {name!r} (not a parameter of {self.model_name})")
+        if delta.base is not None and delta.base != self._base:
+            held = "no version" if self._base is None else f"version {self._base}"
+            raise WeightUpdateError(
+                f"update_weights: tensor {name!r} is a delta against weight version {delta.base} but the engine holds "
+                f"{held}: a full sync is needed"
+            )
+        if self._session not in (None, delta.version):
+            raise WeightUpdateError(
+                f"update_weights: tensor {name!r} belongs to weight version {delta.version}, this update writes "
+                f"version {self._session}"
+            )
+        self._session = delta.version
+        if delta.index is None:
+            self.write([(name, delta.values)])
+            return
+        apply_delta(target, delta)
+        self._received.add(self._canonical.get(name, name))
 
     def _copy_in(self, name: str, tensor: Tensor) -> None:
         self.target(name).copy_(tensor)
@@ -137,3 +175,4 @@ class ParameterWriter:
                 f"end_weight_update: tensor {missing[0]!r} was not received "
                 f"({len(missing)} of {len(self.parameter_names)} parameters missing)"
             )
+        self.version = self._session if full else None

@@ -8,6 +8,10 @@
 
 On ranks that hold no engine (engine=None) sync() still drains the iterator: the actor's export may be
 collective (TP/PP gathers), so every rank must walk it in step.
+
+With delta (rollout.weight_sync_delta) each tensor travels as a delta.WeightDelta: only its changed elements against
+what the engine received last, or the full tensor where that is no smaller; every full_every-th sync, the first one,
+and the one after a failed sync or `reset` (an engine restart) are full (rollout/delta.py).
 """
 
 from __future__ import annotations
@@ -19,18 +23,21 @@ from collections.abc import Iterator
 from torch import Tensor
 
 from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.rollout.delta import DeltaEncoder
+from megatron_dapo.rollout.delta import WeightDelta
+from megatron_dapo.rollout.delta import payload_bytes
 
 MiB = 1 << 20
 
 
-def tensor_bytes(t: Tensor) -> int:
-    """Size of a tensor's elements in bytes."""
-    return t.numel() * t.element_size()
+def tensor_bytes(t: Tensor | WeightDelta) -> int:
+    """Size of a tensor's elements in bytes (a WeightDelta: what it sends)."""
+    return payload_bytes(t)
 
 
 def bucket_named_tensors(
-    named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, Tensor]]]:
+    named_tensors: Iterable[tuple[str, Tensor | WeightDelta]], bucket_bytes: int
+) -> Iterator[list[tuple[str, Tensor | WeightDelta]]]:
     """Group (name, tensor) pairs, in order, into lists of at most bucket_bytes bytes.
 
     A tensor larger than bucket_bytes gets a bucket of its own. Consumes the input lazily, so at most one
@@ -56,9 +63,19 @@ class WeightSync:
 
     engine: a RolloutEngine, or None on ranks that only take part in the actor's export.
     bucket_bytes: size bound of one bucket (RolloutConfig.weight_sync_bucket_mb MiB).
+    delta: changed-weights sync (rollout.weight_sync_delta; engines whose update takes delta.WeightDelta entries);
+    full_every: with delta, every full_every-th sync is full (rollout.weight_sync_full_every; 0: only when needed).
     """
 
-    def __init__(self, engine: RolloutEngine | None, bucket_bytes: int = 512 * MiB, weight_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        engine: RolloutEngine | None,
+        bucket_bytes: int = 512 * MiB,
+        weight_dtype: str = "auto",
+        *,
+        delta: bool = False,
+        full_every: int = 0,
+    ) -> None:
         from megatron_dapo.rollout.fp8 import WEIGHT_DTYPES
 
         if bucket_bytes < 1:
@@ -69,6 +86,21 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         self.weight_dtype = weight_dtype
         """"auto": tensors as exported; "fp8": linear weights quantized per 128 x 128 block (rollout/fp8.py)."""
+        self.encoder = DeltaEncoder() if delta else None
+        self.full_every = full_every
+        self.num_syncs = 0
+
+    def reset(self) -> None:
+        """The engine's weights came from elsewhere (a restarted engine's resync): the next sync is full."""
+        if self.encoder is not None:
+            self.encoder.reset()
+
+    def _encoded(self, named_tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, WeightDelta]]:
+        """Every tensor as this sync's WeightDelta (full on the first sync, after a reset and every full_every)."""
+        if self.full_every and self.num_syncs % self.full_every == 0:
+            self.encoder.reset()
+        for name, tensor in named_tensors:
+            yield name, self.encoder.encode(name, tensor, self.num_syncs)
 
     def sync(self, named_tensors: Iterable[tuple[str, Tensor]], *, full: bool = True) -> dict[str, float]:
         """Send every (hf_name, full tensor) to the engine; returns metrics.
@@ -78,7 +110,8 @@ class WeightSync:
         With weight_dtype "fp8" the linear weights travel as float8_e4m3fn plus fp32 block scales, and the bytes
         metric counts what was sent (about half of bf16, a quarter of fp32, for the linear layers).
         Returns {"weight_sync/bytes", "weight_sync/seconds", "weight_sync/gb_per_s", "weight_sync/num_buckets",
-        "weight_sync/num_tensors"} (GB = 1e9 bytes; seconds include the export time of the iterator).
+        "weight_sync/num_tensors"} (GB = 1e9 bytes; seconds include the export time of the iterator); with delta also
+        "weight_sync/changed_fraction" (elements sent as changed or in full tensors, of all).
         """
         start = time.perf_counter()
         total_bytes = 0
@@ -90,18 +123,30 @@ class WeightSync:
 
             # Every rank walks the export (collective); only engine ranks need the quantized tensors.
             named_tensors = quantize_named_tensors(named_tensors) if engine is not None else named_tensors
-        if engine is not None:
-            engine.begin_weight_update()
-        for bucket in bucket_named_tensors(named_tensors, self.bucket_bytes):
-            num_buckets += 1
-            num_tensors += len(bucket)
-            total_bytes += sum(tensor_bytes(t) for _, t in bucket)
+        self.num_syncs += 1
+        delta = self.encoder is not None and engine is not None
+        if delta:
+            named_tensors = self._encoded(named_tensors)
+        try:
             if engine is not None:
-                engine.update_weights(bucket)
-        if engine is not None:
-            engine.end_weight_update(full=full)
+                engine.begin_weight_update()
+            for bucket in bucket_named_tensors(named_tensors, self.bucket_bytes):
+                num_buckets += 1
+                num_tensors += len(bucket)
+                total_bytes += sum(tensor_bytes(t) for _, t in bucket)
+                if engine is not None:
+                    engine.update_weights(bucket)
+            if engine is not None:
+                engine.end_weight_update(full=full)
+        except BaseException:
+            self.reset()  # the copies are a mix of two versions now: the next sync is full
+            raise
+        if delta:
+            self.encoder.version = self.num_syncs
         seconds = time.perf_counter() - start
+        extra = {"weight_sync/changed_fraction": self.encoder.pop_fraction()} if delta else {}
         return {
+            **extra,
             "weight_sync/bytes": float(total_bytes),
             "weight_sync/seconds": seconds,
             "weight_sync/gb_per_s": total_bytes / 1e9 / seconds if seconds > 0 else 0.0,

@@ -1,0 +1,105 @@
+"""Changed-weights (delta) weight sync: after a small-lr update most weights round to the same value in the dtype the
+engine receives, so only the elements whose bits changed since the engine's last update travel.
+
+    sender (WeightSync, rollout.weight_sync_delta)           engine (rollout/param_writer.py)
+    DeltaEncoder.encode(name, t): t against its copy of      WeightDelta(base=None): the full tensor
+      what the engine holds, bitwise in t's dtype            WeightDelta(base=v): refused unless the engine completed
+      -> WeightDelta(version, base, index, values),            version v's update; target[index] = values, cast as a
+         the full tensor when a delta would not be smaller     full copy casts them
+    a sync that fails midway drops the copies: the next       a session left open, or with plain tensors, holds no
+      one is full (also after start, resume, an engine        version: the next delta is refused (never a mix)
+      restart, and every rollout.weight_sync_full_every)
+
+Exactness: an element left out has the same bits in the new export as in the one the engine last received, so the
+engine's element (that value cast to its dtype) is what a full sync would write; the elements sent are written as a
+full sync writes them. Bytes: a changed element costs an index (int32; int64 past 2^31 elements) and its value, a
+full tensor its values: the delta is sent when k * (index + value bytes) < n * value bytes, the encoding with the
+fewest bytes, so no fraction needs tuning. The sender holds one copy of the exported weights in host memory (the
+export dtype: 2 bytes per parameter in bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class WeightDelta:
+    """One tensor of a delta-mode sync.
+
+    version: the sync that writes it (the engine holds this version once the whole update completed).
+    base: the version the engine must hold for `index` / `values` to apply; None: `values` is the full tensor.
+    index: [k] int32 or int64 flat (row-major) positions of the changed elements; None with base None.
+    values: [k] their new values (the export dtype), or the full tensor.
+    """
+
+    version: int
+    base: int | None
+    index: Tensor | None
+    values: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """What travels: values, and the index of a delta."""
+        size = self.values.numel() * self.values.element_size()
+        return size + (self.index.numel() * self.index.element_size() if self.index is not None else 0)
+
+
+def payload_bytes(x: Tensor | WeightDelta) -> int:
+    """Bytes a bucket entry sends: a tensor's elements, or a WeightDelta's values and index."""
+    return x.nbytes if isinstance(x, WeightDelta) else x.numel() * x.element_size()
+
+
+def _bits(t: Tensor) -> Tensor:
+    """t's elements as integers of the same width (bitwise comparison: NaN == NaN of the same bits, -0 != +0)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.reshape(-1).view(ints[t.element_size()])
+
+
+class DeltaEncoder:
+    """The sender's side: a copy of what the engine holds per tensor name, and the version it holds."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, Tensor] = {}
+        """Per name, the last tensor the engine received (CPU, flat, the export dtype)."""
+        self.version: int | None = None
+        """The sync the engine completed last with these copies; None: the next sync sends every tensor full."""
+        self.changed = 0
+        self.elements = 0
+
+    def reset(self) -> None:
+        """Forget the copies (and the counts of a sync that failed): the next sync is full (start, an engine restart, a
+        failed sync, the full interval)."""
+        self.held, self.version = {}, None
+        self.changed = self.elements = 0
+
+    def encode(self, name: str, tensor: Tensor, version: int) -> WeightDelta:
+        """`tensor` as sync `version` sends it: the changed elements against the engine's copy, or the full tensor
+        (no copy of this name, another shape or dtype, or a delta no smaller)."""
+        new = tensor.detach().to("cpu").contiguous()
+        old = self.held.get(name) if self.version is not None else None
+        self.held[name] = new.reshape(-1).clone()
+        self.elements += new.numel()
+        if old is None or old.numel() != new.numel() or old.dtype != new.dtype:
+            self.changed += new.numel()
+            return WeightDelta(version, None, None, new)
+        index = torch.nonzero(_bits(new) != _bits(old)).reshape(-1)
+        self.changed += index.numel()
+        index = index.to(torch.int32) if new.numel() < 2**31 else index
+        delta = WeightDelta(version, self.version, index, new.reshape(-1)[index.long()])
+        return delta if delta.nbytes < new.numel() * new.element_size() else WeightDelta(version, None, None, new)
+
+    def pop_fraction(self) -> float:
+        """The fraction of elements that changed (or went full) since the last call."""
+        fraction = self.changed / self.elements if self.elements else 0.0
+        self.changed = self.elements = 0
+        return fraction
+
+
+def apply_delta(target: Tensor, delta: WeightDelta) -> None:
+    """Write a delta's values into `target` (a parameter or a view of one, any dtype) at its flat positions."""
+    index = torch.unravel_index(delta.index.long(), target.shape)
+    target.index_put_(index, delta.values.to(device=target.device, dtype=target.dtype))

@@ -1,0 +1,140 @@
+"""Changed-weights (delta) weight sync (rollout/delta.py): an engine updated by deltas holds, bit for bit, what an
+engine updated by full syncs of the same weights holds, step after step; a delta never applies to another base."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.config import ConfigError
+from megatron_dapo.config import load_config
+from megatron_dapo.rollout import TransformersEngine
+from megatron_dapo.rollout import WeightSync
+from megatron_dapo.rollout import WeightUpdateError
+from megatron_dapo.rollout.delta import WeightDelta
+from tests.actor._tiny_models import make_tiny_qwen3_moe
+from tests.rollout.conftest import tiny_model
+
+
+def _exported(engine: TransformersEngine, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Every name the engine takes (per-expert names of fused MoE experts included), as an export in `dtype` sends
+    them."""
+    return {n: engine.weights.target(n).detach().to(dtype).clone() for n in sorted(engine.weights.parameter_names)}
+
+
+def _update(named: dict[str, torch.Tensor], step: int, scale: float = 5e-4) -> dict[str, torch.Tensor]:
+    """An optimizer-like step: every element moves by ~scale of its size; in bf16 most round to the same value."""
+    gen = torch.Generator().manual_seed(step)
+    out = {}
+    for name, t in named.items():
+        x = t.float()
+        out[name] = (x + scale * x.abs().clamp_min(1e-2) * torch.randn(x.shape, generator=gen)).to(t.dtype)
+    return out
+
+
+def _same_weights(a: TransformersEngine, b: TransformersEngine) -> bool:
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("model", ["qwen2", "llama_tied", "qwen3_moe"])
+def test_delta_synced_engine_equals_full_synced_engine_every_step(model, tmp_path):
+    if model == "qwen3_moe":  # fused experts: per-expert names write into views of [E, 2I, H] / [E, H, I]
+        path = make_tiny_qwen3_moe(tmp_path / "moe", num_layers=2)
+        by_delta, by_full = TransformersEngine(path), TransformersEngine(path)
+    else:
+        kind, tied = model.split("_")[0], "tied" in model
+        by_delta, by_full = (TransformersEngine(tiny_model(kind, tied, seed=0)) for _ in range(2))
+    delta_sync = WeightSync(by_delta, bucket_bytes=4096, delta=True)
+    full_sync = WeightSync(by_full, bucket_bytes=4096)
+    named = _exported(by_full)
+    full_bytes = sum(t.numel() * t.element_size() for t in named.values())
+    for step in range(1, 7):
+        named = _update(named, step) if step > 1 else named
+        metrics = delta_sync.sync(iter(named.items()))
+        full_sync.sync(iter(named.items()))
+        assert _same_weights(by_delta, by_full), f"step {step}"
+        if step == 1:  # nothing held yet: every tensor in full
+            assert metrics["weight_sync/changed_fraction"] == 1.0
+            assert metrics["weight_sync/bytes"] == full_bytes
+        else:
+            assert 0.0 < metrics["weight_sync/changed_fraction"] < 0.3, metrics
+            assert metrics["weight_sync/bytes"] < 0.8 * full_bytes, metrics
+        assert by_delta.weights.version == step
+
+
+def test_an_unchanged_step_sends_only_empty_deltas_and_full_every_sends_everything():
+    engine = TransformersEngine(tiny_model(seed=0))
+    sync = WeightSync(engine, delta=True, full_every=3)
+    named = _exported(engine)
+    fractions = [sync.sync(iter(named.items()))["weight_sync/changed_fraction"] for _ in range(4)]
+    assert fractions == [1.0, 0.0, 1.0, 0.0]  # syncs 1 and 3 full (first, full_every), 2 and 4 nothing changed
+
+
+def test_a_delta_against_another_version_is_refused_naming_the_tensor():
+    engine = TransformersEngine(tiny_model(seed=0))
+    named = _exported(engine)
+    WeightSync(engine, delta=True).sync(iter(named.items()))  # the engine holds version 1
+    name = "model.norm.weight"
+    stale = WeightDelta(version=9, base=7, index=torch.tensor([0], dtype=torch.int32), values=named[name][:1])
+    engine.begin_weight_update()
+    with pytest.raises(WeightUpdateError, match=r"'model\.norm\.weight' is a delta against weight version 7 but the "
+                       r"engine holds version 1: a full sync is needed") as err:  # fmt: skip
+        engine.update_weights([(name, stale)])
+    assert "\n" not in str(err.value)
+
+
+def test_an_interrupted_sync_leaves_no_base_and_the_next_sync_is_full_and_exact():
+    """A sync that fails midway (a bad tensor in its last bucket) leaves the engine holding no version: a delta
+    computed by another sender is refused, and this sender's next sync is full, after which both engines agree."""
+    by_delta, by_full = TransformersEngine(tiny_model(seed=0)), TransformersEngine(tiny_model(seed=0))
+    sync, full = WeightSync(by_delta, bucket_bytes=4096, delta=True), WeightSync(by_full)
+    named = _exported(by_full)
+    sync.sync(iter(named.items()))
+    moved = _update(named, 2)
+    broken = {**moved, "model.norm.weight": moved["model.norm.weight"][:-1]}  # misshaped, sent last (sorted names)
+    with pytest.raises(WeightUpdateError, match="has shape"):
+        sync.sync(iter(broken.items()))
+    assert by_delta.weights.version is None and sync.encoder.version is None
+    name = "model.norm.weight"
+    delta = WeightDelta(version=2, base=1, index=torch.tensor([0], dtype=torch.int32), values=moved[name][:1])
+    by_delta.begin_weight_update()
+    with pytest.raises(WeightUpdateError, match="engine holds no version"):
+        by_delta.update_weights([(name, delta)])
+    metrics = sync.sync(iter(moved.items()))
+    full.sync(iter(moved.items()))
+    assert metrics["weight_sync/changed_fraction"] == 1.0 and _same_weights(by_delta, by_full)
+
+
+def test_a_restarted_engine_gets_a_full_sync_after_reset():
+    """LocalGeneration._resync: the restarted engine is loaded by a plain full sync and the stream's sync is reset,
+    so its next sync is full (a delta to the new engine would be refused)."""
+    old = TransformersEngine(tiny_model(seed=0))
+    sync = WeightSync(old, delta=True)
+    named = _exported(old)
+    sync.sync(iter(named.items()))
+    new = TransformersEngine(tiny_model(seed=5))
+    WeightSync(new).sync(iter(named.items()))  # the resync: plain tensors, no version held
+    sync.engine = new
+    moved = _update(named, 3)
+    with pytest.raises(WeightUpdateError, match="engine holds no version"):
+        sync.sync(iter(moved.items()))  # without the reset: refused, never a mix
+    sync.reset()
+    reference = TransformersEngine(tiny_model(seed=1))
+    WeightSync(reference).sync(iter(moved.items()))
+    assert sync.sync(iter(moved.items()))["weight_sync/changed_fraction"] == 1.0
+    assert _same_weights(new, reference)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"engine": "sglang"},
+        {"engine": "transformers", "weight_dtype": "fp8"},
+        {"engine": "transformers", "engine_ranks": 1},
+    ],
+)
+def test_delta_sync_where_it_is_not_implemented_is_one_config_line(overrides):
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync_delta: implemented for engines \"transformers\"") as e:
+        load_config(None, ["--rollout.weight_sync_delta=true", *(f"--rollout.{k}={v}" for k, v in overrides.items())])
+    assert "\n" not in str(e.value)
