@@ -41,7 +41,9 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,6 +261,19 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names it."""
 
 
+@contextmanager
+def write_failure_ends_job() -> Iterator[None]:
+    """Around the trainer's checkpoint writes: one that failed on any rank (a full disk: CheckpointError, the same
+    on every rank) ends the job with its one line, retryable (JobError); the previous checkpoint stays the one to
+    resume from."""
+    from megatron_dapo.errors import JobError
+
+    try:
+        yield
+    except CheckpointError as err:
+        raise JobError(str(err), retryable=True) from None
+
+
 class CheckpointManager:
     """Save / find / load checkpoints under `root`. Every rank constructs one; `barrier` synchronises ranks.
 
@@ -310,6 +325,8 @@ class CheckpointManager:
         self.deep = deep
         self.pending: _Pending | None = None
         """A save whose actor files are still being written in the background (`save(..., background=True)`)."""
+        self.begun: _Begun | None = None
+        """A save whose actor files are written (`begin`) and whose trainer state is not yet (`complete`)."""
 
     def save(
         self,
@@ -321,7 +338,7 @@ class CheckpointManager:
         test_hook: Callable[[str], None] | None = None,
         background: bool = False,
     ) -> Path:
-        """Write checkpoint `step` atomically; returns its final path.
+        """Write checkpoint `step` atomically; returns its final path. `begin` then `complete`.
 
         `save_actor(dir)` is called on every rank (it may be collective). `test_hook(point)` is the trainer's testing
         hook (DAPOTrainer.test_hook), called at "before_manifest" (actor and trainer files written) and "in_save"
@@ -332,8 +349,22 @@ class CheckpointManager:
         `.partial` until `finish_pending()`, which every rank calls later (the trainer: at the next step boundary)
         and which hashes, marks and renames it as a synchronous save does. A save first finishes the one pending.
         """
+        self.begin(step, save_actor, test_hook=test_hook, background=background)
+        return self.complete(step, trainer_state, config)
+
+    def begin(
+        self,
+        step: int,
+        save_actor: Callable[..., Any] | None = None,
+        *,
+        test_hook: Callable[[str], None] | None = None,
+        background: bool = False,
+    ) -> None:
+        """The first part of `save` (collective): the pending save finished, checkpoint `step`'s `.partial` directory
+        created and the actor's files written (or, background, their write started). The trainer calls it where the
+        actor's state is on the device (with actor.offload: in the step's update phase) and `complete` at the step
+        boundary, when the trainer state is known; until then the checkpoint is only `.partial`."""
         self.finish_pending()
-        final = self.root / step_dir_name(step)
         partial = self.root / (step_dir_name(step) + ".partial")
 
         def start() -> None:
@@ -343,6 +374,24 @@ class CheckpointManager:
                     shutil.rmtree(stale, ignore_errors=True)
                 partial.mkdir()
 
+        self._agreed(partial, "creating its directory", start)
+        write = None
+        if save_actor is not None and background:
+            write = save_actor(partial / "actor", background=True)
+        elif save_actor is not None:  # megatron's collective write: a full disk on any rank fails it on every rank
+            self._agreed(partial, "writing the actor's files", lambda: save_actor(partial / "actor"))
+        self.begun = _Begun(step, partial, write, test_hook)
+
+    def complete(self, step: int, trainer_state: dict[str, Any], config: dict[str, Any]) -> Path:
+        """The second part of `save` (collective): the trainer state and config written into the save `begin` started
+        for `step`, then finished (manifest, COMPLETE, rename), or left pending while a background write runs.
+        Returns the checkpoint's final path."""
+        begun, self.begun = self.begun, None
+        if begun is None or begun.step != step:
+            raise RuntimeError(f"CheckpointManager.complete: step {step}'s save was not begun")
+        final = self.root / step_dir_name(step)
+        partial = begun.partial
+
         def state() -> None:
             if self.rank == 0:
                 import torch
@@ -350,7 +399,7 @@ class CheckpointManager:
                 torch.save(trainer_state, partial / "trainer_state.pt")
                 (partial / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
-        def complete() -> None:
+        def mark_complete() -> None:
             if self.rank == 0:
                 (partial / COMPLETE).write_text(f"{step}\n")
                 _fsync_dir(partial)
@@ -361,17 +410,15 @@ class CheckpointManager:
                 for old in list_checkpoints(self.root)[: -self.keep_last]:
                     shutil.rmtree(old, ignore_errors=True)
 
-        self._agreed(partial, "creating its directory", start)
-        write = None
-        if save_actor is not None and background:
-            write = save_actor(partial / "actor", background=True)
-        elif save_actor is not None:  # megatron's collective write: a full disk on any rank fails it on every rank
-            self._agreed(partial, "writing the actor's files", lambda: save_actor(partial / "actor"))
         self._agreed(partial, "writing the trainer state", state)
-        self.pending = _Pending(partial, complete, write, test_hook)
-        if write is None:
+        self.pending = _Pending(partial, mark_complete, begun.write, begun.test_hook)
+        if begun.write is None:
             self.finish_pending()
         return final
+
+    def has_begun(self, step: int) -> bool:
+        """Whether `begin` started step `step`'s save and `complete` has not finished it yet."""
+        return self.begun is not None and self.begun.step == step
 
     def holds(self, step: int) -> bool:
         """Whether the newest complete checkpoint is step `step`'s."""
@@ -585,6 +632,16 @@ class CheckpointManager:
         import torch
 
         return torch.load(path / "trainer_state.pt", weights_only=True)
+
+
+@dataclass(slots=True)
+class _Begun:
+    """A save between `begin` (its directory and actor files) and `complete` (its trainer state)."""
+
+    step: int
+    partial: Path
+    write: Any
+    test_hook: Callable[[str], None] | None
 
 
 @dataclass(slots=True)

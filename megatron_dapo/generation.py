@@ -253,11 +253,6 @@ class LocalGeneration:
     def push_weights(self, version: int) -> dict[str, float]:
         return self.weight_sync.sync(self.export())
 
-    def rewrite_engine_weights(self) -> None:
-        """The engine's weights were released outside the step (a save of offloaded actor state, trainer._save):
-        write them again."""
-        self.weight_sync.sync(self.export())
-
     def eval_scores(self, step: int, examples: list) -> list[list[dict]]:
         self.memory.ensure_engine_resident()
         return self.eval_exchange.all_gather(self.ctx.eval_scores(self.engine, examples, self.engine_ranks), "eval")
@@ -408,9 +403,6 @@ class RemoteGeneration:
         metrics["weight_sync/seconds"] = seconds = time.perf_counter() - start
         metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / seconds if seconds > 0 else 0.0
         return metrics
-
-    def rewrite_engine_weights(self) -> None:
-        """Nothing: no engine shares the actor ranks' GPUs."""
 
     def eval_scores(self, step: int, examples: list) -> list[list[dict]]:
         """The engine ranks scored these weights when they loaded them (each posts its share)."""

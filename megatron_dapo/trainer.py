@@ -4,7 +4,8 @@ One step (`train_step`), each phase inside the memory choreographer's slot for i
     generation   the rollout stream: one prompt queue for every engine; each finished group verified + overlong-shaped
                  and decided by dynamic sampling in queue order, until prompts_per_step groups are kept
     log-probs    the kept rows routed to the DP ranks that train them; old (and reference) log-probs; batch metrics
-    update       the mini-batch updates (the step's generation becomes the run's state at the first one)
+    update       the mini-batch updates (the step's generation becomes the run's state at the first one); with
+                 actor.offload, a checkpoint's actor files (the state is on the device here: `save`)
     sync         the updated weights into the engines
 then, at the step boundary (`fit`): evaluation, the metrics row, the preemption agreement, the checkpoint.
 
@@ -29,8 +30,8 @@ import torch
 from megatron_dapo.actor.packing import RowPlan
 from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.batch import ActorBatch
-from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.checkpoint import PreemptionFlag
+from megatron_dapo.checkpoint import write_failure_ends_job
 from megatron_dapo.config import RunConfig
 from megatron_dapo.errors import JobError
 from megatron_dapo.errors import rank_notice
@@ -204,7 +205,8 @@ class DAPOTrainer:
                 self.notice(f"step {self.step}: {self.preempt.notice(self.cfg.checkpoint.preempt_grace_s)}")
             every, last_step = self.cfg.checkpoint.save_every, self.step == self.cfg.trainer.total_steps
             if preempted or (every and self.step % every == 0) or last_step:
-                self.save(background=self.cfg.checkpoint.async_save and not (preempted or last_step))
+                self.save(background=self.cfg.checkpoint.async_save and not (preempted or last_step),
+                          final=preempted or last_step)  # fmt: skip
             self.test_hook("after_step")
             if preempted:
                 break
@@ -254,6 +256,9 @@ class DAPOTrainer:
                 self.generation.commit()
                 if state.batch is not None:
                     self._update(state, timer)
+                every, c = self.cfg.checkpoint.save_every, self.cfg
+                if c.actor.offload != "none" and every and self.step % every == 0 and self.step < c.trainer.total_steps:
+                    self._begin_save(c.checkpoint.async_save)  # a save before the end, where the state is (`save`)
         with self.memory.phase("sync"):
             if not state.interrupted:
                 with timer("weight_sync"):
@@ -349,45 +354,46 @@ class DAPOTrainer:
         data, carry = self.inputs.train_data.state_dict(), self.generation.carry_state()
         return trainer_state(self.step, data, carry, row, self.inputs.architecture, self.run_updates)
 
-    def save(self, background: bool = False) -> Path:
-        """Checkpoint this step (collective). A write that fails on any rank (a full disk) ends the job with one
+    def save(self, background: bool = False, *, final: bool = True) -> Path:
+        """Checkpoint this step (collective): the actor's files, unless the step's update phase wrote them
+        (`_begin_save`), then the trainer state. final: the run ends after it (the last step, a preemption). With
+        actor.offload the actor's files of a save before the end are written in the update phase, where its state is
+        on the device; a final save comes after the engine is released for good (memory.finish): no save moves the
+        engine's memory or rewrites its weights. A write that fails on any rank (a full disk) ends the job with one
         line on every rank (JobError); the previous checkpoint stays the one to resume from. background: the actor's
-        files are written while training goes on and the checkpoint is completed by `_finish_save` at the next step
-        boundary (checkpoint.async_save)."""
-        try:
-            return self._save(background)
-        except CheckpointError as err:
-            raise JobError(str(err), retryable=True) from None
+        files are written while training goes on; `_finish_save` completes the checkpoint at the next boundary."""
+        if self.ckpt.has_begun(self.step):
+            self._check_lock()  # again: the files were written in the update phase
+        else:
+            if self.cfg.actor.offload != "none":
+                if not final:
+                    raise RuntimeError("DAPOTrainer.save: with actor.offload, a save before the run's end is begun in "
+                                       "the step's update phase")  # fmt: skip
+                self.memory.finish()
+            self._begin_save(background)
+        if self.logger is not None:
+            self.logger.sync()  # the step's metrics row is on disk before its checkpoint says the step is done
+        with write_failure_ends_job():
+            return self.ckpt.complete(self.step, self.trainer_state(), self.cfg.to_dict())
 
-    def _finish_save(self) -> None:
-        """Complete a background save (collective; nothing when none is pending)."""
-        try:
-            self.ckpt.finish_pending()
-        except CheckpointError as err:
-            raise JobError(str(err), retryable=True) from None
+    def _begin_save(self, background: bool) -> None:
+        """The run dir still this job's, then this step's checkpoint directory and the actor's files (collective)."""
+        self._check_lock()
+        with write_failure_ends_job():
+            self.ckpt.begin(
+                self.step, lambda d, background=False: self.actor.save_checkpoint(str(d), background=background),
+                test_hook=self.test_hook, background=background,
+            )  # fmt: skip
 
-    def _save(self, background: bool = False) -> Path:
+    def _check_lock(self) -> None:
         problem = self.lock.check() if self.lock is not None else None  # the run dir is still this job's
         if self.groups.max_over_job(torch.tensor([int(problem is not None)])).item():
             raise JobError(problem or "the run-dir lock is no longer this job's (rank 0 says why)")
-        if self.logger is not None:
-            self.logger.sync()  # the step's metrics row is on disk before its checkpoint says the step is done
 
-        def write() -> Path:
-            return self.ckpt.save(
-                self.step,
-                self.trainer_state(),
-                self.cfg.to_dict(),
-                lambda d, background=False: self.actor.save_checkpoint(str(d), background=background),
-                test_hook=self.test_hook,
-                background=background,
-            )
-
-        if self.cfg.actor.offload == "none":
-            return write()
-        # The actor's offloaded state comes back for the save: in the update's slot of the sequence, with the
-        # engine released (its weights are then rewritten by a sync), never on top of a resident engine.
-        return self.memory.run_step({"update": write, "sync": self.generation.rewrite_engine_weights})["update"]
+    def _finish_save(self) -> None:
+        """Complete a background save (collective; nothing when none is pending)."""
+        with write_failure_ends_job():
+            self.ckpt.finish_pending()
 
     def _load(self, path: Path) -> Path:
         """Resume from `path` (or an earlier checkpoint when its bytes fail their hashes: Resume.load); returns the

@@ -52,6 +52,27 @@ def test_crash_during_write_leaves_previous_loadable(tmp_path):
     assert not (tmp_path / "step_00000002.partial").exists() and latest_checkpoint(tmp_path).name == "step_00000002"
 
 
+def test_a_save_begun_in_the_step_completes_at_its_boundary(tmp_path):
+    """begin (directory + actor files, where the actor's state is) then complete (trainer state, manifest): a
+    checkpoint equal to one `save` writes; until complete it is only `.partial`, and a complete without its begin
+    is refused."""
+    cfg = RunConfig().to_dict()
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    _save(mgr, 1, cfg)
+    mgr.begin(2, lambda d: (d.mkdir(), torch.save({"w": torch.full((2,), 2.0)}, d / "w.pt")))
+    assert mgr.has_begun(2) and not mgr.has_begun(1)
+    assert (tmp_path / "step_00000002.partial").is_dir() and latest_checkpoint(tmp_path).name == "step_00000001"
+    with pytest.raises(RuntimeError, match="step 3's save was not begun"):
+        mgr.complete(3, {"step": 3}, cfg)
+    mgr.begin(2, lambda d: (d.mkdir(), torch.save({"w": torch.full((2,), 2.0)}, d / "w.pt")))
+    mgr.complete(2, {"step": 2, "data": {"epoch": 0, "position": 8}}, cfg)
+    assert not mgr.has_begun(2) and not (tmp_path / "step_00000002.partial").exists()
+    assert mgr.verify(tmp_path / "step_00000002") == []
+    loaded = {}
+    state = mgr.load(latest_checkpoint(tmp_path), cfg, lambda d, items: loaded.update(torch.load(d / "w.pt")))
+    assert state["step"] == 2 and loaded["w"][0] == 2.0
+
+
 def test_incompatible_config_is_named(tmp_path):
     saved = RunConfig().to_dict()
     current = RunConfig().to_dict()
