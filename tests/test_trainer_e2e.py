@@ -116,15 +116,19 @@ def test_dapo_steps_resume_after_hard_kill(tiny, straight, tmp_path):
 
 @pytest.mark.slow
 def test_delta_weight_sync_trains_as_the_full_sync_across_a_hard_kill(tiny, straight, tmp_path):
-    """rollout.weight_sync_delta with a full sync every 3: killed after step 2, resumed (its first sync full, its
-    sender's copies gone with the process), the run's metrics and final weights equal the straight run's; only what
+    """rollout.weight_sync_delta with a full sync every 3: engines killed while generating in steps 1-2 (restarted in
+    place, resynced in full, the sender reset), the job killed after step 2, resumed (its first sync full, its
+    sender's copies gone with the process): the run's metrics and final weights equal the straight run's; only what
     the sync sent differs in kind. (The tiny model exports fp32, where an Adam step moves nearly every element, so
     most tensors go in full here; tests/rollout/test_delta_sync.py checks the deltas bit for bit in bf16.)"""
     run_dir = tmp_path / "delta"
     delta = ("--trainer.total_steps=4", "--rollout.weight_sync_delta=true", "--rollout.weight_sync_full_every=3")
-    assert _train(tiny, run_dir, *delta, fault="after_step:2", check=False).returncode != 0
+    killed = _train(tiny, run_dir, *delta, fault="after_step:2", check=False,
+                    env_extra={"MEGATRON_DAPO_ENGINE_KILL": "5:2"})  # fmt: skip
+    assert killed.returncode != 0
     _train(tiny, run_dir, *delta)
     rows = [r for r in _metrics(run_dir) if r["step"] >= 1]
+    assert sum(r.get("stream/engine_restarts", 0) for r in rows if r["step"] <= 2) >= 1
     assert all(0.0 < r["weight_sync/changed_fraction"] <= 1.0 for r in rows)
 
     def without_sync(rows: list[dict]) -> list[dict]:
