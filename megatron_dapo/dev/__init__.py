@@ -13,3 +13,16 @@ results/ and runs/ are found under it.
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def replace_doc_section(path: Path, heading: str, section: str) -> None:
+    """Replace the markdown section that starts with the line `heading` (up to the next "## " heading) by `section`,
+    or append it; the rest of the file is left alone (the benchmarks write their own sections of docs/*.md)."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(heading)
+    if start == -1:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        nxt = text.find("\n## ", start + 1)
+        text = text[:start] + section + ("" if nxt == -1 else "\n" + text[nxt + 1 :])
+    path.write_text(text.rstrip("\n") + "\n")

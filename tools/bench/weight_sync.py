@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megatron_dapo.dev import REPO_ROOT
+from megatron_dapo.dev import replace_doc_section
 from megatron_dapo.dev.hub import default_cache_dir
 from megatron_dapo.net import free_port
 
@@ -198,18 +199,6 @@ def _docs_section(measured: list[dict], skipped: list[str], csv_path: Path) -> s
     return "\n".join(lines)
 
 
-def write_docs(section: str, path: Path) -> None:
-    """Replace (or append) the '## Weight sync' section of docs/benchmarks.md, leaving other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find("## Weight sync")
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        nxt = text.find("\n## ", start + 1)
-        text = text[:start] + section + ("" if nxt == -1 else "\n" + text[nxt + 1 :])
-    path.write_text(text.rstrip("\n") + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", default=None, help="HF checkpoint dir (repeatable)")
@@ -255,7 +244,7 @@ def main() -> None:
             writer.writeheader()
         for row in measured:
             writer.writerow({"timestamp": stamp, "gpu_name": "cpu", "version": torch.__version__, **row})
-    write_docs(_docs_section(measured, skipped, csv_path), Path(args.docs))
+    replace_doc_section(Path(args.docs), "## Weight sync", _docs_section(measured, skipped, csv_path))
     print(f"wrote {csv_path} and the 'Weight sync' section of {args.docs}")
 
 

@@ -1,0 +1,204 @@
+"""Changed-weights (delta) vs full weight sync on the main job's model, side by side in one run (issue 39 item 4).
+
+    python tools/bench/delta_sync.py [--steps 10] [--moe]     # CPU, ~2 min dense; --moe adds the upcycled MoE
+
+The main job's model (SmolLM2-135M-Instruct from the offline cache; with --moe also its sparse upcycle, 4 experts
+top-2, dev/upcycle.py) takes --steps AdamW steps at the main job's optimizer settings (examples/smollm2_arith_cpu.yaml:
+lr, warm-up, betas, weight decay) on supervised batches of the main job's prompts and answers: Adam's step per
+element is about lr whatever the loss, so the changed fraction is the one the DAPO updates give, not a guess. After
+each step the weights are exported in bf16 (what a bf16 actor exports; the CPU actor is fp32) and pushed twice:
+a full WeightSync into one TransformersEngine, a delta one (rollout.weight_sync_delta) into another. Per step:
+bytes and seconds of each, the changed fraction overall and per tensor kind; the two engines are checked equal bit
+for bit after every step. Rows go to results/delta_sync.csv, the summary to docs/benchmarks.md "## Delta weight
+sync" (only that section is replaced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from megatron_dapo.dev import REPO_ROOT
+from megatron_dapo.dev import replace_doc_section
+from megatron_dapo.dev.hub import default_cache_dir
+
+KINDS = ("embed", "attention", "mlp", "experts", "router", "norm", "lm_head")
+
+
+def kind_of(name: str) -> str:
+    """The tensor kind of an HF parameter name (the rows of the per-kind fractions)."""
+    for part, kind in (("embed_tokens", "embed"), ("lm_head", "lm_head"), ("self_attn", "attention"),
+                       ("mlp.experts", "experts"), ("mlp.gate.", "router"), ("shared_expert_gate", "router"),
+                       ("mlp", "mlp"), ("norm", "norm")):  # fmt: skip
+        if part in name:
+            return kind
+    return "other"
+
+
+def batches(tokenizer, data: Path, size: int, steps: int, max_tokens: int = 192) -> list[dict]:
+    """`steps` batches of `size` rows: each a prompt of the main job's data with its answer line appended, the loss
+    on every token (a supervised stand-in for the RL gradient: Adam's update size does not depend on it)."""
+    rows = [json.loads(line) for line in data.read_text().splitlines()[: size * steps]]
+    texts = [r["extra_info"]["question"] + f" {r['reward_model']['ground_truth']}\nAnswer: "
+             f"{r['reward_model']['ground_truth']}" for r in rows]  # fmt: skip
+    out = []
+    for k in range(steps):
+        enc = tokenizer(texts[k * size : (k + 1) * size], return_tensors="pt", padding=True, truncation=True,
+                        max_length=max_tokens)  # fmt: skip
+        out.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    return out
+
+
+def exported(model: torch.nn.Module, names: frozenset[str]) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights as a bf16 export sends them, under the engine's names: the checkpoint's per-expert names
+    of transformers' fused experts are cut from the fused parameters (param_writer.fused_expert_rows)."""
+    from megatron_dapo.rollout.param_writer import fused_expert_rows
+
+    params = dict(model.named_parameters())
+    experts = fused_expert_rows(params)
+    out = []
+    for name in sorted(names):
+        if name in experts:
+            fused, expert, rows = experts[name]
+            tensor = params[fused][expert, rows]
+        else:
+            tensor = params[name]
+        out.append((name, tensor.detach().to(torch.bfloat16)))
+    return out
+
+
+def _counting(items, encoder, per_kind: dict[str, list[int]]):
+    """The (name, tensor) pairs passed through, each one's changed elements (the encoder's count across its
+    encoding, which runs between two of these yields) added to its kind's [changed, total]."""
+    for name, t in items:
+        seen = encoder.changed
+        yield name, t
+        per_kind[kind_of(name)][1] += t.numel()
+        per_kind[kind_of(name)][0] += encoder.changed - seen
+
+
+def run_model(label: str, hf_dir: Path, optim: dict, data: Path, steps: int, rows: list[dict]) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.rollout import TransformersEngine
+    from megatron_dapo.rollout import WeightSync
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    moe = {"experts_implementation": "eager"} if "moe" in label else {}
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **moe)
+    full_engine, delta_engine = TransformersEngine(hf_dir), TransformersEngine(hf_dir)
+    names = full_engine.weights.parameter_names
+    full, delta = WeightSync(full_engine), WeightSync(delta_engine, delta=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=optim["lr"], betas=(optim["adam_beta1"], optim["adam_beta2"]),
+                            weight_decay=optim["weight_decay"])  # fmt: skip
+    warmup = optim["lr_warmup_steps"]
+    for step, batch in enumerate(batches(tokenizer, data, 8, steps + 1)):
+        if step > 0:  # step 0: the first (full) sync of the initial weights
+            for group in opt.param_groups:
+                group["lr"] = optim["lr"] * min(1.0, step / warmup) if warmup else optim["lr"]
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            model(**batch, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        named = exported(model, names)
+        per_kind = {k: [0, 0] for k in (*KINDS, "other")}
+        t0 = time.perf_counter()
+        m_full = full.sync(iter(named))
+        t1 = time.perf_counter()
+        m_delta = delta.sync(_counting(iter(named), delta.encoder, per_kind))
+        t2 = time.perf_counter()
+        same = all(torch.equal(a, b) for a, b in zip(full_engine.model.state_dict().values(),
+                                                     delta_engine.model.state_dict().values()))  # fmt: skip
+        if not same:
+            raise SystemExit(f"{label} step {step}: the delta-synced engine differs from the fully synced one")
+        row = {"model": label, "step": step, "full_bytes": m_full["weight_sync/bytes"], "full_s": round(t1 - t0, 4),
+               "delta_bytes": m_delta["weight_sync/bytes"], "delta_s": round(t2 - t1, 4),
+               "changed_fraction": m_delta["weight_sync/changed_fraction"], "engines_equal": same}  # fmt: skip
+        row.update({f"changed_{k}": (c / n if n else "") for k, (c, n) in per_kind.items() if n})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def summary(rows: list[dict], csv_path: Path, optim: dict) -> str:
+    lines = [
+        "## Delta weight sync",
+        "",
+        f"Written by `tools/bench/delta_sync.py` ({time.strftime('%Y-%m-%d')}): the main job's model, AdamW at its "
+        f"settings (lr {optim['lr']}, warm-up {optim['lr_warmup_steps']}), bf16 exports pushed by a full and a delta "
+        "WeightSync into two transformers engines on this CPU; the engines were equal bit for bit after every step.",
+        "",
+        "| model | steps | changed fraction (median, steps 1..) | delta bytes / full bytes | delta s / full s |",
+        "|---|---|---|---|---|",
+    ]
+    for label in dict.fromkeys(r["model"] for r in rows):
+        later = [r for r in rows if r["model"] == label and r["step"] > 0]
+        if not later:
+            continue
+        frac = sorted(r["changed_fraction"] for r in later)[len(later) // 2]
+        byte_ratio = sum(r["delta_bytes"] for r in later) / sum(r["full_bytes"] for r in later)
+        time_ratio = sum(r["delta_s"] for r in later) / sum(r["full_s"] for r in later)
+        lines.append(f"| {label} | {len(later)} | {frac:.4f} | {byte_ratio:.3f} | {time_ratio:.2f} |")
+    kinds = [k for k in (*KINDS, "other") if any(f"changed_{k}" in r for r in rows)]
+    lines += ["", "Changed fraction per tensor kind (mean over steps 1..):", "",
+              "| model | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]  # fmt: skip
+    for label in dict.fromkeys(r["model"] for r in rows):
+        later = [r for r in rows if r["model"] == label and r["step"] > 0]
+        cells = []
+        for k in kinds:
+            values = [r[f"changed_{k}"] for r in later if r.get(f"changed_{k}", "") != ""]
+            cells.append(f"{sum(values) / len(values):.4f}" if values else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    shown = csv_path.relative_to(REPO_ROOT) if csv_path.is_relative_to(REPO_ROOT) else csv_path
+    lines += ["", "Seconds are this 2-core CPU's: the full sync is an in-process copy, the delta adds the host "
+              "comparison against its copy of the last export, so here the delta is slower; across a link (an SGLang "
+              f"server, the split launch) the bytes are what counts. Raw rows: `{shown}`.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--moe", action="store_true", help="also the sparse upcycle of the model (4 experts, top-2)")
+    parser.add_argument("--model", default=str(default_cache_dir()))
+    parser.add_argument("--data", default=str(REPO_ROOT / "runs/data/chain_sum_2x2d/train.jsonl"))
+    parser.add_argument("--config", default=str(REPO_ROOT / "examples/smollm2_arith_cpu.yaml"))
+    parser.add_argument("--csv", default=str(REPO_ROOT / "results/delta_sync.csv"))
+    parser.add_argument("--docs", default=str(REPO_ROOT / "docs/benchmarks.md"))
+    args = parser.parse_args()
+    data = Path(args.data)
+    if not data.is_file():
+        raise SystemExit(f"{data}: the main job's data is missing; run examples/run_smollm2_cpu.sh once to make it")
+    actor = yaml.safe_load(Path(args.config).read_text())["actor"]
+    optim = {"lr": 1e-6, "lr_warmup_steps": 0, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0}
+    optim.update({k: actor[k] for k in optim if k in actor})
+    torch.manual_seed(0)
+    rows: list[dict] = []
+    run_model("smollm2-135m", Path(args.model), optim, data, args.steps, rows)
+    if args.moe:
+        from megatron_dapo.dev.upcycle import upcycle_llama_to_moe
+
+        with tempfile.TemporaryDirectory() as tmp:
+            moe_dir = upcycle_llama_to_moe(args.model, Path(tmp) / "moe", num_experts=4, top_k=2, noise=0.01)
+            run_model("smollm2-135m upcycled moe", moe_dir, optim, data, args.steps, rows)
+    csv_path = Path(args.csv)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    replace_doc_section(Path(args.docs), "## Delta weight sync", summary(rows, csv_path, optim))
+    print(f"wrote {csv_path} and the '## Delta weight sync' section of {args.docs}")
+
+
+if __name__ == "__main__":
+    main()
