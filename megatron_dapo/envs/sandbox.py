@@ -1,0 +1,254 @@
+"""A local Python sandbox for tool calls (issue 40 item 3): model-written code runs in a fresh process, contained.
+
+    LocalSandbox(limits).run(code) -> SandboxResult(status, stdout, stderr, exit_code, seconds, truncated)
+
+    layer                  what it stops                                         how
+    fresh process          state between calls                                   one `python -I` per call, its own
+                                                                                 temporary directory (removed after)
+    Linux namespaces       the network (a new, empty net namespace: not even     `unshare --net --pid --fork` (with
+                           loopback reaches the host), processes outliving the   --user --map-root-user when not
+                           call (a pid namespace: its init's death ends them)    root); used when the probe works
+    policy hook            fork / exec / subprocess / signals, sockets, ctypes   a PEP 578 audit hook installed before
+                           and native loading, files outside its directory       the code runs (it cannot be removed);
+                           (reads: its directory and the standard library;       a refused call raises PermissionError
+                           writes: its directory)                                inside the code, an observation
+    resource limits        CPU seconds, address space, file size, core dumps,    setrlimit in the child before the
+                           processes (not enforced for root: the hook and the    code runs
+                           pid namespace are what stop a fork bomb there)
+    the caller's clock     wall time, output size                                the whole process group killed at
+                                                                                 the deadline or past max_output_bytes
+    environment            inherited secrets                                     a minimal environment (PATH, HOME in
+                                                                                 its directory, LANG), nothing else
+
+Not a security boundary against native exploits of the interpreter: the namespaces and limits are the OS part, the
+hook a policy for Python-level code (PEP 578 hooks are not a sandbox by themselves). `isolation` says which layers
+are in effect on this machine; `require_namespaces` refuses to run without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from dataclasses import dataclass
+from functools import cache
+
+STATUSES = ("ok", "error", "timeout", "cpu_limit", "output_limit")
+"""SandboxResult.status values: exit 0; a non-zero exit (an exception, a refused call); past the wall time; killed by
+the CPU-time limit; killed past the output limit."""
+
+
+CPU_EXIT = 152
+"""The exit code of a call stopped by its CPU-time limit (128 + SIGXCPU): the child's SIGXCPU handler exits with it,
+so the status survives `unshare`, which cannot re-raise the signal."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one call may use."""
+
+    wall_s: float = 10.0
+    """Wall-clock seconds before the whole process group is killed (status "timeout")."""
+    cpu_s: int = 5
+    """CPU seconds (RLIMIT_CPU; status "cpu_limit")."""
+    memory_mb: int = 512
+    """Address space in MiB (RLIMIT_AS): an allocation past it is a MemoryError inside the code."""
+    max_output_bytes: int = 16384
+    """stdout + stderr kept; past it the process is killed (status "output_limit", truncated)."""
+    file_mb: int = 16
+    """Largest file the code may write (RLIMIT_FSIZE)."""
+    processes: int = 16
+    """RLIMIT_NPROC for a non-root user (root ignores it; forks are refused by the policy hook anyway)."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """One call's outcome. stdout / stderr: decoded (invalid bytes replaced), cut at the output limit."""
+
+    status: str
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    seconds: float
+    truncated: bool = False
+
+
+_BOOT = r"""
+import json, os, resource, sys
+limits, root, CPU_EXIT = json.loads(sys.argv[1]), os.getcwd(), int(sys.argv[2])
+code = open("main.py", encoding="utf-8").read()
+def _limit(kind, value):
+    try:
+        resource.setrlimit(kind, (value, value))
+    except (ValueError, OSError):
+        pass
+import signal
+def _out_of_cpu(signum, frame):
+    sys.stderr.write("sandbox: CPU time limit reached\n")
+    sys.stderr.flush()
+    os._exit(CPU_EXIT)
+signal.signal(signal.SIGXCPU, _out_of_cpu)
+try:
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))  # SIGXCPU, then SIGKILL
+except (ValueError, OSError):
+    pass
+_limit(resource.RLIMIT_AS, limits["memory_mb"] << 20)
+_limit(resource.RLIMIT_FSIZE, limits["file_mb"] << 20)
+_limit(resource.RLIMIT_CORE, 0)
+if os.getuid() != 0:
+    _limit(resource.RLIMIT_NPROC, limits["processes"])
+import sysconfig
+READ = tuple(os.path.realpath(p) for p in {root, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+DEVICES = ("/dev/null", "/dev/urandom", "/dev/zero")
+DENIED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
+          "os.kill", "os.killpg", "os.setsid", "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
+          "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "os.chdir", "os.chroot", "os.putenv", "os.unsetenv",
+          "sys.remote_exec", "mmap.__new__", "resource.setrlimit", "resource.prlimit", "os.symlink", "os.link"}
+MODULES = {"ctypes", "_ctypes", "_posixsubprocess", "multiprocessing", "_multiprocessing", "socket", "_socket",
+           "pty", "resource"}
+PATHS = {"os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.chmod", "os.chown", "os.truncate", "os.utime",
+         "shutil.rmtree", "os.listdir", "os.scandir"}
+def _inside(path, roots):
+    path = os.path.realpath(os.path.join(root, os.fsdecode(path)))
+    return path in DEVICES or any(path == r or path.startswith(r + os.sep) for r in roots)
+def _hook(event, args):
+    if event in DENIED:
+        raise PermissionError(f"sandbox: {event} is not allowed")
+    if event == "import" and args[0].split(".")[0] in MODULES:
+        raise PermissionError(f"sandbox: import {args[0]} is not allowed")
+    if event == "open" and isinstance(args[0], (str, bytes)):
+        writing = args[1] is not None and any(c in args[1] for c in "wax+")
+        if not _inside(args[0], (root,) if writing else READ):
+            raise PermissionError(f"sandbox: open {os.fsdecode(args[0])!r} is outside the sandbox")
+    if event in PATHS and args and isinstance(args[0], (str, bytes)) and not _inside(args[0], (root,)):
+        raise PermissionError(f"sandbox: {event} {os.fsdecode(args[0])!r} is outside the sandbox")
+sys.addaudithook(_hook)
+del json, resource, signal
+exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+@cache
+def namespace_prefix() -> tuple[str, ...] | None:
+    """The `unshare` command line that gives a call its own network and pid namespaces on this machine (root: plain;
+    otherwise through a user namespace), or None when neither works (no unshare, user namespaces disabled)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    candidates = [(unshare, "--net", "--pid", "--fork", "--kill-child")]
+    if os.getuid() != 0:
+        candidates.insert(0, (unshare, "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"))
+    for prefix in candidates:
+        try:
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+                return prefix
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
+
+
+class LocalSandbox:
+    """Runs Python code in a fresh, contained process per call (module docstring).
+
+    limits: SandboxLimits. require_namespaces: raise at construction when this machine cannot give a call its own
+    network and pid namespaces (then the policy hook alone keeps sockets and forks out).
+    """
+
+    def __init__(self, limits: SandboxLimits | None = None, *, require_namespaces: bool = False) -> None:
+        self.limits = limits or SandboxLimits()
+        self.prefix = namespace_prefix()
+        if self.prefix is None and require_namespaces:
+            raise RuntimeError("LocalSandbox: `unshare --net --pid` does not work here (no unshare, or user namespaces "
+                               "are disabled); the sandbox would rely on its policy hook alone")  # fmt: skip
+        self.isolation = ("namespaces", "policy hook", "rlimits") if self.prefix else ("policy hook", "rlimits")
+        """The layers in effect on this machine."""
+
+    def run(self, code: str, stdin: str = "") -> SandboxResult:
+        """Run `code` as a script (its own temporary directory as the working directory); returns its outcome."""
+        workdir = tempfile.mkdtemp(prefix="mdapo_sandbox_")
+        try:
+            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+                f.write(code)
+            env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+            argv = [*(self.prefix or ()), sys.executable, "-I", "-c", _BOOT, json.dumps(asdict(self.limits)),
+                    str(CPU_EXIT)]  # fmt: skip
+            start = time.monotonic()
+            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+            return self._collect(proc, stdin, start)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _collect(self, proc: subprocess.Popen, stdin: str, start: float) -> SandboxResult:
+        """Read both pipes up to the output limit and the wall deadline, killing the group at either."""
+        lim = self.limits
+        try:
+            proc.stdin.write(stdin.encode("utf-8"))
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+        out = {out_fd: bytearray(), err_fd: bytearray()}
+        open_fds, status = set(out), None
+        deadline = start + lim.wall_s
+        while open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                status = "timeout"
+                break
+            ready, _, _ = select.select(list(open_fds), [], [], min(left, 0.5))
+            for fd in ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    open_fds.discard(fd)
+                out[fd] += chunk
+            if sum(len(b) for b in out.values()) > lim.max_output_bytes:
+                status = "output_limit"
+                break
+        if status is not None:
+            _kill_group(proc)
+        code, cpu_s = _wait(proc, max(deadline, time.monotonic() + 1.0))
+        if code is None:  # the pipes closed but the process lives on past the deadline
+            _kill_group(proc)
+            (code, cpu_s), status = _wait(proc, None), "timeout"
+        proc.stdout.close()
+        proc.stderr.close()
+        if status is None and code != 0 and (code == CPU_EXIT or cpu_s >= lim.cpu_s):
+            status = "cpu_limit"  # by its handler's exit code, or (a handler the code replaced) by the CPU it used
+        status = status or ("ok" if code == 0 else "error")
+        stdout, stderr = bytes(out[out_fd]), bytes(out[err_fd])
+        cap = lim.max_output_bytes
+        truncated = len(stdout) + len(stderr) > cap
+        stdout = stdout[:cap]
+        stderr = stderr[: max(cap - len(stdout), 0)]
+        return SandboxResult(status, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"),
+                             code if status in ("ok", "error") else None, time.monotonic() - start,
+                             truncated)  # fmt: skip
+
+
+def _wait(proc: subprocess.Popen, deadline: float | None) -> tuple[int | None, float]:
+    """(exit code, CPU seconds of the call's processes) once it exits, or (None, 0) at the deadline (None: no
+    deadline). wait4's usage counts the descendants that were waited for: the code's process under `unshare`."""
+    while True:
+        pid, status, usage = os.wait4(proc.pid, 0 if deadline is None else os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_utime + usage.ru_stime
+        if time.monotonic() >= deadline:
+            return None, 0.0
+        time.sleep(0.01)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the call's whole process group (and with it the pid namespace's init and everything under it)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
