@@ -36,13 +36,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict
 from dataclasses import dataclass
 from functools import cache
 
-STATUSES = ("ok", "error", "timeout", "cpu_limit", "output_limit")
+STATUSES = ("ok", "error", "timeout", "cpu_limit", "output_limit", "unavailable")
 """SandboxResult.status values: exit 0; a non-zero exit (an exception, a refused call); past the wall time; killed by
-the CPU-time limit; killed past the output limit."""
+the CPU-time limit; killed past the output limit; the remote sandbox service did not answer (after its retries)."""
 
 
 CPU_EXIT = 152
@@ -131,7 +132,14 @@ def _hook(event, args):
         raise PermissionError(f"sandbox: {event} {os.fsdecode(args[0])!r} is outside the sandbox")
 sys.addaudithook(_hook)
 del json, resource, signal
-exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+try:
+    exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+except SystemExit:
+    raise
+except BaseException as error:  # the code's own traceback, without this bootstrap's frame
+    import traceback
+    traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+    sys.exit(1)
 """
 
 
@@ -252,3 +260,58 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+class RemoteSandbox:
+    """Runs Python code on a sandbox service over HTTP, in SandboxFusion's run_code shape:
+
+        POST {url}/run_code  {"code", "language": "python", "run_timeout", "compile_timeout", "memory_limit_MB",
+                              "stdin", "files": {}, "fetch_files": []}
+        200 -> {"status": "Success" | "Failed" | "SandboxError", "message", "compile_result",
+                "run_result": {"status": "Finished" | "TimeLimitExceeded" | "Error", "execution_time",
+                               "return_code", "stdout", "stderr"}, "files"}
+
+    The service enforces the limits it is given (run_timeout = wall_s, memory_limit_MB = memory_mb); the output cap
+    is applied here. A service that does not answer (refused, reset, HTTP 5xx, a body that is not that shape) is
+    retried `retries` times with a doubling pause, then the call is status "unavailable", an observation like the
+    others: a sandbox outage never ends a rank.
+    """
+
+    def __init__(self, url: str, limits: SandboxLimits | None = None, *, retries: int = 2, backoff_s: float = 0.5):
+        self.url = url.rstrip("/") + "/run_code"
+        self.limits = limits or SandboxLimits()
+        self.retries, self.backoff_s = retries, backoff_s
+
+    def run(self, code: str, stdin: str = "") -> SandboxResult:
+        lim = self.limits
+        request = {"code": code, "language": "python", "run_timeout": lim.wall_s, "compile_timeout": lim.wall_s,
+                   "memory_limit_MB": lim.memory_mb, "stdin": stdin, "files": {}, "fetch_files": []}  # fmt: skip
+        body = json.dumps(request)
+        start, problem = time.monotonic(), ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                post = urllib.request.Request(self.url, body.encode(), {"Content-Type": "application/json"})
+                with urllib.request.urlopen(post, timeout=lim.wall_s + 30.0) as response:
+                    return self._result(json.loads(response.read()), time.monotonic() - start)
+            except (OSError, ValueError, KeyError, TypeError) as err:  # URLError / HTTPError are OSErrors
+                problem = f"{type(err).__name__}: {err}"
+        message = f"sandbox service {self.url} did not answer after {self.retries + 1} tries ({problem})"
+        return SandboxResult("unavailable", "", message, None, time.monotonic() - start)
+
+    def _result(self, reply: dict, seconds: float) -> SandboxResult:
+        run = reply.get("run_result") or {}
+        if reply.get("status") == "SandboxError" or not isinstance(run, dict) or "status" not in run:
+            raise ValueError(f"no run_result in the reply (status {reply.get('status')!r}: {reply.get('message')!r})")
+        code = run.get("return_code")
+        finished = "ok" if code == 0 else "error"
+        status = {"Finished": finished, "TimeLimitExceeded": "timeout"}.get(run["status"], "error")
+        stdout, stderr = str(run.get("stdout") or ""), str(run.get("stderr") or "")
+        cap = self.limits.max_output_bytes
+        truncated = len(stdout.encode()) + len(stderr.encode()) > cap
+        if truncated:
+            stdout = stdout.encode()[:cap].decode("utf-8", "ignore")
+            stderr = stderr.encode()[: max(cap - len(stdout.encode()), 0)].decode("utf-8", "ignore")
+        exit_code = code if status in ("ok", "error") and isinstance(code, int) else None
+        return SandboxResult(status, stdout, stderr, exit_code, float(run.get("execution_time") or seconds), truncated)
