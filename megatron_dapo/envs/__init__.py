@@ -1,11 +1,15 @@
 """Environments for multi-turn rollouts with tools (issue 40), and what they run.
 
+    base.py        the interface: make_environment(name, ...).episode(truth).step(turn ids) -> Turn (observation
+                   ids, or done with a reward and details); the registry; "single_turn", the verifier as one
+    python_tool.py "python_tool": the model's Python tool calls run between turns, observations tokenised once with
+                   the chat template's markers, budgets (turns, tool calls, tokens) that stop the episode
     sandbox.py     LocalSandbox: model-written Python in a fresh, contained process per call (namespaces, a policy
                    hook, resource limits, the caller's wall clock and output cap); RemoteSandbox: the same over HTTP
                    in SandboxFusion's run_code shape
     tool_calls.py  tool calls parsed from a model's turn (Hermes / Qwen <tool_call> JSON, fenced python blocks),
                    malformed ones answered with a one-line observation, the observation text of each outcome
 
-Not yet (issue 40): the environment interface and its registry, token-in / token-out multi-turn trajectories in the
-engines and the stream, budgets, metrics and the viewer, the CPU experiment.
+Not yet (issue 40): multi-turn trajectories in the engines, the rollout stream and the trainer (the environments are
+not used by training yet), the config section, metrics and the viewer, the CPU experiment.
 """
