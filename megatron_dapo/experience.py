@@ -12,6 +12,7 @@ each row to the ranks of that DP rank (`rows_to_batch` builds their local ActorB
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from megatron_dapo.algorithms import soft_overlong_penalty
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.batch import RoutedExperts
 from megatron_dapo.config import AlgorithmConfig
+from megatron_dapo.envs.base import SingleTurn
 from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import Stats
 from megatron_dapo.metrics import finalize
@@ -42,15 +44,13 @@ def score_group(
     index: int,
     truth: str,
     rollouts: Sequence[Rollout],
-    texts: Sequence[str],
-    verifier: Callable[[str, str], dict],
+    scores: Sequence[Mapping[str, Any]],
     algo: AlgorithmConfig,
     max_response_length: int,
 ) -> RolloutGroup:
-    """Score one prompt's G finished rollouts (texts: their decoded responses). Rewards are +1/-1 plus the soft
-    overlong penalty (if enabled); admission by dynamic sampling uses `accs`, the verifier's accuracy, never the
-    shaped reward."""
-    scores = [verifier(text, truth) for text in texts]
+    """Score one prompt's G finished rollouts (scores: each one's verifier result, {"score": +1 / -1, "acc", ...}).
+    Rewards are +1/-1 plus the soft overlong penalty (if enabled); admission by dynamic sampling uses `accs`, the
+    verifier's accuracy, never the shaped reward."""
     lengths = torch.tensor([len(r) for r in rollouts], dtype=torch.int64)
     penalties = torch.zeros(len(rollouts))
     if algo.overlong_penalty:
@@ -72,15 +72,17 @@ def score_group(
 
 
 class GroupScorer:
-    """Scores a finished group on the rank that generated it: its responses decoded by `tokenizer`, the verifier's
-    results, the overlong shaping of `algo` (score_group). The rollout stream's `score` hook."""
+    """Scores a finished group on the rank that generated it: each response through the environment (the verifier
+    as the single-turn one, envs/base.py: decoded by `tokenizer`, verified), the overlong shaping of `algo`
+    (score_group). The rollout stream's `score` hook."""
 
     def __init__(self, tokenizer: Any, verifier: Callable[[str, str], dict], algo: AlgorithmConfig, max_response: int):
         self.tokenizer, self.verifier, self.algo, self.max_response = tokenizer, verifier, algo, max_response
+        self.environment = SingleTurn(tokenizer=tokenizer, verifier=verifier)
 
     def __call__(self, position: int, index: int, truth: str, rollouts: list[Rollout]) -> RolloutGroup:
-        texts = self.tokenizer.batch_decode([r.response_ids for r in rollouts], skip_special_tokens=True)
-        return score_group(position, index, truth, rollouts, texts, self.verifier, self.algo, self.max_response)
+        scores = [self.environment.episode(truth).step(r.response_ids).details for r in rollouts]
+        return score_group(position, index, truth, rollouts, scores, self.algo, self.max_response)
 
 
 def row_index(groups: Sequence[GroupSummary]) -> list[tuple[int, int]]:

@@ -12,8 +12,8 @@ model wrote is decoded and re-encoded for training (an environment decodes a tur
 the verifier as an environment (one turn, then its score); "python_tool" (envs/python_tool.py) runs the model's
 Python tool calls in a sandbox between turns.
 
-Not wired into generation yet: the engines, the rollout stream and the trainer still run single-turn rollouts with
-the verifier directly (issue 40 items 2, 4-6).
+Training scores every response through "single_turn" (experience.GroupScorer); multi-turn generation, which
+"python_tool" needs, is not wired into the engines and the rollout stream yet (issue 40 items 2, 4-6).
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ class Episode(Protocol):
 
 class Environment(Protocol):
     def episode(self, ground_truth: str) -> Episode: ...
+
+
+def token_list(turn_ids: Sequence[int]) -> list[int]:
+    """A turn's ids as a list of ints (a Rollout's response_ids are an int32 tensor)."""
+    return turn_ids.tolist() if hasattr(turn_ids, "tolist") else [int(t) for t in turn_ids]
 
 
 ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
@@ -94,6 +99,6 @@ class _SingleTurnEpisode:
         self.env, self.truth = env, truth
 
     def step(self, turn_ids: Sequence[int]) -> Turn:
-        text = self.env.tokenizer.decode(list(turn_ids), skip_special_tokens=True)
+        text = self.env.tokenizer.decode(token_list(turn_ids), skip_special_tokens=True)
         result = self.env.verifier(text, self.truth)
         return Turn(True, reward=float(result["score"]), details={**result, "turns": 1, "stop": "answer"})

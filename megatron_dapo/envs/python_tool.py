@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_dapo.envs.base import Turn
 from megatron_dapo.envs.base import register_environment
+from megatron_dapo.envs.base import token_list
 from megatron_dapo.envs.sandbox import LocalSandbox
 from megatron_dapo.envs.tool_calls import FORMATS
 from megatron_dapo.envs.tool_calls import MalformedCall
@@ -82,7 +83,8 @@ class _ToolEpisode:
         env = self.env
         self.turns += 1
         self.tokens += len(turn_ids)
-        text = env.tokenizer.decode(list(turn_ids), skip_special_tokens=True)
+        turn_ids = token_list(turn_ids)
+        text = env.tokenizer.decode(turn_ids, skip_special_tokens=True)
         calls = parse_tool_calls(text, env.formats)
         stop = "answer" if not calls else "max_turns" if self.turns >= env.max_turns else None
         if stop is None and self.tokens >= env.max_tokens:
