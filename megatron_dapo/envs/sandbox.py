@@ -51,6 +51,10 @@ CPU_EXIT = 152
 so the status survives `unshare`, which cannot re-raise the signal."""
 
 
+MAX_STDIN = 65536
+"""Largest stdin of a local call (one pipe buffer: written whole before the output is read)."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     """What one call may use."""
@@ -67,6 +71,11 @@ class SandboxLimits:
     """Largest file the code may write (RLIMIT_FSIZE)."""
     processes: int = 16
     """RLIMIT_NPROC for a non-root user (root ignores it; forks are refused by the policy hook anyway)."""
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"SandboxLimits.{name}: must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -179,7 +188,10 @@ class LocalSandbox:
         """The layers in effect on this machine."""
 
     def run(self, code: str, stdin: str = "") -> SandboxResult:
-        """Run `code` as a script (its own temporary directory as the working directory); returns its outcome."""
+        """Run `code` as a script (its own temporary directory as the working directory); returns its outcome.
+        stdin: at most MAX_STDIN bytes (written before the output is read: one pipe buffer)."""
+        if len(stdin.encode("utf-8")) > MAX_STDIN:
+            raise ValueError(f"LocalSandbox.run: stdin is over {MAX_STDIN} bytes")
         workdir = tempfile.mkdtemp(prefix="mdapo_sandbox_")
         try:
             with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:

@@ -133,3 +133,10 @@ def test_namespaces_isolate_the_call_when_the_machine_allows_them(box, monkeypat
     monkeypatch.setattr(sandbox, "namespace_prefix", lambda: None)
     with pytest.raises(RuntimeError, match="does not work here"):
         LocalSandbox(require_namespaces=True)
+
+
+def test_bad_limits_and_oversized_stdin_are_one_line_errors(box):
+    with pytest.raises(ValueError, match=r"SandboxLimits\.wall_s: must be a positive number, got 0"):
+        SandboxLimits(wall_s=0)
+    with pytest.raises(ValueError, match="stdin is over 65536 bytes"):
+        box.run("print(1)", stdin="x" * 70000)
