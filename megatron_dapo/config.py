@@ -329,7 +329,8 @@ class RolloutConfig:
     weight_sync_delta: bool = False
     """Changed-weights sync: each step sends only the weight elements whose value (in the dtype sent) changed since
     the engine's last update, a tensor in full where that is no smaller (rollout/delta.py; exact). The trainer keeps
-    a host copy of the sent weights. Colocated transformers engine; not with weight_dtype "fp8" or engine_ranks yet."""
+    a host copy of the sent weights (on a split launch actor rank 0 and each engine rank do). Transformers engine,
+    colocated or on a split launch's engine ranks; not with weight_dtype "fp8" yet."""
     weight_sync_full_every: int = 0
     """With weight_sync_delta, every N-th sync sends every tensor in full (0: only the first one and those after an
     engine restart or a failed sync)."""
@@ -415,11 +416,10 @@ class RolloutConfig:
         )
         if self.weight_sync_delta:
             _check(
-                self.mode in kind.delta_modes and self.weight_dtype == "auto" and not self.engine_ranks,
+                self.mode in kind.delta_modes and self.weight_dtype == "auto",
                 "rollout.weight_sync_delta",
-                f'implemented for engines {with_capability("delta")} with weight_dtype "auto" and no engine_ranks, '
-                f'not {self.engine} {self.mode} with weight_dtype "{self.weight_dtype}", '
-                f"engine_ranks {self.engine_ranks}",
+                f'implemented for engines {with_capability("delta")} (also split) with weight_dtype "auto", '
+                f'not {self.engine} {self.mode} with weight_dtype "{self.weight_dtype}"',
             )
 
 

@@ -96,7 +96,12 @@ class EngineRank:
                 c.rollout, c.actor.model_path, base_gpu_id=gpu, seed=c.trainer.seed,
                 max_context=-(-max_context // 64) * 64, routed_experts=routed,
             )  # fmt: skip
-            receiver = StagedReceiver(WeightChannel(placement, store, c.distributed.timeout_s))
+            channel = WeightChannel(placement, store, c.distributed.timeout_s)
+            if c.rollout.weight_sync_delta:  # the pushes carry changes: the full tensors are rebuilt here
+                from megatron_dapo.rollout.delta import DeltaDecoder
+
+                channel.decoder = DeltaDecoder()
+            receiver = StagedReceiver(channel)
         return cls(c, ctx, engine, receiver, Mailbox(store), beat, preempt)
 
     # ---------------------------------------------------------------------------------------------------- the loop

@@ -28,6 +28,7 @@ from typing import Any
 
 from megatron_dapo.evaluate import sample_scores
 from megatron_dapo.experience import GroupScorer
+from megatron_dapo.rollout.delta import DeltaEncoder
 from megatron_dapo.rollout.factory import engine_ranks
 from megatron_dapo.rollout.factory import sampling_params
 from megatron_dapo.rollout.stream import CarryEntry
@@ -321,6 +322,9 @@ class RemoteGeneration:
         )  # fmt: skip
         self.carry: list[dict[str, Any]] = []
         """The carry after the last committed step as the engine ranks sent it (checkpoint form)."""
+        r = ctx.config.rollout
+        self.encoder = DeltaEncoder(r.weight_sync_full_every) if r.weight_sync_delta and channel is not None else None
+        """rollout.weight_sync_delta: actor rank 0's copy of the last push (WeightChannel sends the changes)."""
         self._pending: Any = None
         self.groups: dict[str, RolloutGroup] = {}
 
@@ -399,7 +403,8 @@ class RemoteGeneration:
             from megatron_dapo.rollout.fp8 import quantize_named_tensors
 
             named = quantize_named_tensors(named)
-        metrics = self.channel.push(version, named, c.rollout.weight_sync_bucket_mb * 2**20)
+        delta = {"encoder": self.encoder} if self.encoder is not None else {}
+        metrics = self.channel.push(version, named, c.rollout.weight_sync_bucket_mb * 2**20, **delta)
         metrics["weight_sync/seconds"] = seconds = time.perf_counter() - start
         metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / seconds if seconds > 0 else 0.0
         return metrics

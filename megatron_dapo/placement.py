@@ -39,6 +39,9 @@ import torch.distributed as dist
 
 from megatron_dapo import wire
 from megatron_dapo.errors import JobError
+from megatron_dapo.rollout.delta import DeltaDecoder
+from megatron_dapo.rollout.delta import DeltaEncoder
+from megatron_dapo.rollout.delta import as_plain_tensors
 from megatron_dapo.rollout.stream import PeerWatch
 from megatron_dapo.rollout.types import GroupSummary
 from megatron_dapo.rollout.types import RolloutGroup
@@ -165,25 +168,51 @@ class WeightChannel:
         )  # fmt: skip
         self.version: int | None = None
         """The last version pushed (actor) or received (engine; StagedReceiver.loaded is the one in the engine)."""
+        self.decoder: DeltaDecoder | None = None
+        """An engine rank's, with rollout.weight_sync_delta: rebuilds the full tensors of a delta push."""
 
     # ----------------------------------------------------------------------------------------------- actor rank 0
-    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict:
+    def push(
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+        encoder: DeltaEncoder | None = None,
+    ) -> dict:
         """Send every (hf_name, full tensor) as weight `version` (actor rank 0; blocks until every engine has joined
-        and received). Returns {"weight_sync/bytes", "weight_sync/num_buckets", "weight_sync/num_tensors"}."""
+        and received). Returns {"weight_sync/bytes", "weight_sync/num_buckets", "weight_sync/num_tensors"}.
+        encoder (rollout.weight_sync_delta): each tensor goes as its changed elements against the previous push
+        (rollout/delta.py; the engine ranks' DeltaDecoder rebuilds the full tensors), "weight_sync/changed_fraction"
+        is added; a push that fails drops the encoder's base, so the next one is full."""
         if self.placement.is_engine:
             raise RuntimeError("WeightChannel.push: only actor rank 0 sends weights")
         _check_next_version("WeightChannel.push", version, self.version)
+        if encoder is not None:
+            encoder.start()
+        base = encoder.version if encoder is not None else None
+        if encoder is not None:
+            named_tensors = as_plain_tensors((n, encoder.encode(n, t, version)) for n, t in named_tensors)
+        self.store.set("base", "" if base is None else str(base))
         self.store.set("announced", str(version))
         total = buckets = tensors = 0
-        for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
-            header = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
-            payload = torch.cat([_as_bytes(t) for _, t in bucket])
-            self._send_header(header, payload.numel())
-            self._broadcast(payload)
-            total, buckets, tensors = total + payload.numel(), buckets + 1, tensors + len(bucket)
-        self._send_header(None, 0)
+        try:
+            for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
+                header = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
+                payload = torch.cat([_as_bytes(t) for _, t in bucket])
+                self._send_header(header, payload.numel())
+                self._broadcast(payload)
+                total, buckets, tensors = total + payload.numel(), buckets + 1, tensors + len(bucket)
+            self._send_header(None, 0)
+        except BaseException:
+            if encoder is not None:
+                encoder.reset()
+            raise
         self.version = version
-        return _push_metrics(total, buckets, tensors)
+        metrics = _push_metrics(total, buckets, tensors)
+        if encoder is not None:
+            encoder.version = version
+            metrics["weight_sync/changed_fraction"] = encoder.pop_fraction()
+        return metrics
 
     # ----------------------------------------------------------------------------------------------- engine ranks
     def pending(self) -> int | None:
@@ -194,10 +223,17 @@ class WeightChannel:
         return version if self.version is None or version > self.version else None
 
     def receive_buckets(self) -> tuple[int, list[list[tuple[str, torch.Tensor]]]]:
-        """Join the announced push; returns (version, its buckets of (hf_name, tensor)) without loading them."""
+        """Join the announced push; returns (version, its buckets of (hf_name, tensor)) without loading them. With a
+        `decoder` (rollout.weight_sync_delta), the buckets hold the full tensors it rebuilt."""
         version = self.pending()
         if version is None:
             raise RuntimeError("WeightChannel.receive_buckets: no push was announced")
+        if self.decoder is not None:
+            base = self.store.get("base").decode()
+            try:
+                self.decoder.begin(version, int(base) if base else None)
+            except ValueError as err:
+                raise JobError(str(err)) from None
         buckets = []
         while True:
             header, size = self._recv_header()
@@ -205,7 +241,15 @@ class WeightChannel:
                 break
             payload = torch.empty(size, dtype=torch.uint8)
             self._broadcast(payload)
-            buckets.append(_from_bytes(payload, header))
+            bucket = _from_bytes(payload, header)
+            if self.decoder is not None:
+                try:
+                    bucket = self.decoder.decode(bucket)
+                except ValueError as err:
+                    raise JobError(str(err)) from None
+            buckets.append(bucket)
+        if self.decoder is not None:
+            self.decoder.end()
         self.version = version
         return version, buckets
 
@@ -448,10 +492,13 @@ def _from_bytes(payload: torch.Tensor, header: list) -> list[tuple[str, torch.Te
     add up to the payload's bytes is a JobError."""
     out, offset = [], 0
     for name, dtype, shape in header:
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = torch.empty((), dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * size
         if offset + n > payload.numel():
             break
-        out.append((name, payload[offset : offset + n].view(dtype).reshape(shape)))
+        chunk = payload[offset : offset + n]
+        chunk = chunk.clone() if offset % size else chunk  # a view needs its dtype's alignment (a delta's int32
+        out.append((name, chunk.view(dtype).reshape(shape)))  # index after an odd count of bf16 values)
         offset += n
     if offset != payload.numel() or len(out) != len(header):
         raise JobError(

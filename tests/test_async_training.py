@@ -99,6 +99,25 @@ def test_lockstep_split_launch_is_the_colocated_job_and_resumes_after_a_kill(tin
 
 
 @pytest.mark.slow
+def test_delta_weight_sync_over_the_weight_channel_trains_as_the_colocated_job(tiny, tmp_path):
+    """rollout.weight_sync_delta on a split launch: actor rank 0 pushes each tensor's changes over the weight channel
+    and the engine rank rebuilds the full tensors (rollout/delta.py's DeltaDecoder) before loading them; the lockstep
+    run's samples, rewards, losses and evaluations are the colocated job's (only what the push sent differs)."""
+    colocated, split = tmp_path / "colocated", tmp_path / "split"
+    steps = ("--trainer.total_steps=2", "--trainer.eval_every=2")
+    _train(tiny, colocated, *steps, nproc=1)
+    done = _c10d(tiny, split, *steps, "--trainer.max_staleness=0", "--rollout.weight_sync_delta=true")
+    assert done.returncode == 0, _log(split)[-4000:]
+    rows = _metrics(split)
+    assert all(0.0 < r["weight_sync/changed_fraction"] <= 1.0 for r in rows[1:])
+
+    def without_sync(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.startswith("weight_sync/")} for r in _stable(rows)]
+
+    assert without_sync(rows) == without_sync(_metrics(colocated))
+
+
+@pytest.mark.slow
 def test_generation_runs_ahead_within_the_staleness_bound_and_resumes_after_preemption(tiny, tmp_path):
     # 3 ranks: the actor at TP=2 on ranks 0-1 (megatron's groups over the actor ranks only; both walk each export,
     # rank 0 pushes it) and the engine on rank 2, which runs up to 2 steps ahead. SIGTERM to torchrun once step 2 is

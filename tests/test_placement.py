@@ -46,3 +46,16 @@ def test_a_header_that_does_not_match_its_bytes_is_refused():
     ):
         with pytest.raises(JobError, match="does not match its 56 bytes"):
             _from_bytes(payload, bad)
+
+
+def test_a_bucket_of_mixed_dtypes_at_unaligned_offsets_reads_back():
+    """A delta push puts an int32 index after an odd count of bf16 values: each tensor reads back whole."""
+    import torch
+
+    from megatron_dapo.placement import _as_bytes
+    from megatron_dapo.placement import _from_bytes
+
+    parts = [torch.randn(3).to(torch.bfloat16), torch.arange(5, dtype=torch.int32), torch.randn(2, 3)]
+    payload = torch.cat([_as_bytes(t) for t in parts])
+    back = _from_bytes(payload, [(str(i), t.dtype, tuple(t.shape)) for i, t in enumerate(parts)])
+    assert all(torch.equal(t, got) for t, (_, got) in zip(parts, back, strict=True))

@@ -20,6 +20,8 @@ export dtype: 2 bytes per parameter in bf16).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +62,12 @@ def _bits(t: Tensor) -> Tensor:
 
 
 class DeltaEncoder:
-    """The sender's side: a copy of what the engine holds per tensor name, and the version it holds."""
+    """The sender's side: a copy of what the engine holds per tensor name, and the version it holds. full_every:
+    every full_every-th sync sends every tensor in full (rollout.weight_sync_full_every; 0: only when needed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, full_every: int = 0) -> None:
+        self.full_every = full_every
+        self.syncs = 0
         self.held: dict[str, Tensor] = {}
         """Per name, the last tensor the engine received (CPU, flat, the export dtype)."""
         self.version: int | None = None
@@ -75,6 +80,12 @@ class DeltaEncoder:
         failed sync, the full interval)."""
         self.held, self.version = {}, None
         self.changed = self.elements = 0
+
+    def start(self) -> None:
+        """A sync begins: counted, and at the full interval the copies are dropped (this sync goes in full)."""
+        self.syncs += 1
+        if self.full_every and self.syncs % self.full_every == 0:
+            self.reset()
 
     def encode(self, name: str, tensor: Tensor, version: int) -> WeightDelta:
         """`tensor` as sync `version` sends it: the changed elements against the engine's copy, or the full tensor
@@ -103,3 +114,67 @@ def apply_delta(target: Tensor, delta: WeightDelta) -> None:
     """Write a delta's values into `target` (a parameter or a view of one, any dtype) at its flat positions."""
     index = torch.unravel_index(delta.index.long(), target.shape)
     target.index_put_(index, delta.values.to(device=target.device, dtype=target.dtype))
+
+
+INDEX_SUFFIX = ".__delta_index__"
+VALUES_SUFFIX = ".__delta_values__"
+"""On a wire that carries plain (name, tensor) pairs (the split launch's weight channel), a delta of `name` travels
+as `name + INDEX_SUFFIX` (its int32 / int64 indices) followed by `name + VALUES_SUFFIX` (its values)."""
+
+
+def as_plain_tensors(entries: Iterable[tuple[str, WeightDelta]]) -> Iterator[tuple[str, Tensor]]:
+    """WeightDelta entries as plain (name, tensor) pairs for such a wire: a full tensor as itself, a delta as its
+    index and values under the suffixed names."""
+    for name, delta in entries:
+        if delta.index is None:
+            yield name, delta.values
+        else:
+            yield name + INDEX_SUFFIX, delta.index
+            yield name + VALUES_SUFFIX, delta.values
+
+
+class DeltaDecoder:
+    """The receiving side of a delta wire that loads full tensors (an engine rank of the split launch): it holds
+    each tensor as last received and turns the pairs of `as_plain_tensors` back into full tensors, so the engine
+    is always given whole tensors (a rebuilt engine too)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, Tensor] = {}
+        self.version: int | None = None
+        """The push whose tensors `held` are; None before the first (or after a push that did not complete)."""
+        self._pushing: int | None = None
+        self._index: tuple[str, Tensor] | None = None
+
+    def begin(self, version: int, base: int | None) -> None:
+        """Push `version` starts, computed against `base` (None: every tensor is full); until `end` the held tensors
+        are a mix of two versions. ValueError (one line) when its deltas are against a version this side does not
+        hold."""
+        if base is not None and base != self.version:
+            held = "no version" if self.version is None else f"version {self.version}"
+            raise ValueError(f"weight channel: push {version} is a delta against version {base} but this rank holds "
+                             f"{held}")  # fmt: skip
+        self.version, self._pushing, self._index = None, version, None
+
+    def decode(self, bucket: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+        """One received bucket of the push in progress -> its full tensors."""
+        out = []
+        for name, tensor in bucket:
+            if name.endswith(INDEX_SUFFIX):
+                self._index = (name[: -len(INDEX_SUFFIX)], tensor)
+                continue
+            if name.endswith(VALUES_SUFFIX):
+                name = name[: -len(VALUES_SUFFIX)]
+                if self._index is None or self._index[0] != name or name not in self.held:
+                    raise ValueError(f"weight channel: delta values of {name!r} without its index or its base tensor")
+                target = self.held[name]
+                target.view(-1)[self._index[1].long()] = tensor.to(target.dtype)
+                self._index = None
+                out.append((name, target))
+                continue
+            self.held[name] = tensor.detach().to("cpu").clone()
+            out.append((name, self.held[name]))
+        return out
+
+    def end(self) -> None:
+        """The push completed: the held tensors are its version."""
+        self.version = self._pushing

@@ -3,7 +3,7 @@ outside rollout/ branches on an engine's name (config checks, the start-up check
 Torch-free: the config reads it on any import path. How each engine is built is rollout/factory.py's.
 
     name           package   modes                  fp8 weights   split launch         routing (r3)   delta sync
-    transformers   (ours)    colocated              colocated     colocated (embedded)  yes            colocated
+    transformers   (ours)    colocated              colocated     colocated (embedded)  yes            colocated, split
     sglang         sglang    colocated, server      colocated     server (drives them)  yes            no
     vllm           vllm      colocated              no            no                    no             no
     (memory: every engine is planned with SGLang's rules)

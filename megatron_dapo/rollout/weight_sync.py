@@ -86,8 +86,7 @@ class WeightSync:
         self.bucket_bytes = bucket_bytes
         self.weight_dtype = weight_dtype
         """"auto": tensors as exported; "fp8": linear weights quantized per 128 x 128 block (rollout/fp8.py)."""
-        self.encoder = DeltaEncoder() if delta else None
-        self.full_every = full_every
+        self.encoder = DeltaEncoder(full_every) if delta else None
         self.num_syncs = 0
 
     def reset(self) -> None:
@@ -97,8 +96,7 @@ class WeightSync:
 
     def _encoded(self, named_tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, WeightDelta]]:
         """Every tensor as this sync's WeightDelta (full on the first sync, after a reset and every full_every)."""
-        if self.full_every and self.num_syncs % self.full_every == 0:
-            self.encoder.reset()
+        self.encoder.start()
         for name, tensor in named_tensors:
             yield name, self.encoder.encode(name, tensor, self.num_syncs)
 
