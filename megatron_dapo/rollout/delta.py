@@ -92,15 +92,17 @@ class DeltaEncoder:
         (no copy of this name, another shape or dtype, or a delta no smaller)."""
         new = tensor.detach().to("cpu").contiguous()
         old = self.held.get(name) if self.version is not None else None
-        self.held[name] = new.reshape(-1).clone()
         self.elements += new.numel()
         if old is None or old.numel() != new.numel() or old.dtype != new.dtype:
+            self.held[name] = new.reshape(-1).clone()  # the export may alias live parameters: a copy of its own
             self.changed += new.numel()
             return WeightDelta(version, None, None, new)
-        index = torch.nonzero(_bits(new) != _bits(old)).reshape(-1)
-        self.changed += index.numel()
-        index = index.to(torch.int32) if new.numel() < 2**31 else index
-        delta = WeightDelta(version, self.version, index, new.reshape(-1)[index.long()])
+        changed = torch.nonzero(_bits(new) != _bits(old)).reshape(-1)
+        values = new.reshape(-1)[changed]
+        old[changed] = values  # the copy becomes `new` in place: every other element already has its bits
+        self.changed += changed.numel()
+        index = changed.to(torch.int32) if new.numel() < 2**31 else changed
+        delta = WeightDelta(version, self.version, index, values)
         return delta if delta.nbytes < new.numel() * new.element_size() else WeightDelta(version, None, None, new)
 
     def pop_fraction(self) -> float:
