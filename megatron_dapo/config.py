@@ -657,6 +657,10 @@ class CheckpointConfig:
         _check_numbers(self, "checkpoint")
         _check(self.resume != "", "checkpoint.resume", 'must be "auto", "never" or a path')
 
+    def periodic(self, step: int) -> bool:
+        """Whether step `step` saves by save_every (the last step and a preemption save regardless)."""
+        return bool(self.save_every) and step % self.save_every == 0
+
 
 @dataclass(kw_only=True, slots=True)
 class DistributedConfig:

@@ -203,8 +203,8 @@ class DAPOTrainer:
             preempted = self.preempt.requested(self.groups.max_over_job)
             if preempted:
                 self.notice(f"step {self.step}: {self.preempt.notice(self.cfg.checkpoint.preempt_grace_s)}")
-            every, last_step = self.cfg.checkpoint.save_every, self.step == self.cfg.trainer.total_steps
-            if preempted or (every and self.step % every == 0) or last_step:
+            last_step = self.step == self.cfg.trainer.total_steps
+            if preempted or self.cfg.checkpoint.periodic(self.step) or last_step:
                 self.save(background=self.cfg.checkpoint.async_save and not (preempted or last_step),
                           final=preempted or last_step)  # fmt: skip
             self.test_hook("after_step")
@@ -256,8 +256,8 @@ class DAPOTrainer:
                 self.generation.commit()
                 if state.batch is not None:
                     self._update(state, timer)
-                every, c = self.cfg.checkpoint.save_every, self.cfg
-                if c.actor.offload != "none" and every and self.step % every == 0 and self.step < c.trainer.total_steps:
+                c = self.cfg
+                if c.actor.offload != "none" and c.checkpoint.periodic(self.step) and self.step < c.trainer.total_steps:
                     self._begin_save(c.checkpoint.async_save)  # a save before the end, where the state is (`save`)
         with self.memory.phase("sync"):
             if not state.interrupted:
