@@ -95,6 +95,10 @@ FIELD_RANGES: dict[str, Range] = {
     "algorithm.rollout_mis_low": Range(0, 1, "(]"),
     "algorithm.rollout_mis_high": Range(1, 1000),
     "reward.verify_timeout_s": Range(0, 3600, "(]"),
+    "reward.max_turns": Range(1, 1024),
+    "reward.max_tool_calls": Range(1, 1024),
+    "reward.tool_timeout_s": Range(0, 3600, "(]"),
+    "reward.tool_memory_mb": Range(16, 1 << 20),
     "rollout.tensor_parallel": Range(1, _MAX_PARALLEL),
     "rollout.max_response_length": Range(1, _MAX_TOKENS),
     # 0 (greedy) is not supported: the actor divides its logits by the temperature.
@@ -296,10 +300,32 @@ class RewardConfig:
     """"answer_line" (DAPO: the last "Answer:" line), "boxed" (last \\boxed{}) or "last_number"."""
     verify_timeout_s: float = 5.0
     """Time limit of one symbolic (math-verify) comparison, on any thread; past it the answer scores as wrong."""
+    environment: str = "single_turn"
+    """What a response is (megatron_dapo/envs/, docs/environments.md): "single_turn" (one model turn, verified) or
+    "python_tool" (multi-turn: the model's Python tool calls run in a sandbox between its turns; the trajectory,
+    model and observation tokens, is capped by rollout.max_response_length), or a name registered with
+    envs.base.register_environment."""
+    max_turns: int = 4
+    """Multi-turn: model turns in one trajectory; the last one is verified as it stands."""
+    max_tool_calls: int = 4
+    """Multi-turn: tool calls in one trajectory; further calls are answered with an error observation."""
+    tool_timeout_s: float = 10.0
+    """Multi-turn: wall-clock seconds of one tool call (the sandbox's CPU limit is the same, rounded up)."""
+    tool_memory_mb: int = 512
+    """Multi-turn: address space of one tool call, in MiB."""
+    sandbox_url: str = ""
+    """Multi-turn: a sandbox service's run_code URL (SandboxFusion's request shape, envs/sandbox.RemoteSandbox); ""
+    runs tool calls locally (envs/sandbox.LocalSandbox)."""
 
     def __post_init__(self) -> None:
         _check_numbers(self, "reward")
         _one_of(self.answer_format, ("answer_line", "boxed", "last_number"), "reward.answer_format")
+        _one_of_registered(self.environment, "reward.environment")
+
+    @property
+    def multi_turn(self) -> bool:
+        """The environment is driven turn by turn (its registration says so)."""
+        return bool(choices("reward.environment")[self.environment])
 
 
 @dataclass(kw_only=True, slots=True)
@@ -796,6 +822,12 @@ class RunConfig:
                 "from the weights its previous step made (on-policy, no overlap), k >= 1 from weights up to k updates "
                 "older (generation overlaps the update)",
             )
+        _check(
+            not (self.reward.multi_turn and r.partial),
+            "rollout.partial",
+            f"carrying unfinished responses across steps is not implemented for the multi-turn environment "
+            f"{self.reward.environment!r} (its episode state would be lost at the cut): set rollout.partial=false",
+        )
         if a.old_logp_source == "engine":
             _check(
                 r.compare_logprobs,

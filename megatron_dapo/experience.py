@@ -26,6 +26,7 @@ from megatron_dapo.algorithms import soft_overlong_penalty
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.batch import RoutedExperts
 from megatron_dapo.config import AlgorithmConfig
+from megatron_dapo.envs.base import EPISODE_COUNTS
 from megatron_dapo.envs.base import SingleTurn
 from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import Stats
@@ -49,9 +50,11 @@ def score_group(
     max_response_length: int,
 ) -> RolloutGroup:
     """Score one prompt's G finished rollouts (scores: each one's verifier result, {"score": +1 / -1, "acc", ...}).
-    Rewards are +1/-1 plus the soft overlong penalty (if enabled); admission by dynamic sampling uses `accs`, the
-    verifier's accuracy, never the shaped reward."""
-    lengths = torch.tensor([len(r) for r in rollouts], dtype=torch.int64)
+    Rewards are +1/-1 plus the soft overlong penalty (if enabled) of the model's tokens (a multi-turn trajectory's
+    observation tokens do not count); admission by dynamic sampling uses `accs`, the verifier's accuracy, never the
+    shaped reward. A multi-turn environment's counts in the scores (EPISODE_COUNTS) and the observation tokens of
+    each trajectory become RolloutGroup.episodes."""
+    lengths = torch.tensor([r.model_tokens for r in rollouts], dtype=torch.int64)
     penalties = torch.zeros(len(rollouts))
     if algo.overlong_penalty:
         penalties = soft_overlong_penalty(
@@ -68,20 +71,43 @@ def score_group(
         accs=torch.tensor([bool(s["acc"]) for s in scores]),
         rewards=torch.tensor([s["score"] for s in scores], dtype=torch.float32) + penalties,
         penalties=penalties,
+        episodes=episode_counts(rollouts, scores),
     )
 
 
+def episode_counts(rollouts: Sequence[Rollout], scores: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+    """name -> [G] fp32: each EPISODE_COUNTS value a multi-turn episode reported (0 where absent) and the
+    trajectory's observation tokens; {} when no score came from a multi-turn episode (no "tool_calls")."""
+    if not any("tool_calls" in s for s in scores):
+        return {}
+    out = {name: torch.tensor([float(s.get(name, 0)) for s in scores]) for name in EPISODE_COUNTS}
+    out["observation_tokens"] = torch.tensor([float(len(r) - r.model_tokens) for r in rollouts])
+    return out
+
+
 class GroupScorer:
-    """Scores a finished group on the rank that generated it: each response through the environment (the verifier
-    as the single-turn one, envs/base.py: decoded by `tokenizer`, verified), the overlong shaping of `algo`
-    (score_group). The rollout stream's `score` hook."""
+    """Scores a finished group on the rank that generated it: the overlong shaping of `algo` (score_group) over
+    each response's outcome. The rollout stream's `score` hook.
 
-    def __init__(self, tokenizer: Any, verifier: Callable[[str, str], dict], algo: AlgorithmConfig, max_response: int):
+    environment: the run's (envs/base.py; default the single-turn verifier, decoding with `tokenizer`). A single-turn
+    environment scores each response here; a multi-turn one (`multi_turn`) was driven turn by turn by the stream,
+    which passes each trajectory's final Turn as `outcomes`.
+    """
+
+    def __init__(
+        self, tokenizer: Any, verifier: Callable[[str, str], dict], algo: AlgorithmConfig, max_response: int,
+        environment: Any = None,
+    ) -> None:  # fmt: skip
         self.tokenizer, self.verifier, self.algo, self.max_response = tokenizer, verifier, algo, max_response
-        self.environment = SingleTurn(tokenizer=tokenizer, verifier=verifier)
+        self.environment = environment or SingleTurn(tokenizer=tokenizer, verifier=verifier)
 
-    def __call__(self, position: int, index: int, truth: str, rollouts: list[Rollout]) -> RolloutGroup:
-        scores = [self.environment.episode(truth).step(r.response_ids).details for r in rollouts]
+    def __call__(
+        self, position: int, index: int, truth: str, rollouts: list[Rollout], outcomes: Sequence[Any] | None = None
+    ) -> RolloutGroup:
+        if outcomes is None:
+            scores = [self.environment.episode(truth).step(r.response_ids).details for r in rollouts]
+        else:
+            scores = [turn.details for turn in outcomes]
         return score_group(position, index, truth, rollouts, scores, self.algo, self.max_response)
 
 
@@ -117,7 +143,8 @@ def rows_to_batch(
     """A right-padded ActorBatch of (rollout, group id) rows; rows of one group share their prompt.
 
     advantages, keep: [B] fp32 (keep 0 zeroes the row's loss_mask: overlong filtering). S = the longest row.
-    engine_logp is filled when every row has engine log-probs.
+    response_mask (and so loss_mask) is 0 on a multi-turn trajectory's observation tokens (Rollout.observations):
+    the model did not sample them. engine_logp is filled when every row has engine log-probs.
     """
     num = len(rows)
     seq_len = max((r.prompt_ids.numel() + len(r) for r, _ in rows), default=1)
@@ -129,7 +156,7 @@ def rows_to_batch(
         start, end = r.prompt_ids.numel(), r.prompt_ids.numel() + len(r)
         tokens[b, :start] = r.prompt_ids
         tokens[b, start:end] = r.response_ids
-        response_mask[b, start:end] = 1.0
+        response_mask[b, start:end] = r.model_mask().to(response_mask.dtype)  # observation tokens: 0
         if engine_logp is not None:
             engine_logp[b, start:end] = r.engine_logp
     return ActorBatch(
@@ -159,7 +186,24 @@ def sampled_response_metrics(groups: Sequence[GroupSummary]) -> dict[str, float]
         return {}
     cat = lambda key: torch.cat([getattr(g, key) for g in groups])
     truncated = torch.tensor([f is FinishReason.LENGTH for g in groups for f in g.finish])
-    return response_metrics(cat("lengths"), truncated, cat("rewards"), cat("accs"), cat("penalties"))
+    out = response_metrics(cat("lengths"), truncated, cat("rewards"), cat("accs"), cat("penalties"))
+    with_episodes = [g for g in groups if g.episodes]
+    if with_episodes:
+        counts = {name: torch.cat([g.episodes[name] for g in with_episodes]) for name in with_episodes[0].episodes}
+        out.update(episode_metrics(counts, torch.cat([g.rewards for g in with_episodes])))
+    return out
+
+
+def episode_metrics(counts: Mapping[str, Tensor], rewards: Tensor) -> dict[str, float]:
+    """The multi-turn metrics of a step's decided responses: "episode/<count>" means (turns, tool calls, errors,
+    timeouts, tool seconds, observation tokens) and the mean reward by number of tool calls
+    ("episode/reward_by_tool_calls/0", "/1", "/2+"; a bucket with no response is left out)."""
+    out = {f"episode/{name}": float(values.float().mean()) for name, values in counts.items()}
+    calls = counts["tool_calls"]
+    for label, chosen in (("0", calls == 0), ("1", calls == 1), ("2+", calls >= 2)):
+        if bool(chosen.any()):
+            out[f"episode/reward_by_tool_calls/{label}"] = float(rewards[chosen].float().mean())
+    return out
 
 
 def batch_stats(batch: ActorBatch, entropy: Tensor | None, correction: Stats, *, mismatch: bool = True) -> Stats:

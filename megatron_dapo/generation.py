@@ -70,11 +70,14 @@ class RolloutContext:
         """The context of a run: its dynamic sampler and its group scorer (the reward's verifier, the algorithm's
         overlong shaping) built from the config, as both the trainer and an engine rank use them."""
         from megatron_dapo.algorithms import DynamicSampler
+        from megatron_dapo.envs.base import environment_for_run
         from megatron_dapo.reward import Verifier
 
         sampler = DynamicSampler.from_config(config.algorithm, config.trainer)
         verifier = Verifier.from_config(config.reward)
-        scorer = GroupScorer(inputs.tokenizer, verifier, config.algorithm, config.rollout.max_response_length)
+        cap = config.rollout.max_response_length
+        env = environment_for_run(config.reward, tokenizer=inputs.tokenizer, verifier=verifier, max_tokens=cap)
+        scorer = GroupScorer(inputs.tokenizer, verifier, config.algorithm, cap, env)
         return cls(config, rank, world, exchange, inputs, sampler, scorer, stop, hook, log)
 
     def params(self):
@@ -88,7 +91,10 @@ class RolloutContext:
         c = self.config
         store = job_store(self.rank, self.world, self.exchange, c.distributed.timeout_s)
         config = StreamConfig.from_run(c, self.sampler.max_sampled_prompts, self.world)
-        return RolloutStream(engine, self.rank, self.exchange, store, config, StreamHooks(score=self.scorer, **hooks))
+        env = self.scorer.environment
+        episode = env.episode if env.multi_turn else None
+        hooks = StreamHooks(score=self.scorer, episode=episode, **hooks)
+        return RolloutStream(engine, self.rank, self.exchange, store, config, hooks)
 
     def run_stream(self, stream: RolloutStream, step: int, carry: list, carry_rows: dict) -> StreamResult:
         c = self.config

@@ -14,6 +14,7 @@ SLOW_SAVE="N:SECONDS": step N's checkpoint sleeps SECONDS after its files are wr
 SLOW_GEN="N:SECONDS": during step N's generation, every fresh prompt the stream starts takes SECONDS longer.
 SLOW_LOGP="N:SECONDS": after step N's log-probs pass, before its update, the step sleeps SECONDS more.
 Each slow hook prints a "test hook: ..." notice (rank 0) when it starts sleeping.
+The environment "scripted_turns" (tests/_scripted_env.py) is registered for multi-turn runs of the random model.
 MEGATRON_DAPO_ENGINE_KILL="SEED:COUNT": each rank's embedded engine dies COUNT times in the run while the rollout
     stream drives it, at the rank's engine steps (counted over the run) drawn from Random(SEED, rank) in
     1..ENGINE_KILL_SPAN: its model is dropped (everything in flight is lost) and the step raises EngineDied, as a
@@ -116,6 +117,7 @@ if __name__ == "__main__":
     from megatron_dapo.actor.cpu_compat import import_megatron_core
 
     import_megatron_core()  # before the trainer imports it (as cli.train does)
+    import tests._scripted_env  # noqa: F401  (registers reward.environment "scripted_turns")
     from megatron_dapo.engine_rank import EngineRank
     from megatron_dapo.trainer import DAPOTrainer
 

@@ -270,3 +270,22 @@ def test_sigterm_saves_and_exits_zero(tiny, tmp_path):
     assert checkpoints and (checkpoints[-1] / "COMPLETE").exists()
     last_step = _metrics(run_dir)[-1]["step"]
     assert checkpoints[-1].name == f"step_{last_step:08d}" and last_step < 1000
+
+
+@pytest.mark.slow
+def test_multi_turn_environment_trains_on_its_trajectories(tiny, tmp_path):
+    """reward.environment "scripted_turns" (tests/_scripted_env.py: a fixed tool message after each of the first two
+    turns that stopped on their own) under torchrun: trajectories of up to 3 model turns are generated, scored by
+    their episodes and trained on, observation tokens masked; metrics finite, the "episode/*" ones present."""
+    run_dir = tmp_path / "turns"
+    _train(tiny, run_dir, "--trainer.total_steps=2", "--reward.environment=scripted_turns",
+           "--rollout.max_response_length=32", "--algorithm.overlong_buffer=8", "--trainer.eval_every=0")  # fmt: skip
+    rows = [r for r in _metrics(run_dir) if r["step"] >= 1]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        missing = [k for k in STEP_METRICS if k not in row or row[k] is None or not math.isfinite(row[k])]
+        assert not missing, f"step {row['step']}: missing or non-finite {missing}"
+        assert row["train/responses"] > 0 and row["actor/skipped_steps"] == 0
+        assert 1.0 <= row["episode/turns"] <= 3.0 and row["episode/observation_tokens"] >= 0.0
+    assert max(r["episode/turns"] for r in rows) > 1.0  # some trajectories went past their first turn
+    assert all(r["rollout/logprob_mismatch_max"] < 1e-4 for r in rows[1:])  # engine and actor agree per model token

@@ -12,8 +12,13 @@ model wrote is decoded and re-encoded for training (an environment decodes a tur
 the verifier as an environment (one turn, then its score); "python_tool" (envs/python_tool.py) runs the model's
 Python tool calls in a sandbox between turns.
 
-Training scores every response through "single_turn" (experience.GroupScorer); multi-turn generation, which
-"python_tool" needs, is not wired into the engines and the rollout stream yet (issue 40 items 2, 4-6).
+    turn = episode.finish(stop)            no further turn can follow (the engine's cap, the trajectory's token
+                                           budget): done, verified as it stands, details["stop"] = stop
+
+Training: reward.environment names the environment (experience.GroupScorer builds it). A single-turn one scores each
+finished response when its group completes; a multi-turn one (`multi_turn` True) is driven by the rollout stream
+turn by turn (rollout/stream.py: each finished turn goes to its episode, an observation is appended to the
+trajectory with Rollout.observe and the next turn continues it on the engine as a prefix).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 from typing import Protocol
+
+from megatron_dapo.config import register_choices
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,19 @@ class Turn:
 class Episode(Protocol):
     def step(self, turn_ids: Sequence[int]) -> Turn: ...
 
+    def finish(self, stop: str) -> Turn: ...
+
 
 class Environment(Protocol):
+    multi_turn: bool
+    """Set by register_environment. False: one model turn, always done after it (nothing to drive turn by turn)."""
+
     def episode(self, ground_truth: str) -> Episode: ...
+
+
+EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds")
+"""The counts a multi-turn episode reports in its done Turn's details (0 where it has none), one value per response
+in RolloutGroup.episodes beside "observation_tokens" (counted on the trajectory); the step's "episode/*" metrics."""
 
 
 def token_list(turn_ids: Sequence[int]) -> list[int]:
@@ -58,32 +75,57 @@ ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
 """Environment name -> its factory (keyword arguments: tokenizer, verifier and its own options)."""
 
 
-def register_environment(name: str) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
-    """Class or factory decorator: `make_environment(name, ...)` builds it."""
+def register_environment(
+    name: str, *, multi_turn: bool
+) -> Callable[[Callable[..., Environment]], Callable[..., Environment]]:
+    """Class or factory decorator: `make_environment(name, ...)` builds it, and reward.environment accepts `name`.
+    multi_turn: whether the rollout stream drives its episodes turn by turn (set as the factory's `multi_turn`)."""
 
     def add(factory: Callable[..., Environment]) -> Callable[..., Environment]:
         if name in ENVIRONMENTS:
             raise ValueError(f"environment {name!r} is registered twice")
+        if name in BUILT_IN and BUILT_IN[name][1] != multi_turn:
+            raise ValueError(f"environment {name!r}: multi_turn={multi_turn} disagrees with envs.base.BUILT_IN")
+        factory.multi_turn = multi_turn
         ENVIRONMENTS[name] = factory
+        if name not in BUILT_IN:  # a user's environment (the built-in names are declared by megatron_dapo.choices)
+            register_choices("reward.environment", name, payload=multi_turn)
         return factory
 
     return add
 
 
-BUILT_IN = {"single_turn": "megatron_dapo.envs.base", "python_tool": "megatron_dapo.envs.python_tool"}
-"""The package's environments and the module that registers each (loaded on first use)."""
+BUILT_IN: dict[str, tuple[str, bool]] = {
+    "single_turn": ("megatron_dapo.envs.base", False),
+    "python_tool": ("megatron_dapo.envs.python_tool", True),
+}
+"""The package's environments: name -> (the module that registers it, loaded on first use; multi_turn)."""
+
+
+def _factory(name: str) -> Callable[..., Environment]:
+    if name not in ENVIRONMENTS and name in BUILT_IN:
+        importlib.import_module(BUILT_IN[name][0])
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"environment: unknown {name!r}; choose one of {sorted(set(ENVIRONMENTS) | set(BUILT_IN))}")
+    return ENVIRONMENTS[name]
 
 
 def make_environment(name: str, **kwargs: Any) -> Environment:
     """The registered environment `name` (ValueError naming the choices otherwise)."""
-    if name not in ENVIRONMENTS and name in BUILT_IN:
-        importlib.import_module(BUILT_IN[name])
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"environment: unknown {name!r}; choose one of {sorted(set(ENVIRONMENTS) | set(BUILT_IN))}")
-    return ENVIRONMENTS[name](**kwargs)
+    return _factory(name)(**kwargs)
 
 
-@register_environment("single_turn")
+def environment_for_run(reward: Any, *, tokenizer: Any, verifier: Callable[[str, str], dict], max_tokens: int):
+    """The run's environment, reward.environment: built by its factory's `from_config(reward, tokenizer=,
+    verifier=, max_tokens=)` when it has one (max_tokens: the trajectory's budget, rollout.max_response_length), by
+    the factory with the tokenizer and verifier otherwise."""
+    factory = _factory(reward.environment)
+    if hasattr(factory, "from_config"):
+        return factory.from_config(reward, tokenizer=tokenizer, verifier=verifier, max_tokens=max_tokens)
+    return factory(tokenizer=tokenizer, verifier=verifier)
+
+
+@register_environment("single_turn", multi_turn=False)
 class SingleTurn:
     """The verifier as an environment: one model turn, then its score (what training does today)."""
 
@@ -98,7 +140,11 @@ class _SingleTurnEpisode:
     def __init__(self, env: SingleTurn, truth: str) -> None:
         self.env, self.truth = env, truth
 
-    def step(self, turn_ids: Sequence[int]) -> Turn:
+    def step(self, turn_ids: Sequence[int], stop: str = "answer") -> Turn:
         text = self.env.tokenizer.decode(token_list(turn_ids), skip_special_tokens=True)
         result = self.env.verifier(text, self.truth)
-        return Turn(True, reward=float(result["score"]), details={**result, "turns": 1, "stop": "answer"})
+        return Turn(True, reward=float(result["score"]), details={**result, "turns": 1, "stop": stop})
+
+    def finish(self, stop: str) -> Turn:
+        """No turn was taken (step is always done after one): an empty answer."""
+        return self.step([], stop)

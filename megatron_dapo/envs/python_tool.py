@@ -7,6 +7,8 @@ trajectory ends at a turn without a call (its answer is verified) or at a budget
                                                   their observations joined -> one tool message, tokenised with the
                                                   chat template's turn markers -> observation ids, not done
         max_turns reached / max_tokens passed  -> done: verified as it stands, details["stop"] says which budget
+    finish(stop)                               -> done: the last turn verified as it stands (the stream calls it when
+                                                  no further turn fits the engine's cap), details["stop"] = stop
 
 Observation tokens: the chat template is rendered for [user, assistant (a sentinel), tool (the text)] with the
 generation prompt, and what follows the sentinel is the observation: the assistant turn's end marker (dropped when
@@ -15,6 +17,7 @@ the model's own stop token already closed it), the tool turn, the next assistant
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +26,8 @@ from megatron_dapo.envs.base import Turn
 from megatron_dapo.envs.base import register_environment
 from megatron_dapo.envs.base import token_list
 from megatron_dapo.envs.sandbox import LocalSandbox
+from megatron_dapo.envs.sandbox import RemoteSandbox
+from megatron_dapo.envs.sandbox import SandboxLimits
 from megatron_dapo.envs.tool_calls import FORMATS
 from megatron_dapo.envs.tool_calls import MalformedCall
 from megatron_dapo.envs.tool_calls import observation
@@ -43,7 +48,7 @@ def observation_text(tokenizer: Any, text: str, *, role: str = "tool", closed: b
     return tail[len(end) :] if closed and end and tail.startswith(end) else tail
 
 
-@register_environment("python_tool")
+@register_environment("python_tool", multi_turn=True)
 class PythonTool:
     """Options: sandbox (LocalSandbox by default; a RemoteSandbox works alike), max_turns (model turns in an episode),
     max_tool_calls (in an episode), max_tokens (model + observation tokens of an episode, the prompt excluded),
@@ -69,6 +74,16 @@ class PythonTool:
         self.max_turns, self.max_tool_calls, self.max_tokens = max_turns, max_tool_calls, max_tokens
         self.formats, self.role = formats, role
 
+    @classmethod
+    def from_config(cls, reward: Any, *, tokenizer: Any, verifier: Callable[[str, str], dict], max_tokens: int):
+        """From the run's reward section (max_turns, max_tool_calls, tool_timeout_s, tool_memory_mb, sandbox_url);
+        max_tokens: the trajectory's budget (rollout.max_response_length)."""
+        cpu_s = max(1, math.ceil(reward.tool_timeout_s))
+        limits = SandboxLimits(wall_s=reward.tool_timeout_s, cpu_s=cpu_s, memory_mb=reward.tool_memory_mb)
+        sandbox = RemoteSandbox(reward.sandbox_url, limits) if reward.sandbox_url else LocalSandbox(limits)
+        return cls(tokenizer=tokenizer, verifier=verifier, sandbox=sandbox, max_turns=reward.max_turns,
+                   max_tool_calls=reward.max_tool_calls, max_tokens=max_tokens)  # fmt: skip
+
     def episode(self, ground_truth: str) -> _ToolEpisode:
         return _ToolEpisode(self, ground_truth)
 
@@ -76,15 +91,16 @@ class PythonTool:
 class _ToolEpisode:
     def __init__(self, env: PythonTool, truth: str) -> None:
         self.env, self.truth = env, truth
-        self.turns = self.tool_calls = self.tool_errors = self.tokens = 0
+        self.turns = self.tool_calls = self.tool_errors = self.tool_timeouts = self.tokens = 0
         self.tool_seconds = 0.0
+        self.last_text = ""
 
     def step(self, turn_ids: Sequence[int]) -> Turn:
         env = self.env
         self.turns += 1
         self.tokens += len(turn_ids)
         turn_ids = token_list(turn_ids)
-        text = env.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        text = self.last_text = env.tokenizer.decode(turn_ids, skip_special_tokens=True)
         calls = parse_tool_calls(text, env.formats)
         stop = "answer" if not calls else "max_turns" if self.turns >= env.max_turns else None
         if stop is None and self.tokens >= env.max_tokens:
@@ -105,6 +121,7 @@ class _ToolEpisode:
             result = env.sandbox.run(code)
             self.tool_seconds += result.seconds
             self.tool_errors += result.status != "ok"
+            self.tool_timeouts += result.status in ("timeout", "cpu_limit")
             outputs.append(observation(result))
         closed = bool(turn_ids) and turn_ids[-1] == env.tokenizer.eos_token_id
         obs = observation_text(env.tokenizer, "\n\n".join(outputs), role=env.role, closed=closed)
@@ -112,8 +129,12 @@ class _ToolEpisode:
         self.tokens += len(ids)
         return Turn(False, observation_ids=ids)
 
+    def finish(self, stop: str) -> Turn:
+        """No further turn: the last one verified as it stands (its observation, if any, was not appended)."""
+        return self._done(self.last_text, stop)
+
     def _done(self, text: str, stop: str) -> Turn:
         result = self.env.verifier(text, self.truth)
         details = {**result, "turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
-                   "tool_seconds": self.tool_seconds, "stop": stop}  # fmt: skip
+                   "tool_timeouts": self.tool_timeouts, "tool_seconds": self.tool_seconds, "stop": stop}  # fmt: skip
         return Turn(True, reward=float(result["score"]), details=details)

@@ -297,6 +297,10 @@ class _Building:
     before: list[int]
     prefixes: list[Rollout]
     """What each response held when this step started it (carried tokens, or nothing): a lost request restarts here."""
+    episodes: list[Any] | None = None
+    """Multi-turn: each response's episode (StreamHooks.episode), begun again whenever the response (re)starts."""
+    outcomes: list[Any] = field(default_factory=list)
+    """Multi-turn: each finished trajectory's final Turn (reward and details), passed to the score hook."""
 
     def generated(self) -> int:
         return sum(len(r) - n for r, n in zip(self.rollouts, self.before) if r is not None)
@@ -362,7 +366,14 @@ class StreamConfig:
 class StreamHooks:
     """What the stream calls back into its owner.
 
-    score: (position, example index, truth, G finished rollouts) -> RolloutGroup (verifier + overlong shaping).
+    score: (position, example index, truth, G finished rollouts[, their final Turns when multi-turn]) -> RolloutGroup
+        (verifier or the episodes' outcomes + overlong shaping).
+    episode: (truth) -> a new episode of a multi-turn environment (envs/base.py), or None (single-turn): each turn the
+        engine finishes goes to its response's episode; not done, its observation is appended (Rollout.observe) and
+        the next turn is submitted with the trajectory as the prefix (token in, token out: the engine's ids and the
+        observation ids, never re-encoded text); done, or when the observation and a next turn no longer fit under
+        the cap (SamplingParams.max_new_tokens counts the whole trajectory: finish LENGTH, episode.finish("length")),
+        the trajectory is finished.
     stop: this rank's preemption flag; once any rank's is set the step stops everywhere (StreamResult.interrupted).
     restart: () -> a new engine for this rank, the dead one shut down (None: an engine failure ends the job).
     resync: (ranks whose engine was restarted) -> None, collective on every rank: the actor's weights into those
@@ -372,7 +383,8 @@ class StreamHooks:
         generates there: megatron_dapo/engine_rank.py); None: nothing.
     """
 
-    score: Callable[[int, int, str, list[Rollout]], RolloutGroup]
+    score: Callable[..., RolloutGroup]
+    episode: Callable[[str], Any] | None = None
     stop: Callable[[], bool] = lambda: False
     restart: Callable[[], Any] | None = None
     resync: Callable[[list[int]], None] | None = None
@@ -402,7 +414,7 @@ class RolloutStream:
         self.keep_estimate = c.expected_keep
         """Prior keep ratio of a step (the last step's kept / sampled; first: algorithm.expected_keep_ratio)."""
         self.timeout_s = c.timeout_s
-        self.score = h.score
+        self.score, self.episode = h.score, h.episode
         self._keys = 0
         self.restart, self.resync, self.log = h.restart, h.resync, h.log
         self.max_restarts, self.prompt_retries, self.engine_stall_s = c.max_restarts, c.prompt_retries, c.engine_stall_s
@@ -521,6 +533,8 @@ class _Run:
         g = self.s.group_size
         rows = rows or [_unfinished(prompt) for _ in range(g)]
         b = _Building(position, index, truth, key, prompt, [None] * g, [len(r) for r in rows], list(rows))
+        if self.s.episode is not None:
+            b.episodes, b.outcomes = [None] * g, [None] * g
         for k, prefix in enumerate(rows):
             if prefix.finish.finished:
                 b.rollouts[k] = prefix
@@ -537,6 +551,8 @@ class _Run:
         requests = []
         for k, r in enumerate(b.rollouts):
             if r is None:
+                if b.episodes is not None:
+                    b.episodes[k] = self.s.episode(b.truth)
                 prefix = b.prefixes[k]
                 seed = completion_seed(self.base, b.index, k)
                 requests.append(GenerationRequest((b.position, k), b.prompt, seed, prefix if len(prefix) else None))
@@ -547,12 +563,42 @@ class _Run:
         del self.building[b.position]
         self.s.retries.pop(b.key, None)
         self.tokens += b.generated()
-        group = self.s.score(b.position, b.index, b.truth, list(b.rollouts))
+        if b.episodes is None:
+            group = self.s.score(b.position, b.index, b.truth, list(b.rollouts))
+        else:
+            group = self.s.score(b.position, b.index, b.truth, list(b.rollouts), list(b.outcomes))
         self.groups[b.key] = group
         summary = group.summary(self.s.rank, b.key)
         self.queue.publish(b.position, summary)
         self.published.append(b.position)
         self.offer(b.position, summary)
+
+    def finished(self, b: _Building, k: int, rollout: Rollout) -> None:
+        """Response k of `b` came back finished; multi-turn, only when its trajectory ended (`next_turn`)."""
+        if b.episodes is not None and not self.next_turn(b, k, rollout):
+            return
+        b.rollouts[k] = rollout
+        if all(r is not None for r in b.rollouts):
+            self.complete(b)
+
+    def next_turn(self, b: _Building, k: int, rollout: Rollout) -> bool:
+        """Multi-turn: the episode reads the turn just finished. True: the trajectory ended (its final Turn kept in
+        b.outcomes); False: the observation was appended and the next turn submitted, seeded per turn."""
+        episode = b.episodes[k]
+        turn = episode.step(rollout.response_ids[rollout.turn_start :])
+        if not turn.done:
+            room = self.params.max_new_tokens - len(rollout) - len(turn.observation_ids)
+            if rollout.finish is FinishReason.LENGTH or room < 1:
+                turn = episode.finish("length")
+                rollout.finish = FinishReason.LENGTH
+            else:
+                trajectory = rollout.observe(turn.observation_ids, self.s.engine.weight_version)
+                seed = completion_seed(self.base, b.index, k + self.s.group_size * len(trajectory.observations))
+                request = GenerationRequest((b.position, k), b.prompt, seed, trajectory)
+                self.s.engine.submit([request], self.params)
+                return False
+        b.outcomes[k] = turn
+        return True
 
     def take(self) -> None:
         """Start fresh positions while this rank's engine has room and the window allows: position p starts when
@@ -620,10 +666,7 @@ class _Run:
                     results = engine.step()
                     self.watch_engine(engine, bool(results))
                     for (position, k), rollout in results:
-                        b = self.building[position]
-                        b.rollouts[k] = rollout
-                        if all(r is not None for r in b.rollouts):
-                            self.complete(b)
+                        self.finished(self.building[position], k, rollout)
                     self.busy += time.perf_counter() - tick
                 else:
                     self.last_result = time.monotonic()

@@ -232,12 +232,13 @@ class TransformersEngine:
             self._routing.on = params.return_routed_experts
         for req in requests:
             done = 0 if req.prefix is None else len(req.prefix)
-            need = int(req.prompt_ids.numel()) + done + params.max_new_tokens
+            # The cap counts the prefix's tokens (a carried response, a multi-turn trajectory): prompt + cap at most.
+            need = int(req.prompt_ids.numel()) + max(done, params.max_new_tokens)
             if need > self._ensure_cache(need).capacity:
                 raise ValueError(
                     f"TransformersEngine: request {req.key!r} needs {need} positions (prompt {req.prompt_ids.numel()}"
-                    f" + generated {done} + cap {params.max_new_tokens}); the KV slots hold {self._cache.capacity} "
-                    "(max_context)"
+                    f" + cap {params.max_new_tokens}, {done} of them generated); the KV slots hold "
+                    f"{self._cache.capacity} (max_context)"
                 )
             self._waiting.append(req)
             key = self._context_key(req)

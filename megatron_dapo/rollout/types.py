@@ -63,6 +63,9 @@ class Rollout:
     routed_experts: [N, moe_layers, k] uint8 / int16 or None (SamplingParams.return_routed_experts, MoE models):
         the experts the engine routed each token of prompt + response to, positions 0..N-1 (N = P + L - 1: the last
         token is never fed back). A continued response carries the latest run's, which re-read the whole context.
+    observations: ((start, end), ...) in increasing order: response tokens [start, end) were not sampled by the model
+        but appended by a multi-turn environment (a tool's output in the chat format, envs/); their engine_logp is 0
+        and they are masked out of the loss and the log-prob metrics. Empty for a single-turn response.
     """
 
     prompt_ids: Tensor
@@ -71,6 +74,7 @@ class Rollout:
     finish: FinishReason
     segments: tuple[tuple[int, int], ...] = ()
     routed_experts: Tensor | None = None
+    observations: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         self.prompt_ids = _ids(self.prompt_ids)
@@ -91,10 +95,41 @@ class Rollout:
         starts = [s for s, _ in self.segments]
         if starts and (starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] > len(self)):
             raise ValueError(f"Rollout.segments: starts must be 0 < ... <= {len(self)}, got {starts}")
+        self.observations = tuple((int(a), int(b)) for a, b in self.observations)
+        bounds = [x for span in self.observations for x in span]
+        if bounds and (bounds != sorted(bounds) or bounds[-1] > len(self) or any(a >= b for a, b in self.observations)):
+            raise ValueError(f"Rollout.observations: spans must be ordered, non-empty and <= {len(self)}: {bounds}")
 
     def __len__(self) -> int:
         """Generated tokens, the stop token included."""
         return int(self.response_ids.numel())
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the model sampled (observation tokens excluded)."""
+        return len(self) - sum(b - a for a, b in self.observations)
+
+    @property
+    def turn_start(self) -> int:
+        """Where the model's current (last) turn starts: after the last observation (0 without one)."""
+        return self.observations[-1][1] if self.observations else 0
+
+    def model_mask(self) -> Tensor:
+        """[L] bool: True on the tokens the model sampled, False on observation tokens."""
+        mask = torch.ones(len(self), dtype=torch.bool)
+        for a, b in self.observations:
+            mask[a:b] = False
+        return mask
+
+    def observe(self, ids: Sequence[int] | Tensor, version: int) -> Rollout:
+        """This trajectory with an environment's observation tokens `ids` appended (engine log-prob 0, not trained
+        on), stamped with weight `version` like a continuation; finish ABORT (the model's next turn follows)."""
+        ids_t = _ids(ids)
+        logps = None if self.engine_logp is None else torch.zeros(ids_t.numel())
+        out = self.extend(ids_t, logps, version)
+        if ids_t.numel():
+            out.observations = (*self.observations, (len(self), len(out)))
+        return out
 
     @property
     def oldest_version(self) -> int | None:
@@ -120,7 +155,7 @@ class Rollout:
             logp = torch.cat([self.engine_logp, _logps(logps)])
         routed = routed_experts if routed_experts is not None else self.routed_experts
         response = torch.cat([self.response_ids, ids_t])
-        return Rollout(self.prompt_ids, response, logp, FinishReason.ABORT, segments, routed)
+        return Rollout(self.prompt_ids, response, logp, FinishReason.ABORT, segments, routed, self.observations)
 
     def routing_layers(self, layers: tuple[int, int] | None) -> Rollout:
         """This response with only MoE layers [first, first + count) of its routed_experts (what one pipeline stage
@@ -133,7 +168,9 @@ class Rollout:
         if first < 0 or count < 1 or first + count > routed.shape[1]:
             raise ValueError(f"Rollout.routing_layers: layers {first}..{first + count - 1} of {routed.shape[1]}")
         sliced = routed[:, first : first + count].contiguous()
-        return Rollout(self.prompt_ids, self.response_ids, self.engine_logp, self.finish, self.segments, sliced)
+        return Rollout(
+            self.prompt_ids, self.response_ids, self.engine_logp, self.finish, self.segments, sliced, self.observations
+        )
 
     def to_state(self) -> dict[str, Any]:
         """Plain containers and tensors (weights_only checkpoints)."""
@@ -144,6 +181,7 @@ class Rollout:
             "finish": self.finish.value,
             "segments": [list(s) for s in self.segments],
             "routed_experts": self.routed_experts,
+            "observations": [list(s) for s in self.observations],
         }
 
     @classmethod
@@ -155,6 +193,7 @@ class Rollout:
             FinishReason(state["finish"]),
             tuple(tuple(s) for s in state["segments"]),
             state.get("routed_experts"),
+            tuple(tuple(s) for s in state.get("observations", ())),
         )
 
 
@@ -192,6 +231,8 @@ class RolloutGroup:
     accs: [G] bool, the verifier's correctness (dynamic sampling admits on it, never on the shaped reward).
     rewards: [G] fp32, +1/-1 plus the overlong penalty.
     penalties: [G] fp32, the overlong penalty alone (0 without it).
+    episodes: a multi-turn environment's per-response counts, name -> [G] fp32 (envs.base.EPISODE_COUNTS and
+        observation_tokens); empty for single-turn responses.
     """
 
     index: int
@@ -201,6 +242,7 @@ class RolloutGroup:
     accs: Tensor
     rewards: Tensor
     penalties: Tensor
+    episodes: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def prompt_ids(self) -> Tensor:
@@ -220,6 +262,7 @@ class RolloutGroup:
             lengths=torch.tensor([len(r) for r in self.rollouts], dtype=torch.int64),
             finish=tuple(r.finish for r in self.rollouts),
             oldest_versions=tuple(r.oldest_version if r.oldest_version is not None else -1 for r in self.rollouts),
+            episodes=dict(self.episodes),
         )
 
     def to_state(self) -> dict[str, Any]:
@@ -231,6 +274,7 @@ class RolloutGroup:
             "accs": self.accs,
             "rewards": self.rewards,
             "penalties": self.penalties,
+            "episodes": dict(self.episodes),
         }
 
     @classmethod
@@ -243,6 +287,7 @@ class RolloutGroup:
             accs=state["accs"],
             rewards=state["rewards"],
             penalties=state["penalties"],
+            episodes=dict(state.get("episodes", {})),
         )
 
 
@@ -251,8 +296,8 @@ class RolloutGroup:
 class GroupSummary:
     """A scored group without its tokens (every rank receives it; the sampler, advantages, metrics and the row plan
     read only this). Fields as in RolloutGroup, plus owner and key (the rank holding the rows, and their key there),
-    prompt_len, lengths [G] int64 (response tokens, EOS included), finish (G FinishReasons) and oldest_versions (G
-    ints: the weight version of each response's first token)."""
+    prompt_len, lengths [G] int64 (response tokens, EOS and observation tokens included), finish (G FinishReasons)
+    and oldest_versions (G ints: the weight version of each response's first token)."""
 
     index: int
     position: int
@@ -267,6 +312,8 @@ class GroupSummary:
     oldest_versions: tuple[int, ...] = field(default=())
     dropped: bool = False
     """The group was given up: its prompt hit rollout.prompt_retries engine failures (no responses; never kept)."""
+    episodes: dict[str, Tensor] = field(default_factory=dict)
+    """RolloutGroup.episodes: a multi-turn environment's per-response counts (empty for single-turn responses)."""
 
     @classmethod
     def given_up(cls, index: int, position: int, owner: int, key: str, prompt_len: int) -> GroupSummary:

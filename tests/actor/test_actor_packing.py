@@ -34,7 +34,8 @@ def _budgets(layout: tuple[int, int]) -> tuple[int, ...]:
 
 
 def _skewed_batch(seed: int = 3) -> "ActorBatch":  # noqa: F821, UP037
-    """16 rows: prompts of 2-4 tokens, responses of 1-3 tokens except one of 48 (> 10x the mean of 5.2)."""
+    """16 rows: prompts of 2-4 tokens, responses of 1-3 tokens except one of 48 (> 10x the mean of 5.2); two hold
+    observation tokens (a multi-turn trajectory's tool output: response_mask 0 between model tokens)."""
     from megatron_dapo.batch import ActorBatch
 
     gen = torch.Generator().manual_seed(seed)
@@ -46,6 +47,9 @@ def _skewed_batch(seed: int = 3) -> "ActorBatch":  # noqa: F821, UP037
     for i, (p, r) in enumerate(zip(prompts, resp_lens, strict=True)):
         response[i, p : p + r] = 1.0
         tokens[i, p + r :] = 0
+    # Multi-turn trajectories: observation tokens inside a response are not the model's (response_mask 0 there).
+    response[7, prompts[7] + 10 : prompts[7] + 14] = 0.0
+    response[6, prompts[6] + 1] = 0.0
     loss_mask = response.clone()
     loss_mask[5] = 0.0  # an overlong-filtered response: in the batch, out of the loss
     advantages = torch.randn(len(resp_lens), generator=gen)

@@ -1,0 +1,253 @@
+"""Multi-turn trajectories through the rollout stream (issue 40 item 2): token in / token out.
+
+The trajectory the actor trains on is exactly the engine's sampled ids of each turn, in order, plus the observation
+ids the environment produced; observation tokens are masked out of the loss and carry engine log-prob 0; the
+python_tool environment runs a real sandboxed call between turns; the cap bounds the whole trajectory."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_dapo import wire
+from megatron_dapo.algorithms import DynamicSampler
+from megatron_dapo.config import AlgorithmConfig
+from megatron_dapo.config import ConfigError
+from megatron_dapo.config import RewardConfig
+from megatron_dapo.config import RolloutConfig
+from megatron_dapo.config import RunConfig
+from megatron_dapo.envs.base import Turn
+from megatron_dapo.envs.base import environment_for_run
+from megatron_dapo.envs.python_tool import observation_text
+from megatron_dapo.experience import GroupScorer
+from megatron_dapo.experience import rows_to_batch
+from megatron_dapo.experience import sampled_response_metrics
+from megatron_dapo.reward import make_verifier
+from megatron_dapo.rollout import FinishReason
+from megatron_dapo.rollout import Rollout
+from megatron_dapo.rollout import SamplingParams
+from megatron_dapo.rollout import TransformersEngine
+from megatron_dapo.rollout.base import request_result
+from tests.rollout._streams import make_stream
+from tests.rollout.conftest import EOS
+from tests.rollout.conftest import tiny_model
+
+
+def test_observation_spans_on_a_rollout():
+    r = Rollout([1, 2], [5, 6], [-0.5, -0.25], FinishReason.STOP, ((0, 3),))
+    t = r.observe([40, 41, 42], version=4)
+    assert t.response_ids.tolist() == [5, 6, 40, 41, 42] and t.observations == ((2, 5),) and t.turn_start == 5
+    assert t.engine_logp.tolist() == [-0.5, -0.25, 0.0, 0.0, 0.0] and t.finish is FinishReason.ABORT
+    assert t.segments == ((0, 3), (2, 4)) and t.model_tokens == 2
+    t = t.extend([7, 8], [-1.0, -2.0], 4)
+    assert t.observations == ((2, 5),) and t.model_mask().tolist() == [True, True, False, False, False, True, True]
+    assert Rollout.from_state(t.to_state()).observations == t.observations
+    assert wire.loads(wire.dumps(t)).observations == t.observations
+    assert t.routing_layers(None).observations == t.observations
+    assert Rollout.from_state({**r.to_state()}).observations == ()  # a checkpoint from before multi-turn
+    for bad in (((1, 1),), ((2, 9),), ((3, 4), (1, 2))):
+        with pytest.raises(ValueError, match="Rollout.observations"):
+            Rollout([1], [5, 6, 7, 8], None, FinishReason.STOP, observations=bad)
+
+
+class _OneThread:
+    """The stream's exchange on one rank."""
+
+    world_size = 1
+
+    def all_gather(self, items, what=""):
+        return list(items)
+
+
+def _run_stream(engine, episode, scorer, params, *, prompts, group_size, target):
+    stream = make_stream(
+        engine, 0, _OneThread(), dist.HashStore(), group_size=group_size, window=8, cap=0, partial=False,
+        timeout_s=60, score=scorer, episode=episode,
+    )  # fmt: skip
+    sampling = DynamicSampler(target_prompts=target, enabled=False, max_sampled_prompts=0).start()
+    fresh = lambda offset: prompts[offset % len(prompts)]
+    result = stream.run(1, sampling, params, 7, fresh, [], {})
+    stream.close()
+    return result
+
+
+class ScriptedEngine:
+    """A streaming engine whose "model" writes a scripted text per turn (turn = observations so far): the ids it
+    returns are recorded per request, so the test knows exactly what was sampled."""
+
+    def __init__(self, tok, turns: list[str]) -> None:
+        self.tok, self.turns, self.weight_version = tok, turns, 3
+        self.pending: list = []
+        self.sampled: dict = {}  # key -> [ids of each turn, as returned]
+
+    def submit(self, requests, params):
+        self.pending.extend(requests)
+
+    def free_slots(self):
+        return 8 - len(self.pending)
+
+    def num_unfinished(self):
+        return len(self.pending)
+
+    def step(self):
+        out = []
+        for req in self.pending:
+            turn = 0 if req.prefix is None else len(req.prefix.observations)
+            ids = self.tok.encode(self.turns[turn], add_special_tokens=False) + [self.tok.eos_token_id]
+            self.sampled.setdefault(req.key, []).append(ids)
+            logps = [-0.01 * (i + 1) for i in range(len(ids))]
+            out.append((req.key, request_result(req, ids, logps, FinishReason.STOP, self.weight_version)))
+        self.pending = []
+        return out
+
+    def abort(self):
+        return []
+
+
+def test_python_tool_trajectories_through_the_stream_are_the_sampled_ids(byte_tokenizer):
+    tok = byte_tokenizer
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(12 * 34)"}}</tool_call>'
+    engine = ScriptedEngine(tok, [f"Let me compute.\n{call}", "12 * 34 = 408\nAnswer: 408"])
+    reward = RewardConfig(environment="python_tool", tool_timeout_s=20)
+    env = environment_for_run(reward, tokenizer=tok, verifier=make_verifier("answer_line"), max_tokens=400)
+    scorer = GroupScorer(tok, None, AlgorithmConfig(overlong_penalty=False), 400, env)
+    prompts = [(10, "408", [5, 6, 7]), (11, "409", [5, 6, 8])]
+    params = SamplingParams(max_new_tokens=400)
+    result = _run_stream(engine, env.episode, scorer, params, prompts=prompts, group_size=2, target=2)
+
+    obs = tok.encode(observation_text(tok, "408"), add_special_tokens=False)  # the tool's stdout, one tool message
+    groups = [result.groups[s.key] for s in result.decided]
+    assert [g.index for g in groups] == [10, 11]
+    rows = []
+    for g in groups:
+        assert g.rewards.tolist() == ([1.0, 1.0] if g.truth == "408" else [-1.0, -1.0])
+        assert g.episodes["turns"].tolist() == [2.0, 2.0] and g.episodes["tool_calls"].tolist() == [1.0, 1.0]
+        assert g.episodes["observation_tokens"].tolist() == [float(len(obs))] * 2
+        for k, r in enumerate(g.rollouts):
+            first, second = engine.sampled[(g.position, k)]
+            assert r.response_ids.tolist() == first + obs + second  # byte for byte: sampled, observed, sampled
+            assert r.observations == ((len(first), len(first) + len(obs)),) and r.finish is FinishReason.STOP
+            expected_logp = [-0.01 * (i + 1) for i in range(len(first))] + [0.0] * len(obs)
+            expected_logp += [-0.01 * (i + 1) for i in range(len(second))]
+            torch.testing.assert_close(r.engine_logp, torch.tensor(expected_logp), rtol=0, atol=0)
+            rows.append((r, g.position))
+    batch = rows_to_batch(rows, torch.ones(len(rows)), torch.ones(len(rows)), pad_token_id=0)
+    for b, (r, _) in enumerate(rows):
+        p, n = len(r.prompt_ids), len(r)
+        assert batch.tokens[b, p : p + n].tolist() == r.response_ids.tolist()
+        assert batch.loss_mask[b, p : p + n].bool().tolist() == r.model_mask().tolist()
+    assert int(batch.loss_mask.sum()) == sum(r.model_tokens for r, _ in rows)  # the token-level loss's count
+    metrics = sampled_response_metrics(result.decided)
+    assert metrics["episode/tool_calls"] == 1.0 and metrics["episode/reward_by_tool_calls/1"] == 0.0
+
+
+class ThreeTurns:
+    """A scripted multi-turn environment: observations (60 + turn, 61, 62) after the first two turns, done after the
+    third; records every turn it was given."""
+
+    multi_turn = True
+
+    def __init__(self) -> None:
+        self.seen: list[list[list[int]]] = []
+        self.lock = threading.Lock()
+
+    def episode(self, truth: str):
+        turns = []
+        with self.lock:
+            self.seen.append(turns)
+
+        class _Episode:
+            def step(self, turn_ids):
+                turns.append(turn_ids.tolist())
+                if len(turns) < 3:
+                    return Turn(False, observation_ids=(60 + len(turns), 61, 62))
+                return self.finish("answer")
+
+            def finish(self, stop):
+                acc = sum(map(sum, turns)) % 2 == 0
+                details = {"score": 1.0 if acc else -1.0, "acc": acc, "turns": len(turns), "tool_calls": 0,
+                           "stop": stop}  # fmt: skip
+                return Turn(True, reward=details["score"], details=details)
+
+        return _Episode()
+
+
+class Recording:
+    """Wraps an engine; records every finished result's newly sampled ids (what the engine generated this turn)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.sampled, self.requests = engine, {}, {}
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, requests, params):
+        for r in requests:
+            self.requests[r.key] = 0 if r.prefix is None else len(r.prefix)
+        self.engine.submit(requests, params)
+
+    def step(self):
+        out = self.engine.step()
+        for key, r in out:
+            done = self.requests[key]
+            self.sampled.setdefault(key, []).append((r.response_ids[done:].tolist(), r.engine_logp[done:].clone()))
+        return out
+
+
+def _real_engine_run(max_running: int, cap: int):
+    engine = Recording(TransformersEngine(tiny_model("qwen2", seed=3), eos_token_ids=(EOS,), max_running=max_running,
+                                          max_context=64))  # fmt: skip
+    env = ThreeTurns()
+    scorer = GroupScorer(None, None, AlgorithmConfig(overlong_penalty=False), cap, env)
+    params = SamplingParams(max_new_tokens=cap, stop_token_ids=tuple(range(3, 30)), seed=None)
+    prompts = [(20 + i, "0", [1, 5 + i, 9]) for i in range(3)]
+    result = _run_stream(engine, env.episode, scorer, params, prompts=prompts, group_size=4, target=3)
+    return result, engine
+
+
+@pytest.mark.parametrize("cap", [40, 9])
+def test_real_engine_three_turns_token_in_token_out(cap):
+    result, engine = _real_engine_run(max_running=8, cap=cap)
+    turns_seen = []
+    for s in result.decided:
+        g = result.groups[s.key]
+        for k, r in enumerate(g.rollouts):
+            sampled = engine.sampled[(g.position, k)]
+            ids, logps, mask = [], [], []
+            for t, (turn, turn_logp) in enumerate(sampled):
+                ids += turn
+                logps.append(turn_logp)
+                mask += [True] * len(turn)
+                if t < len(r.observations):
+                    obs = [60 + t + 1, 61, 62]
+                    ids += obs
+                    logps.append(torch.zeros(3))
+                    mask += [False] * 3
+            assert r.response_ids.tolist() == ids  # the engine's ids of every turn, in order, and the observations
+            assert r.model_mask().tolist() == mask and r.model_mask()[-1]  # never ends on an observation
+            torch.testing.assert_close(r.engine_logp, torch.cat(logps), rtol=0, atol=0)
+            assert len(r) <= cap
+            turns_seen.append(len(sampled))
+            if r.finish is FinishReason.LENGTH:
+                assert len(r) == cap or len(sampled) < 3  # cut mid-turn at the cap, or no room for a next turn
+    if cap == 40:
+        assert max(turns_seen) == 3 and all(n == 3 for n in turns_seen)
+    else:
+        assert min(turns_seen) < 3  # the cap ends some trajectories early
+    again, _ = _real_engine_run(max_running=3, cap=cap)  # other batching: the same trajectories (batch-invariant)
+    for s, t in zip(result.decided, again.decided, strict=True):
+        for a, b in zip(result.groups[s.key].rollouts, again.groups[t.key].rollouts, strict=True):
+            assert a.response_ids.tolist() == b.response_ids.tolist() and a.observations == b.observations
+
+
+def test_multi_turn_config():
+    with pytest.raises(ConfigError, match=r"rollout.partial: carrying unfinished .* 'python_tool'"):
+        RunConfig(reward=RewardConfig(environment="python_tool"), rollout=RolloutConfig(partial=True))
+    with pytest.raises(ConfigError, match=r"reward.environment: must be one of \['python_tool', 'single_turn'\]"):
+        RewardConfig(environment="chess")
+    with pytest.raises(ConfigError, match=r"reward.max_turns: must be in"):
+        RewardConfig(max_turns=0)
+    assert RewardConfig(environment="python_tool").multi_turn and not RewardConfig().multi_turn
