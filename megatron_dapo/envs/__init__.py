@@ -10,6 +10,8 @@
     tool_calls.py  tool calls parsed from a model's turn (Hermes / Qwen <tool_call> JSON, fenced python blocks),
                    malformed ones answered with a one-line observation, the observation text of each outcome
 
-Not yet (issue 40): multi-turn trajectories in the engines, the rollout stream and the trainer (the environments are
-not used by training yet), the config section, metrics and the viewer, the CPU experiment.
+Training: reward.environment chooses one; a multi-turn one is driven turn by turn by the rollout stream
+(rollout/stream.py), its trajectories trained on token for token with the observation tokens masked
+(docs/environments.md). Not yet (issue 40): partial rollouts of multi-turn trajectories, multi-turn evaluation, the
+viewer, the CPU experiment.
 """
