@@ -95,6 +95,7 @@ FIELD_RANGES: dict[str, Range] = {
     "algorithm.rollout_mis_low": Range(0, 1, "(]"),
     "algorithm.rollout_mis_high": Range(1, 1000),
     "reward.verify_timeout_s": Range(0, 3600, "(]"),
+    "logging.trajectory_samples": Range(0, _MAX_COUNT),
     "reward.max_turns": Range(1, 1024),
     "reward.max_tool_calls": Range(1, 1024),
     "reward.tool_timeout_s": Range(0, 3600, "(]"),
@@ -721,8 +722,13 @@ class LoggingConfig:
     """Write TensorBoard event files to run_dir/tb."""
     plots: bool = True
     """Draw PNG curves into run_dir/plots at the end of the run."""
+    trajectory_samples: int = 0
+    """Responses of each step written readably to run_dir/trajectories/ (a jsonl per step and index.html; model turns
+    and observations apart, megatron_dapo/trajectories.py), sampled from the kept groups over the ranks that generated
+    them (on a split launch the engine ranks' groups are not gathered yet: the files stay empty); 0: none."""
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "logging")
         _one_of(self.console, ("rich", "plain", "none"), "logging.console")
 
 

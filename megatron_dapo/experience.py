@@ -27,6 +27,7 @@ from megatron_dapo.batch import ActorBatch
 from megatron_dapo.batch import RoutedExperts
 from megatron_dapo.config import AlgorithmConfig
 from megatron_dapo.envs.base import EPISODE_COUNTS
+from megatron_dapo.envs.base import STOPS
 from megatron_dapo.envs.base import SingleTurn
 from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import Stats
@@ -76,12 +77,15 @@ def score_group(
 
 
 def episode_counts(rollouts: Sequence[Rollout], scores: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
-    """name -> [G] fp32: each EPISODE_COUNTS value a multi-turn episode reported (0 where absent) and the
-    trajectory's observation tokens; {} when no score came from a multi-turn episode (no "tool_calls")."""
+    """name -> [G] fp32: each EPISODE_COUNTS value a multi-turn episode reported (0 where absent), the
+    trajectory's observation tokens and "stop/<reason>" (1 for the reason it ended, envs.base.STOPS); {} when no score
+    came from a multi-turn episode (no "tool_calls")."""
     if not any("tool_calls" in s for s in scores):
         return {}
     out = {name: torch.tensor([float(s.get(name, 0)) for s in scores]) for name in EPISODE_COUNTS}
     out["observation_tokens"] = torch.tensor([float(len(r) - r.model_tokens) for r in rollouts])
+    for stop in STOPS:
+        out[f"stop/{stop}"] = torch.tensor([float(s.get("stop") == stop) for s in scores])
     return out
 
 
@@ -196,7 +200,8 @@ def sampled_response_metrics(groups: Sequence[GroupSummary]) -> dict[str, float]
 
 def episode_metrics(counts: Mapping[str, Tensor], rewards: Tensor) -> dict[str, float]:
     """The multi-turn metrics of a step's decided responses: "episode/<count>" means (turns, tool calls, errors,
-    timeouts, tool seconds, observation tokens) and the mean reward by number of tool calls
+    timeouts, tool seconds, observation tokens; "episode/stop/<reason>": the share that ended so) and the mean reward
+    by number of tool calls
     ("episode/reward_by_tool_calls/0", "/1", "/2+"; a bucket with no response is left out)."""
     out = {f"episode/{name}": float(values.float().mean()) for name, values in counts.items()}
     calls = counts["tool_calls"]

@@ -61,6 +61,8 @@ from megatron_dapo.resume import run_checkpoints
 from megatron_dapo.resume import trainer_state
 from megatron_dapo.rollout.exchange import RolloutExchange
 from megatron_dapo.rollout.types import GroupSummary
+from megatron_dapo.trajectories import sample_records
+from megatron_dapo.trajectories import write_samples
 
 
 @dataclass
@@ -244,6 +246,8 @@ class DAPOTrainer:
             if not state.interrupted:
                 state.metrics.update(result.metrics)
                 state.metrics.update(sampled_response_metrics(result.decided))
+                if self.cfg.logging.trajectory_samples:
+                    self._write_samples(result.groups.values())
                 if result.kept:
                     state.batch, state.plan = self.route(result.kept)
         with self.memory.phase("log-probs"):
@@ -272,6 +276,15 @@ class DAPOTrainer:
         state.metrics["perf/tokens_per_s"] = generated / max(timer.seconds["step"], 1e-9)
         state.metrics["perf/gen_tokens_per_s"] = generated / max(timer.seconds["generate"], 1e-9)
         return {**state.metrics, **timer.metrics()}
+
+    def _write_samples(self, groups: Any) -> None:
+        """logging.trajectory_samples: each rank's sample of the kept groups it generated, gathered (collective);
+        rank 0 writes the first ones by example and sample (megatron_dapo/trajectories.py)."""
+        count = self.cfg.logging.trajectory_samples
+        records = self.exchange.all_gather(sample_records(groups, self.inputs.tokenizer, count), "trajectory samples")
+        if self.rank == 0:
+            chosen = sorted(records, key=lambda rec: (rec["sample"], rec["index"]))[:count]
+            write_samples(self.cfg.trainer.run_dir, self.step, chosen)
 
     def _abandoned(self, state: StepState) -> bool:
         """Whether a preemption signal reached any rank (collective: every rank asks at the same points)."""

@@ -279,7 +279,8 @@ def test_multi_turn_environment_trains_on_its_trajectories(tiny, tmp_path):
     their episodes and trained on, observation tokens masked; metrics finite, the "episode/*" ones present."""
     run_dir = tmp_path / "turns"
     _train(tiny, run_dir, "--trainer.total_steps=2", "--reward.environment=scripted_turns",
-           "--rollout.max_response_length=32", "--algorithm.overlong_buffer=8", "--trainer.eval_every=0")  # fmt: skip
+           "--rollout.max_response_length=32", "--algorithm.overlong_buffer=8", "--trainer.eval_every=0",
+           "--logging.trajectory_samples=64")  # fmt: skip
     rows = [r for r in _metrics(run_dir) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
@@ -287,5 +288,20 @@ def test_multi_turn_environment_trains_on_its_trajectories(tiny, tmp_path):
         assert not missing, f"step {row['step']}: missing or non-finite {missing}"
         assert row["train/responses"] > 0 and row["actor/skipped_steps"] == 0
         assert 1.0 <= row["episode/turns"] <= 3.0 and row["episode/observation_tokens"] >= 0.0
+        stops = sum(row[f"episode/stop/{stop}"] for stop in ("answer", "max_turns", "max_tokens", "length"))
+        assert stops == pytest.approx(1.0)  # every trajectory ended for one counted reason
     assert max(r["episode/turns"] for r in rows) > 1.0  # some trajectories went past their first turn
+    # The readable samples (gathered from the ranks): model turns and the scripted tool message, in order.
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.envs.python_tool import observation_text
+
+    tok = AutoTokenizer.from_pretrained(tiny["model"])
+    message = tok.decode(tok.encode(observation_text(tok, "7"), add_special_tokens=False), skip_special_tokens=False)
+    samples = [json.loads(x) for step in (1, 2) for x in (run_dir / "trajectories" / f"step_{step:08d}.jsonl").open()]
+    roles = [[p["role"] for p in rec["parts"]] for rec in samples]
+    assert len(samples) == sum(r["train/responses"] for r in rows)  # every kept response (64 asked for)
+    assert all(r[0] == r[-1] == "model" for r in roles) and any("observation" in r for r in roles)
+    assert all(p["text"] == message for rec in samples for p in rec["parts"] if p["role"] == "observation")
+    assert (run_dir / "trajectories" / "index.html").exists()
     assert all(r["rollout/logprob_mismatch_max"] < 1e-4 for r in rows[1:])  # engine and actor agree per model token

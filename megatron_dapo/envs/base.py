@@ -64,6 +64,10 @@ class Environment(Protocol):
 EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds")
 """The counts a multi-turn episode reports in its done Turn's details (0 where it has none), one value per response
 in RolloutGroup.episodes beside "observation_tokens" (counted on the trajectory); the step's "episode/*" metrics."""
+STOPS = ("answer", "max_turns", "max_tokens", "length")
+"""Why a multi-turn trajectory ended (its done Turn's details["stop"]): a turn without a tool call was verified, the
+turn budget, the environment's token budget, or the cap (rollout.max_response_length: a turn cut there, or no room
+for the observation and a next turn). Each is counted per response ("stop/<reason>" in RolloutGroup.episodes)."""
 
 
 def token_list(turn_ids: Sequence[int]) -> list[int]:

@@ -142,6 +142,7 @@ def test_python_tool_trajectories_through_the_stream_are_the_sampled_ids(byte_to
     assert int(batch.loss_mask.sum()) == sum(r.model_tokens for r, _ in rows)  # the token-level loss's count
     metrics = sampled_response_metrics(result.decided)
     assert metrics["episode/tool_calls"] == 1.0 and metrics["episode/reward_by_tool_calls/1"] == 0.0
+    assert metrics["episode/stop/answer"] == 1.0 and metrics["episode/stop/length"] == 0.0
 
 
 class ThreeTurns:
