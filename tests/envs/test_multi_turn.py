@@ -62,7 +62,7 @@ class _OneThread:
         return list(items)
 
 
-def _run_stream(engine, episode, scorer, params, *, prompts, group_size, target):
+def run_stream(engine, episode, scorer, params, *, prompts, group_size, target):
     stream = make_stream(
         engine, 0, _OneThread(), dist.HashStore(), group_size=group_size, window=8, cap=0, partial=False,
         timeout_s=60, score=scorer, episode=episode,
@@ -116,7 +116,7 @@ def test_python_tool_trajectories_through_the_stream_are_the_sampled_ids(byte_to
     scorer = GroupScorer(tok, None, AlgorithmConfig(overlong_penalty=False), 400, env)
     prompts = [(10, "408", [5, 6, 7]), (11, "409", [5, 6, 8])]
     params = SamplingParams(max_new_tokens=400)
-    result = _run_stream(engine, env.episode, scorer, params, prompts=prompts, group_size=2, target=2)
+    result = run_stream(engine, env.episode, scorer, params, prompts=prompts, group_size=2, target=2)
 
     obs = tok.encode(observation_text(tok, "408"), add_special_tokens=False)  # the tool's stdout, one tool message
     groups = [result.groups[s.key] for s in result.decided]
@@ -205,7 +205,7 @@ def _real_engine_run(max_running: int, cap: int):
     scorer = GroupScorer(None, None, AlgorithmConfig(overlong_penalty=False), cap, env)
     params = SamplingParams(max_new_tokens=cap, stop_token_ids=tuple(range(3, 30)), seed=None)
     prompts = [(20 + i, "0", [1, 5 + i, 9]) for i in range(3)]
-    result = _run_stream(engine, env.episode, scorer, params, prompts=prompts, group_size=4, target=3)
+    result = run_stream(engine, env.episode, scorer, params, prompts=prompts, group_size=4, target=3)
     return result, engine
 
 

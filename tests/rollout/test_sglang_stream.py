@@ -34,10 +34,11 @@ class Generator:
 
     TICK_S = 0.004
 
-    def __init__(self) -> None:
+    def __init__(self, stop_after: int = 0) -> None:
         self.epoch = 0  # calls are numbered 1, 2, ...
         self.aborted_upto = 0  # every call numbered up to this one was aborted
         self.seen: list[dict] = []
+        self.stop_after = stop_after  # > 0: a row's token number stop_after is EOS (2), finish "stop" (as no_stop_trim)
 
     def abort_all(self) -> None:
         self.aborted_upto = self.epoch
@@ -55,17 +56,22 @@ class Generator:
                 break
             if tick % every == every - 1:
                 for i, cap in enumerate(caps):
-                    if len(toks[i]) < cap:
-                        toks[i].append(10 + i + len(toks[i]))
+                    if len(toks[i]) < cap and not self._stopped(toks[i]):
+                        toks[i].append(2 if len(toks[i]) + 1 == self.stop_after else 10 + i + len(toks[i]))
             yield
-            if all(len(t) >= c for t, c in zip(toks, caps)):
+            if all(len(t) >= c or self._stopped(t) for t, c in zip(toks, caps)):
                 break
         outs = []
         for t, cap in zip(toks, caps):
             kind = {"type": "length", "length": cap} if len(t) >= cap else {"type": "abort", "message": "Aborted"}
+            if self._stopped(t):
+                kind = {"type": "stop", "matched": 2}
             meta = {"finish_reason": kind, "output_token_logprobs": [[-0.5, x, None] for x in t]}
             outs.append({"output_ids": t, "meta_info": meta})
         return outs
+
+    def _stopped(self, toks: list[int]) -> bool:
+        return self.stop_after > 0 and len(toks) == self.stop_after and toks[-1] == 2
 
 
 class FakeEngine:
@@ -421,3 +427,40 @@ def test_weight_version_spans_become_the_segments(spans, expected):
         return
     r = parse_sglang_output({"meta_info": meta}, req, True, 7)
     assert r.segments == expected and r.response_ids.tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("mode", ["colocated", "server"])
+def test_multi_turn_trajectories_go_to_sglang_as_token_ids(mode, request):
+    """Each next turn of a multi-turn trajectory is a continuation: SGLang gets input_ids = prompt + the trajectory
+    so far (the sampled ids and the observation ids, never text) and max_new_tokens = the cap it leaves; the result
+    keeps the observation spans, engine log-prob 0 on them and SGLang's per token on the model's turns."""
+    from megatron_dapo.config import AlgorithmConfig
+    from megatron_dapo.experience import GroupScorer
+    from tests.envs.test_multi_turn import ThreeTurns
+    from tests.envs.test_multi_turn import run_stream
+
+    if mode == "colocated":
+        gen = Generator(stop_after=3)
+        engine = colocated(gen)
+    else:
+        httpd, handler = request.getfixturevalue("server")
+        handler.gen = gen = Generator(stop_after=3)
+        engine = server_engine(httpd)
+    env = ThreeTurns()
+    scorer = GroupScorer(None, None, AlgorithmConfig(overlong_penalty=False), 30, env)
+    params = SamplingParams(max_new_tokens=30)
+    result = run_stream(engine, env.episode, scorer, params, prompts=[(5, "0", [1, 2, 3])], group_size=2, target=1)
+    group = result.groups[result.decided[0].key]
+    turn = lambda i: [10 + i, 11 + i, 2]  # row i of an SGLang call: two tokens, then its stop token
+    for r in group.rollouts:
+        assert r.finish is FinishReason.STOP and r.observations == ((3, 6), (9, 12))
+        turns = [r.response_ids[a:b].tolist() for a, b in ((0, 3), (6, 9), (12, 15))]
+        assert r.response_ids[3:6].tolist() == [61, 61, 62] and r.response_ids[9:12].tolist() == [62, 61, 62]
+        assert r.engine_logp.tolist() == [-0.5] * 3 + [0.0] * 3 + [-0.5] * 3 + [0.0] * 3 + [-0.5] * 3
+        assert all(t in (turn(0), turn(1)) for t in turns)
+    continuations = [b for b in gen.seen if len(b["input_ids"][0]) > 3]
+    assert len(continuations) >= 4  # two later turns of each response (more groups started than the one kept)
+    for body in continuations:
+        ids = body["input_ids"][0]
+        assert ids[:3] == [1, 2, 3] and body["sampling_params"][0]["max_new_tokens"] == 30 - (len(ids) - 3)
+        assert ids[6:9] == [61, 61, 62] and (len(ids) == 9 or ids[12:15] == [62, 61, 62])

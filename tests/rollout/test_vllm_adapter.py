@@ -199,3 +199,35 @@ def test_checkpoint_shapes_none_for_hub_ids(tmp_path):
     save_file({"a": torch.zeros(2, 3)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     save_file({"b": torch.zeros(4)}, str(tmp_path / "model-00002-of-00002.safetensors"))
     assert checkpoint_shapes(tmp_path) == {"a": (2, 3), "b": (4,)}
+
+
+def test_multi_turn_trajectories_go_to_vllm_as_token_ids(fake_vllm, tiny_llama_dir):
+    """A multi-turn trajectory's next turn reaches vLLM as prompt_token_ids = prompt + the trajectory so far (sampled
+    ids and observation ids) with max_tokens = the cap it leaves; each turn's ids and log-probs come back in place."""
+    from megatron_dapo.config import AlgorithmConfig
+    from megatron_dapo.experience import GroupScorer
+    from megatron_dapo.rollout import FinishReason
+    from tests.envs.test_multi_turn import ThreeTurns
+    from tests.envs.test_multi_turn import run_stream
+
+    engine = VLLMEngine(str(tiny_llama_dir[0]), dtype="float32", seed=5)
+    llm = FakeLLM.instances[0]
+    env = ThreeTurns()
+    scorer = GroupScorer(None, None, AlgorithmConfig(overlong_penalty=False), 60, env)
+    params = SamplingParams(max_new_tokens=60, stop_token_ids=tuple(range(3, 53, 4)))  # a turn stops within 4 tokens
+    result = run_stream(engine, env.episode, scorer, params, prompts=[(5, "0", [1, 4, 5])], group_size=2, target=1)
+    by_prompt = {tuple(req["prompt_token_ids"]): sp for req, sp in llm.requests}
+    for r in result.groups[result.decided[0].key].rollouts:
+        assert len(r.observations) == 2 and r.finish is FinishReason.STOP
+        ids = r.response_ids.tolist()
+        for (start, end), t in zip(r.observations, (1, 2), strict=True):
+            assert ids[start:end] == [60 + t, 61, 62] and r.engine_logp[start:end].tolist() == [0.0] * 3
+            sp = by_prompt[(1, 4, 5, *ids[:end])]  # the next turn's request: prompt + everything so far
+            assert sp.max_tokens == 60 - end
+        turns = [ids[: r.observations[0][0]], ids[r.observations[0][1] : r.observations[1][0]]]
+        turns.append(ids[r.observations[1][1] :])
+        for turn in turns:  # FakeLLM's turn: token t is (seed + t) % 50 + 3, log-prob -(t + 1) / 10
+            assert turn[-1] in params.stop_token_ids
+        for turn, start in zip(turns, (0, r.observations[0][1], r.observations[1][1]), strict=True):
+            logps = r.engine_logp[start : start + len(turn)].tolist()
+            assert logps == pytest.approx([-(t + 1) / 10 for t in range(len(turn))])
