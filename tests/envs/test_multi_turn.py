@@ -252,3 +252,48 @@ def test_multi_turn_config():
     with pytest.raises(ConfigError, match=r"reward.max_turns: must be in"):
         RewardConfig(max_turns=0)
     assert RewardConfig(environment="python_tool").multi_turn and not RewardConfig().multi_turn
+
+
+def _multi_turn_step(deaths: list[int]):
+    """One multi-turn stream step on one rank over tests/rollout's FakeEngine, whose engine dies at its step counts
+    `deaths` (restarted in place, re-synced); returns (result, the engines, each final trajectory's episode turns)."""
+    from tests.rollout.test_engine_restart import DyingEngine
+    from tests.rollout.test_stream import fresh
+
+    deaths = list(deaths)
+    engines = [DyingEngine(8, 0, deaths.pop(0) if deaths else None)]
+
+    def restart():
+        engines.append(DyingEngine(8, len(engines), deaths.pop(0) if deaths else None, synced=False))
+        return engines[-1]
+
+    def resync(ranks):
+        engines[-1].synced = True
+
+    env = ThreeTurns()
+    scorer = GroupScorer(None, None, AlgorithmConfig(overlong_penalty=False), 60, env)
+    stream = make_stream(
+        engines[0], 0, _OneThread(), dist.HashStore(), group_size=4, window=6, cap=60, partial=False, timeout_s=20,
+        score=scorer, episode=env.episode, restart=restart, resync=resync, max_restarts=10, prompt_retries=10,
+    )  # fmt: skip
+    rule = DynamicSampler(target_prompts=4, max_sampled_prompts=60, on_cap="partial")
+    result = stream.run(1, rule.start(), SamplingParams(max_new_tokens=60), 7, fresh, [], {})
+    stream.close()
+    return result, engines
+
+
+def test_an_engine_restart_mid_trajectory_starts_it_again_with_a_new_episode():
+    """Engines killed while trajectories are between turns: the lost trajectories restart from their first turn with
+    a fresh episode (an episode kept across the restart would count the lost turns), and the step keeps the same
+    trajectories as an uninterrupted one (seeds per turn)."""
+    expected, _ = _multi_turn_step([])
+    for deaths in ([3], [2, 9], [5, 6, 20]):
+        result, engines = _multi_turn_step(deaths)
+        assert result.metrics["stream/engine_restarts"] == len(engines) - 1 >= 1
+        got = [[r.response_ids.tolist() for r in result.groups[s.key].rollouts] for s in result.kept]
+        assert got == [[r.response_ids.tolist() for r in expected.groups[s.key].rollouts] for s in expected.kept]
+        for s in result.kept:
+            group = result.groups[s.key]
+            # Each outcome's episode saw exactly the turns its trajectory holds (one more than its observations).
+            assert group.episodes["turns"].tolist() == [1.0 + len(r.observations) for r in group.rollouts]
+        assert sum(len(r.observations) for s in result.kept for r in result.groups[s.key].rollouts) > 0
