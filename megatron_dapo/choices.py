@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from megatron_dapo.config import register_choices
 from megatron_dapo.envs.base import BUILT_IN as ENVIRONMENTS
+from megatron_dapo.trackers import TRACKERS
 
 LOGPROB_IMPLS = ("reference", "fused", "fused_cuda", "fused_linear")
 """actor.logprob_impl: the implementations of actor/loss.py (`register_logprob_impl`)."""
@@ -24,5 +25,6 @@ register_choices("actor.logprob_impl", *LOGPROB_IMPLS)
 register_choices("actor.loss_kernel", *LOSS_KERNELS)
 register_choices("algorithm.rollout_correction", *ROLLOUT_CORRECTIONS)
 register_choices("algorithm.rollout_correction_level", *ROLLOUT_CORRECTION_LEVELS)
+register_choices("logging.tracker", *TRACKERS)
 for _name, (_module, _multi_turn) in ENVIRONMENTS.items():  # reward.environment; payload: the stream drives its turns
     register_choices("reward.environment", _name, payload=_multi_turn)

@@ -722,6 +722,11 @@ class LoggingConfig:
     """Write TensorBoard event files to run_dir/tb."""
     plots: bool = True
     """Draw PNG curves into run_dir/plots at the end of the run."""
+    tracker: str = "none"
+    """An experiment tracker beside metrics.jsonl and TensorBoard: "none", "wandb" (offline without WANDB_API_KEY)
+    or "mlflow" (SQLite at run_dir/mlflow.db without MLFLOW_TRACKING_URI); megatron_dapo/trackers.py."""
+    tracker_project: str = "megatron_dapo"
+    """The W&B project / MLflow experiment of the run (the run is named after run_dir)."""
     trajectory_samples: int = 0
     """Responses of each step written readably to run_dir/trajectories/ (a jsonl per step and index.html; model turns
     and observations apart, megatron_dapo/trajectories.py), sampled from the kept groups over the ranks that generated
@@ -730,6 +735,8 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         _check_numbers(self, "logging")
         _one_of(self.console, ("rich", "plain", "none"), "logging.console")
+        _one_of_registered(self.tracker, "logging.tracker")
+        _check(bool(self.tracker_project.strip()), "logging.tracker_project", "must not be empty")
 
 
 SECTIONS: dict[str, type] = {

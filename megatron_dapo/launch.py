@@ -46,7 +46,8 @@ def preflight(config: Any, world_size: int) -> None:
 
     Covers: actor.tensor_parallel x pipeline_parallel dividing the world size (the actor's ranks of a split launch,
     rollout.engine_ranks), the model directory and its
-    config.json (attention and KV heads divisible by TP, layers by PP), the rollout engine's package, the data files,
+    config.json (attention and KV heads divisible by TP, layers by PP), the rollout engine's and the tracker's
+    packages, the data files,
     the network interfaces GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name (`check_socket_ifnames`).
     """
     a, engines = config.actor, config.rollout.engine_ranks
@@ -73,6 +74,10 @@ def preflight(config: Any, world_size: int) -> None:
         )
     _check_model(a.model_path, a.tensor_parallel, a.pipeline_parallel, a)
     _check_engine(config.rollout)
+    tracker = config.logging.tracker
+    if tracker != "none":
+        _check_package(tracker, f"logging.tracker={tracker}, but the {tracker} package", f"pip install {tracker}, or "
+                       "logging.tracker=none")  # fmt: skip
     check_socket_ifnames(os.environ)
     check_restart_store(os.environ)
     if not config.data.train_files:
@@ -134,6 +139,12 @@ def _check_engine(rollout: Any) -> None:
 
     engine = rollout.engine
     package = engine_kind(engine).needs_package(rollout.mode)
+    hint = f"pip install -e .[{engine}], or rollout.engine=transformers"
+    _check_package(package, f"rollout.engine={engine}, but the {engine} package", hint)
+
+
+def _check_package(package: str | None, what: str, hint: str) -> None:
+    """StartupError "<what> is not installed / cannot be imported (...); <hint>" unless `package` imports."""
     if package is None:
         return
     if importlib.util.find_spec(package) is None:
@@ -144,10 +155,7 @@ def _check_engine(rollout: Any) -> None:
             return
         except Exception as err:  # a broken install raises anything from its imports
             problem = f"cannot be imported ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-    raise StartupError(
-        f"rollout.engine={engine}, but the {engine} package {problem}; pip install -e .[{engine}], "
-        f"or rollout.engine=transformers"
-    )
+    raise StartupError(f"{what} {problem}; {hint}")
 
 
 def _check_model(model_path: str, tp: int, pp: int, actor: Any = None) -> None:

@@ -240,11 +240,14 @@ class MetricsLogger:
         jsonl: bool = True,
         tensorboard: bool = False,
         total_steps: int | None = None,
+        tracker: Any = None,
     ) -> None:
+        """tracker: a W&B / MLflow tracker (megatron_dapo/trackers.py) or None; closed with the logger."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
         self.total_steps = total_steps
+        self.tracker = tracker
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a") if jsonl else None
         self._tb = None
         if tensorboard:
@@ -269,6 +272,8 @@ class MetricsLogger:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self.tracker is not None:
+            self.tracker.log(step, metrics)
         line = format_step(step, metrics)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=line)
@@ -289,6 +294,8 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def metrics_row(step: int, metrics: dict[str, float]) -> dict[str, Any]:

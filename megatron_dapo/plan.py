@@ -270,6 +270,11 @@ class Assumptions:
     shard_imbalance: float = 0.5
     """Only the comparison with sequential rounds: how far the slowest of the static per-engine shards of a round
     ran behind the median (the rounds waited for it; the stream has no shards)."""
+    tool_calls_per_trajectory: float = 1.0
+    """Multi-turn environments (reward.environment python_tool): tool calls per trajectory."""
+    tool_seconds_per_call: float = 0.5
+    """Wall seconds of one tool call (a fresh sandboxed interpreter: ~0.1 s to start, the model's code after). The
+    stream runs a rank's calls one at a time in its loop, while its engine waits (docs/environments.md)."""
     dedicated_mem_fraction: float = 0.85
     """The async schedule only: SGLang's mem_fraction_static on GPUs the engine has to itself (weights + KV cache as a
     share of the memory left after its process; SGLang picks ~0.8-0.9 by GPU size when unset)."""
@@ -756,6 +761,11 @@ def step_times(
     sampled = tr.prompts_per_step / keep
     tail = 0.0 if getattr(ro, "partial", False) else ro.max_response_length / tps_seq
     times = {"generation": sampled * alg.group_size * mean_resp / rate + tail}
+    tools = 0.0
+    if getattr(getattr(config, "reward", None), "multi_turn", False):
+        # Each engine's rank runs its trajectories' tool calls one at a time in its stream loop; its engine waits.
+        tools = sampled * alg.group_size * a.tool_calls_per_trajectory * a.tool_seconds_per_call / max(engines, 1)
+        times["generation"] += tools
     # For comparison, the sequential rounds the stream replaced: every round waits for its slowest static shard and
     # for its own tail before the next one starts.
     rounds = max(1, math.ceil(sampled / tr.gen_prompts_per_batch))
@@ -768,6 +778,12 @@ def step_times(
         + f"; as sequential rounds it was {rounds_s:,.0f} s ({rounds} x (round x (1 + shard_imbalance "
         f"{a.shard_imbalance:g}) + tail))"
     }
+    if tools:
+        formulas["generation"] += (
+            f"; + tools {tools:,.0f} s ({sampled:.0f} x {alg.group_size} trajectories x "
+            f"{a.tool_calls_per_trajectory:g} calls x {a.tool_seconds_per_call:g} s / {engines} engines, one call at a "
+            "time per engine's rank)"
+        )
     # Tokens the actor computes per row: its real length when micro-batches are packed or cut to their longest row
     # after sorting by length (actor/packing.py); a config without actor.packing pads every row to the batch's
     # longest (assumed at the generation cap).

@@ -61,6 +61,7 @@ from megatron_dapo.resume import run_checkpoints
 from megatron_dapo.resume import trainer_state
 from megatron_dapo.rollout.exchange import RolloutExchange
 from megatron_dapo.rollout.types import GroupSummary
+from megatron_dapo.trackers import make_tracker
 from megatron_dapo.trajectories import sample_records
 from megatron_dapo.trajectories import write_samples
 
@@ -150,7 +151,8 @@ class DAPOTrainer:
         log = c.logging
         self.logger = (
             MetricsLogger(self.run_dir, console=log.console, jsonl=log.jsonl, tensorboard=log.tensorboard,
-                          total_steps=c.trainer.total_steps)
+                          total_steps=c.trainer.total_steps,
+                          tracker=make_tracker(log.tracker, self.run_dir, log.tracker_project, c.to_dict()))
             if self.rank == 0 else None
         )  # fmt: skip
 

@@ -774,3 +774,22 @@ def test_the_async_schedule_of_a_huge_world_is_bounded_and_agrees_with_the_full_
     full = make_plan(_config(CFG_7B), nodes=600, gpus_per_node=8, gpu_memory_gb=80).async_plan
     assert len(full.candidates) == 2399 and len(sampled.candidates) < len(full.candidates)
     assert (sampled.engine_gpus, sampled.step_s) == (full.engine_gpus, full.step_s)
+
+
+def test_multi_turn_tool_time_is_added_to_generation():
+    """reward.environment python_tool: each engine's rank runs its trajectories' tool calls one at a time, so the
+    generation phase grows by sampled prompts x G x calls per trajectory x seconds per call / engines."""
+    from megatron_dapo.plan import Assumptions
+
+    base = make_plan(_config(CFG_32B), nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    cfg = _config(CFG_32B, "--reward.environment=python_tool", "--rollout.partial=false")
+    a = Assumptions(tool_calls_per_trajectory=2.0, tool_seconds_per_call=0.25)
+    tools = make_plan(cfg, nodes=4, gpus_per_node=8, gpu_memory_gb=80, assumptions=a)
+    no_tools = make_plan(_config(CFG_32B, "--rollout.partial=false"), nodes=4, gpus_per_node=8, gpu_memory_gb=80,
+                         assumptions=a)  # fmt: skip
+    c = cfg
+    sampled = c.trainer.prompts_per_step / c.algorithm.expected_keep_ratio
+    engines = 32 // c.rollout.tensor_parallel
+    expected = sampled * c.algorithm.group_size * 2.0 * 0.25 / engines
+    assert tools.times_s["generation"] - no_tools.times_s["generation"] == pytest.approx(expected, rel=1e-12)
+    assert "+ tools" in tools.time_formulas["generation"] and "+ tools" not in base.time_formulas["generation"]
