@@ -37,6 +37,7 @@ def test_arms_data_and_commands(tmp_path):
 
 def test_summary_means_and_standard_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(exp, "OUT", tmp_path)
+    monkeypatch.setattr(exp, "RUNS", tmp_path)
     for seed, acc in ((0, 0.2), (1, 0.4)):
         run = tmp_path / f"tool_seed{seed}"
         run.mkdir()

@@ -9,7 +9,7 @@ on the same problems and seeds, DAPO on CPU with the main job's settings otherwi
 
     python tools/experiments/tool_use.py probe                 # sampling only: tool-call rate and accuracy, both arms
     python tools/experiments/tool_use.py run --steps 10 --seeds 0 1
-    -> results/tool_use/{probe.json, <arm>_seed<k>/metrics.jsonl, summary.md}
+    -> results/tool_use/{probe.json, summary.md}; runs/tool_use/<arm>_seed<k>/ (metrics.jsonl, trajectories/)
 
 Reported per arm: accuracy, the share of trajectories with a tool call, tool errors (steps 1..N of each run), mean
 over seeds with the standard error across seeds. The model is tiny; the summary says plainly what separates.
@@ -29,6 +29,9 @@ from megatron_dapo.dev.experiments import main_job_command
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "results" / "tool_use"
+"""probe.json and summary.md (committed)."""
+RUNS = ROOT / "runs" / "tool_use"
+"""Each arm's data and run directories (not committed: checkpoints and the final weights)."""
 MODEL = Path("~/.cache/megatron_dapo/smollm2-135m-instruct").expanduser()
 ARMS = ("tool", "no_tool")
 SHOTS = ((23, 417), (56, 208), (71, 934))
@@ -129,9 +132,9 @@ def arm_overrides(arm: str, data: Path) -> list[str]:
 def run(steps: int, seeds: list[int]) -> None:
     """Train each arm for `steps` steps per seed (the main job's launcher: torchrun, 2 ranks) and summarise."""
     for arm in ARMS:
-        data = write_data(arm, OUT / "data" / arm)
+        data = write_data(arm, RUNS / "data" / arm)
         for seed in seeds:
-            run_dir = OUT / f"{arm}_seed{seed}"
+            run_dir = RUNS / f"{arm}_seed{seed}"
             if (run_dir / "exit_code").exists():
                 continue  # done already (delete the folder to rerun)
             cmd = main_job_command(run_dir, steps, seed, arm_overrides(arm, data))
@@ -161,7 +164,7 @@ def summarise(seeds: list[int]) -> str:
         per_seed: dict[str, list[float]] = {k: [] for k in keys}
         steps, exits = 0, []
         for seed in seeds:
-            path = OUT / f"{arm}_seed{seed}" / "metrics.jsonl"
+            path = RUNS / f"{arm}_seed{seed}" / "metrics.jsonl"
             if not path.exists():
                 continue
             exits.append(
