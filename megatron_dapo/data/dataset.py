@@ -31,7 +31,9 @@ __all__ = [
     "prompt_token_ids",
 ]
 
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
+"""Message roles a prompt may hold ("tool": a tool's reply in few-shot turns for a multi-turn environment, rendered
+by the chat template as its environment's observations are, envs/python_tool.observation_text)."""
 
 
 @dataclass(slots=True)
