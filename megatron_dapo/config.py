@@ -304,8 +304,8 @@ class RewardConfig:
     environment: str = "single_turn"
     """What a response is (megatron_dapo/envs/, docs/environments.md): "single_turn" (one model turn, verified) or
     "python_tool" (multi-turn: the model's Python tool calls run in a sandbox between its turns; the trajectory,
-    model and observation tokens, is capped by rollout.max_response_length), or a name registered with
-    envs.base.register_environment."""
+    model and observation tokens, is capped by rollout.max_response_length; with rollout.partial an unfinished one is
+    carried mid-turn with its episode's state), or a name registered with envs.base.register_environment."""
     max_turns: int = 4
     """Multi-turn: model turns in one trajectory; the last one is verified as it stands."""
     max_tool_calls: int = 4
@@ -835,12 +835,6 @@ class RunConfig:
                 "from the weights its previous step made (on-policy, no overlap), k >= 1 from weights up to k updates "
                 "older (generation overlaps the update)",
             )
-        _check(
-            not (self.reward.multi_turn and r.partial),
-            "rollout.partial",
-            f"carrying unfinished responses across steps is not implemented for the multi-turn environment "
-            f"{self.reward.environment!r} (its episode state would be lost at the cut): set rollout.partial=false",
-        )
         if a.old_logp_source == "engine":
             _check(
                 r.compare_logprobs,

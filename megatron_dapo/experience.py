@@ -95,7 +95,7 @@ class GroupScorer:
 
     environment: the run's (envs/base.py; default the single-turn verifier, decoding with `tokenizer`). A single-turn
     environment scores each response here; a multi-turn one (`multi_turn`) was driven turn by turn by the stream,
-    which passes each trajectory's final Turn as `outcomes`.
+    which left each trajectory's outcome (its final Turn's reward and details) in Rollout.episode.
     """
 
     def __init__(
@@ -105,13 +105,14 @@ class GroupScorer:
         self.tokenizer, self.verifier, self.algo, self.max_response = tokenizer, verifier, algo, max_response
         self.environment = environment or SingleTurn(tokenizer=tokenizer, verifier=verifier)
 
-    def __call__(
-        self, position: int, index: int, truth: str, rollouts: list[Rollout], outcomes: Sequence[Any] | None = None
-    ) -> RolloutGroup:
-        if outcomes is None:
+    def __call__(self, position: int, index: int, truth: str, rollouts: list[Rollout]) -> RolloutGroup:
+        if not self.environment.multi_turn:
             scores = [self.environment.episode(truth).step(r.response_ids).details for r in rollouts]
         else:
-            scores = [turn.details for turn in outcomes]
+            missing = [k for k, r in enumerate(rollouts) if not (r.episode and "outcome" in r.episode)]
+            if missing:
+                raise RuntimeError(f"example {index}: multi-turn responses {missing} finished without an outcome")
+            scores = [r.episode["outcome"]["details"] for r in rollouts]
         return score_group(position, index, truth, rollouts, scores, self.algo, self.max_response)
 
 

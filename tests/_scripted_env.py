@@ -41,3 +41,9 @@ class _Episode:
         result = self.env.verifier(self.text, self.truth)
         details = {**result, "turns": self.turns, "tool_calls": self.turns - 1, "stop": stop}
         return Turn(True, reward=float(result["score"]), details=details)
+
+    def state(self) -> dict[str, Any]:
+        return {"turns": self.turns, "text": self.text}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.turns, self.text = state["turns"], state["text"]

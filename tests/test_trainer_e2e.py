@@ -305,3 +305,25 @@ def test_multi_turn_environment_trains_on_its_trajectories(tiny, tmp_path):
     assert all(p["text"] == message for rec in samples for p in rec["parts"] if p["role"] == "observation")
     assert (run_dir / "trajectories" / "index.html").exists()
     assert all(r["rollout/logprob_mismatch_max"] < 1e-4 for r in rows[1:])  # engine and actor agree per model token
+
+
+@pytest.mark.slow
+def test_multi_turn_partial_rollouts_resume_exactly(tiny, tmp_path):
+    """Multi-turn trajectories carried across steps (rollout.partial) mid-turn with their episodes' state, through a
+    checkpoint: one engine rank (the carry does not depend on timing), a kill -9 after the first step that carries
+    unfinished trajectories and a resume log the straight run's metrics."""
+    turns = ("--trainer.total_steps=4", "--reward.environment=scripted_turns", "--rollout.max_response_length=32",
+             "--algorithm.overlong_buffer=8", "--trainer.eval_every=0", "--rollout.partial=true",
+             "--rollout.max_inflight_prompts=8", "--rollout.max_running_requests=8")  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _train(tiny, straight, *turns, nproc=1)
+    rows = [r for r in _metrics(straight) if r["step"] >= 1]
+    carried = [r["step"] for r in rows if r.get("stream/groups_carried_unfinished", 0) > 0 and r["step"] < 4]
+    assert carried and max(r["episode/turns"] for r in rows) > 1.0, "nothing multi-turn was carried"
+    kill = carried[0]
+    assert _train(tiny, resumed, *turns, nproc=1, fault=f"after_step:{kill}", check=False).returncode != 0
+    state = torch.load(resumed / "checkpoints" / f"step_{kill:08d}" / "trainer_state.pt", weights_only=True)
+    held = [r["episode"] for g in state["carry"] for r in g["rollouts"] if r["finish"] == "abort" and r["episode"]]
+    assert held and all("turns" in e["state"] for e in held)  # unfinished trajectories saved with their episodes
+    _train(tiny, resumed, *turns, nproc=1)
+    assert _stable(_metrics(resumed)) == _stable(_metrics(straight))

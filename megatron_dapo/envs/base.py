@@ -14,6 +14,8 @@ Python tool calls in a sandbox between turns.
 
     turn = episode.finish(stop)            no further turn can follow (the engine's cap, the trajectory's token
                                            budget): done, verified as it stands, details["stop"] = stop
+    episode.state() / restore(state)       plain values: an unfinished trajectory carried across steps
+                                           (rollout.partial) continues its episode
 
 Training: reward.environment names the environment (experience.GroupScorer builds it). A single-turn one scores each
 finished response when its group completes; a multi-turn one (`multi_turn` True) is driven by the rollout stream
@@ -52,6 +54,14 @@ class Episode(Protocol):
     def step(self, turn_ids: Sequence[int]) -> Turn: ...
 
     def finish(self, stop: str) -> Turn: ...
+
+    def state(self) -> dict[str, Any]:
+        """Plain values (a checkpoint holds them): everything the episode learnt from its turns so far."""
+        ...
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a fresh episode of the same truth): a trajectory carried across steps."""
+        ...
 
 
 class Environment(Protocol):
@@ -152,3 +162,9 @@ class _SingleTurnEpisode:
     def finish(self, stop: str) -> Turn:
         """No turn was taken (step is always done after one): an empty answer."""
         return self.step([], stop)
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        pass

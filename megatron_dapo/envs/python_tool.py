@@ -133,6 +133,15 @@ class _ToolEpisode:
         """No further turn: the last one verified as it stands (its observation, if any, was not appended)."""
         return self._done(self.last_text, stop)
 
+    _STATE = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tokens", "tool_seconds", "last_text")
+
+    def state(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._STATE}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for name in self._STATE:
+            setattr(self, name, state[name])
+
     def _done(self, text: str, stop: str) -> Turn:
         result = self.env.verifier(text, self.truth)
         details = {**result, "turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,

@@ -298,9 +298,8 @@ class _Building:
     prefixes: list[Rollout]
     """What each response held when this step started it (carried tokens, or nothing): a lost request restarts here."""
     episodes: list[Any] | None = None
-    """Multi-turn: each response's episode (StreamHooks.episode), begun again whenever the response (re)starts."""
-    outcomes: list[Any] = field(default_factory=list)
-    """Multi-turn: each finished trajectory's final Turn (reward and details), passed to the score hook."""
+    """Multi-turn: each response's episode (StreamHooks.episode), begun again whenever the response (re)starts, from
+    the state its prefix carries (Rollout.episode["state"]) when it continues a carried trajectory."""
 
     def generated(self) -> int:
         return sum(len(r) - n for r, n in zip(self.rollouts, self.before) if r is not None)
@@ -366,14 +365,15 @@ class StreamConfig:
 class StreamHooks:
     """What the stream calls back into its owner.
 
-    score: (position, example index, truth, G finished rollouts[, their final Turns when multi-turn]) -> RolloutGroup
-        (verifier or the episodes' outcomes + overlong shaping).
+    score: (position, example index, truth, G finished rollouts) -> RolloutGroup (the verifier, or a multi-turn
+        episode's outcome on each rollout, Rollout.episode; + overlong shaping).
     episode: (truth) -> a new episode of a multi-turn environment (envs/base.py), or None (single-turn): each turn the
         engine finishes goes to its response's episode; not done, its observation is appended (Rollout.observe) and
         the next turn is submitted with the trajectory as the prefix (token in, token out: the engine's ids and the
         observation ids, never re-encoded text); done, or when the observation and a next turn no longer fit under
         the cap (SamplingParams.max_new_tokens counts the whole trajectory: finish LENGTH, episode.finish("length")),
-        the trajectory is finished.
+        the trajectory is finished with the outcome in Rollout.episode. With rollout.partial an unfinished trajectory
+        is carried mid-turn with its episode's state (episode.state(), restored with episode.restore()).
     stop: this rank's preemption flag; once any rank's is set the step stops everywhere (StreamResult.interrupted).
     restart: () -> a new engine for this rank, the dead one shut down (None: an engine failure ends the job).
     resync: (ranks whose engine was restarted) -> None, collective on every rank: the actor's weights into those
@@ -383,7 +383,7 @@ class StreamHooks:
         generates there: megatron_dapo/engine_rank.py); None: nothing.
     """
 
-    score: Callable[..., RolloutGroup]
+    score: Callable[[int, int, str, list[Rollout]], RolloutGroup]
     episode: Callable[[str], Any] | None = None
     stop: Callable[[], bool] = lambda: False
     restart: Callable[[], Any] | None = None
@@ -534,7 +534,7 @@ class _Run:
         rows = rows or [_unfinished(prompt) for _ in range(g)]
         b = _Building(position, index, truth, key, prompt, [None] * g, [len(r) for r in rows], list(rows))
         if self.s.episode is not None:
-            b.episodes, b.outcomes = [None] * g, [None] * g
+            b.episodes = [None] * g
         for k, prefix in enumerate(rows):
             if prefix.finish.finished:
                 b.rollouts[k] = prefix
@@ -551,9 +551,11 @@ class _Run:
         requests = []
         for k, r in enumerate(b.rollouts):
             if r is None:
+                prefix = b.prefixes[k]
                 if b.episodes is not None:
                     b.episodes[k] = self.s.episode(b.truth)
-                prefix = b.prefixes[k]
+                    if prefix.episode is not None and "state" in prefix.episode:  # a carried trajectory continues
+                        b.episodes[k].restore(prefix.episode["state"])
                 seed = completion_seed(self.base, b.index, k)
                 requests.append(GenerationRequest((b.position, k), b.prompt, seed, prefix if len(prefix) else None))
         self.s.engine.submit(requests, self.params)
@@ -563,10 +565,7 @@ class _Run:
         del self.building[b.position]
         self.s.retries.pop(b.key, None)
         self.tokens += b.generated()
-        if b.episodes is None:
-            group = self.s.score(b.position, b.index, b.truth, list(b.rollouts))
-        else:
-            group = self.s.score(b.position, b.index, b.truth, list(b.rollouts), list(b.outcomes))
+        group = self.s.score(b.position, b.index, b.truth, list(b.rollouts))
         self.groups[b.key] = group
         summary = group.summary(self.s.rank, b.key)
         self.queue.publish(b.position, summary)
@@ -582,8 +581,9 @@ class _Run:
             self.complete(b)
 
     def next_turn(self, b: _Building, k: int, rollout: Rollout) -> bool:
-        """Multi-turn: the episode reads the turn just finished. True: the trajectory ended (its final Turn kept in
-        b.outcomes); False: the observation was appended and the next turn submitted, seeded per turn."""
+        """Multi-turn: the episode reads the turn just finished. True: the trajectory ended (its outcome, the final
+        Turn's reward and details, in rollout.episode); False: the observation was appended and the next turn
+        submitted, seeded per turn."""
         episode = b.episodes[k]
         turn = episode.step(rollout.response_ids[rollout.turn_start :])
         if not turn.done:
@@ -597,7 +597,7 @@ class _Run:
                 request = GenerationRequest((b.position, k), b.prompt, seed, trajectory)
                 self.s.engine.submit([request], self.params)
                 return False
-        b.outcomes[k] = turn
+        rollout.episode = {"outcome": {"reward": float(turn.reward), "details": dict(turn.details)}}
         return True
 
     def take(self) -> None:
@@ -858,6 +858,9 @@ class _Run:
             self.tokens += b.generated()
             if s.partial or b.key in carried_in:
                 rows = [r if r is not None else b.prefixes[j] for j, r in enumerate(b.rollouts)]
+                for j, r in enumerate(rows):  # multi-turn: an aborted trajectory carries its episode's state
+                    if b.episodes is not None and r is b.rollouts[j] and not r.finish.finished:
+                        r.episode = {"state": b.episodes[j].state()}
                 carry_group(position, CarryEntry(b.index, b.truth, s.rank, b.key), rows)
             else:
                 wasted += b.generated()

@@ -66,6 +66,10 @@ class Rollout:
     observations: ((start, end), ...) in increasing order: response tokens [start, end) were not sampled by the model
         but appended by a multi-turn environment (a tool's output in the chat format, envs/); their engine_logp is 0
         and they are masked out of the loss and the log-prob metrics. Empty for a single-turn response.
+    episode: a multi-turn environment's record of this trajectory, plain values: {"outcome": {"reward", "details"}}
+        once it ended (what the group scorer uses), {"state": ...} on an unfinished trajectory carried across steps
+        (its episode's state after its last complete turn, restored when it continues); None otherwise. A
+        continuation (`extend`, `observe`) starts without one.
     """
 
     prompt_ids: Tensor
@@ -75,6 +79,7 @@ class Rollout:
     segments: tuple[tuple[int, int], ...] = ()
     routed_experts: Tensor | None = None
     observations: tuple[tuple[int, int], ...] = ()
+    episode: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = _ids(self.prompt_ids)
@@ -169,7 +174,14 @@ class Rollout:
             raise ValueError(f"Rollout.routing_layers: layers {first}..{first + count - 1} of {routed.shape[1]}")
         sliced = routed[:, first : first + count].contiguous()
         return Rollout(
-            self.prompt_ids, self.response_ids, self.engine_logp, self.finish, self.segments, sliced, self.observations
+            self.prompt_ids,
+            self.response_ids,
+            self.engine_logp,
+            self.finish,
+            self.segments,
+            sliced,
+            self.observations,
+            self.episode,
         )
 
     def to_state(self) -> dict[str, Any]:
@@ -182,6 +194,7 @@ class Rollout:
             "segments": [list(s) for s in self.segments],
             "routed_experts": self.routed_experts,
             "observations": [list(s) for s in self.observations],
+            "episode": self.episode,
         }
 
     @classmethod
@@ -194,6 +207,7 @@ class Rollout:
             tuple(tuple(s) for s in state["segments"]),
             state.get("routed_experts"),
             tuple(tuple(s) for s in state.get("observations", ())),
+            state.get("episode"),
         )
 
 

@@ -173,6 +173,12 @@ class ThreeTurns:
                            "stop": stop}  # fmt: skip
                 return Turn(True, reward=details["score"], details=details)
 
+            def state(self):
+                return {"turns": [list(t) for t in turns]}
+
+            def restore(self, state):
+                turns[:] = [list(t) for t in state["turns"]]
+
         return _Episode()
 
 
@@ -245,8 +251,8 @@ def test_real_engine_three_turns_token_in_token_out(cap):
 
 
 def test_multi_turn_config():
-    with pytest.raises(ConfigError, match=r"rollout.partial: carrying unfinished .* 'python_tool'"):
-        RunConfig(reward=RewardConfig(environment="python_tool"), rollout=RolloutConfig(partial=True))
+    carried = RunConfig(reward=RewardConfig(environment="python_tool"), rollout=RolloutConfig(partial=True))
+    assert carried.rollout.partial and carried.reward.multi_turn  # trajectories may be carried across steps
     with pytest.raises(ConfigError, match=r"reward.environment: must be one of \['python_tool', 'single_turn'\]"):
         RewardConfig(environment="chess")
     with pytest.raises(ConfigError, match=r"reward.max_turns: must be in"):
@@ -297,3 +303,44 @@ def test_an_engine_restart_mid_trajectory_starts_it_again_with_a_new_episode():
             # Each outcome's episode saw exactly the turns its trajectory holds (one more than its observations).
             assert group.episodes["turns"].tolist() == [1.0 + len(r.observations) for r in group.rollouts]
         assert sum(len(r.observations) for s in result.kept for r in result.groups[s.key].rollouts) > 0
+
+
+def test_partial_rollouts_carry_trajectories_mid_turn_with_their_episodes():
+    """rollout.partial: trajectories cut at a step's end are carried mid-turn with their episode's state
+    (Rollout.episode["state"], through a checkpoint's plain containers), continue in the next step from the same
+    tokens with the episode restored (its turns count on; not reset), and end with 3 turns as uninterrupted ones."""
+    engine = TransformersEngine(tiny_model("qwen2", seed=3), eos_token_ids=(EOS,), max_running=4, max_context=64)
+    env = ThreeTurns()
+    scorer = GroupScorer(None, None, AlgorithmConfig(overlong_penalty=False), 40, env)
+    stream = make_stream(
+        engine, 0, _OneThread(), dist.HashStore(), group_size=4, window=6, cap=0, partial=True, timeout_s=60,
+        score=scorer, episode=env.episode,
+    )  # fmt: skip
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=tuple(range(3, 30)))
+    prompts = [(20 + i, "0", [1, 5 + i, 9]) for i in range(8)]
+    fresh = lambda offset: prompts[offset % len(prompts)]
+    first = stream.run(1, DynamicSampler(target_prompts=1, enabled=False).start(), params, 7, fresh, [], {})
+    carried = {key: [Rollout.from_state(r.to_state()) for r in rows] for key, rows in first.carry_rows.items()}
+    unfinished = [r for rows in carried.values() for r in rows if not r.finish.finished and len(r)]
+    assert unfinished, "the cut left no trajectory in flight"
+    for r in unfinished:
+        # Each turn the episode read was followed by an observation (the trajectory went on).
+        assert len(r.episode["state"]["turns"]) == len(r.observations)
+    engine.weight_version = 1
+    second = stream.run(2, DynamicSampler(target_prompts=8, enabled=False).start(), params, 7, fresh, first.carry,
+                        carried)  # fmt: skip
+    stream.close()
+    continued = 0
+    for entry in first.carry:
+        group = second.groups.get(entry.key)
+        if group is None:
+            continue
+        for before, after in zip(carried[entry.key], group.rollouts, strict=True):
+            # Continued, not restarted: the carried tokens stay, the episode's turns count on.
+            assert after.response_ids[: len(before)].tolist() == before.response_ids.tolist()
+            assert after.episode["outcome"]["details"]["turns"] == 1 + len(after.observations)
+            if not before.finish.finished and len(before):
+                continued += 1
+                assert after.segments[-1][1] == 1
+                assert after.observations[: len(before.observations)] == before.observations
+    assert continued > 0
