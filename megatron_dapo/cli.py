@@ -391,6 +391,7 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
 
     from megatron_dapo.data import PromptDataset
     from megatron_dapo.data.dataset import prompt_token_ids
+    from megatron_dapo.envs.base import environment_for_run
     from megatron_dapo.evaluate import evaluate
     from megatron_dapo.inputs import prompt_settings
     from megatron_dapo.reward import Verifier
@@ -411,7 +412,9 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
         top_p=t.eval_top_p, return_logprobs=False,
     )  # fmt: skip
     truths = [ex.ground_truth for ex in examples]
-    return evaluate(engine, prompts, truths, Verifier.from_config(config.reward), params, tokenizer=tok)
+    verifier = Verifier.from_config(config.reward)
+    env = environment_for_run(config.reward, tokenizer=tok, verifier=verifier, max_tokens=params.max_new_tokens)
+    return evaluate(engine, prompts, truths, verifier, params, tokenizer=tok, environment=env)
 
 
 def convert(config, to: str, checkpoint: str | None, out: str) -> None:

@@ -57,11 +57,13 @@ def score_groups(scored: Sequence[Sequence[dict[str, Any]]], k: int) -> dict[str
 
 
 def sample_scores(
-    engine: Any, prompts: Sequence[list[int]], truths: Sequence[str], verifier: Any, tokenizer: Any, params: Any
-) -> list[list[dict[str, Any]]]:
+    engine: Any, prompts: Sequence[list[int]], truths: Sequence[str], verifier: Any, tokenizer: Any, params: Any,
+    environment: Any = None,
+) -> list[list[dict[str, Any]]]:  # fmt: skip
     """The evaluation driver (the trainer's evaluation and `megatron-dapo eval`): params.n responses per prompt from
-    `engine`, each scored by `verifier(text, truth)` on its decoded text. Returns one list of params.n verifier
-    results per prompt ([] without prompts: the engine is not called).
+    `engine`, each scored by `verifier(text, truth)` on its decoded text, or with a multi-turn `environment`
+    (reward.environment) driven turn by turn (rollout/turns.run_trajectories) and scored by its episodes' outcomes.
+    Returns one list of params.n results per prompt ([] without prompts: the engine is not called).
 
     Args:
         prompts: token ids per prompt (chat template applied). truths: ground truth per prompt.
@@ -71,6 +73,12 @@ def sample_scores(
     if not prompts:
         return []
     k = params.n
+    if environment is not None and environment.multi_turn:
+        from megatron_dapo.rollout.turns import run_trajectories
+
+        done = run_trajectories(engine, prompts, lambda i: environment.episode(truths[i]), params)
+        details = [r.episode["outcome"]["details"] for r in done]
+        return [details[i * k : (i + 1) * k] for i in range(len(prompts))]
     completions = engine.generate(list(prompts), params)
     scored = []
     for i, truth in enumerate(truths):
@@ -88,6 +96,7 @@ def evaluate(
     params: Any,
     *,
     tokenizer: Any,
+    environment: Any = None,
 ) -> dict[str, float]:
     """`sample_scores` aggregated by `score_groups` (avg@k, pass@k, cons@k with k = params.n)."""
-    return score_groups(sample_scores(engine, prompts, truths, verifier, tokenizer, params), params.n)
+    return score_groups(sample_scores(engine, prompts, truths, verifier, tokenizer, params, environment), params.n)

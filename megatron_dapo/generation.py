@@ -114,7 +114,8 @@ class RolloutContext:
             temperature=t.eval_temperature, top_p=t.eval_top_p, return_logprobs=False,
         )  # fmt: skip
         prompts, truths = [self.inputs.render(ex) for ex in mine], [ex.ground_truth for ex in mine]
-        return sample_scores(engine, prompts, truths, self.scorer.verifier, self.inputs.tokenizer, params)
+        verifier, env = self.scorer.verifier, self.scorer.environment
+        return sample_scores(engine, prompts, truths, verifier, self.inputs.tokenizer, params, env)
 
 
 def carry_entries(states: list[dict[str, Any]], owners: list[int], rank: int):

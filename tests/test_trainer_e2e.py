@@ -279,8 +279,10 @@ def test_multi_turn_environment_trains_on_its_trajectories(tiny, tmp_path):
     their episodes and trained on, observation tokens masked; metrics finite, the "episode/*" ones present."""
     run_dir = tmp_path / "turns"
     _train(tiny, run_dir, "--trainer.total_steps=2", "--reward.environment=scripted_turns",
-           "--rollout.max_response_length=32", "--algorithm.overlong_buffer=8", "--trainer.eval_every=0",
+           "--rollout.max_response_length=32", "--algorithm.overlong_buffer=8",
            "--logging.trajectory_samples=64")  # fmt: skip
+    evals = [r for r in _metrics(run_dir) if "eval/avg@4" in r]  # evaluation runs the trajectories too, steps 0, 2
+    assert [r["step"] for r in evals] == [0, 2] and all(0.0 <= r["eval/avg@4"] <= 1.0 for r in evals)
     rows = [r for r in _metrics(run_dir) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

@@ -12,6 +12,6 @@
 
 Training: reward.environment chooses one; a multi-turn one is driven turn by turn by the rollout stream
 (rollout/stream.py), its trajectories trained on token for token with the observation tokens masked
-(docs/environments.md), carried mid-turn across steps with rollout.partial; megatron_dapo/trajectories.py writes
-readable samples. Not yet (issue 40): multi-turn evaluation.
+(docs/environments.md), carried mid-turn across steps with rollout.partial, evaluated the same way
+(rollout/turns.py); megatron_dapo/trajectories.py writes readable samples.
 """

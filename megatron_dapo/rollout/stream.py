@@ -60,6 +60,8 @@ from megatron_dapo.rollout.base import EngineDied
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import completion_seed
 from megatron_dapo.rollout.exchange import ExchangeTimeout
+from megatron_dapo.rollout.turns import next_turn
+from megatron_dapo.rollout.turns import turn_seed
 from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import GroupSummary
@@ -581,24 +583,15 @@ class _Run:
             self.complete(b)
 
     def next_turn(self, b: _Building, k: int, rollout: Rollout) -> bool:
-        """Multi-turn: the episode reads the turn just finished. True: the trajectory ended (its outcome, the final
-        Turn's reward and details, in rollout.episode); False: the observation was appended and the next turn
-        submitted, seeded per turn."""
-        episode = b.episodes[k]
-        turn = episode.step(rollout.response_ids[rollout.turn_start :])
-        if not turn.done:
-            room = self.params.max_new_tokens - len(rollout) - len(turn.observation_ids)
-            if rollout.finish is FinishReason.LENGTH or room < 1:
-                turn = episode.finish("length")
-                rollout.finish = FinishReason.LENGTH
-            else:
-                trajectory = rollout.observe(turn.observation_ids, self.s.engine.weight_version)
-                seed = completion_seed(self.base, b.index, k + self.s.group_size * len(trajectory.observations))
-                request = GenerationRequest((b.position, k), b.prompt, seed, trajectory)
-                self.s.engine.submit([request], self.params)
-                return False
-        rollout.episode = {"outcome": {"reward": float(turn.reward), "details": dict(turn.details)}}
-        return True
+        """Multi-turn (rollout/turns.py): True when the trajectory ended (its outcome in rollout.episode); False when
+        its observation was appended and the next turn submitted, seeded per turn."""
+        cap, engine = self.params.max_new_tokens, self.s.engine
+        trajectory = next_turn(b.episodes[k], rollout, cap, engine.weight_version)
+        if trajectory is None:
+            return True
+        seed = turn_seed(self.base, b.index, k, self.s.group_size, len(trajectory.observations))
+        engine.submit([GenerationRequest((b.position, k), b.prompt, seed, trajectory)], self.params)
+        return False
 
     def take(self) -> None:
         """Start fresh positions while this rank's engine has room and the window allows: position p starts when

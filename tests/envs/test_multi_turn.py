@@ -344,3 +344,28 @@ def test_partial_rollouts_carry_trajectories_mid_turn_with_their_episodes():
                 assert after.segments[-1][1] == 1
                 assert after.observations[: len(before.observations)] == before.observations
     assert continued > 0
+
+
+def test_evaluation_runs_multi_turn_trajectories():
+    """The evaluation driver with a multi-turn environment (rollout/turns.run_trajectories): each response is a
+    trajectory scored by its episode's outcome, the same trajectories whatever the engine's batching."""
+    from megatron_dapo.evaluate import sample_scores
+    from megatron_dapo.rollout.turns import run_trajectories
+
+    prompts = [[1, 5, 9], [1, 6, 9], [1, 7]]
+    params = SamplingParams(n=3, max_new_tokens=40, stop_token_ids=tuple(range(3, 30)), seed=11)
+    runs = []
+    for running in (8, 2):
+        engine = TransformersEngine(tiny_model("qwen2", seed=3), eos_token_ids=(EOS,), max_running=running,
+                                    max_context=64)  # fmt: skip
+        env = ThreeTurns()
+        runs.append(run_trajectories(engine, prompts, lambda i, env=env: env.episode("0"), params))
+    for a, b in zip(*runs, strict=True):
+        assert a.response_ids.tolist() == b.response_ids.tolist() and a.observations == b.observations
+        assert a.episode["outcome"]["details"]["turns"] == 1 + len(a.observations)
+    assert max(len(r.observations) for r in runs[0]) == 2  # three turns somewhere
+    engine = TransformersEngine(tiny_model("qwen2", seed=3), eos_token_ids=(EOS,), max_running=8, max_context=64)
+    scores = sample_scores(engine, prompts, ["0"] * 3, None, None, params, ThreeTurns())
+    assert [[s["turns"] for s in group] for group in scores] == [
+        [1 + len(r.observations) for r in runs[0][i * 3 : i * 3 + 3]] for i in range(3)
+    ]
