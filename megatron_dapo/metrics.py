@@ -262,6 +262,17 @@ class MetricsLogger:
             self._task = self._progress.add_task("DAPO", total=total_steps)
             self._progress.start()
 
+    @classmethod
+    def for_run(cls, config: Any, run_dir: str | Path) -> MetricsLogger:
+        """The logger of a run (rank 0): its logging section's sinks, the tracker it names (megatron_dapo/trackers.py,
+        given the whole config), total_steps for the progress bar."""
+        from megatron_dapo.trackers import make_tracker
+
+        log = config.logging
+        tracker = make_tracker(log.tracker, run_dir, log.tracker_project, config.to_dict())
+        return cls(run_dir, console=log.console, jsonl=log.jsonl, tensorboard=log.tensorboard,
+                   total_steps=config.trainer.total_steps, tracker=tracker)  # fmt: skip
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = metrics_row(step, metrics)
         if self._jsonl is not None:

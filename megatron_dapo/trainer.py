@@ -61,9 +61,7 @@ from megatron_dapo.resume import run_checkpoints
 from megatron_dapo.resume import trainer_state
 from megatron_dapo.rollout.exchange import RolloutExchange
 from megatron_dapo.rollout.types import GroupSummary
-from megatron_dapo.trackers import make_tracker
-from megatron_dapo.trajectories import sample_records
-from megatron_dapo.trajectories import write_samples
+from megatron_dapo.trajectories import gather_samples
 
 
 @dataclass
@@ -148,13 +146,7 @@ class DAPOTrainer:
         elif self.rank == 0:  # rows of an earlier start that saved no checkpoint: this start logs them again
             drop_unsaved_metrics(self.run_dir / "metrics.jsonl", self.notice)
         self.generation.start(self.step, self.inputs.train_data.state_dict(), resumed=resume_from is not None)
-        log = c.logging
-        self.logger = (
-            MetricsLogger(self.run_dir, console=log.console, jsonl=log.jsonl, tensorboard=log.tensorboard,
-                          total_steps=c.trainer.total_steps,
-                          tracker=make_tracker(log.tracker, self.run_dir, log.tracker_project, c.to_dict()))
-            if self.rank == 0 else None
-        )  # fmt: skip
+        self.logger = MetricsLogger.for_run(c, self.run_dir) if self.rank == 0 else None
 
     def _generation(self, placement: Any, store: Any) -> Any:
         """The step's generation (generation.make_generation: local, or remote on a split launch) over this rank's
@@ -248,8 +240,9 @@ class DAPOTrainer:
             if not state.interrupted:
                 state.metrics.update(result.metrics)
                 state.metrics.update(sampled_response_metrics(result.decided))
-                if self.cfg.logging.trajectory_samples:
-                    self._write_samples(result.groups.values())
+                if samples := self.cfg.logging.trajectory_samples:  # collective
+                    gather_samples(self.exchange, self.rank, self.run_dir, self.step, result.groups.values(),
+                                   self.inputs.tokenizer, samples)  # fmt: skip
                 if result.kept:
                     state.batch, state.plan = self.route(result.kept)
         with self.memory.phase("log-probs"):
@@ -278,15 +271,6 @@ class DAPOTrainer:
         state.metrics["perf/tokens_per_s"] = generated / max(timer.seconds["step"], 1e-9)
         state.metrics["perf/gen_tokens_per_s"] = generated / max(timer.seconds["generate"], 1e-9)
         return {**state.metrics, **timer.metrics()}
-
-    def _write_samples(self, groups: Any) -> None:
-        """logging.trajectory_samples: each rank's sample of the kept groups it generated, gathered (collective);
-        rank 0 writes the first ones by example and sample (megatron_dapo/trajectories.py)."""
-        count = self.cfg.logging.trajectory_samples
-        records = self.exchange.all_gather(sample_records(groups, self.inputs.tokenizer, count), "trajectory samples")
-        if self.rank == 0:
-            chosen = sorted(records, key=lambda rec: (rec["sample"], rec["index"]))[:count]
-            write_samples(self.cfg.trainer.run_dir, self.step, chosen)
 
     def _abandoned(self, state: StepState) -> bool:
         """Whether a preemption signal reached any rank (collective: every rank asks at the same points)."""

@@ -64,6 +64,16 @@ def sample_records(groups: Iterable[RolloutGroup], tokenizer: Any, count: int) -
     return [trajectory_record(g, k, tokenizer) for g, k in chosen]
 
 
+def gather_samples(exchange: Any, rank: int, run_dir: str | Path, step: int, groups: Iterable[RolloutGroup],
+                   tokenizer: Any, count: int) -> None:  # fmt: skip
+    """Collective over `exchange` (every rank calls it): each rank's `sample_records` of the kept groups it
+    generated, gathered; rank 0 writes the first `count` by sample then example (`write_samples`)."""
+    records = exchange.all_gather(sample_records(groups, tokenizer, count), "trajectory samples")
+    if rank == 0:
+        chosen = sorted(records, key=lambda rec: (rec["sample"], rec["index"]))[:count]
+        write_samples(run_dir, step, chosen)
+
+
 def write_samples(run_dir: str | Path, step: int, records: Iterable[dict[str, Any]]) -> Path:
     """Write `records` as run_dir/trajectories/step_<step>.jsonl (replacing it whole), rebuild index.html; returns
     the step's file."""
