@@ -118,6 +118,22 @@ def test_delta_weight_sync_over_the_weight_channel_trains_as_the_colocated_job(t
 
 
 @pytest.mark.slow
+def test_multi_turn_trajectories_on_a_split_launch_train_as_the_colocated_job(tiny, tmp_path):
+    """A multi-turn environment (tests/_scripted_env.py) on a lockstep split launch: the engine rank drives the
+    episodes, the trajectories (observation spans, episode outcomes) cross to the actor rank, and the run's samples,
+    rewards, episode metrics, losses and evaluations are the colocated job's."""
+    colocated, split = tmp_path / "colocated", tmp_path / "split"
+    steps = ("--trainer.total_steps=2", "--trainer.eval_every=2", "--reward.environment=scripted_turns",
+             "--rollout.max_response_length=32", "--algorithm.overlong_buffer=8")  # fmt: skip
+    _train(tiny, colocated, *steps, nproc=1)
+    done = _c10d(tiny, split, *steps, "--trainer.max_staleness=0")
+    assert done.returncode == 0, _log(split)[-4000:]
+    rows = _metrics(split)
+    assert max(r["episode/turns"] for r in rows[1:]) > 1.0 and "eval/avg@4" in rows[2]
+    assert _stable(rows) == _stable(_metrics(colocated))
+
+
+@pytest.mark.slow
 def test_generation_runs_ahead_within_the_staleness_bound_and_resumes_after_preemption(tiny, tmp_path):
     # 3 ranks: the actor at TP=2 on ranks 0-1 (megatron's groups over the actor ranks only; both walk each export,
     # rank 0 pushes it) and the engine on rank 2, which runs up to 2 steps ahead. SIGTERM to torchrun once step 2 is

@@ -98,3 +98,25 @@ def test_routing_layers_cuts_what_one_pipeline_stage_replays():
     assert dense.routing_layers((0, 2)) is dense
     with pytest.raises(ValueError, match="Rollout.routing_layers: layers 3..4 of 4"):
         r.routing_layers((3, 2))
+
+
+def test_multi_turn_trajectories_carry_the_routing_of_every_position(moe_dir):
+    """Routing replay r3 with a multi-turn environment: a trajectory's routed experts cover prompt, model turns and
+    observation tokens (the last turn's run re-reads the whole trajectory), each position routed as transformers
+    routes the whole sequence teacher-forced, so the actor's replay stays aligned per token."""
+    from megatron_dapo.rollout.turns import run_trajectories
+    from tests.envs.test_multi_turn import ThreeTurns
+
+    engine = TransformersEngine(load_hf(moe_dir), max_running=4)
+    params = SamplingParams(n=2, max_new_tokens=30, seed=0, stop_token_ids=tuple(range(3, 120)),
+                            return_routed_experts=True)  # fmt: skip
+    env = ThreeTurns()
+    out = run_trajectories(engine, PROMPTS[:2], lambda i: env.episode("0"), params)
+    model = load_hf(moe_dir)
+    assert any(len(c.observations) == 2 for c in out)
+    for c in out:
+        n = len(c.prompt_ids) + len(c) - 1
+        assert c.routed_experts.shape == (n, 4, 2)
+        ids = torch.cat([c.prompt_ids, c.response_ids]).long()
+        want = _own_routing(model, ids)[:n]
+        assert torch.equal(c.routed_experts.long().sort(-1).values, want.sort(-1).values)
