@@ -26,13 +26,13 @@ import subprocess
 from pathlib import Path
 
 from megatron_dapo.dev.experiments import main_job_command
+from megatron_dapo.dev.hub import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "results" / "tool_use"
 """probe.json and summary.md (committed)."""
 RUNS = ROOT / "runs" / "tool_use"
 """Each arm's data and run directories (not committed: checkpoints and the final weights)."""
-MODEL = Path("~/.cache/megatron_dapo/smollm2-135m-instruct").expanduser()
 ARMS = ("tool", "no_tool")
 SHOTS = ((23, 417), (56, 208), (71, 934))
 INSTRUCTION = "Compute the product. End with a line 'Answer: N'."
@@ -87,8 +87,8 @@ def probe(samples: int = 4, prompts: int = 16) -> dict:
     from megatron_dapo.rollout import SamplingParams
     from megatron_dapo.rollout import TransformersEngine
 
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    engine = TransformersEngine(str(MODEL), max_running=16)
+    tok = AutoTokenizer.from_pretrained(default_cache_dir())
+    engine = TransformersEngine(str(default_cache_dir()), max_running=16)
     verifier = make_verifier("answer_line")
     rng = random.Random(1)
     problems = [problem(rng) for _ in range(prompts)]
