@@ -80,6 +80,12 @@ class RolloutContext:
         scorer = GroupScorer(inputs.tokenizer, verifier, config.algorithm, cap, env)
         return cls(config, rank, world, exchange, inputs, sampler, scorer, stop, hook, log)
 
+    @property
+    def environment(self) -> Any:
+        """The run's environment (reward.environment: GroupScorer.environment), or None for a score hook that has
+        none (a test's stand-in scorer): single-turn then."""
+        return getattr(self.scorer, "environment", None)
+
     def params(self):
         """The training SamplingParams (one response per request; G requests per prompt)."""
         c = self.config
@@ -91,8 +97,8 @@ class RolloutContext:
         c = self.config
         store = job_store(self.rank, self.world, self.exchange, c.distributed.timeout_s)
         config = StreamConfig.from_run(c, self.sampler.max_sampled_prompts, self.world)
-        env = self.scorer.environment
-        episode = env.episode if env.multi_turn else None
+        env = self.environment
+        episode = env.episode if env is not None and env.multi_turn else None
         hooks = StreamHooks(score=self.scorer, episode=episode, **hooks)
         return RolloutStream(engine, self.rank, self.exchange, store, config, hooks)
 
@@ -114,8 +120,8 @@ class RolloutContext:
             temperature=t.eval_temperature, top_p=t.eval_top_p, return_logprobs=False,
         )  # fmt: skip
         prompts, truths = [self.inputs.render(ex) for ex in mine], [ex.ground_truth for ex in mine]
-        verifier, env = self.scorer.verifier, self.scorer.environment
-        return sample_scores(engine, prompts, truths, verifier, self.inputs.tokenizer, params, env)
+        verifier = self.scorer.verifier
+        return sample_scores(engine, prompts, truths, verifier, self.inputs.tokenizer, params, self.environment)
 
 
 def carry_entries(states: list[dict[str, Any]], owners: list[int], rank: int):
