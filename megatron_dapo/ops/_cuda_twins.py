@@ -123,8 +123,8 @@ def _layout_args(kind: int, seq_lr: Tensor | None, seq_ids: Tensor | None) -> tu
     return kind, 0 if seq_lr is None else seq_lr.data_ptr(), 0 if seq_ids is None else seq_ids.data_ptr()
 
 
-@torch.library.custom_op("megatron_dapo::pg_loss_totals_cuda", mutates_args=())
-def _pg_loss_totals_op(
+@torch.library.custom_op("megatron_dapo::pg_loss_cuda", mutates_args=())
+def _pg_loss_op(
     logp: Tensor,
     old_logp: Tensor,
     adv: Tensor,
@@ -135,68 +135,32 @@ def _pg_loss_totals_op(
     seq_lr: Tensor | None,
     seq_ids: Tensor | None,
     seq_len: int,
+    grad_scale: Tensor | None,
 ) -> Tensor:
     lib = load_library()
     lp, old, a, m, is_u8 = _pg_common(logp, old_logp, adv, mask)
     n = lp.numel()
-    rows = lib.mdapo_pg_loss_workspace_rows(n)
-    workspace = torch.empty((rows, 8), dtype=torch.float32, device=lp.device)
-    totals = torch.empty(7, dtype=torch.float32, device=lp.device)
-    args = (lp.data_ptr(), old.data_ptr(), a.data_ptr(), m.data_ptr(), is_u8, n, seq_len, int(a.shape == lp.shape))
-    code = lib.mdapo_pg_loss_fwd(
-        *args, *bounds, int(dual_clip), *_layout_args(kind, seq_lr, seq_ids), workspace.data_ptr(), rows,
-        totals.data_ptr(), _stream(lp),
-    )  # fmt: skip
-    check(code, "mdapo_pg_loss_fwd")
-    return totals
+    head = (lp.data_ptr(), old.data_ptr(), a.data_ptr(), m.data_ptr(), is_u8, n, seq_len, int(a.shape == lp.shape))
+    tail = (*bounds, int(dual_clip), *_layout_args(kind, seq_lr, seq_ids))
+    if grad_scale is None:
+        rows = lib.mdapo_pg_loss_workspace_rows(n)
+        workspace = torch.empty((rows, 8), dtype=torch.float32, device=lp.device)
+        out = torch.empty(7, dtype=torch.float32, device=lp.device)
+        code = lib.mdapo_pg_loss_fwd(*head, *tail, workspace.data_ptr(), rows, out.data_ptr(), _stream(lp))
+        check(code, "mdapo_pg_loss_fwd")
+    else:
+        scale = grad_scale.detach().to(torch.float32).contiguous()  # [2]: grad_out, inv_denom
+        out = torch.empty_like(lp)
+        code = lib.mdapo_pg_loss_bwd(
+            *head, *tail, scale[0:1].data_ptr(), scale[1:2].data_ptr(), out.data_ptr(), _stream(lp)
+        )
+        check(code, "mdapo_pg_loss_bwd")
+    return out
 
 
-@_pg_loss_totals_op.register_fake
-def _(logp, old_logp, adv, mask, bounds, dual_clip, kind, seq_lr, seq_ids, seq_len):
-    return logp.new_empty(7, dtype=torch.float32)
-
-
-@torch.library.custom_op("megatron_dapo::pg_loss_grad_cuda", mutates_args=())
-def _pg_loss_grad_op(
-    logp: Tensor,
-    old_logp: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    grad_out: Tensor,
-    inv_denom: Tensor,
-    bounds: list[float],
-    dual_clip: bool,
-    kind: int,
-    seq_lr: Tensor | None,
-    seq_ids: Tensor | None,
-    seq_len: int,
-) -> Tensor:
-    lib = load_library()
-    lp, old, a, m, is_u8 = _pg_common(logp, old_logp, adv, mask)
-    g_out = grad_out.detach().to(torch.float32).reshape(1).contiguous()
-    inv_d = inv_denom.detach().to(torch.float32).reshape(1).contiguous()
-    grad = torch.empty_like(lp)
-    args = (
-        lp.data_ptr(),
-        old.data_ptr(),
-        a.data_ptr(),
-        m.data_ptr(),
-        is_u8,
-        lp.numel(),
-        seq_len,
-        int(a.shape == lp.shape),
-    )
-    code = lib.mdapo_pg_loss_bwd(
-        *args, *bounds, int(dual_clip), *_layout_args(kind, seq_lr, seq_ids), g_out.data_ptr(), inv_d.data_ptr(),
-        grad.data_ptr(), _stream(lp),
-    )  # fmt: skip
-    check(code, "mdapo_pg_loss_bwd")
-    return grad
-
-
-@_pg_loss_grad_op.register_fake
-def _(logp, old_logp, adv, mask, grad_out, inv_denom, bounds, dual_clip, kind, seq_lr, seq_ids, seq_len):
-    return torch.empty_like(logp, dtype=torch.float32)
+@_pg_loss_op.register_fake
+def _(logp, old_logp, adv, mask, bounds, dual_clip, kind, seq_lr, seq_ids, seq_len, grad_scale):
+    return logp.new_empty(7, dtype=torch.float32) if grad_scale is None else torch.empty_like(logp, dtype=torch.float32)
 
 
 @torch.library.custom_op("megatron_dapo::seq_log_ratio_cuda", mutates_args=())
@@ -224,7 +188,7 @@ def _bound_list(b: ClipBounds) -> list[float]:
     return [b.lo, b.hi, 0.0 if b.clip_c is None else b.clip_c, b.log_lo, b.log_hi, b.log_c]
 
 
-def pg_loss_totals(
+def pg_loss(
     logp: Tensor,
     old_logp: Tensor,
     adv: Tensor,
@@ -234,35 +198,18 @@ def pg_loss_totals(
     seq_lr: Tensor | None = None,
     seq_ids: Tensor | None = None,
     seq_len: int | None = None,
+    grad_scale: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """CUDA twin of the pg forward: [7] fp32 totals in the layout of pg_loss._reduce_partials. kind: a
-    pg_loss.KIND_CODES value; seq_lr [S] fp32 for GSPO; seq_ids [N] int32 for a packed layout (else rows of
-    seq_len = logp.shape[-1] tokens)."""
+    """CUDA twin of the pg kernels. Forward (grad_scale None): [7] fp32 totals in the layout of
+    pg_loss._reduce_partials. Backward (grad_scale = (grad_out, inv_denom), 0-dim): d loss / d logp in logp's shape
+    and dtype. kind: a pg_loss.KIND_CODES value; seq_lr [S] fp32 for GSPO; seq_ids [N] int32 for a packed layout
+    (else rows of seq_len = logp.shape[-1] tokens)."""
     seq_len = max(logp.shape[-1], 1) if seq_len is None else seq_len
-    dual = bounds.clip_c is not None
-    return _pg_loss_totals_op(logp, old_logp, adv, mask, _bound_list(bounds), dual, kind, seq_lr, seq_ids, seq_len)
-
-
-def pg_loss_grad(
-    logp: Tensor,
-    old_logp: Tensor,
-    adv: Tensor,
-    mask: Tensor,
-    grad_out: Tensor,
-    inv_denom: Tensor,
-    bounds: ClipBounds,
-    kind: int = 0,
-    seq_lr: Tensor | None = None,
-    seq_ids: Tensor | None = None,
-    seq_len: int | None = None,
-) -> Tensor:
-    """CUDA twin of the pg backward: d loss / d logp in logp's shape and dtype (arguments as `pg_loss_totals`)."""
-    seq_len = max(logp.shape[-1], 1) if seq_len is None else seq_len
-    dual = bounds.clip_c is not None
-    grad = _pg_loss_grad_op(
-        logp, old_logp, adv, mask, grad_out, inv_denom, _bound_list(bounds), dual, kind, seq_lr, seq_ids, seq_len
+    scale = None if grad_scale is None else torch.stack([t.detach().to(torch.float32).reshape(()) for t in grad_scale])
+    out = _pg_loss_op(
+        logp, old_logp, adv, mask, _bound_list(bounds), bounds.clip_c is not None, kind, seq_lr, seq_ids, seq_len, scale
     )
-    return grad.to(logp.dtype)
+    return out if grad_scale is None else out.to(logp.dtype)
 
 
 def _logits_2d(logits: Tensor) -> Tensor:

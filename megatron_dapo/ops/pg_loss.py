@@ -52,75 +52,6 @@ KIND_CODES = {"clip": 0, "gspo": 1, "cispo": 2}
 
 
 @triton.jit
-def _pg_token_terms(
-    logp_ptr,
-    old_ptr,
-    adv_ptr,
-    mask_ptr,
-    seq_lr_ptr,
-    seq_id_ptr,
-    offs,
-    inb,
-    seq_len,
-    lo,
-    hi,
-    clip_c,
-    log_lo,
-    log_hi,
-    log_c,
-    ADV_PER_TOKEN: tl.constexpr,
-    DUAL_CLIP: tl.constexpr,
-    KIND: tl.constexpr,
-    PACKED: tl.constexpr,
-):
-    """Per-token ratio, decision log-ratio r, token log-ratio, loss, gradient factor d l / d logp (unmasked), mask
-    weight and the clip-high / clip-low decisions, fp32.
-
-    KIND 0 (clip) / 1 (gspo) / 2 (cispo) as in policy_loss.surrogate_token_loss; for gspo r is the token's sequence
-    mean (seq_lr_ptr). Branches are decided on the log-ratio: the exp below compiles to ex2.approx on sm_90 and
-    rounds differently from torch's, so a decision on exp(r) could differ between backends at a bound.
-    """
-    # Upcast right after every load: the interpreter keeps bf16 as raw bits.
-    logp = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    old = tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    if PACKED:
-        seq = tl.load(seq_id_ptr + offs, mask=inb, other=0)
-    else:
-        seq = offs // seq_len
-    if ADV_PER_TOKEN:
-        adv = tl.load(adv_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-    else:
-        adv = tl.load(adv_ptr + seq, mask=inb, other=0.0).to(tl.float32)
-    w = tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.float32)
-    token_r = logp - old
-    if KIND == 1:
-        r = tl.load(seq_lr_ptr + seq, mask=inb, other=0.0)
-    else:
-        r = token_r
-    # Clamp before exp (verl's bound): the ratio, loss and gradient stay finite in fp32 for any finite inputs.
-    ratio = tl.exp(tl.minimum(tl.maximum(r, -_LOG_RATIO_CLAMP), _LOG_RATIO_CLAMP))
-    if KIND == 2:
-        # CISPO: the IS weight sg(clip(ratio, lo, hi)) multiplies -A logp; its gradient -A w never vanishes.
-        clip_high = r > log_hi
-        clip_low = r < log_lo
-        is_w = tl.where(clip_high, hi, tl.where(clip_low, lo, ratio))
-        loss = -adv * is_w * logp
-        dloss = -adv * is_w
-    else:
-        clip_high = (adv > 0) & (r > log_hi)
-        clip_low = (adv < 0) & (r < log_lo)
-        loss = tl.where(clip_high, -adv * hi, tl.where(clip_low, -adv * lo, -adv * ratio))
-        # Unclipped gradient d(-A r)/dlogp = -A ratio, zero where the clamp is active (as torch.clamp's gradient).
-        active = ~clip_high & ~clip_low & (r >= -_LOG_RATIO_CLAMP) & (r <= _LOG_RATIO_CLAMP)
-        if DUAL_CLIP:
-            capped = (adv < 0) & (r > log_c)
-            loss = tl.where(capped, -adv * clip_c, loss)
-            active = active & ~capped
-        dloss = tl.where(active, -adv * ratio, 0.0)
-    return ratio, token_r, loss, dloss, w, clip_high, clip_low
-
-
-@triton.jit
 def _seq_log_ratio_kernel(logp_ptr, old_ptr, mask_ptr, starts_ptr, out_ptr, BLOCK: tl.constexpr):
     """GSPO's pass 1: out[s] = mean of logp - old_logp over the valid tokens (mask != 0) of sequence s, the tokens
     starts[s] .. starts[s + 1] - 1; 0 for a sequence with none. One program per sequence, a fixed-order loop."""
@@ -141,7 +72,36 @@ def _seq_log_ratio_kernel(logp_ptr, old_ptr, mask_ptr, starts_ptr, out_ptr, BLOC
 
 
 @triton.jit
-def _pg_loss_fwd_kernel(
+def _surrogate(r, logp, adv, lo, hi, clip_c, log_lo, log_hi, log_c, DUAL_CLIP: tl.constexpr, KIND: tl.constexpr):
+    """Per token, fp32: the ratio exp(r), the loss, its gradient factor d l / d logp (unmasked) and the clip-high /
+    clip-low decisions. KIND 0 (clip) / 1 (gspo) / 2 (cispo) as in policy_loss.surrogate_token_loss. Branches are
+    decided on the log-ratio r: the exp below compiles to ex2.approx on sm_90 and rounds differently from torch's,
+    so a decision on exp(r) could differ between backends at a bound."""
+    # Clamp before exp (verl's bound): the ratio, loss and gradient stay finite in fp32 for any finite inputs.
+    ratio = tl.exp(tl.minimum(tl.maximum(r, -_LOG_RATIO_CLAMP), _LOG_RATIO_CLAMP))
+    if KIND == 2:
+        # CISPO: the IS weight sg(clip(ratio, lo, hi)) multiplies -A logp; its gradient -A w never vanishes.
+        clip_high = r > log_hi
+        clip_low = r < log_lo
+        is_w = tl.where(clip_high, hi, tl.where(clip_low, lo, ratio))
+        loss = -adv * is_w * logp
+        dloss = -adv * is_w
+    else:
+        clip_high = (adv > 0) & (r > log_hi)
+        clip_low = (adv < 0) & (r < log_lo)
+        loss = tl.where(clip_high, -adv * hi, tl.where(clip_low, -adv * lo, -adv * ratio))
+        # Unclipped gradient d(-A r)/dlogp = -A ratio, zero where the clamp is active (as torch.clamp's gradient).
+        active = ~clip_high & ~clip_low & (r >= -_LOG_RATIO_CLAMP) & (r <= _LOG_RATIO_CLAMP)
+        if DUAL_CLIP:
+            capped = (adv < 0) & (r > log_c)
+            loss = tl.where(capped, -adv * clip_c, loss)
+            active = active & ~capped
+        dloss = tl.where(active, -adv * ratio, 0.0)
+    return ratio, loss, dloss, clip_high, clip_low
+
+
+@triton.jit
+def _pg_loss_kernel(
     logp_ptr,
     old_ptr,
     adv_ptr,
@@ -149,55 +109,6 @@ def _pg_loss_fwd_kernel(
     seq_lr_ptr,
     seq_id_ptr,
     partial_ptr,
-    num_elements,
-    seq_len,
-    lo,
-    hi,
-    clip_c,
-    log_lo,
-    log_hi,
-    log_c,
-    ADV_PER_TOKEN: tl.constexpr,
-    DUAL_CLIP: tl.constexpr,
-    KIND: tl.constexpr,
-    PACKED: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    inb = offs < num_elements
-    ratio, token_r, loss, dloss, w, clip_high, clip_low = _pg_token_terms(
-        logp_ptr, old_ptr, adv_ptr, mask_ptr, seq_lr_ptr, seq_id_ptr, offs, inb, seq_len, lo, hi, clip_c, log_lo,
-        log_hi, log_c, ADV_PER_TOKEN, DUAL_CLIP, KIND, PACKED,
-    )  # fmt: skip
-    valid = inb & (w != 0.0)
-    # tl.where instead of multiplying by the mask: masked-out tokens never leak inf/NaN into the sums.
-    loss_sum = tl.sum(tl.where(valid, loss * w, 0.0), axis=0)
-    weight_sum = tl.sum(tl.where(valid, w, 0.0), axis=0)
-    count = tl.sum(tl.where(valid, 1.0, 0.0), axis=0)
-    high = tl.sum(tl.where(valid & clip_high, 1.0, 0.0), axis=0)
-    low = tl.sum(tl.where(valid & clip_low, 1.0, 0.0), axis=0)
-    kl = tl.sum(tl.where(valid, -token_r, 0.0), axis=0)
-    rmax = tl.max(tl.where(valid, ratio, 0.0), axis=0)
-    row = partial_ptr + pid * 8
-    tl.store(row + 0, loss_sum)
-    tl.store(row + 1, weight_sum)
-    tl.store(row + 2, count)
-    tl.store(row + 3, high)
-    tl.store(row + 4, low)
-    tl.store(row + 5, kl)
-    tl.store(row + 6, rmax)
-    tl.store(row + 7, 0.0)
-
-
-@triton.jit
-def _pg_loss_bwd_kernel(
-    logp_ptr,
-    old_ptr,
-    adv_ptr,
-    mask_ptr,
-    seq_lr_ptr,
-    seq_id_ptr,
     grad_out_ptr,
     inv_denom_ptr,
     grad_ptr,
@@ -213,19 +124,53 @@ def _pg_loss_bwd_kernel(
     DUAL_CLIP: tl.constexpr,
     KIND: tl.constexpr,
     PACKED: tl.constexpr,
+    BACKWARD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """One block of tokens. Forward (BACKWARD=False): the block's row of partial sums at partial_ptr [P, 8].
+    Backward: d loss / d logp at grad_ptr, scaled by grad_out * inv_denom (both 0-dim, read on device: no host
+    sync for grad_output or a tensor num_tokens). The pointers the other direction reads are never touched.
+    The decision log-ratio r is the token's, or for gspo its sequence's mean (seq_lr_ptr).
+    """
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     inb = offs < num_elements
-    ratio, token_r, loss, dloss, w, clip_high, clip_low = _pg_token_terms(
-        logp_ptr, old_ptr, adv_ptr, mask_ptr, seq_lr_ptr, seq_id_ptr, offs, inb, seq_len, lo, hi, clip_c, log_lo,
-        log_hi, log_c, ADV_PER_TOKEN, DUAL_CLIP, KIND, PACKED,
-    )  # fmt: skip
-    # Scalars read on device: no host sync for grad_output or a tensor num_tokens.
-    scale = tl.load(grad_out_ptr).to(tl.float32) * tl.load(inv_denom_ptr)
-    grad = tl.where(inb & (w != 0.0), dloss * w * scale, 0.0)
-    tl.store(grad_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=inb)
+    # Upcast right after every load: the interpreter keeps bf16 as raw bits.
+    logp = tl.load(logp_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+    old = tl.load(old_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+    if PACKED:
+        seq = tl.load(seq_id_ptr + offs, mask=inb, other=0)
+    else:
+        seq = offs // seq_len
+    if ADV_PER_TOKEN:
+        adv = tl.load(adv_ptr + offs, mask=inb, other=0.0).to(tl.float32)
+    else:
+        adv = tl.load(adv_ptr + seq, mask=inb, other=0.0).to(tl.float32)
+    w = tl.load(mask_ptr + offs, mask=inb, other=0).to(tl.float32)
+    token_r = logp - old
+    if KIND == 1:
+        r = tl.load(seq_lr_ptr + seq, mask=inb, other=0.0)
+    else:
+        r = token_r
+    ratio, loss, dloss, clip_high, clip_low = _surrogate(
+        r, logp, adv, lo, hi, clip_c, log_lo, log_hi, log_c, DUAL_CLIP, KIND
+    )
+    valid = inb & (w != 0.0)
+    if BACKWARD:
+        scale = tl.load(grad_out_ptr).to(tl.float32) * tl.load(inv_denom_ptr)
+        grad = tl.where(valid, dloss * w * scale, 0.0)
+        tl.store(grad_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=inb)
+    else:
+        # tl.where instead of multiplying by the mask: masked-out tokens never leak inf/NaN into the sums.
+        row = partial_ptr + pid * 8
+        tl.store(row + 0, tl.sum(tl.where(valid, loss * w, 0.0), axis=0))
+        tl.store(row + 1, tl.sum(tl.where(valid, w, 0.0), axis=0))
+        tl.store(row + 2, tl.sum(tl.where(valid, 1.0, 0.0), axis=0))
+        tl.store(row + 3, tl.sum(tl.where(valid & clip_high, 1.0, 0.0), axis=0))
+        tl.store(row + 4, tl.sum(tl.where(valid & clip_low, 1.0, 0.0), axis=0))
+        tl.store(row + 5, tl.sum(tl.where(valid, -token_r, 0.0), axis=0))
+        tl.store(row + 6, tl.max(tl.where(valid, ratio, 0.0), axis=0))
+        tl.store(row + 7, 0.0)
 
 
 def _launch_meta(num_elements: int) -> tuple[int, int]:
@@ -275,6 +220,41 @@ def sequence_log_ratio_fused(logp: Tensor, old_logp: Tensor, mask: Tensor, start
     return out
 
 
+def _launch(
+    logp: Tensor,
+    old_logp: Tensor,
+    adv: Tensor,
+    mask: Tensor,
+    layout: _Layout,
+    partials: Tensor | None = None,
+    scale: tuple[Tensor, Tensor] | None = None,
+    grad: Tensor | None = None,
+) -> None:
+    """Run _pg_loss_kernel forward (into `partials`) or backward (into `grad`, scaled by `scale`)."""
+    num_elements = logp.numel()
+    block, grid = _launch_meta(num_elements)
+    seq_lr, seq_ids = layout.kernel_args(logp)
+    grad_out, inv_denom = scale if scale is not None else (seq_lr, seq_lr)  # (unread fp32 pointers in the forward)
+    _pg_loss_kernel[(grid,)](
+        logp,
+        old_logp,
+        adv,
+        mask,
+        seq_lr,
+        seq_ids,
+        partials if partials is not None else seq_lr,
+        grad_out,
+        inv_denom,
+        grad if grad is not None else logp,
+        num_elements,
+        max(layout.seq_len, 1),
+        *_bound_args(layout.bounds),
+        **layout.constexprs(adv, logp),
+        BACKWARD=grad is not None,
+        BLOCK=block,
+    )
+
+
 def pg_loss_partials(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, layout: _Layout) -> Tensor:
     """Triton forward: per-program partial sums.
 
@@ -284,22 +264,9 @@ def pg_loss_partials(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, 
     Returns:
         [num_programs, 8] fp32: loss*w, w, count, clip-high count, clip-low count, KL sum, ratio max, pad.
     """
-    num_elements = logp.numel()
-    block, grid = _launch_meta(num_elements)
+    _, grid = _launch_meta(logp.numel())
     partials = torch.empty((grid, NUM_PARTIALS), dtype=torch.float32, device=logp.device)
-    _pg_loss_fwd_kernel[(grid,)](
-        logp,
-        old_logp,
-        adv,
-        mask,
-        *layout.kernel_args(logp),
-        partials,
-        num_elements,
-        max(layout.seq_len, 1),
-        *_bound_args(layout.bounds),
-        **layout.constexprs(adv, logp),
-        BLOCK=block,
-    )
+    _launch(logp, old_logp, adv, mask, layout, partials=partials)
     return partials
 
 
@@ -307,26 +274,10 @@ def pg_loss_grad(
     logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, grad_out: Tensor, inv_denom: Tensor, layout: _Layout
 ) -> Tensor:
     """Triton backward: d loss / d logp (logp's shape and dtype), scaled by grad_out (0-dim) and inv_denom (0-dim)."""
-    num_elements = logp.numel()
     grad = torch.empty_like(logp)
-    if num_elements == 0:
-        return grad
-    block, grid = _launch_meta(num_elements)
-    _pg_loss_bwd_kernel[(grid,)](
-        logp,
-        old_logp,
-        adv,
-        mask,
-        *layout.kernel_args(logp),
-        grad_out.to(torch.float32).reshape(1),
-        inv_denom.reshape(1),
-        grad,
-        num_elements,
-        max(layout.seq_len, 1),
-        *_bound_args(layout.bounds),
-        **layout.constexprs(adv, logp),
-        BLOCK=block,
-    )
+    if logp.numel():
+        scale = (grad_out.to(torch.float32).reshape(1), inv_denom.reshape(1))
+        _launch(logp, old_logp, adv, mask, layout, scale=scale, grad=grad)
     return grad
 
 
@@ -359,7 +310,7 @@ class FusedSurrogateFunction(torch.autograd.Function):
         if backend == "cuda":
             from megatron_dapo.ops import _cuda_twins
 
-            totals = _cuda_twins.pg_loss_totals(logp, old_logp, advantages, mask, *layout.cuda_args())
+            totals = _cuda_twins.pg_loss(logp, old_logp, advantages, mask, *layout.cuda_args())
         else:
             totals = _reduce_partials(pg_loss_partials(logp, old_logp, advantages, mask, layout))
         loss, inv_denom, metrics = _finish(totals, num_tokens)
@@ -375,7 +326,8 @@ class FusedSurrogateFunction(torch.autograd.Function):
         if backend == "cuda":
             from megatron_dapo.ops import _cuda_twins
 
-            grad = _cuda_twins.pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, *layout.cuda_args())
+            scale = (grad_loss, inv_denom)
+            grad = _cuda_twins.pg_loss(logp, old_logp, advantages, mask, *layout.cuda_args(), grad_scale=scale)
         else:
             grad = pg_loss_grad(logp, old_logp, advantages, mask, grad_loss, inv_denom, layout)
         return grad, None, None, None, None, None, None

@@ -64,7 +64,10 @@ def test_ctypes_load_and_host_entry_points(built_lib, monkeypatch):
         if not torch.cuda.is_available():
             x = torch.zeros(2, 3)
             with pytest.raises(RuntimeError, match="mdapo_pg_loss_fwd: CUDA error"):
-                _cuda_twins.pg_loss_totals(x, x, torch.zeros(2), x > 0, ClipBounds.make(0.2, 0.28, None))
+                _cuda_twins.pg_loss(x, x, torch.zeros(2), x > 0, ClipBounds.make(0.2, 0.28, None))
+            with pytest.raises(RuntimeError, match="mdapo_pg_loss_bwd: CUDA error"):
+                scale = (torch.ones(()), torch.ones(()))
+                _cuda_twins.pg_loss(x, x, torch.zeros(2), x > 0, ClipBounds.make(0.2, 0.28, None), grad_scale=scale)
     finally:
         _cuda_twins.load_library.cache_clear()
 
