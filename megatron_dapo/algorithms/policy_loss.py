@@ -371,19 +371,41 @@ def add_kl_term(
     return loss, metrics
 
 
-def dapo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    clip_ratio_c: float | None = None,
-    num_tokens: float | Tensor | None = None,
-    loss_agg_mode: str = "token-mean",
-    weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+"""`loss_fn(inputs: LossInputs, spec: Surrogate, **extra) -> (loss, metrics)`: `surrogate_loss` or its fused twin."""
+
+
+def clip_loss_entry(loss_fn: LossFn, name: str, doc: str) -> LossFn:
+    """The DAPO keyword entry point over `loss_fn` (the "clip" kind): `dapo_policy_loss` over `surrogate_loss`, and
+    `ops.clipped_pg_loss` over the fused kernel, so the two share one signature by construction. Keywords beyond the
+    DAPO ones (`backend=` of the fused loss) go to `loss_fn`."""
+
+    def entry(
+        logp: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        eps_low: float = 0.2,
+        eps_high: float = 0.28,
+        clip_ratio_c: float | None = None,
+        num_tokens: float | Tensor | None = None,
+        loss_agg_mode: str = "token-mean",
+        weights: Tensor | None = None,
+        **extra: Any,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        spec = Surrogate("clip", ClipBounds.make(eps_low, eps_high, clip_ratio_c), loss_agg_mode)
+        return loss_fn(LossInputs(logp, old_logp, advantages, mask, num_tokens, weights), spec, **extra)
+
+    entry.__name__ = entry.__qualname__ = name
+    entry.__module__ = loss_fn.__module__
+    entry.__doc__ = doc
+    return entry
+
+
+dapo_policy_loss = clip_loss_entry(
+    surrogate_loss,
+    "dapo_policy_loss",
     """DAPO's clipped surrogate with Clip-Higher and token-level aggregation (`surrogate_loss` of the "clip" kind).
 
     ratio = exp(logp - old_logp); per token l = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)); with
@@ -404,9 +426,8 @@ def dapo_policy_loss(
         weights: [B, T] float or None, per-token importance weights (no gradient; > 0 where mask is non-zero).
     Returns:
         loss: 0-dim fp32. metrics: 0-dim fp32 tensors clipfrac_high, clipfrac_low, approx_kl, ratio_max.
-    """
-    spec = Surrogate("clip", ClipBounds.make(eps_low, eps_high, clip_ratio_c), loss_agg_mode)
-    return surrogate_loss(LossInputs(logp, old_logp, advantages, mask, num_tokens, weights), spec)
+    """,
+)
 
 
 def policy_metrics(

@@ -40,6 +40,7 @@ from megatron_dapo.algorithms.policy_loss import LOG_RATIO_CLAMP
 from megatron_dapo.algorithms.policy_loss import ClipBounds
 from megatron_dapo.algorithms.policy_loss import LossInputs
 from megatron_dapo.algorithms.policy_loss import Surrogate
+from megatron_dapo.algorithms.policy_loss import clip_loss_entry
 from megatron_dapo.algorithms.policy_loss import surrogate_loss
 from megatron_dapo.ops.dispatch import kernel_backend
 from megatron_dapo.ops.dispatch import use_triton
@@ -464,30 +465,15 @@ def fused_surrogate_loss(
     return loss, {"clipfrac_high": high, "clipfrac_low": low, "approx_kl": kl, "ratio_max": rmax}
 
 
-def clipped_pg_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    clip_ratio_c: float | None = None,
-    num_tokens: float | Tensor | None = None,
-    loss_agg_mode: str = "token-mean",
-    backend: str | None = None,
-    weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Fused DAPO clipped surrogate: `fused_surrogate_loss` of the "clip" kind with keyword clip constants; same
-    arguments, loss and metrics as `policy_loss.dapo_policy_loss` (to fp32 rounding).
+clipped_pg_loss = clip_loss_entry(
+    fused_surrogate_loss,
+    "clipped_pg_loss",
+    """Fused DAPO clipped surrogate: `fused_surrogate_loss` of the "clip" kind with keyword clip constants; the
+    arguments, loss and metrics of `policy_loss.dapo_policy_loss` (to fp32 rounding), plus `backend=` ("triton", the
+    default, or "cuda" for CUDA tensors: see `fused_surrogate_loss`).
 
     ratio = exp(logp - old_logp); l = max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)); with clip_ratio_c,
     l = min(l, -A c) where A < 0. loss = sum(l * mask) / max(D, 1), D = num_tokens or mask.sum(). Shapes: logp,
-    old_logp, mask [B, T]; advantages [B] or [B, T]; weights [B, T] or None (see `fused_surrogate_loss`).
-    """
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clipped_pg_loss: clip_ratio_c must be > 1, got {clip_ratio_c}")
-    # Bounds formed in float64 and rounded once to fp32, the same numbers the reference compares against.
-    spec = Surrogate("clip", ClipBounds.make(eps_low, eps_high, clip_ratio_c), loss_agg_mode)
-    inputs = LossInputs(logp, old_logp, advantages, mask, num_tokens, weights)
-    return fused_surrogate_loss(inputs, spec, backend=backend)
+    old_logp, mask [B, T]; advantages [B] or [B, T]; weights [B, T] or None.
+    """,
+)
