@@ -141,30 +141,15 @@ def make_engine(
     if rollout.engine == "sglang":
         from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
+        routed_shape = routing_shape(model_path) if routed_experts else None
         return SGLangEngine(
-            model_path,
-            tensor_parallel=rollout.tensor_parallel,
-            mem_fraction=rollout.mem_fraction,
-            dtype=dtype,
-            base_gpu_id=base_gpu_id,
-            seed=seed,
-            deterministic_inference=rollout.deterministic_inference,
-            weight_dtype=rollout.weight_dtype,
-            max_running_requests=rollout.max_running_requests,
-            engine_kwargs=engine_kwargs,
-            routed_shape=routing_shape(model_path) if routed_experts else None,
-        )
+            model_path, rollout, dtype=dtype, base_gpu_id=base_gpu_id, seed=seed, engine_kwargs=engine_kwargs,
+            routed_shape=routed_shape,
+        )  # fmt: skip
     if rollout.engine == "vllm":  # colocated only (rollout/engines.py; the config refuses its server mode)
         from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(
-            model_path,
-            tensor_parallel=rollout.tensor_parallel,
-            mem_fraction=rollout.mem_fraction,
-            dtype=dtype,
-            seed=seed,
-            llm_kwargs=engine_kwargs,
-        )
+        return VLLMEngine(model_path, rollout, dtype=dtype, seed=seed, llm_kwargs=engine_kwargs)
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")
 
 

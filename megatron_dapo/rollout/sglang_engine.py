@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo.config import RolloutConfig
 from megatron_dapo.launch_env import rendezvous_store
 from megatron_dapo.launch_env import scrubbed_environ
 from megatron_dapo.memory import ENGINE_TAGS
@@ -223,27 +224,24 @@ def mark_dead_on_sigquit(tokenizer_manager: Any, on_death: Callable[..., None]) 
 
 
 class SGLangEngine(EngineStream):
-    """Colocated SGLang: an offline sglang.Engine on this process's GPUs (base_gpu_id .. + tensor_parallel).
+    """Colocated SGLang: an offline sglang.Engine on this process's GPUs (base_gpu_id .. + rollout.tensor_parallel).
 
     Create it on the first rank of each rollout group; that rank receives the full HF tensors from the actor
     export and hands them to SGLang through CUDA IPC (no copy). SGLang's load_weights shards them for its TP.
-    deterministic_inference: SGLang's enable_deterministic_inference (batch-invariant kernels, pytorch sampler);
-    only with it does SGLang 0.5.23 honour each request's sampling_seed (SamplingBatchInfo ignores it otherwise).
-    weight_dtype: rollout.weight_dtype; "fp8" serves block-FP8 linear layers (see rollout/fp8.py).
+    From `rollout` (RolloutConfig; None: its defaults) it reads tensor_parallel, mem_fraction (mem_fraction_static),
+    max_running_requests, deterministic_inference (SGLang's enable_deterministic_inference: batch-invariant kernels,
+    pytorch sampler; only with it does SGLang 0.5.23 honour each request's sampling_seed, SamplingBatchInfo ignores
+    it otherwise) and weight_dtype ("fp8" serves block-FP8 linear layers, see rollout/fp8.py).
     """
 
     def __init__(
         self,
         model_path: str,
+        rollout: RolloutConfig | None = None,
         *,
-        tensor_parallel: int = 1,
-        mem_fraction: float = 0.7,
         dtype: str = "bfloat16",
         base_gpu_id: int = 0,
         seed: int = 0,
-        deterministic_inference: bool = False,
-        weight_dtype: str = "auto",
-        max_running_requests: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
         routed_shape: tuple[int, int, int] | None = None,
     ) -> None:
@@ -252,20 +250,21 @@ class SGLangEngine(EngineStream):
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
+        rollout = rollout or RolloutConfig()
         args = {
             "model_path": model_path,
-            "tp_size": tensor_parallel,
-            "mem_fraction_static": mem_fraction,
+            "tp_size": rollout.tensor_parallel,
+            "mem_fraction_static": rollout.mem_fraction,
             "enable_memory_saver": True,
             "skip_tokenizer_init": True,
             "dtype": dtype,
             "base_gpu_id": base_gpu_id,
             "random_seed": seed,
         }
-        if deterministic_inference:  # per-request sampling_seed is ignored without it (docs/rollout.md)
+        if rollout.deterministic_inference:  # per-request sampling_seed is ignored without it (docs/rollout.md)
             args["enable_deterministic_inference"] = True
-        if max_running_requests > 0:
-            args["max_running_requests"] = max_running_requests
+        if rollout.max_running_requests > 0:
+            args["max_running_requests"] = rollout.max_running_requests
         self.routed_shape = routed_shape
         if routed_shape is not None:  # actor.routing_replay r3: results carry meta_info.routed_experts
             args["enable_return_routed_experts"] = True
@@ -276,7 +275,7 @@ class SGLangEngine(EngineStream):
         # signal_handler_class (its running_phase_sigquit_handler), set below before the first request installs it.
         self._dead: str | None = None
         args["custom_sigquit_handler"] = self._child_died
-        if weight_dtype == "fp8":
+        if rollout.weight_dtype == "fp8":
             # Block-FP8 linear layers (weight float8_e4m3fn + weight_scale_inv per 128x128 block) need the served
             # config to carry this quantization_config; the bf16 checkpoint cannot fill FP8 parameters, so the engine
             # starts from dummy weights and the trainer syncs before the first rollout (rollout/fp8.py).
@@ -291,14 +290,14 @@ class SGLangEngine(EngineStream):
         with scrubbed_environ():
             self._engine = sglang.Engine(**checked("ServerArgs", args), **(engine_kwargs or {}))
         mark_dead_on_sigquit(self._engine.tokenizer_manager, self._child_died)
-        self.tp_size = tensor_parallel
+        self.tp_size = rollout.tensor_parallel
         self._metadata_cls = FlattenedTensorMetadata
         self._serialize = MultiprocessingSerializer.serialize
         self._patch_reductions = monkey_patch_torch_reductions
         self._released: set[str] = set()
         self._session = False
         # Rows SGLang runs at once: what the stream hands this engine before its other requests would only queue.
-        self._init_stream(max_running_requests)
+        self._init_stream(rollout.max_running_requests)
 
     def _query_max_running(self) -> int:
         """SGLang's effective max_running_requests (asked when the stream first needs it)."""

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo.config import RolloutConfig
 from megatron_dapo.launch_env import scrubbed_environ
 from megatron_dapo.rollout.base import BlockingStream
 from megatron_dapo.rollout.base import SamplingParams
@@ -137,16 +138,16 @@ def staging_root(need_bytes: int) -> str:
 class VLLMEngine(BlockingStream):
     """vllm.LLM as a RolloutEngine.
 
-    model_path: HF checkpoint directory; tensor_parallel: vLLM TP size; mem_fraction: gpu_memory_utilization;
-    dtype: "bfloat16" / "float32"; seed: engine seed; llm_kwargs: extra vllm.LLM arguments.
+    model_path: HF checkpoint directory; rollout: RolloutConfig (None: its defaults), of which it reads tensor_parallel
+    (vLLM's TP size) and mem_fraction (gpu_memory_utilization); dtype: "bfloat16" / "float32"; seed: engine seed;
+    llm_kwargs: extra vllm.LLM arguments.
     """
 
     def __init__(
         self,
         model_path: str,
+        rollout: RolloutConfig | None = None,
         *,
-        tensor_parallel: int = 1,
-        mem_fraction: float = 0.7,
         dtype: str = "bfloat16",
         seed: int = 0,
         llm_kwargs: dict[str, Any] | None = None,
@@ -154,10 +155,11 @@ class VLLMEngine(BlockingStream):
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         import vllm
 
+        rollout = rollout or RolloutConfig()
         kwargs = {
             "model": model_path,
-            "tensor_parallel_size": tensor_parallel,
-            "gpu_memory_utilization": mem_fraction,
+            "tensor_parallel_size": rollout.tensor_parallel,
+            "gpu_memory_utilization": rollout.mem_fraction,
             "dtype": dtype,
             "seed": seed,
             "skip_tokenizer_init": True,
