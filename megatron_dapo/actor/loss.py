@@ -46,6 +46,7 @@ from megatron_dapo.config import register_choices
 from megatron_dapo.metrics import Reduce
 from megatron_dapo.metrics import Stat
 from megatron_dapo.metrics import Stats
+from megatron_dapo.registry import Registry
 
 __all__ = [
     "LOGPROB_IMPLS",
@@ -92,7 +93,7 @@ class LogprobImpl:
     kernel: str | None = None
 
 
-LOGPROB_IMPLS: dict[str, LogprobImpl] = {}
+LOGPROB_IMPLS: Registry[LogprobImpl] = Registry("actor.logprob_impl", "logprob impl")
 
 
 def register_logprob_impl(
@@ -101,9 +102,7 @@ def register_logprob_impl(
     """Register a log-prob/entropy implementation under `name` (config field `actor.logprob_impl`)."""
 
     def wrap(fn: LogProbFn) -> LogProbFn:
-        if name in LOGPROB_IMPLS:
-            raise ValueError(f"logprob impl {name!r} is already registered")
-        LOGPROB_IMPLS[name] = LogprobImpl(name=name, fn=fn, takes_hidden=takes_hidden, kernel=kernel)
+        LOGPROB_IMPLS.add(name, LogprobImpl(name=name, fn=fn, takes_hidden=takes_hidden, kernel=kernel))
         if name not in choices("actor.logprob_impl"):  # the built-in ones are declared in choices.py
             register_choices("actor.logprob_impl", name)
         return fn
@@ -113,9 +112,7 @@ def register_logprob_impl(
 
 def get_logprob_impl(name: str) -> LogprobImpl:
     """The implementation registered as `name`; an unknown name raises ValueError naming the config field."""
-    if name not in LOGPROB_IMPLS:
-        raise ValueError(f"actor.logprob_impl: unknown {name!r}; choose one of {sorted(LOGPROB_IMPLS)}")
-    return LOGPROB_IMPLS[name]
+    return LOGPROB_IMPLS.lookup(name)
 
 
 def get_logprob_fn(impl: str = "fused") -> LogProbFn:

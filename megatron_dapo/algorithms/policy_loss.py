@@ -28,6 +28,7 @@ from megatron_dapo.algorithms.loss_configs import LOSS_AGG_MODES
 from megatron_dapo.algorithms.loss_configs import PolicyLossConfig
 from megatron_dapo.algorithms.loss_configs import make_loss_config
 from megatron_dapo.algorithms.loss_configs import register_loss_config
+from megatron_dapo.registry import Registry
 
 SURROGATES = ("clip", "gspo", "cispo")
 
@@ -75,17 +76,15 @@ class PolicyLoss:
         return make_loss_config(self.name, values)
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("algorithm.policy_loss", "policy loss")
 
 
 def register_policy_loss(name: str, config_cls: type[PolicyLossConfig]) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Register `fn` as policy loss `name` (config `algorithm.policy_loss`) with its config class."""
 
     def wrap(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
         register_loss_config(name, config_cls)  # declared already for the built-in losses (loss_configs.py)
-        POLICY_LOSSES[name] = PolicyLoss(name, config_cls, fn)
+        POLICY_LOSSES.add(name, PolicyLoss(name, config_cls, fn))
         return fn
 
     return wrap
@@ -93,9 +92,7 @@ def register_policy_loss(name: str, config_cls: type[PolicyLossConfig]) -> Calla
 
 def get_policy_loss(name: str) -> PolicyLoss:
     """The loss registered as `name` (the losses in algorithms/losses/ register on import of the package)."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"algorithm.policy_loss: unknown {name!r}; choose one of {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+    return POLICY_LOSSES.lookup(name)
 
 
 def loss_name(config: PolicyLossConfig) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 from typing import Protocol
 
 from megatron_dapo.config import register_choices
+from megatron_dapo.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def token_list(turn_ids: Sequence[int]) -> list[int]:
     return turn_ids.tolist() if hasattr(turn_ids, "tolist") else [int(t) for t in turn_ids]
 
 
-ENVIRONMENTS: dict[str, Callable[..., Environment]] = {}
+ENVIRONMENTS: Registry[Callable[..., Environment]] = Registry("reward.environment", "environment")
 """Environment name -> its factory (keyword arguments: tokenizer, verifier and its own options)."""
 
 
@@ -96,12 +97,10 @@ def register_environment(
     multi_turn: whether the rollout stream drives its episodes turn by turn (set as the factory's `multi_turn`)."""
 
     def add(factory: Callable[..., Environment]) -> Callable[..., Environment]:
-        if name in ENVIRONMENTS:
-            raise ValueError(f"environment {name!r} is registered twice")
         if name in BUILT_IN and BUILT_IN[name][1] != multi_turn:
             raise ValueError(f"environment {name!r}: multi_turn={multi_turn} disagrees with envs.base.BUILT_IN")
         factory.multi_turn = multi_turn
-        ENVIRONMENTS[name] = factory
+        ENVIRONMENTS.add(name, factory)
         if name not in BUILT_IN:  # a user's environment (the built-in names are declared by megatron_dapo.choices)
             register_choices("reward.environment", name, payload=multi_turn)
         return factory
@@ -119,9 +118,7 @@ BUILT_IN: dict[str, tuple[str, bool]] = {
 def _factory(name: str) -> Callable[..., Environment]:
     if name not in ENVIRONMENTS and name in BUILT_IN:
         importlib.import_module(BUILT_IN[name][0])
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"environment: unknown {name!r}; choose one of {sorted(set(ENVIRONMENTS) | set(BUILT_IN))}")
-    return ENVIRONMENTS[name]
+    return ENVIRONMENTS.lookup(name, also=BUILT_IN)
 
 
 def make_environment(name: str, **kwargs: Any) -> Environment:
