@@ -43,6 +43,7 @@ from megatron_dapo.ops.dispatch import interpreting
 from megatron_dapo.ops.dispatch import use_triton
 from megatron_dapo.ops.logprob_entropy import logprob_entropy_backward
 from megatron_dapo.ops.logprob_entropy import logprob_entropy_forward
+from megatron_dapo.ops.reference import Columns
 from megatron_dapo.ops.reference import check_inputs
 from megatron_dapo.ops.reference import combine_vocab_shards
 from megatron_dapo.ops.reference import linear_logprobs_and_entropy_chunked
@@ -116,17 +117,14 @@ def linear_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    *,
-    inv_temp: float,
-    class_start: int,
-    n_valid: int,
+    cols: Columns,
     budget: TileBudget | None = None,
 ) -> torch.Tensor:
     """This shard's stats of softmax(hidden @ weight[:n_valid].T * inv_temp), tile by tile.
 
     Args:
         hidden: [T, H] (inner stride 1); weight: [V_local, H] (inner stride 1), same dtype; labels: [T] int64 global.
-        inv_temp: 1 / temperature. class_start: global id of weight row 0. n_valid: real rows of this shard.
+        cols: the shard's columns (reference.Columns: 1 / temperature, global id of weight row 0, real rows).
         budget: tile sizes (default: the GPU's, or the interpreter's under TRITON_INTERPRET=1).
 
     Returns:
@@ -137,20 +135,20 @@ def linear_forward(
     stats = torch.empty((3, num_tokens), dtype=torch.float32, device=hidden.device)
     if num_tokens == 0:
         return stats
-    if n_valid == 0:
+    if cols.n_valid == 0:
         stats[0], stats[1:] = float("-inf"), 0.0
         return stats
-    tc, vc = tile_shape(num_tokens, n_valid, budget.forward_elements, budget)
+    tc, vc = tile_shape(num_tokens, cols.n_valid, budget.forward_elements, budget)
     z_buf = torch.empty(tc * vc, dtype=torch.float32, device=hidden.device)
-    vocab = chunks(n_valid, vc)
+    vocab = chunks(cols.n_valid, vc)
     for c0, c1 in chunks(num_tokens, tc):
         state = torch.empty((4, c1 - c0), dtype=torch.float32, device=hidden.device)
         out = stats if (c0, c1) == (0, num_tokens) else torch.empty_like(state[:3])
         for i, (v0, v1) in enumerate(vocab):
             z = _mm_f32(hidden[c0:c1], weight[v0:v1].T, out=z_buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0))
             logprob_entropy_forward(
-                z, labels[c0:c1], inv_temp=inv_temp, class_start=class_start + v0, n_valid=v1 - v0,
-                state=state, carry_in=i > 0, carry_out=i < len(vocab) - 1, stats=out,
+                z, labels[c0:c1], cols.window(v0, v1), state=state, carry_in=i > 0, carry_out=i < len(vocab) - 1,
+                stats=out,
             )  # fmt: skip
         if out is not stats:
             stats[:, c0:c1] = out
@@ -163,16 +161,13 @@ def linear_backward(
     labels: torch.Tensor,
     stats: torch.Tensor,
     grad_out: torch.Tensor,
-    *,
-    inv_temp: float,
-    class_start: int,
-    n_valid: int,
+    cols: Columns,
     budget: TileBudget | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of sum(g_logp * logp + g_ent * entropy), each logit tile computed once.
 
     Args:
-        hidden, weight, labels, inv_temp, class_start, n_valid, budget: as in `linear_forward`.
+        hidden, weight, labels, cols, budget: as in `linear_forward`.
         stats: [3, T] fp32 GLOBAL stats (after the vocab-parallel merge).
         grad_out: [2, T] fp32 (g_logp, g_ent).
 
@@ -184,25 +179,22 @@ def linear_backward(
     num_tokens, hdim = hidden.shape
     d_hidden = torch.zeros((num_tokens, hdim), dtype=torch.float32, device=hidden.device)
     d_weight = torch.empty_like(weight)
-    d_weight[n_valid:].zero_()
-    if num_tokens == 0 or n_valid == 0:
+    d_weight[cols.n_valid :].zero_()
+    if num_tokens == 0 or cols.n_valid == 0:
         return d_hidden, d_weight.zero_()
-    tc, vc = tile_shape(num_tokens, n_valid, budget.backward_elements, budget)
+    tc, vc = tile_shape(num_tokens, cols.n_valid, budget.backward_elements, budget)
     token_chunks = chunks(num_tokens, tc)
     # The kernel reads [3, Tc] stats and [2, Tc] upstream grads contiguous: one copy per token chunk, made once.
     rows = [(c0, c1, stats[:, c0:c1].contiguous(), grad_out[:, c0:c1].contiguous()) for c0, c1 in token_chunks]
     z_buf = torch.empty(tc * vc, dtype=torch.float32, device=hidden.device)
     dw_acc = torch.empty((vc, hdim), dtype=torch.float32, device=hidden.device) if len(rows) > 1 else None
-    for v0, v1 in chunks(n_valid, vc):
+    for v0, v1 in chunks(cols.n_valid, vc):
         w_v = weight[v0:v1]
         if dw_acc is not None:
             dw_acc.zero_()
         for c0, c1, st, g in rows:
             z = _mm_f32(hidden[c0:c1], w_v.T, out=z_buf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0))
-            dz = logprob_entropy_backward(
-                z, labels[c0:c1], st, g, inv_temp=inv_temp, class_start=class_start + v0, n_valid=v1 - v0,
-                out_dtype=weight.dtype,
-            )  # fmt: skip
+            dz = logprob_entropy_backward(z, labels[c0:c1], st, g, cols.window(v0, v1), out_dtype=weight.dtype)
             _addmm_f32_(d_hidden[c0:c1], dz, w_v)
             if dw_acc is None:
                 _mm_into(dz.T, hidden[c0:c1], out=d_weight[v0:v1])
@@ -219,22 +211,18 @@ class LinearLogProbEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature, tp_group, vocab_size):
-        class_start, n_valid, _ = vocab_shard(weight.shape[0], tp_group, vocab_size)
-        inv_temp = 1.0 / temperature
-        stats = linear_forward(hidden, weight, labels, inv_temp=inv_temp, class_start=class_start, n_valid=n_valid)
+        cols = Columns.of_shard(weight.shape[0], tp_group, vocab_size, temperature)
+        stats = linear_forward(hidden, weight, labels, cols)
         stats = combine_vocab_shards(stats, tp_group)
         ctx.save_for_backward(hidden, weight, labels, stats)
-        ctx.args = (inv_temp, class_start, n_valid, tp_group)
+        ctx.args = (cols, tp_group)
         return outputs_from_stats(stats)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, labels, stats = ctx.saved_tensors
-        inv_temp, class_start, n_valid, tp_group = ctx.args
-        grad_out = torch.stack([g_logp, g_ent]).to(torch.float32)
-        d_hidden, d_weight = linear_backward(
-            hidden, weight, labels, stats, grad_out, inv_temp=inv_temp, class_start=class_start, n_valid=n_valid
-        )
+        cols, tp_group = ctx.args
+        d_hidden, d_weight = linear_backward(hidden, weight, labels, stats, torch.stack([g_logp, g_ent]).float(), cols)
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             dist.all_reduce(d_hidden, group=tp_group)
         return d_hidden.to(hidden.dtype), d_weight, None, None, None, None

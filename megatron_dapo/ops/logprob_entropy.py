@@ -33,6 +33,7 @@ from megatron_dapo.ops._softmax_utils import target_logit
 from megatron_dapo.ops.dispatch import interpreting
 from megatron_dapo.ops.dispatch import kernel_backend
 from megatron_dapo.ops.dispatch import use_triton
+from megatron_dapo.ops.reference import Columns
 from megatron_dapo.ops.reference import check_inputs
 from megatron_dapo.ops.reference import combine_vocab_shards
 from megatron_dapo.ops.reference import logprobs_and_entropy_chunked
@@ -148,20 +149,19 @@ def _block_v(fwd: bool, width: int | None = None) -> int:
 def logprob_entropy_forward(
     logits: torch.Tensor,
     labels: torch.Tensor,
+    cols: Columns,
     *,
-    inv_temp: float,
-    class_start: int,
-    n_valid: int,
     state: torch.Tensor | None = None,
     carry_in: bool = False,
     carry_out: bool = False,
     stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the forward kernel. logits [T, V_local] (stride(1) == 1), labels [T] int64 -> shard stats [3, T] fp32.
+    """Launch the forward kernel. logits [T, V_local] (stride(1) == 1), labels [T] int64, cols: what the launch sees
+    of the vocabulary (reference.Columns) -> shard stats [3, T] fp32.
 
     A row's columns may be streamed over several launches: `state` [4, T] fp32 carries the online softmax from one
     launch (carry_out=True, columns left of the next) to the next (carry_in=True); the last launch finalises into
-    `stats` ([3, T] fp32, contiguous; allocated when None). class_start is the global id of this launch's column 0.
+    `stats` ([3, T] fp32, contiguous; allocated when None).
     """
     num_tokens = logits.shape[0]
     if stats is None:
@@ -171,9 +171,9 @@ def logprob_entropy_forward(
     if (carry_in or carry_out) and (state is None or state.shape != (4, num_tokens) or not state.is_contiguous()):
         raise ValueError(f"logprob_entropy_forward: carrying needs a contiguous [4, {num_tokens}] fp32 state")
     _logprob_entropy_fwd_kernel[(num_tokens,)](
-        logits, labels, stats, stats if state is None else state, num_tokens, n_valid, logits.stride(0), class_start,
-        inv_temp, BLOCK_T=1, BLOCK_V=_block_v(True, logits.shape[1]), CARRY_IN=carry_in, CARRY_OUT=carry_out,
-        num_warps=NUM_WARPS,
+        logits, labels, stats, stats if state is None else state, num_tokens, cols.n_valid, logits.stride(0),
+        cols.class_start, cols.inv_temp, BLOCK_T=1, BLOCK_V=_block_v(True, logits.shape[1]), CARRY_IN=carry_in,
+        CARRY_OUT=carry_out, num_warps=NUM_WARPS,
     )  # fmt: skip
     return stats
 
@@ -183,14 +183,11 @@ def logprob_entropy_backward(
     labels: torch.Tensor,
     stats: torch.Tensor,
     grad_out: torch.Tensor,
-    *,
-    inv_temp: float,
-    class_start: int,
-    n_valid: int,
+    cols: Columns,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Launch the backward kernel. stats [3, T] global, grad_out [2, T] fp32 (both contiguous) -> d logits
-    [T, V_local] in out_dtype (default: the logits' dtype)."""
+    """Launch the backward kernel. stats [3, T] global, grad_out [2, T] fp32 (both contiguous), cols as in the
+    forward -> d logits [T, V_local] in out_dtype (default: the logits' dtype)."""
     num_tokens, v_local = logits.shape
     grad = torch.empty((num_tokens, v_local), dtype=out_dtype or logits.dtype, device=logits.device)
     if num_tokens == 0:
@@ -198,8 +195,8 @@ def logprob_entropy_backward(
     block_v = _block_v(False, v_local)
     grid = (num_tokens, triton.cdiv(v_local, block_v))
     _logprob_entropy_bwd_kernel[grid](
-        logits, labels, stats, grad_out, grad, num_tokens, v_local, n_valid, logits.stride(0), grad.stride(0),
-        class_start, inv_temp, BLOCK_T=1, BLOCK_V=block_v, num_warps=NUM_WARPS,
+        logits, labels, stats, grad_out, grad, num_tokens, v_local, cols.n_valid, logits.stride(0), grad.stride(0),
+        cols.class_start, cols.inv_temp, BLOCK_T=1, BLOCK_V=block_v, num_warps=NUM_WARPS,
     )  # fmt: skip
     return grad
 
@@ -212,30 +209,26 @@ class LogProbEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, temperature, tp_group, vocab_size, backend):
-        class_start, n_valid, _ = vocab_shard(logits.shape[1], tp_group, vocab_size)
+        cols = Columns.of_shard(logits.shape[1], tp_group, vocab_size, temperature)
         if backend == "cuda":
-            stats, _ = _cuda_twins.logprob_entropy_stats(logits, labels, temperature, class_start, n_valid)
+            stats, _ = _cuda_twins.logprob_entropy_stats(logits, labels, temperature, cols.class_start, cols.n_valid)
         else:
-            inv_temp = 1.0 / temperature
-            stats = logprob_entropy_forward(logits, labels, inv_temp=inv_temp, class_start=class_start, n_valid=n_valid)
+            stats = logprob_entropy_forward(logits, labels, cols)
         stats = combine_vocab_shards(stats, tp_group)
         ctx.save_for_backward(logits, labels, stats)
-        ctx.args = (temperature, class_start, n_valid, backend)
+        ctx.args = (temperature, cols, backend)
         return outputs_from_stats(stats)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, labels, stats = ctx.saved_tensors
-        temperature, class_start, n_valid, backend = ctx.args
+        temperature, cols, backend = ctx.args
         if backend == "cuda":
             grad = _cuda_twins.logprob_entropy_grad(
-                logits, labels, stats, g_logp, g_ent, temperature, class_start, n_valid
+                logits, labels, stats, g_logp, g_ent, temperature, cols.class_start, cols.n_valid
             )
-            return grad, None, None, None, None, None
-        grad_out = torch.stack([g_logp, g_ent]).to(torch.float32)
-        grad = logprob_entropy_backward(
-            logits, labels, stats, grad_out, inv_temp=1.0 / temperature, class_start=class_start, n_valid=n_valid
-        )
+        else:
+            grad = logprob_entropy_backward(logits, labels, stats, torch.stack([g_logp, g_ent]).to(torch.float32), cols)
         return grad, None, None, None, None, None
 
 

@@ -11,6 +11,10 @@ The chunked functions never hold more than [chunk_tokens, V_local] fp32 temporar
 whole [T, V] float64 problem and are for tests only.
 """
 
+from __future__ import annotations
+
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -36,6 +40,25 @@ def vocab_shard(v_local: int, tp_group: dist.ProcessGroup | None, vocab_size: in
     class_start = rank * v_local
     n_valid = max(0, min(v_local, vocab_size - class_start))
     return class_start, n_valid, vocab_size
+
+
+class Columns(NamedTuple):
+    """The vocabulary columns one kernel launch sees: scores are multiplied by inv_temp (1 / temperature), column 0
+    is global token id class_start, the first n_valid columns are real tokens (the rest Megatron's padding)."""
+
+    inv_temp: float
+    class_start: int
+    n_valid: int
+
+    @classmethod
+    def of_shard(cls, v_local: int, tp_group: dist.ProcessGroup | None, vocab_size: int | None, temperature: float):
+        """This rank's shard of v_local columns (`vocab_shard`) at `temperature`."""
+        class_start, n_valid, _ = vocab_shard(v_local, tp_group, vocab_size)
+        return cls(1.0 / temperature, class_start, n_valid)
+
+    def window(self, v0: int, v1: int) -> Columns:
+        """Columns [v0, v1) of these (v1 <= n_valid): a vocab tile of the shard."""
+        return Columns(self.inv_temp, self.class_start + v0, v1 - v0)
 
 
 def check_inputs(scores: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float, name: str) -> None:

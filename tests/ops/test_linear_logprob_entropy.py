@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_dapo.ops import linear_logprob_entropy as lle
 from megatron_dapo.ops import logprob_entropy as le
 from megatron_dapo.ops import tiling
+from megatron_dapo.ops.reference import Columns
 from megatron_dapo.ops.reference import linear_logprobs_and_entropy_chunked
 from megatron_dapo.ops.reference import linear_logprobs_and_entropy_naive
 from megatron_dapo.ops.reference import logprobs_and_entropy_naive
@@ -225,27 +226,26 @@ def test_forward_carry_equals_one_pass():
     """The log-prob kernel's carried state: a row streamed over several launches = the same row in one launch."""
     logits = torch.randn(6, 90) * 3
     labels = torch.randint(0, 90, (6,))
-    whole = le.logprob_entropy_forward(logits, labels, inv_temp=0.9, class_start=0, n_valid=90)
+    cols = Columns(0.9, 0, 90)
+    whole = le.logprob_entropy_forward(logits, labels, cols)
     state, cuts = torch.empty(4, 6), [0, 7, 40, 41, 90]
     for i, (v0, v1) in enumerate(zip(cuts, cuts[1:])):
         part = le.logprob_entropy_forward(
-            logits[:, v0:v1].contiguous(), labels, inv_temp=0.9, class_start=v0, n_valid=v1 - v0, state=state,
-            carry_in=i > 0, carry_out=v1 < 90,
-        )  # fmt: skip
+            logits[:, v0:v1].contiguous(), labels, cols.window(v0, v1), state=state, carry_in=i > 0, carry_out=v1 < 90
+        )
     torch.testing.assert_close(part, whole, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="contiguous"):
-        le.logprob_entropy_forward(logits, labels, inv_temp=1.0, class_start=0, n_valid=90, carry_out=True)
+        le.logprob_entropy_forward(logits, labels, Columns(1.0, 0, 90), carry_out=True)
 
 
 def test_shard_of_padding_only():
     """A TP rank whose shard is all padding (n_valid = 0): stats (-inf, 0, 0), zero weight gradient."""
     hidden = torch.randn(3, 8)
     weight = torch.randn(5, 8, requires_grad=True)
-    stats = lle.linear_forward(hidden, weight, torch.zeros(3, dtype=torch.int64), inv_temp=1.0, class_start=5,
-                               n_valid=0)  # fmt: skip
+    cols = Columns(1.0, 5, 0)
+    stats = lle.linear_forward(hidden, weight, torch.zeros(3, dtype=torch.int64), cols)
     assert torch.equal(stats[0], torch.full((3,), float("-inf"))) and torch.equal(stats[1:], torch.zeros(2, 3))
-    d_h, d_w = lle.linear_backward(hidden, weight, torch.zeros(3, dtype=torch.int64), stats, torch.ones(2, 3),
-                                   inv_temp=1.0, class_start=5, n_valid=0)  # fmt: skip
+    d_h, d_w = lle.linear_backward(hidden, weight, torch.zeros(3, dtype=torch.int64), stats, torch.ones(2, 3), cols)
     assert not d_h.any() and not d_w.any()
 
 
