@@ -10,7 +10,7 @@ Both give the trainer (trainer.py) the same calls, collective over its ranks, in
 
     start(step, data, resumed)     weights into the engines (and, remote, the start state) before the first step
     generate(step)                 the step's StreamResult (interrupted on a preemption: nothing decided)
-    rows(kept, index, wanted)      this rank's rollouts of the rows its DP rank trains on
+    rows(request)                  this rank's rollouts of the rows its DP rank trains on (a RowRequest)
     commit()                       the generation becomes the run's state (data position, carry) at the first update
     push_weights(version)          the updated weights into the engines (the sync phase)
     eval_scores(step, examples)    the verifier's results of the evaluation, every rank's share gathered
@@ -157,6 +157,35 @@ def carry_state(carry: list[CarryEntry], carry_rows: dict[str, list[Rollout]], e
     return out
 
 
+@dataclass(frozen=True)
+class RowRequest:
+    """The rows each rank trains on in a step, as every rank computes them from the kept groups' summaries.
+
+    kept: the step's GroupSummary list (same on every rank); index: global row -> (kept group, response);
+    wanted: global rows per DP rank (RowPlan.rows_of); dp_of_rank / layers_of_rank: each global rank's DP rank and
+    the (first, last) MoE layers of its pipeline stage (None: a dense model).
+    """
+
+    kept: list[GroupSummary]
+    index: list[tuple[int, int]]
+    wanted: list[list[int]]
+    dp_of_rank: list[int]
+    layers_of_rank: list[tuple[int, int] | None]
+
+    def rows_of(self, rank: int) -> list[int]:
+        """The global rows global rank `rank` trains on (those of its DP rank)."""
+        return self.wanted[self.dp_of_rank[rank]]
+
+    def owner(self, row: int) -> int:
+        """The rank that generated row `row`'s group (it holds the rollout)."""
+        return self.kept[self.index[row][0]].owner
+
+    def rollout(self, groups: dict[str, RolloutGroup], row: int, rank: int) -> Rollout:
+        """Row `row` out of the generated `groups` (key -> RolloutGroup), with the MoE routing of `rank`'s stage."""
+        g, i = self.index[row]
+        return groups[self.kept[g].key].rollouts[i].routing_layers(self.layers_of_rank[rank])
+
+
 class LocalGeneration:
     """Colocated generation: see the module docstring.
 
@@ -236,19 +265,14 @@ class LocalGeneration:
             self.groups, self._pending = result.groups, result
         return result
 
-    def rows(self, kept: list[GroupSummary], index: list[tuple[int, int]], wanted: list[list[int]], dp_of_rank: list,
-             layers_of_rank: list) -> dict[int, Rollout]:  # fmt: skip
+    def rows(self, request: RowRequest) -> dict[int, Rollout]:
         """This rank's rows: every owner (the rank that generated a group) sends each row to the ranks whose DP rank
-        trains on it (wanted[d]: DP rank d's rows), with the MoE routing slice of that rank's stage (an all_to_all
-        over gloo: a rank receives only its DP rank's rows)."""
+        trains on it, with the MoE routing slice of that rank's stage (an all_to_all over gloo: a rank receives only
+        its DP rank's rows)."""
         ctx = self.ctx
-        outgoing: list[list] = [[] for _ in range(ctx.world)]
-        for dst in range(ctx.world):
-            for row in wanted[dp_of_rank[dst]]:
-                g, i = index[row]
-                if kept[g].owner == ctx.rank:
-                    rollout = self.groups[kept[g].key].rollouts[i]
-                    outgoing[dst].append((row, rollout.routing_layers(layers_of_rank[dst])))
+        mine = {row for row in range(len(request.index)) if request.owner(row) == ctx.rank}
+        outgoing = [[(row, request.rollout(self.groups, row, dst)) for row in request.rows_of(dst) if row in mine]
+                    for dst in range(ctx.world)]  # fmt: skip
         received = dict(ctx.exchange.all_to_all(outgoing, "rollout rows"))
         self.groups = {}
         return received
@@ -380,14 +404,10 @@ class RemoteGeneration:
         self.groups, self._pending = message.groups, message
         return StreamResult(message.kept, message.decided, message.groups, [], {}, 0, message.metrics)
 
-    def rows(self, kept: list[GroupSummary], index: list[tuple[int, int]], wanted: list[list[int]], dp_of_rank: list,
-             layers_of_rank: list) -> dict[int, Rollout]:  # fmt: skip
+    def rows(self, request: RowRequest) -> dict[int, Rollout]:
         """Every actor rank received every kept group: its own rows, with its stage's MoE routing slice."""
-        layers = layers_of_rank[self.ctx.rank]
-        rows = {}
-        for row in wanted[dp_of_rank[self.ctx.rank]]:
-            g, i = index[row]
-            rows[row] = self.groups[kept[g].key].rollouts[i].routing_layers(layers)
+        rank = self.ctx.rank
+        rows = {row: request.rollout(self.groups, row, rank) for row in request.rows_of(rank)}
         self.groups = {}
         return rows
 

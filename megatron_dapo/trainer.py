@@ -45,6 +45,7 @@ from megatron_dapo.experience import row_lengths
 from megatron_dapo.experience import rows_to_batch
 from megatron_dapo.experience import sampled_response_metrics
 from megatron_dapo.generation import RolloutContext
+from megatron_dapo.generation import RowRequest
 from megatron_dapo.generation import make_generation
 from megatron_dapo.inputs import RunInputs
 from megatron_dapo.inputs import agree_at_startup
@@ -323,7 +324,7 @@ class DAPOTrainer:
         plan = RowPlan.build(row_lengths(kept), self.groups.dp_size, c.mini_batch_rows)
         mine = plan.rows_of(self.groups.dp_rank)
         wanted = [plan.rows_of(d) for d in range(self.groups.dp_size)]
-        received = self.generation.rows(kept, index, wanted, self.dp_of_rank, self.routing_layers_of_rank)
+        received = self.generation.rows(RowRequest(kept, index, wanted, self.dp_of_rank, self.routing_layers_of_rank))
         missing = [r for r in mine if r not in received]
         if missing:
             raise RuntimeError(f"rollout routing: rank {self.rank} did not receive rows {missing[:5]} of its plan")
