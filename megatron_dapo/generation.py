@@ -186,7 +186,34 @@ class RowRequest:
         return groups[self.kept[g].key].rollouts[i].routing_layers(self.layers_of_rank[rank])
 
 
-class LocalGeneration:
+class _StepInFlight:
+    """The generation of the step in progress, shared by both implementations: its kept groups (this rank's, by key)
+    until rows() hands them out, and its result until commit() makes it the run's state or drop() forgets it."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, RolloutGroup] = {}
+        """This rank's kept groups of the step in progress, by key, until routed to the DP ranks that train them."""
+        self._pending: Any = None
+
+    def _hold(self, groups: dict[str, RolloutGroup], result: Any) -> None:
+        self.groups, self._pending = groups, result
+
+    def _hand_out(self) -> dict[str, RolloutGroup]:
+        """The step's groups, no longer held (rows() sends or keeps what it needs of them)."""
+        groups, self.groups = self.groups, {}
+        return groups
+
+    def _take(self) -> Any:
+        """The step's result (None when nothing was generated), no longer pending."""
+        result, self._pending, self.groups = self._pending, None, {}
+        return result
+
+    def drop(self) -> None:
+        """A step dropped before its first update: nothing of its generation stays."""
+        self._take()
+
+
+class LocalGeneration(_StepInFlight):
     """Colocated generation: see the module docstring.
 
     ctx: RolloutContext. export: () -> the actor's named HF tensors (collective: every rank walks it). memory: the
@@ -210,6 +237,7 @@ class LocalGeneration:
         from megatron_dapo.rollout.factory import weight_update_target
         from megatron_dapo.rollout.weight_sync import WeightSync
 
+        super().__init__()
         c = ctx.config
         self.ctx, self.export, self.memory, self.eval_exchange, self.wait_saved = (
             ctx, export, memory, eval_exchange, wait_saved,
@@ -233,9 +261,6 @@ class LocalGeneration:
         """Groups carried into the next step (rollout.partial), in queue order; the same on every rank."""
         self.carry_rows: dict[str, list[Rollout]] = {}
         """The rollouts of the carried groups this rank owns, by key."""
-        self._pending: StreamResult | None = None
-        self.groups: dict[str, RolloutGroup] = {}
-        """This rank's kept groups of the step in progress, by key, until routed to the DP ranks that train them."""
         # Colocated SGLang with rollout TP > 1: every rank of an engine's group hands SGLang its own GPU's copy.
         target = weight_update_target(c.rollout, self.engine, ctx.rank, ctx.world)
         r = c.rollout
@@ -262,31 +287,25 @@ class LocalGeneration:
             self.engine.weight_version = step - 1  # synced at the end of the previous step
         result = self.ctx.run_stream(self.stream, step, self.carry, self.carry_rows)
         if not result.interrupted:
-            self.groups, self._pending = result.groups, result
+            self._hold(result.groups, result)
         return result
 
     def rows(self, request: RowRequest) -> dict[int, Rollout]:
         """This rank's rows: every owner (the rank that generated a group) sends each row to the ranks whose DP rank
         trains on it, with the MoE routing slice of that rank's stage (an all_to_all over gloo: a rank receives only
         its DP rank's rows)."""
-        ctx = self.ctx
+        ctx, groups = self.ctx, self._hand_out()
         mine = {row for row in range(len(request.index)) if request.owner(row) == ctx.rank}
-        outgoing = [[(row, request.rollout(self.groups, row, dst)) for row in request.rows_of(dst) if row in mine]
+        outgoing = [[(row, request.rollout(groups, row, dst)) for row in request.rows_of(dst) if row in mine]
                     for dst in range(ctx.world)]  # fmt: skip
-        received = dict(ctx.exchange.all_to_all(outgoing, "rollout rows"))
-        self.groups = {}
-        return received
+        return dict(ctx.exchange.all_to_all(outgoing, "rollout rows"))
 
     def commit(self) -> None:
         """The data moves past the positions the step consumed; the carry is the unfinished groups it left."""
-        result, self._pending, self.groups = self._pending, None, {}
+        result = self._take()
         if result is not None:
             self.ctx.inputs.train_data.skip(result.consumed)
             self.carry, self.carry_rows = result.carry, result.carry_rows
-
-    def drop(self) -> None:
-        """A step dropped before its first update: nothing of its generation stays."""
-        self._pending, self.groups = None, {}
 
     def push_weights(self, version: int) -> dict[str, float]:
         return self.weight_sync.sync(self.export())
@@ -345,7 +364,7 @@ class _NoAnswer(Exception):
     """The engine ranks did not answer a stop within placement.STOP_ANSWER_S."""
 
 
-class RemoteGeneration:
+class RemoteGeneration(_StepInFlight):
     """The actor ranks of a split launch: see the module docstring.
 
     ctx: RolloutContext over the actor ranks. placement / mailbox / beat: placement.py's. channel: actor rank 0's
@@ -354,6 +373,7 @@ class RemoteGeneration:
     """
 
     def __init__(self, ctx: RolloutContext, *, placement: Any, mailbox: Any, beat: Any, channel: Any, export: Any):
+        super().__init__()
         self.ctx, self.placement, self.mailbox, self.beat, self.channel, self.export = (
             ctx, placement, mailbox, beat, channel, export,
         )  # fmt: skip
@@ -362,8 +382,6 @@ class RemoteGeneration:
         r = ctx.config.rollout
         self.encoder = DeltaEncoder(r.weight_sync_full_every) if r.weight_sync_delta and channel is not None else None
         """rollout.weight_sync_delta: actor rank 0's copy of the last push (WeightChannel sends the changes)."""
-        self._pending: Any = None
-        self.groups: dict[str, RolloutGroup] = {}
 
     def start(self, step: int, data: dict[str, Any], resumed: bool) -> None:
         """Post the start state (step, data position, carry) and push the weights as version `step`; the engine
@@ -401,27 +419,22 @@ class RemoteGeneration:
         interrupted = message is None or message.interrupted
         if any(self.ctx.exchange.all_gather([interrupted], "the generation's outcome")):
             return StreamResult([], [], {}, [], {}, 0, interrupted=True)  # the step is dropped as in the colocated job
-        self.groups, self._pending = message.groups, message
+        self._hold(message.groups, message)
         return StreamResult(message.kept, message.decided, message.groups, [], {}, 0, message.metrics)
 
     def rows(self, request: RowRequest) -> dict[int, Rollout]:
         """Every actor rank received every kept group: its own rows, with its stage's MoE routing slice."""
-        rank = self.ctx.rank
-        rows = {row: request.rollout(self.groups, row, rank) for row in request.rows_of(rank)}
-        self.groups = {}
-        return rows
+        rank, groups = self.ctx.rank, self._hand_out()
+        return {row: request.rollout(groups, row, rank) for row in request.rows_of(rank)}
 
     def commit(self) -> None:
         """The engine ranks' data position and carry after this step become the run's."""
-        result, self._pending, self.groups = self._pending, None, {}
+        result = self._take()
         if result is not None:
             self.ctx.inputs.train_data.load_state_dict(result.data)
             self.carry = result.carry
             if self.ctx.rank == 0:
                 self.mailbox.delete(f"gen/{result.step}")  # every actor rank read it before the update began
-
-    def drop(self) -> None:
-        self._pending, self.groups = None, {}
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Every rank walks the actor's export; rank 0 sends it as `version` to the engine ranks (WeightChannel) or to
