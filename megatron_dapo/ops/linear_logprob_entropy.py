@@ -44,11 +44,10 @@ from megatron_dapo.ops.dispatch import use_triton
 from megatron_dapo.ops.logprob_entropy import logprob_entropy_backward
 from megatron_dapo.ops.logprob_entropy import logprob_entropy_forward
 from megatron_dapo.ops.reference import Columns
-from megatron_dapo.ops.reference import check_inputs
 from megatron_dapo.ops.reference import combine_vocab_shards
+from megatron_dapo.ops.reference import flat_inputs
 from megatron_dapo.ops.reference import linear_logprobs_and_entropy_chunked
 from megatron_dapo.ops.reference import outputs_from_stats
-from megatron_dapo.ops.reference import vocab_shard
 from megatron_dapo.ops.tiling import GPU_BUDGET
 from megatron_dapo.ops.tiling import INTERPRET_BUDGET
 from megatron_dapo.ops.tiling import TileBudget
@@ -259,12 +258,8 @@ def linear_logprobs_and_entropy(
         return linear_logprobs_and_entropy_chunked(
             hidden, weight, labels, temperature=temperature, tp_group=tp_group, vocab_size=vocab_size
         )
-    _, _, vocab_size = vocab_shard(weight.shape[0], tp_group, vocab_size)
-    check_inputs(hidden, labels, vocab_size, temperature, "linear_logprobs_and_entropy")
-    lead = labels.shape
-    h = hidden.reshape(-1, hidden.shape[-1])
-    h = h if h.stride(-1) == 1 else h.contiguous()
+    f = flat_inputs(hidden, labels, weight.shape[0], tp_group, vocab_size, temperature, "linear_logprobs_and_entropy")
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    lab = labels.reshape(-1).to(torch.int64).contiguous()
-    logp, ent = LinearLogProbEntropyFunction.apply(h, w, lab, float(temperature), tp_group, vocab_size)
-    return logp.reshape(lead), ent.reshape(lead)
+    return f.unflatten(
+        *LinearLogProbEntropyFunction.apply(f.scores, w, f.labels, float(temperature), tp_group, f.vocab_size)
+    )

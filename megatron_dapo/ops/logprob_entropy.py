@@ -34,11 +34,10 @@ from megatron_dapo.ops.dispatch import interpreting
 from megatron_dapo.ops.dispatch import kernel_backend
 from megatron_dapo.ops.dispatch import use_triton
 from megatron_dapo.ops.reference import Columns
-from megatron_dapo.ops.reference import check_inputs
 from megatron_dapo.ops.reference import combine_vocab_shards
+from megatron_dapo.ops.reference import flat_inputs
 from megatron_dapo.ops.reference import logprobs_and_entropy_chunked
 from megatron_dapo.ops.reference import outputs_from_stats
-from megatron_dapo.ops.reference import vocab_shard
 
 # Vocab tile widths (forward, backward). GPU: one row per program, 4096-wide forward tiles (untuned: no GPU here).
 # Interpreter: small tiles so that tests with V of a few hundred still run the multi-tile loop; tests swap in
@@ -267,12 +266,7 @@ def logprobs_and_entropy(
         return logprobs_and_entropy_chunked(
             logits, labels, temperature=temperature, tp_group=tp_group, vocab_size=vocab_size
         )
-    _, _, vocab_size = vocab_shard(logits.shape[-1], tp_group, vocab_size)
-    check_inputs(logits, labels, vocab_size, temperature, "logprobs_and_entropy")
-    lead = labels.shape
-    x = logits.reshape(-1, logits.shape[-1])
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    lab = labels.reshape(-1).to(torch.int64).contiguous()
-    logp, ent = LogProbEntropyFunction.apply(x, lab, float(temperature), tp_group, vocab_size, chosen)
-    return logp.reshape(lead), ent.reshape(lead)
+    f = flat_inputs(logits, labels, logits.shape[-1], tp_group, vocab_size, temperature, "logprobs_and_entropy")
+    return f.unflatten(
+        *LogProbEntropyFunction.apply(f.scores, f.labels, float(temperature), tp_group, f.vocab_size, chosen)
+    )

@@ -75,6 +75,37 @@ def check_inputs(scores: torch.Tensor, labels: torch.Tensor, vocab_size: int, te
             raise ValueError(f"{name}: labels must be in [0, {vocab_size}), got min={lo} max={hi}")
 
 
+class FlatInputs(NamedTuple):
+    """A public entry's inputs as its kernels take them: scores [N, last] with unit column stride, labels [N]
+    int64 contiguous, the global vocab size, and the labels' leading shape the results are reshaped back to."""
+
+    scores: torch.Tensor
+    labels: torch.Tensor
+    vocab_size: int
+    lead: torch.Size
+
+    def unflatten(self, logp: torch.Tensor, ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N] results -> the labels' leading shape."""
+        return logp.reshape(self.lead), ent.reshape(self.lead)
+
+
+def flat_inputs(
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    v_local: int,
+    tp_group: dist.ProcessGroup | None,
+    vocab_size: int | None,
+    temperature: float,
+    name: str,
+) -> FlatInputs:
+    """Checks (`vocab_shard`, `check_inputs`) and flattens scores [..., last] (logits or hidden) and labels [...]."""
+    _, _, vocab_size = vocab_shard(v_local, tp_group, vocab_size)
+    check_inputs(scores, labels, vocab_size, temperature, name)
+    x = scores.reshape(-1, scores.shape[-1])
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return FlatInputs(x, labels.reshape(-1).to(torch.int64).contiguous(), vocab_size, labels.shape)
+
+
 def combine_vocab_shards(stats: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Merge per-shard stats into global ones.
 
@@ -232,13 +263,9 @@ def logprobs_and_entropy_chunked(
     Returns:
         (logp, entropy): [...] fp32 each, differentiable.
     """
-    _, _, vocab_size = vocab_shard(logits.shape[-1], tp_group, vocab_size)
-    check_inputs(logits, labels, vocab_size, temperature, "logprobs_and_entropy")
-    lead = labels.shape
-    x = logits.reshape(-1, logits.shape[-1])
-    ct = _chunk_tokens(x.shape[1], chunk_tokens)
-    logp, ent = _ChunkedLogProbEntropy.apply(x, labels.reshape(-1).long(), temperature, tp_group, vocab_size, ct)
-    return logp.reshape(lead), ent.reshape(lead)
+    f = flat_inputs(logits, labels, logits.shape[-1], tp_group, vocab_size, temperature, "logprobs_and_entropy")
+    ct = _chunk_tokens(f.scores.shape[1], chunk_tokens)
+    return f.unflatten(*_ChunkedLogProbEntropy.apply(f.scores, f.labels, temperature, tp_group, f.vocab_size, ct))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -327,15 +354,11 @@ def linear_logprobs_and_entropy_chunked(
     and weight [V_local, H] (same float dtype) in place of logits; chunk_tokens / chunk_vocab default to tiles of
     about CHUNK_ELEMENTS fp32 (LINEAR_CHUNK_TOKENS tokens).
     """
-    _, _, vocab_size = vocab_shard(weight.shape[0], tp_group, vocab_size)
-    check_inputs(hidden, labels, vocab_size, temperature, "linear_logprobs_and_entropy")
-    lead = labels.shape
-    h = hidden.reshape(-1, hidden.shape[-1])
-    ct, cv = _linear_tiles(h.shape[0], chunk_tokens, chunk_vocab)
-    logp, ent = _ChunkedLinearLogProbEntropy.apply(
-        h, weight, labels.reshape(-1).long(), temperature, tp_group, vocab_size, ct, cv
+    f = flat_inputs(hidden, labels, weight.shape[0], tp_group, vocab_size, temperature, "linear_logprobs_and_entropy")
+    ct, cv = _linear_tiles(f.scores.shape[0], chunk_tokens, chunk_vocab)
+    return f.unflatten(
+        *_ChunkedLinearLogProbEntropy.apply(f.scores, weight, f.labels, temperature, tp_group, f.vocab_size, ct, cv)
     )
-    return logp.reshape(lead), ent.reshape(lead)
 
 
 # ---------------------------------------------------------------------------------------------------------------
