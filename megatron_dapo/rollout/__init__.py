@@ -12,6 +12,7 @@ from typing import Any
 
 _EXPORTS = {
     "EngineDied": "base",
+    "EngineLaunch": "base",
     "RolloutEngine": "base",
     "SamplingParams": "base",
     "WeightUpdateError": "base",

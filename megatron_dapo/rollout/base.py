@@ -16,8 +16,10 @@ Conventions shared by every engine (DESIGN.md):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 from typing import Protocol
 from typing import runtime_checkable
@@ -25,9 +27,33 @@ from typing import runtime_checkable
 import torch
 from torch import Tensor
 
+from megatron_dapo.config import RolloutConfig
 from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What starts an engine in this process (SGLangEngine, VLLMEngine; `factory.make_engine` builds it): the HF
+    checkpoint directory model_path (the actor's starting point; later weights come through WeightSync), the
+    RolloutConfig it reads its sizes from (its defaults when None), the weight dtype name ("bfloat16" / "float32"),
+    the engine's seed, base_gpu_id (SGLang: the first of its rollout.tensor_parallel GPUs), extra (more keyword
+    arguments for sglang.Engine / vllm.LLM) and routed_shape ((layers, experts per token, experts) of an MoE model
+    whose results must carry every token's routing, actor.routing_replay r3; SGLang only)."""
+
+    model_path: str
+    rollout: RolloutConfig | None = None
+    dtype: str = "bfloat16"
+    seed: int = 0
+    base_gpu_id: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    routed_shape: tuple[int, int, int] | None = None
+
+    @property
+    def config(self) -> RolloutConfig:
+        """The rollout section (its defaults when none was given)."""
+        return self.rollout or RolloutConfig()
 
 
 @dataclass(frozen=True, slots=True)

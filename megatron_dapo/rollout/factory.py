@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.config import RolloutConfig
+from megatron_dapo.rollout.base import EngineLaunch
 from megatron_dapo.rollout.base import RolloutEngine
 from megatron_dapo.rollout.base import SamplingParams
 
@@ -138,18 +139,18 @@ def make_engine(
         )
     if rollout.mode == "server":  # SGLang servers, the one engine with a server mode (rollout/engines.py)
         return _pushing_server_stream(rollout, model_path, master_address, master_port, routed_experts)
+    launch = EngineLaunch(
+        model_path, rollout, dtype, seed, base_gpu_id, dict(engine_kwargs or {}),
+        routing_shape(model_path) if routed_experts else None,
+    )  # fmt: skip
     if rollout.engine == "sglang":
         from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
-        routed_shape = routing_shape(model_path) if routed_experts else None
-        return SGLangEngine(
-            model_path, rollout, dtype=dtype, base_gpu_id=base_gpu_id, seed=seed, engine_kwargs=engine_kwargs,
-            routed_shape=routed_shape,
-        )  # fmt: skip
+        return SGLangEngine(launch)
     if rollout.engine == "vllm":  # colocated only (rollout/engines.py; the config refuses its server mode)
         from megatron_dapo.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, rollout, dtype=dtype, seed=seed, llm_kwargs=engine_kwargs)
+        return VLLMEngine(launch)
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")
 
 

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatron_dapo.config import RolloutConfig
 from megatron_dapo.launch_env import rendezvous_store
 from megatron_dapo.launch_env import scrubbed_environ
 from megatron_dapo.memory import ENGINE_TAGS
+from megatron_dapo.rollout.base import EngineLaunch
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.base import generate_blocking
@@ -228,45 +228,35 @@ class SGLangEngine(EngineStream):
 
     Create it on the first rank of each rollout group; that rank receives the full HF tensors from the actor
     export and hands them to SGLang through CUDA IPC (no copy). SGLang's load_weights shards them for its TP.
-    From `rollout` (RolloutConfig; None: its defaults) it reads tensor_parallel, mem_fraction (mem_fraction_static),
+    From the launch's RolloutConfig it reads tensor_parallel, mem_fraction (mem_fraction_static),
     max_running_requests, deterministic_inference (SGLang's enable_deterministic_inference: batch-invariant kernels,
     pytorch sampler; only with it does SGLang 0.5.23 honour each request's sampling_seed, SamplingBatchInfo ignores
     it otherwise) and weight_dtype ("fp8" serves block-FP8 linear layers, see rollout/fp8.py).
     """
 
-    def __init__(
-        self,
-        model_path: str,
-        rollout: RolloutConfig | None = None,
-        *,
-        dtype: str = "bfloat16",
-        base_gpu_id: int = 0,
-        seed: int = 0,
-        engine_kwargs: dict[str, Any] | None = None,
-        routed_shape: tuple[int, int, int] | None = None,
-    ) -> None:
+    def __init__(self, launch: EngineLaunch) -> None:
         import sglang
         from sglang.srt.utils.common import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-        rollout = rollout or RolloutConfig()
+        rollout = launch.config
         args = {
-            "model_path": model_path,
+            "model_path": launch.model_path,
             "tp_size": rollout.tensor_parallel,
             "mem_fraction_static": rollout.mem_fraction,
             "enable_memory_saver": True,
             "skip_tokenizer_init": True,
-            "dtype": dtype,
-            "base_gpu_id": base_gpu_id,
-            "random_seed": seed,
+            "dtype": launch.dtype,
+            "base_gpu_id": launch.base_gpu_id,
+            "random_seed": launch.seed,
         }
         if rollout.deterministic_inference:  # per-request sampling_seed is ignored without it (docs/rollout.md)
             args["enable_deterministic_inference"] = True
         if rollout.max_running_requests > 0:
             args["max_running_requests"] = rollout.max_running_requests
-        self.routed_shape = routed_shape
-        if routed_shape is not None:  # actor.routing_replay r3: results carry meta_info.routed_experts
+        self.routed_shape = launch.routed_shape
+        if launch.routed_shape is not None:  # actor.routing_replay r3: results carry meta_info.routed_experts
             args["enable_return_routed_experts"] = True
         # A child process of SGLang that fails (or that SGLang's SubprocessWatchdog finds dead) sends this process
         # SIGQUIT, and SGLang's handlers answer by killing the whole process tree: this trainer with it. Ours mark the
@@ -288,7 +278,7 @@ class SGLangEngine(EngineStream):
         # SGLang spawns its scheduler processes with this process's environment; under torchrun they would inherit
         # TORCHELASTIC_USE_AGENT_STORE and hang in their tcp:// rendezvous (launch_env.py).
         with scrubbed_environ():
-            self._engine = sglang.Engine(**checked("ServerArgs", args), **(engine_kwargs or {}))
+            self._engine = sglang.Engine(**checked("ServerArgs", args), **launch.extra)
         mark_dead_on_sigquit(self._engine.tokenizer_manager, self._child_died)
         self.tp_size = rollout.tensor_parallel
         self._metadata_cls = FlattenedTensorMetadata

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatron_dapo.config import RolloutConfig
 from megatron_dapo.launch_env import scrubbed_environ
 from megatron_dapo.rollout.base import BlockingStream
+from megatron_dapo.rollout.base import EngineLaunch
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.base import request_result
@@ -138,40 +138,34 @@ def staging_root(need_bytes: int) -> str:
 class VLLMEngine(BlockingStream):
     """vllm.LLM as a RolloutEngine.
 
-    model_path: HF checkpoint directory; rollout: RolloutConfig (None: its defaults), of which it reads tensor_parallel
-    (vLLM's TP size) and mem_fraction (gpu_memory_utilization); dtype: "bfloat16" / "float32"; seed: engine seed;
-    llm_kwargs: extra vllm.LLM arguments.
+    Of the launch's RolloutConfig it reads tensor_parallel (vLLM's TP size) and mem_fraction (gpu_memory_utilization);
+    launch.extra holds more vllm.LLM arguments. base_gpu_id does not apply (vLLM places its own workers); routed
+    experts are SGLang's alone, so a launch that asks for them is refused.
     """
 
-    def __init__(
-        self,
-        model_path: str,
-        rollout: RolloutConfig | None = None,
-        *,
-        dtype: str = "bfloat16",
-        seed: int = 0,
-        llm_kwargs: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, launch: EngineLaunch) -> None:
+        if launch.routed_shape is not None:
+            raise ValueError("VLLMEngine: routed experts (actor.routing_replay r3) need rollout.engine sglang")
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         import vllm
 
-        rollout = rollout or RolloutConfig()
+        rollout = launch.config
         kwargs = {
-            "model": model_path,
+            "model": launch.model_path,
             "tensor_parallel_size": rollout.tensor_parallel,
             "gpu_memory_utilization": rollout.mem_fraction,
-            "dtype": dtype,
-            "seed": seed,
+            "dtype": launch.dtype,
+            "seed": launch.seed,
             "skip_tokenizer_init": True,
             "logprobs_mode": "processed_logprobs",
             "enable_sleep_mode": torch.cuda.is_available(),
         }
-        kwargs.update(llm_kwargs or {})
+        kwargs.update(launch.extra)
         self._vllm = vllm
         with scrubbed_environ():  # its engine-core / worker processes must not inherit torchrun's variables
             self.llm = vllm.LLM(**kwargs)
         self._released: set[str] = set()
-        self.expected_shapes = checkpoint_shapes(model_path)
+        self.expected_shapes = checkpoint_shapes(launch.model_path)
         """HF name -> full shape of every tensor a full update must send (None: unchecked, model_path not local)."""
         self._stage_dir: str | None = None
         self._staged: list[str] = []

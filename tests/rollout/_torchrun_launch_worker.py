@@ -154,10 +154,11 @@ def main(out_path: str) -> None:
     report["control_engine"] = run_scheduler_child(mp.get_context("spawn"))
 
     install_stub_sglang()
+    from megatron_dapo.rollout.base import EngineLaunch
     from megatron_dapo.rollout.sglang_engine import SGLangEngine
 
     try:
-        SGLangEngine("/nonexistent-model", seed=3)
+        SGLangEngine(EngineLaunch("/nonexistent-model", seed=3))
         report["engine"] = StubEngine.last_child
     except Exception as err:
         report["engine"] = {"ok": False, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}

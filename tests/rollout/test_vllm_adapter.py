@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout import WeightSync
 from megatron_dapo.rollout import WeightUpdateError
+from megatron_dapo.rollout.base import EngineLaunch
 from megatron_dapo.rollout.base import completion_seed
 from megatron_dapo.rollout.vllm_engine import VLLMEngine
 from megatron_dapo.rollout.vllm_engine import checkpoint_shapes
@@ -134,7 +135,7 @@ def tiny_llama_dir(tmp_path_factory):
 
 def test_generate_one_seeded_request_per_completion(fake_vllm, tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    engine = VLLMEngine(str(tiny_llama_dir[0]), dtype="float32", seed=5)
+    engine = VLLMEngine(EngineLaunch(str(tiny_llama_dir[0]), dtype="float32", seed=5))
     llm = FakeLLM.instances[0]
     assert llm.kwargs["skip_tokenizer_init"] is True and llm.kwargs["logprobs_mode"] == "processed_logprobs"
     assert "TORCHELASTIC_USE_AGENT_STORE" not in llm.env_at_init  # built inside scrubbed_environ()
@@ -156,7 +157,7 @@ def test_generate_one_seeded_request_per_completion(fake_vllm, tiny_llama_dir, m
 
 def test_weight_update_checks_names_and_shapes_then_one_reload(fake_vllm, tiny_llama_dir):
     path, state = tiny_llama_dir
-    engine = VLLMEngine(str(path), dtype="float32")
+    engine = VLLMEngine(EngineLaunch(str(path), dtype="float32"))
     llm = FakeLLM.instances[0]
     shapes = checkpoint_shapes(path)
     assert "lm_head.weight" not in shapes  # tied: the actor's export does not send it
@@ -210,7 +211,7 @@ def test_multi_turn_trajectories_go_to_vllm_as_token_ids(fake_vllm, tiny_llama_d
     from tests.envs.test_multi_turn import ThreeTurns
     from tests.envs.test_multi_turn import run_stream
 
-    engine = VLLMEngine(str(tiny_llama_dir[0]), dtype="float32", seed=5)
+    engine = VLLMEngine(EngineLaunch(str(tiny_llama_dir[0]), dtype="float32", seed=5))
     llm = FakeLLM.instances[0]
     env = ThreeTurns()
     scorer = GroupScorer(None, None, AlgorithmConfig(overlong_penalty=False), 60, env)

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import vllm
 
+    from megatron_dapo.rollout.base import EngineLaunch
     from megatron_dapo.rollout.base import SamplingParams
     from megatron_dapo.rollout.types import FinishReason
     from megatron_dapo.rollout.vllm_engine import VLLMEngine
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts, eos = encode_prompts(args.model, args.prompts)
     t0 = time.perf_counter()
     llm_kwargs = {"max_model_len": 512, **({"enforce_eager": True} if args.eager else {})}
-    engine = VLLMEngine(str(args.model), dtype=args.dtype, seed=0, llm_kwargs=llm_kwargs)
+    engine = VLLMEngine(EngineLaunch(str(args.model), dtype=args.dtype, extra=llm_kwargs))
     results["engine_start_s"] = time.perf_counter() - t0
     params = SamplingParams(
         n=args.group,
