@@ -220,12 +220,8 @@ def clipped_token_loss(
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
-    eps_low: float,
-    eps_high: float,
-    clip_ratio_c: float | None,
+    bounds: ClipBounds,
     mask: Tensor | None = None,
-    *,
-    bounds: ClipBounds | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-token clipped surrogate. Returns (loss [B,T], ratio [B,T], advantages [B,T], log_ratio [B,T]), fp32.
 
@@ -235,10 +231,10 @@ def clipped_token_loss(
     - A < 0 and r > log(c) with dual clip: l = -A c, gradient 0;
     - otherwise l = -A exp(clamp(r, -20, 20)), gradient -A exp(r) for |r| <= 20 and 0 beyond.
     This is max(-A ratio, -A clip(ratio)) (and min(., -A c) for A < 0) with the decision taken on the log-ratio and
-    ties (r exactly on a bound) kept unclipped. `bounds` replaces the three constants when given. With `mask`,
+    ties (r exactly on a bound) kept unclipped. With `mask`,
     invalid tokens get log-ratio 0 so garbage there (padding, overflow) cannot leak NaN into the gradient; their loss
     is then dropped by the aggregation."""
-    b = bounds if bounds is not None else ClipBounds.make(eps_low, eps_high, clip_ratio_c)
+    b = bounds
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.expand_as(logp).to(torch.float32)
@@ -301,7 +297,7 @@ def surrogate_token_loss(
     """
     b = spec.bounds
     if spec.kind == "clip":
-        return clipped_token_loss(logp, old_logp, advantages, None, None, b.clip_c, mask, bounds=b)
+        return clipped_token_loss(logp, old_logp, advantages, b, mask)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     adv = advantages.expand_as(logp).to(torch.float32)
@@ -311,9 +307,7 @@ def surrogate_token_loss(
         seq_lr = sequence_log_ratio(token_lr.detach(), mask)
         lp = logp.float()
         seq_token_lr = torch.where(valid, lp - lp.detach() + seq_lr.unsqueeze(-1), torch.zeros_like(lp))
-        loss, ratio, adv, _ = clipped_token_loss(
-            seq_token_lr, torch.zeros_like(seq_token_lr), adv, None, None, None, mask, bounds=b
-        )
+        loss, ratio, adv, _ = clipped_token_loss(seq_token_lr, torch.zeros_like(seq_token_lr), adv, b, mask)
         return loss, ratio, adv, seq_token_lr.detach()
     ratio = torch.exp(token_lr.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     w = torch.where(token_lr > b.log_hi, torch.full_like(ratio, b.hi), ratio)

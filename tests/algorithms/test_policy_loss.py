@@ -143,9 +143,10 @@ def _split_grads(mode, logp, old, adv, mask, splits, pass_global):
     global_count = mask.sum() if mode == "token-mean" else (mask.sum(-1) > 0).sum()
     for rows in splits:
         lp = logp[rows].clone().requires_grad_(True)
+        from megatron_dapo.algorithms.policy_loss import ClipBounds
         from megatron_dapo.algorithms.policy_loss import clipped_token_loss
 
-        tok = clipped_token_loss(lp, old[rows], adv[rows], 0.2, 0.28, None)[0]
+        tok = clipped_token_loss(lp, old[rows], adv[rows], ClipBounds.make(0.2, 0.28, None))[0]
         if pass_global:
             loss = agg_loss(tok, mask[rows], mode, num_tokens=global_count)
         else:  # naive gradient accumulation: average of per-micro-batch means

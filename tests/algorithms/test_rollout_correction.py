@@ -10,6 +10,7 @@ import torch
 
 from megatron_dapo.actor.loss import dapo_loss_func
 from megatron_dapo.actor.loss import local_loss_denominator
+from megatron_dapo.algorithms.policy_loss import ClipBounds
 from megatron_dapo.algorithms.policy_loss import agg_loss
 from megatron_dapo.algorithms.policy_loss import clipped_token_loss
 from megatron_dapo.algorithms.policy_loss import dapo_policy_loss
@@ -147,7 +148,7 @@ def test_none_is_bit_identical_to_the_uncorrected_loss_path():
     loss, _ = loss_func(logp)
     (grad,) = torch.autograd.grad(loss, logp)
     logp2 = logp.detach().clone().requires_grad_()
-    tok, *_ = clipped_token_loss(logp2, old, adv, 0.2, 0.28, None, mask)
+    tok, *_ = clipped_token_loss(logp2, old, adv, ClipBounds.make(0.2, 0.28, None), mask)
     want = agg_loss(tok, mask, "token-mean", d)
     (want_grad,) = torch.autograd.grad(want, logp2)
     assert torch.equal(loss, want) and torch.equal(grad, want_grad)
@@ -175,7 +176,7 @@ def test_corrected_loss_is_the_weighted_token_mean_over_kept_tokens_for_any_spli
     losses with the global D (actor: local_loss_denominator summed) equals it: MIS-rejected tokens leave D."""
     logp, old, engine, mask, adv = _loss_inputs(b=8, s=9, seed=5)
     out = rollout_correction(old, engine, mask, mode=mode, level=level, is_threshold=C, mis_low=LOW, mis_high=HIGH)
-    tok, *_ = clipped_token_loss(logp.detach(), old, adv, 0.2, 0.28, None, mask)
+    tok, *_ = clipped_token_loss(logp.detach(), old, adv, ClipBounds.make(0.2, 0.28, None), mask)
     kept = out.mask != 0
     want = float((tok.double() * out.weights.double())[kept].sum() / kept.sum())
     d = local_loss_denominator(out.mask[:3]) + local_loss_denominator(out.mask[3:])
