@@ -72,7 +72,7 @@ class Environment(Protocol):
     def episode(self, ground_truth: str) -> Episode: ...
 
 
-EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds")
+EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "tool_calls_over_budget")
 """The counts a multi-turn episode reports in its done Turn's details (0 where it has none), one value per response
 in RolloutGroup.episodes beside "observation_tokens" (counted on the trajectory); the step's "episode/*" metrics."""
 STOPS = ("answer", "max_turns", "max_tokens", "length")

@@ -3,7 +3,8 @@ trajectory ends at a turn without a call (its answer is verified) or at a budget
 
     step(turn ids) --decode (to read it only)--> tool calls (envs/tool_calls.py)
         none                                   -> done: the verifier on this turn's text (the answer's last line)
-        calls, budgets left                    -> each run in the sandbox (at most max_tool_calls in the episode),
+        calls, budgets left                    -> each run in the sandbox (at most max_tool_calls in the episode;
+                                                  further calls are answered "spent", tool_calls_over_budget),
                                                   their observations joined -> one tool message, tokenised with the
                                                   chat template's turn markers -> observation ids, not done
         max_turns reached / max_tokens passed  -> done: verified as it stands, details["stop"] says which budget
@@ -17,7 +18,9 @@ the model's own stop token already closed it), the tool turn, the next assistant
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +31,7 @@ from megatron_dapo.envs.base import token_list
 from megatron_dapo.envs.sandbox import LocalSandbox
 from megatron_dapo.envs.sandbox import RemoteSandbox
 from megatron_dapo.envs.sandbox import SandboxLimits
+from megatron_dapo.envs.sandbox import SandboxResult
 from megatron_dapo.envs.tool_calls import FORMATS
 from megatron_dapo.envs.tool_calls import MalformedCall
 from megatron_dapo.envs.tool_calls import observation
@@ -35,6 +39,7 @@ from megatron_dapo.envs.tool_calls import parse_tool_calls
 from megatron_dapo.envs.tool_calls import python_code
 
 _SENTINEL = "\x00MDAPO_TURN\x00"
+_log = logging.getLogger(__name__)
 
 
 def observation_text(tokenizer: Any, text: str, *, role: str = "tool", closed: bool = True) -> str:
@@ -92,6 +97,7 @@ class _ToolEpisode:
     def __init__(self, env: PythonTool, truth: str) -> None:
         self.env, self.truth = env, truth
         self.turns = self.tool_calls = self.tool_errors = self.tool_timeouts = self.tokens = 0
+        self.tool_calls_over_budget = 0
         self.tool_seconds = 0.0
         self.last_text = ""
 
@@ -110,6 +116,7 @@ class _ToolEpisode:
         outputs = []
         for call in calls:
             if self.tool_calls >= env.max_tool_calls:
+                self.tool_calls_over_budget += 1
                 outputs.append(f"error: the episode's {env.max_tool_calls} tool calls are spent")
                 continue
             self.tool_calls += 1
@@ -118,7 +125,7 @@ class _ToolEpisode:
                 self.tool_errors += 1
                 outputs.append(observation(code))
                 continue
-            result = env.sandbox.run(code)
+            result = self._run(code)
             self.tool_seconds += result.seconds
             self.tool_errors += result.status != "ok"
             self.tool_timeouts += result.status in ("timeout", "cpu_limit")
@@ -129,21 +136,36 @@ class _ToolEpisode:
         self.tokens += len(ids)
         return Turn(False, observation_ids=ids)
 
+    def _run(self, code: str) -> SandboxResult:
+        """One call in the sandbox. A sandbox that raises (a bug, a host failure it does not catch) is status
+        "unavailable" for this call, logged here: the model sees that its code did not run, the rollout goes on."""
+        start = time.monotonic()
+        try:
+            return self.env.sandbox.run(code)
+        except Exception as err:
+            _log.warning("python_tool: the sandbox raised on a call; answered as unavailable", exc_info=True)
+            return SandboxResult("unavailable", "", f"{type(err).__name__}: {err}", None, time.monotonic() - start)
+
     def finish(self, stop: str) -> Turn:
         """No further turn: the last one verified as it stands (its observation, if any, was not appended)."""
         return self._done(self.last_text, stop)
 
-    _STATE = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tokens", "tool_seconds", "last_text")
+    _STATE = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tokens", "tool_seconds", "last_text",
+              "tool_calls_over_budget")  # fmt: skip
+    _ADDED = {"tool_calls_over_budget": 0}
+    """State names added after carries were first checkpointed, with the value a carry written before has."""
 
     def state(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._STATE}
 
     def restore(self, state: dict[str, Any]) -> None:
         for name in self._STATE:
-            setattr(self, name, state[name])
+            value = state.get(name, self._ADDED[name]) if name in self._ADDED else state[name]
+            setattr(self, name, value)
 
     def _done(self, text: str, stop: str) -> Turn:
         result = self.env.verifier(text, self.truth)
         details = {**result, "turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
-                   "tool_timeouts": self.tool_timeouts, "tool_seconds": self.tool_seconds, "stop": stop}  # fmt: skip
+                   "tool_timeouts": self.tool_timeouts, "tool_seconds": self.tool_seconds,
+                   "tool_calls_over_budget": self.tool_calls_over_budget, "stop": stop}  # fmt: skip
         return Turn(True, reward=float(result["score"]), details=details)

@@ -42,8 +42,10 @@ from dataclasses import dataclass
 from functools import cache
 
 STATUSES = ("ok", "error", "timeout", "cpu_limit", "output_limit", "unavailable")
-"""SandboxResult.status values: exit 0; a non-zero exit (an exception, a refused call); past the wall time; killed by
-the CPU-time limit; killed past the output limit; the remote sandbox service did not answer (after its retries)."""
+"""SandboxResult.status values: exit 0; a non-zero exit (an exception, a refused call, code that cannot run: see
+code_refusal; a process killed from outside); past the wall time; killed by the CPU-time limit; killed past the output
+limit; the sandbox itself failed, so the code did not run (the remote service did not answer after its retries, or
+this host could not start the call: no temporary directory, no interpreter)."""
 
 
 CPU_EXIT = 152
@@ -71,6 +73,8 @@ class SandboxLimits:
     """Largest file the code may write (RLIMIT_FSIZE)."""
     processes: int = 16
     """RLIMIT_NPROC for a non-root user (root ignores it; forks are refused by the policy hook anyway)."""
+    max_code_bytes: int = 1 << 20
+    """Largest code (UTF-8 bytes) a call accepts; longer code is refused before anything runs (status "error")."""
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -88,6 +92,29 @@ class SandboxResult:
     exit_code: int | None
     seconds: float
     truncated: bool = False
+
+
+def code_refusal(code: object, limits: SandboxLimits) -> SandboxResult | None:
+    """The outcome of a call whose code cannot run at all, decided on the host before any process starts (status
+    "error", one stderr line naming the problem), or None when the code may run."""
+    problem = _code_problem(code, limits.max_code_bytes)
+    return None if problem is None else SandboxResult("error", "", f"sandbox: {problem}; it did not run\n", None, 0.0)
+
+
+def _code_problem(code: object, max_bytes: int) -> str | None:
+    """Not a string; not encodable as UTF-8 (a lone surrogate, which JSON's "\\ud800" escape decodes to, cannot be
+    written to main.py); a NUL character (the compiler refuses it); over max_bytes of UTF-8."""
+    if not isinstance(code, str):
+        return f"the code must be a string, got {type(code).__name__}"
+    try:
+        size = len(code.encode("utf-8"))
+    except UnicodeEncodeError as err:
+        return f"the code is not valid text: a lone surrogate {code[err.start]!r} at character {err.start}"
+    if "\x00" in code:
+        return f"the code contains a NUL character at character {code.index(chr(0))}"
+    if size > max_bytes:
+        return f"the code is {size} bytes, over the limit of {max_bytes}"
+    return None
 
 
 _BOOT = r"""
@@ -192,8 +219,12 @@ class LocalSandbox:
         stdin: at most MAX_STDIN bytes (written before the output is read: one pipe buffer)."""
         if len(stdin.encode("utf-8")) > MAX_STDIN:
             raise ValueError(f"LocalSandbox.run: stdin is over {MAX_STDIN} bytes")
-        workdir = tempfile.mkdtemp(prefix="mdapo_sandbox_")
+        refused = code_refusal(code, self.limits)
+        if refused is not None:
+            return refused
+        start, workdir = time.monotonic(), None
         try:
+            workdir = tempfile.mkdtemp(prefix="mdapo_sandbox_")
             with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
                 f.write(code)
             env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
@@ -202,9 +233,14 @@ class LocalSandbox:
             start = time.monotonic()
             proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        except OSError as err:  # this host's failure (disk full, no interpreter), not the code's: it did not run
+            message = f"sandbox: the call could not start ({type(err).__name__}: {err})\n"
+            return SandboxResult("unavailable", "", message, None, time.monotonic() - start)
+        else:
             return self._collect(proc, stdin, start)
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
 
     def _collect(self, proc: subprocess.Popen, stdin: str, start: float) -> SandboxResult:
         """Read both pipes up to the output limit and the wall deadline, killing the group at either."""
@@ -242,8 +278,10 @@ class LocalSandbox:
         proc.stderr.close()
         if status is None and code != 0 and (code == CPU_EXIT or cpu_s >= lim.cpu_s):
             status = "cpu_limit"  # by its handler's exit code, or (a handler the code replaced) by the CPU it used
-        status = status or ("ok" if code == 0 else "error")
         stdout, stderr = bytes(out[out_fd]), bytes(out[err_fd])
+        if status is None and code != 0:
+            status, stderr = self._outside_end(code, stderr)
+        status = status or ("ok" if code == 0 else "error")
         cap = lim.max_output_bytes
         truncated = len(stdout) + len(stderr) > cap
         stdout = stdout[:cap]
@@ -251,6 +289,25 @@ class LocalSandbox:
         return SandboxResult(status, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"),
                              code if status in ("ok", "error") else None, time.monotonic() - start,
                              truncated)  # fmt: skip
+
+    def _outside_end(self, code: int, stderr: bytes) -> tuple[str | None, bytes]:
+        """A non-zero exit the sandbox did not cause: (status, stderr); (None, stderr) for the code's own exit. Killed
+        by a signal from outside (the OOM killer, an operator): "error" and a line saying so. `unshare` cannot pass on
+        its child's SIGKILL (it exits 1 with "sigprocmask unblock failed"); any other last line of its own means it
+        failed before the code ran: "unavailable"."""
+        head, _, last = stderr.rstrip(b"\n").rpartition(b"\n")
+        if self.prefix is not None and last.startswith(b"unshare: "):
+            if b"sigprocmask" not in last:
+                return "unavailable", stderr
+            name, stderr = "SIGKILL", head + b"\n" if head else b""
+        elif code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+        else:
+            return None, stderr
+        return "error", stderr + f"sandbox: the process was killed by {name}\n".encode()
 
 
 def _wait(proc: subprocess.Popen, deadline: float | None) -> tuple[int | None, float]:
@@ -296,6 +353,9 @@ class RemoteSandbox:
 
     def run(self, code: str, stdin: str = "") -> SandboxResult:
         lim = self.limits
+        refused = code_refusal(code, lim)
+        if refused is not None:
+            return refused
         request = {"code": code, "language": "python", "run_timeout": lim.wall_s, "compile_timeout": lim.wall_s,
                    "memory_limit_MB": lim.memory_mb, "stdin": stdin, "files": {}, "fetch_files": []}  # fmt: skip
         body = json.dumps(request)

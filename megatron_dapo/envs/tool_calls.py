@@ -27,6 +27,8 @@ PYTHON_TOOL = "python"
 """The one tool so far: run Python code (envs/sandbox.py)."""
 _HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 _FENCED = re.compile(r"```(?:python|py)[ \t]*\n(.*?)(```|$)", re.S)
+_NAME_CHARS = 64
+"""Characters of an unknown tool's name an error observation repeats (the model may have written a long one)."""
 _ERROR_LINES = 5
 """Lines of a failed call's stderr the observation keeps (the traceback's end: the error itself)."""
 
@@ -74,13 +76,15 @@ def _hermes(body: str, end: str, k: int, span: tuple[int, int]) -> ToolCall | Ma
         call = json.loads(body)
     except json.JSONDecodeError as err:
         return MalformedCall(f"{where}: not JSON ({err.msg} at line {err.lineno} column {err.colno})", span)
+    except (ValueError, RecursionError) as err:  # an integer past int_max_str_digits; nesting past the stack
+        return MalformedCall(f"{where}: JSON that cannot be read ({type(err).__name__})", span)
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return MalformedCall(f'{where}: expected {{"name": "...", "arguments": {{...}}}}', span)
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             return MalformedCall(f"{where}: arguments is a string that is not a JSON object", span)
     if not isinstance(arguments, dict):
         return MalformedCall(f"{where}: arguments must be a JSON object, got {type(arguments).__name__}", span)
@@ -93,7 +97,8 @@ def python_code(call: ToolCall | MalformedCall) -> str | MalformedCall:
     if isinstance(call, MalformedCall):
         return call
     if call.name != PYTHON_TOOL:
-        return MalformedCall(f"unknown tool {call.name!r}; the tools are: {PYTHON_TOOL}", call.span)
+        name = call.name if len(call.name) <= _NAME_CHARS else call.name[:_NAME_CHARS] + "..."
+        return MalformedCall(f"unknown tool {name!r}; the tools are: {PYTHON_TOOL}", call.span)
     code = call.arguments.get("code")
     if not isinstance(code, str):
         return MalformedCall(f'the {PYTHON_TOOL} tool needs a string argument "code"', call.span)

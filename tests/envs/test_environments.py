@@ -91,3 +91,43 @@ def test_the_real_sandbox_behind_the_environment(byte_tokenizer):
     turn = env.episode("1024").step(_turn(tok, "```python\nprint(2 ** 10)\nprint(open('/etc/passwd').read())\n```"))
     shown = tok.decode(list(turn.observation_ids))
     assert "1024" in shown and "PermissionError: sandbox: open '/etc/passwd' is outside the sandbox" in shown
+
+
+class _Broken:
+    """A sandbox with a bug of its own: it raises instead of returning an outcome."""
+
+    def run(self, code: str, stdin: str = "") -> SandboxResult:
+        raise RuntimeError("sandbox bug")
+
+
+def test_a_sandbox_that_raises_is_an_unavailable_observation_not_a_crash(byte_tokenizer, caplog):
+    tok = byte_tokenizer
+    env = make_environment("python_tool", tokenizer=tok, verifier=make_verifier("answer_line"), sandbox=_Broken())
+    episode = env.episode("2")
+    turn = episode.step(_turn(tok, "```python\nprint(1 + 1)\n```"))
+    shown = tok.decode(list(turn.observation_ids))
+    assert not turn.done and "[the sandbox is unavailable; the code did not run]" in shown
+    assert "the sandbox raised on a call" in caplog.text
+    final = episode.step(_turn(tok, "Answer: 2"))
+    assert final.done and final.reward == 1.0 and (final.details["tool_calls"], final.details["tool_errors"]) == (1, 1)
+
+
+def test_calls_past_the_budget_are_counted_and_an_older_carry_restores(byte_tokenizer):
+    tok, sandbox = byte_tokenizer, _Recorder()
+    env = make_environment("python_tool", tokenizer=tok, verifier=make_verifier("answer_line"), sandbox=sandbox,
+                           max_tool_calls=1)  # fmt: skip
+    episode = env.episode("5")
+    calls = "".join(f"```python\nprint({i})\n```\n" for i in range(3))
+    episode.step(_turn(tok, calls))
+    state = episode.state()
+    assert sandbox.codes == ["print(0)\n"] and state["tool_calls_over_budget"] == 2
+    restored = env.episode("5")
+    restored.restore(state)
+    assert restored.step(_turn(tok, "Answer: 5")).details["tool_calls_over_budget"] == 2
+    older = {k: v for k, v in state.items() if k != "tool_calls_over_budget"}  # a carry checkpointed before the count
+    from_older = env.episode("5")
+    from_older.restore(older)
+    done = from_older.step(_turn(tok, "Answer: 5"))
+    assert done.details["tool_calls_over_budget"] == 0 and done.details["tool_calls"] == 1
+    with pytest.raises(KeyError):
+        env.episode("5").restore({k: v for k, v in state.items() if k != "turns"})  # anything else is required

@@ -4,8 +4,12 @@ back as an observation (a status and the code's own error line), never as a cras
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import tempfile
 import threading
+import time
 
 import pytest
 
@@ -140,3 +144,72 @@ def test_bad_limits_and_oversized_stdin_are_one_line_errors(box):
         SandboxLimits(wall_s=0)
     with pytest.raises(ValueError, match="stdin is over 65536 bytes"):
         box.run("print(1)", stdin="x" * 70000)
+
+
+@pytest.mark.parametrize(
+    "code,problem",
+    [
+        (b"print(1)", "the code must be a string, got bytes"),
+        (None, "the code must be a string, got NoneType"),
+        ("print('\ud800')", "the code is not valid text: a lone surrogate '\\ud800' at character 7"),
+        ("print(1)\x00", "the code contains a NUL character at character 8"),
+        ("#" * 2049, "the code is 2049 bytes, over the limit of 2048"),
+    ],
+)
+def test_code_that_cannot_run_is_refused_before_any_process(code, problem, monkeypatch):
+    box = LocalSandbox(SandboxLimits(max_code_bytes=2048))
+    monkeypatch.setattr(sandbox.subprocess, "Popen", _no_process)
+    result = box.run(code)
+    assert result.status == "error" and result.exit_code is None and result.stdout == "", result
+    assert result.stderr == f"sandbox: {problem}; it did not run\n"
+    assert box.run("#" * 2047 + "\n").status == "unavailable"  # at the limit it is not refused: it got to Popen
+
+
+def _no_process(*args, **kwargs):
+    raise OSError("no process may start in this test")
+
+
+def test_a_call_the_host_cannot_start_is_unavailable_and_leaves_nothing(box, monkeypatch, tmp_path):
+    def full_disk(prefix=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", full_disk)
+    result = box.run("print(1)")
+    assert result.status == "unavailable" and result.exit_code is None, result
+    assert result.stderr == "sandbox: the call could not start (OSError: [Errno 28] No space left on device)\n"
+    monkeypatch.undo()
+    before = set(os.listdir(tempfile.gettempdir()))
+    monkeypatch.setattr(sandbox.subprocess, "Popen", _no_process)  # the directory exists, the interpreter does not
+    assert LocalSandbox().run("print(1)").status == "unavailable"
+    assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("mdapo_sandbox_")}
+
+
+@pytest.mark.parametrize("whom", ["the code's process", "the whole group"])
+def test_a_call_killed_from_outside_is_an_error_that_says_so(whom, monkeypatch):
+    """The OOM killer or an operator kills the code (under unshare: the child, which unshare cannot pass on) or the
+    whole group: status "error", the signal named in the last stderr line, the output so far kept."""
+    started: list[subprocess.Popen] = []
+
+    class _Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    def kill_when_it_printed():
+        while not started:
+            time.sleep(0.02)
+        pid = started[0].pid
+        time.sleep(1.0)
+        children = f"/proc/{pid}/task/{pid}/children"
+        if whom == "the code's process" and os.path.exists(children) and open(children).read().split():
+            os.kill(int(open(children).read().split()[0]), signal.SIGKILL)
+        else:
+            os.killpg(pid, signal.SIGKILL)
+
+    monkeypatch.setattr(sandbox.subprocess, "Popen", _Recorded)
+    killer = threading.Thread(target=kill_when_it_printed, daemon=True)
+    killer.start()
+    result = LocalSandbox(SandboxLimits(wall_s=30.0)).run("import time\nprint('hi', flush=True)\ntime.sleep(25)")
+    killer.join()
+    assert result.status == "error" and result.stdout == "hi\n" and result.seconds < 20, result
+    assert result.stderr == "sandbox: the process was killed by SIGKILL\n", result.stderr

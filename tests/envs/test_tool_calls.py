@@ -37,6 +37,21 @@ def test_hermes_and_fenced_calls_in_the_order_written():
         ('<tool_call>{"name": "python", "arguments": "x = 1"}</tool_call>', "a string that is not a JSON object"),
         ('<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}', "<tool_call> is not closed"),
         ("```python\nprint(1)\n", "the ```python block is not closed"),
+        pytest.param(
+            '<tool_call>{"name": "python", "n": ' + "9" * 5000 + "}</tool_call>",
+            "JSON that cannot be read (ValueError)",
+            id="int-past-max-digits",
+        ),
+        pytest.param(
+            "<tool_call>" + "[" * 100_000 + "</tool_call>",
+            "JSON that cannot be read (RecursionError)",
+            id="nesting-past-the-stack",
+        ),
+        pytest.param(
+            '<tool_call>{"name": "python", "arguments": "' + "[" * 100_000 + '"}</tool_call>',
+            "is a string that is not",
+            id="arguments-nesting-past-the-stack",
+        ),
     ],
 )
 def test_malformed_calls_are_one_line_observations(text, reason):
@@ -49,6 +64,8 @@ def test_malformed_calls_are_one_line_observations(text, reason):
 def test_other_tools_and_missing_code_are_answered_not_run():
     web = ToolCall("web_search", {"query": "x"}, (0, 1))
     assert observation(python_code(web)) == "error: unknown tool 'web_search'; the tools are: python"
+    long = observation(python_code(ToolCall("x" * 10_000, {}, (0, 1))))  # the model's name repeated, cut
+    assert long == f"error: unknown tool '{'x' * 64}...'; the tools are: python"
     assert "needs a string argument" in observation(python_code(ToolCall("python", {"code": 3}, (0, 1))))
     with pytest.raises(ValueError, match="unknown formats"):
         parse_tool_calls("", formats=("xml",))
