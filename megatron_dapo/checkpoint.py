@@ -214,11 +214,16 @@ def check_files(
     return problems
 
 
+TENSOR_FILE_SUFFIX = ".distcp"
+"""torch_dist's tensor files: the only files whose bytes a resume reads through the verified reader
+(actor/verified_load.py), so the only ones a manifest may give item hashes (which verify then trusts the load with)."""
+
+
 def manifest_files(manifest: Any) -> dict[str, dict[str, Any]]:
     """The "files" of a MANIFEST.json after checking its whole shape: {"version": 1 or 2, "algorithm": "sha256",
-    "files": {relative path: {"size": int >= 0, "sha256": 64 hex digits, "items" (optional): [[offset, length,
-    sha256], ...] with offset, length ints >= 0}}}, paths relative and inside the checkpoint. ValueError naming the
-    first thing that is not so."""
+    "files": {relative path: {"size": int >= 0, "sha256": 64 hex digits, "items" (optional, on TENSOR_FILE_SUFFIX
+    files only): [[offset, length, sha256], ...] with offset, length ints >= 0}}}, paths relative and inside the
+    checkpoint. ValueError naming the first thing that is not so."""
 
     def digest(value: Any) -> bool:
         return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
@@ -250,6 +255,8 @@ def manifest_files(manifest: Any) -> dict[str, dict[str, Any]]:
             isinstance(x, list) and len(x) == 3 and natural(x[0]) and natural(x[1]) and digest(x[2]) for x in items
         ):
             raise ValueError(f"the items of {name}")
+        if "items" in entry and not name.endswith(TENSOR_FILE_SUFFIX):
+            raise ValueError(f"the entry of {name} has items (only {TENSOR_FILE_SUFFIX} tensor files have them)")
     return files
 
 

@@ -238,6 +238,16 @@ def _manifest_variants(good: dict) -> dict[str, object]:
         "entry a list": {**good, "files": {**files, name: [entry["size"], digest]}},
         "entry without size": {**good, "files": {**files, name: {"sha256": digest}}},
         "entry with an extra key": {**good, "files": {**files, name: {**entry, "owner": 0}}},
+        # Item hashes tell verify to leave a file's bytes to the verified load, which reads tensor files only.
+        "items on config.yaml": {**good, "files": {**files, "config.yaml": {**files["config.yaml"], "items": []}}},
+        "items on the trainer state": {
+            **good,
+            "files": {**files, "trainer_state.pt": {**files["trainer_state.pt"], "items": [[0, 1, digest]]}},
+        },
+        "items on .metadata": {
+            **good,
+            "files": {**files, "actor/.metadata": {**files["actor/.metadata"], "items": []}},
+        },
     }
     for field, values in {
         "size": [-1, "64", 1.5, None, True],
@@ -264,6 +274,27 @@ def test_every_wrong_manifest_is_corrupt_in_one_line_and_resume_falls_back(two_c
     assert "MANIFEST.json is malformed" in mgr.verify(mgr.root / "step_00000002")[0]
     path.write_text(json.dumps(good))
     assert mgr.verify(mgr.root / "step_00000002") == []
+
+
+def test_item_hashes_on_a_file_the_load_does_not_verify_cannot_hide_an_edit(two_checkpoints):
+    """The audit's case: a byte of config.yaml flipped and `"items": []` added to its manifest entry verified for
+    resume (its bytes left to a load that never reads it through the verified reader) while status's deep check
+    refused it. Now both refuse it, and resume falls back."""
+    mgr, lines = two_checkpoints
+    ckpt = mgr.root / "step_00000002"
+    config = ckpt / "config.yaml"
+    raw = bytearray(config.read_bytes())
+    raw[-2] ^= 1
+    config.write_bytes(bytes(raw))
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    manifest["files"]["config.yaml"]["items"] = []
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    deep = CheckpointManager(mgr.root, keep_last=3, log=lines.append, deep=True)
+    for manager in (mgr, deep):
+        problems = manager.verify(ckpt)
+        assert problems == [f"{MANIFEST} is malformed (the entry of config.yaml has items (only .distcp tensor files "
+                            "have them))"], problems  # fmt: skip
+        assert manager.find_resumable().name == "step_00000001"
 
 
 def test_an_empty_manifest_over_garbage_does_not_verify(two_checkpoints):
