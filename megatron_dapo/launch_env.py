@@ -13,6 +13,10 @@ torchrun / srun worker.
         trainer rank --scrubbed_environ()--> sglang.Engine / vllm.LLM --spawn--> scheduler / worker processes
                                                                             init_process_group("tcp://127.0.0.1:p")
         trainer rank --rendezvous_store()--> weight-update group store (rank 0 hosts it; env never read)
+        trainer rank --launch_store()-->     the launcher's store (torchrun's agent store, else rank 0 hosts it)
+
+Every store rank 0 of ours hosts listens on the job's interface only (`store_bind_address`), not on every interface
+as torch's own do: loopback on one node, the interface of DAPO_SOCKET_IFNAME (GLOO_SOCKET_IFNAME) across nodes.
 
 Why: torch's tcp:// and env:// rendezvous (torch/distributed/rendezvous.py, torch 2.13) call _create_c10d_store,
 which reads TORCHELASTIC_USE_AGENT_STORE. When it is "True" every rank, rank 0 included, builds a TCPStore
@@ -107,24 +111,86 @@ def scrubbed_environ() -> Iterator[dict[str, str]]:
 def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta):
     """The c10d store torch's tcp:// rendezvous builds outside torchelastic, whatever the environment says.
 
-    Rank 0 hosts a TCPStore on port (listening on every interface) and waits for world_size - 1 clients; the other
-    ranks connect to host:port. Same arguments as torch's _create_c10d_store without the agent store, so it meets
-    SGLang's receiver, which rendezvouses with dist.rendezvous("tcp://host:port", rank >= 1, ...). It never reads
-    TORCHELASTIC_USE_AGENT_STORE and never touches os.environ (HTTP threads run beside it).
+    Rank 0 hosts a TCPStore on port, listening on `host`'s address only (`store_bind_address`), and waits for
+    world_size - 1 clients; the other ranks connect to host:port. Same arguments as torch's _create_c10d_store without
+    the agent store, so it meets SGLang's receiver, which rendezvouses with dist.rendezvous("tcp://host:port", rank >=
+    1, ...). It never reads TORCHELASTIC_USE_AGENT_STORE and never touches os.environ (HTTP threads run beside it).
     Returns a torch.distributed.TCPStore.
     """
-    from torch.distributed import TCPStore
-
     if not 0 < port < 2**16:
         raise ValueError(f"rendezvous_store: port must be in 1..65535, got {port}")
+    bind = store_bind_address(host, nodes=1) if rank == 0 else None  # the servers dial `host`, which is local
+    return hosted_store(host, port, rank, world_size, timeout, bind=bind)
+
+
+def launch_store(
+    host: str, port: int, rank: int, world_size: int, timeout: timedelta, env: Mapping[str, str] | None = None
+):
+    """The launcher's rendezvous store at host:port (MASTER_ADDR:MASTER_PORT), as torch's tcp:// rendezvous builds it
+    (_create_c10d_store) except where rank 0 listens: under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True)
+    every rank is a client of the store torchrun hosts; otherwise (srun, a single process) rank 0 hosts it on the
+    job's interface only (`store_bind_address`; torch listens on every interface). Returns a TCPStore."""
+    from torch.distributed import TCPStore
+
+    env = os.environ if env is None else env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return TCPStore(host_name=host, port=port, world_size=world_size, is_master=False, timeout=timeout)
+    bind = store_bind_address(host, nodes=num_nodes(world_size, env), env=env) if rank == 0 else None
+    return hosted_store(host, port, rank, world_size, timeout, bind=bind)
+
+
+def hosted_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta, *, bind: str | None):
+    """A multi-tenant TCPStore at host:port: rank 0 hosts it listening on `bind` only (None: every interface), the
+    other ranks connect to host:port. A second store of this process on the same port shares rank 0's server, as
+    torch's own rendezvous stores do."""
+    from torch.distributed import TCPStore
+
+    if rank != 0:
+        return TCPStore(host_name=host, port=port, world_size=world_size, is_master=False, timeout=timeout)
+    fd, port = listening_fd(bind, port)
     return TCPStore(
-        host_name=host,
-        port=port,
-        world_size=world_size,
-        is_master=rank == 0,
-        timeout=timeout,
-        multi_tenant=True,
-    )
+        host_name=host, port=port, world_size=world_size, is_master=True, timeout=timeout, multi_tenant=True,
+        master_listen_fd=fd,
+    )  # fmt: skip
+
+
+def store_bind_address(host: str, *, nodes: int, env: Mapping[str, str] | None = None) -> str | None:
+    """The address a store that others dial at `host` listens on: the interface GLOO_SOCKET_IFNAME names when the job
+    spans nodes (job.sh sets it from DAPO_SOCKET_IFNAME); else the local address `host` resolves to, unless it is
+    loopback while the job spans nodes (a /etc/hosts entry such as 127.0.1.1 for the host's own name: the other
+    nodes resolve the name elsewhere); None (every interface) when neither holds, e.g. `host` names an address this
+    host cannot bind (a forwarded or virtual one)."""
+    env = os.environ if env is None else env
+    ifnames = [n.strip() for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    if nodes > 1 and len(ifnames) == 1:
+        address = interface_address(ifnames[0])
+        if address is not None:
+            return address
+    try:
+        resolved = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return None
+    if is_loopback(resolved) and nodes > 1:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((resolved, 0))
+    except OSError:  # not an address of this host
+        return None
+    return resolved
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of network interface `name` (Linux SIOCGIFADDR), or None (no such interface, or none)."""
+    import fcntl
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+    except OSError:
+        return None
+    return socket.inet_ntoa(packed[20:24])
 
 
 # ------------------------------------------------------------------------------------------ who this rank is
@@ -218,23 +284,40 @@ def local_address(toward: str | None = None) -> str:
         return "127.0.0.1"
 
 
-def listening_fd(host: str) -> tuple[int, int]:
-    """A TCP socket listening on `host` only (a free port), handed over as (file descriptor, port) for
-    TCPStore(master_listen_fd=...): the store then accepts connections on the job's interface, not on every
-    interface of the host (loopback on a single node)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(1024)
+def listening_fd(host: str | None, port: int = 0) -> tuple[int, int]:
+    """A TCP socket listening on `host` only (None: every interface, IPv6 and IPv4 where the host has IPv6) at `port`
+    (0: a free one), handed over as (file descriptor, port) for TCPStore(master_listen_fd=...): the store then
+    accepts connections on the job's interface, not on every interface of the host (loopback on a single node)."""
+    if host is None:
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            host = "::"
+        except OSError:  # no IPv6 on this host
+            sock, host = socket.socket(socket.AF_INET, socket.SOCK_STREAM), "0.0.0.0"
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
     port = sock.getsockname()[1]
     return sock.detach(), port  # the store owns the descriptor from here on
 
 
 def job_store_host(world_size: int, env: Mapping[str, str] | None = None) -> str:
-    """The address rank 0's job store listens on: loopback when the job is on one node, else this host's address
-    toward MASTER_ADDR (the interface the launcher's rendezvous uses)."""
+    """The address rank 0's job store listens on: loopback when the job is on one node, else the address of the
+    interface GLOO_SOCKET_IFNAME names (DAPO_SOCKET_IFNAME), else this host's address toward MASTER_ADDR (the
+    interface the launcher's rendezvous uses)."""
     env = os.environ if env is None else env
-    return "127.0.0.1" if num_nodes(world_size, env) == 1 else local_address(env.get("MASTER_ADDR"))
+    if num_nodes(world_size, env) == 1:
+        return "127.0.0.1"
+    ifnames = [n.strip() for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    address = interface_address(ifnames[0]) if len(ifnames) == 1 else None
+    return address or local_address(env.get("MASTER_ADDR"))
 
 
 def weight_sync_master_address(configured: str, server_urls: Sequence[str], nodes: int) -> str:

@@ -116,10 +116,10 @@ class Placement:
 
 def launch_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
     """The launch's rendezvous store (collective: every rank of the launch calls it): torchrun's agent store when
-    torchrun hosts one, else a TCPStore hosted by rank 0 (the same rule as init_process_group's tcp:// method)."""
-    url = f"tcp://{addr}:{port}?rank={rank}&world_size={world_size}"
-    store, _, _ = next(dist.rendezvous(url, timeout=timedelta(seconds=timeout_s)))
-    return store
+    torchrun hosts one, else a TCPStore hosted by rank 0 on the job's interface only (launch_env.launch_store)."""
+    from megatron_dapo import launch_env
+
+    return launch_env.launch_store(addr, port, rank, world_size, timedelta(seconds=timeout_s))
 
 
 def init_role_group(placement: Placement, store: dist.Store, backend: str, timeout_s: float) -> None:
@@ -219,7 +219,7 @@ class WeightChannel:
         """The version the actor has announced and this engine has not loaded, or None."""
         if not self.store.check(["announced"]):
             return None
-        version = int(self.store.get("announced"))
+        version = wire.stored_int(self.store.get("announced"), "the weight channel's announced version")
         return version if self.version is None or version > self.version else None
 
     def receive_buckets(self) -> tuple[int, list[list[tuple[str, torch.Tensor]]]]:
@@ -229,9 +229,10 @@ class WeightChannel:
         if version is None:
             raise RuntimeError("WeightChannel.receive_buckets: no push was announced")
         if self.decoder is not None:
-            base = self.store.get("base").decode()
+            stored = self.store.get("base")
+            base = wire.stored_int(stored, "the weight channel's base version") if stored else None
             try:
-                self.decoder.begin(version, int(base) if base else None)
+                self.decoder.begin(version, base)
             except ValueError as err:
                 raise JobError(str(err)) from None
         buckets = []
@@ -394,7 +395,7 @@ class ServerVersions:
     def apply(self, engine: Any) -> int | None:
         if not self.store.check(["loaded"]):
             return None
-        version = int(self.store.get("loaded"))
+        version = wire.stored_int(self.store.get("loaded"), "the servers' weight version on the launch's store")
         if version == self.loaded:
             return None
         engine.weight_version = self.loaded = version

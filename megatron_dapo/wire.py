@@ -187,6 +187,36 @@ def load_stored(data: bytes, what: str) -> Any:
         raise JobError(f"{what} is not a message of this job ({err}); another process wrote to the store") from None
 
 
+def all_gather_values(value: Any, group: Any, world_size: int) -> list[Any]:
+    """Every rank's `value` (this module's types) in rank order, on every rank of `group` (a gloo group of world_size
+    ranks; collective): all_gather_object without pickle. Each value is encoded (dumps), the sizes all-gathered,
+    then the bytes padded to the longest; RuntimeError from the group (its timeout) propagates."""
+    import torch.distributed as dist
+
+    blob = dumps(value)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(sizes, torch.tensor([len(blob)], dtype=torch.int64), group=group)
+    width = max(int(s) for s in sizes)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    parts = [torch.empty(width, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(parts, mine, group=group)
+    return [loads(part[: int(size)].numpy().tobytes()) for part, size in zip(parts, sizes, strict=True)]
+
+
+def stored_int(data: bytes, what: str) -> int:
+    """A number a rank keeps on a store as decimal text (a `Store.add` counter, a version it `set`): anything else
+    ends the job with one line (JobError) naming `what`, as `load_stored` does."""
+    from megatron_dapo.errors import JobError
+
+    text = bytes(data).decode("ascii", "replace")
+    digits = text[1:] if text.startswith("-") else text
+    if not (0 < len(digits) <= 19 and digits.isdigit() and digits.isascii()):
+        raise JobError(f"{what} is not a message of this job (not a number: {text[:40]!r}); another process wrote to "
+                       "the store")  # fmt: skip
+    return int(text)
+
+
 class _Reader:
     def __init__(self, view: memoryview, pos: int) -> None:
         self.view, self.pos = view, pos

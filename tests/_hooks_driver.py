@@ -19,6 +19,8 @@ MEGATRON_DAPO_ENGINE_KILL="SEED:COUNT": each rank's embedded engine dies COUNT t
     stream drives it, at the rank's engine steps (counted over the run) drawn from Random(SEED, rank) in
     1..ENGINE_KILL_SPAN: its model is dropped (everything in flight is lost) and the step raises EngineDied, as a
     crashed engine process would. Evaluation is left alone (an engine failure there ends the job: docs/reliability.md).
+JOB_STORE_PORT_FILE=PATH: rank 0 writes the port of the job store it hosts to PATH (what an attacker on the host would
+    find by trying the ports rank 0 listens on; tests/reliability/test_hostile_store.py).
 """
 
 from __future__ import annotations
@@ -94,6 +96,22 @@ def _kill_engines(seed: int, count: int) -> None:
     RolloutStream.run = streaming_run
 
 
+def _report_job_store(path: str) -> None:
+    """JOB_STORE_PORT_FILE: rank 0 writes its job store's port to `path` once the store exists."""
+    from megatron_dapo import generation
+
+    make = generation.job_store
+
+    def reporting(rank, *args, **kwargs):
+        store = make(rank, *args, **kwargs)
+        if rank == 0 and hasattr(store, "port"):
+            with open(path, "w") as f:
+                f.write(str(store.port))
+        return store
+
+    generation.job_store = reporting
+
+
 def test_hook(self: DAPOTrainer | EngineRank, point: str) -> None:
     fault = _setting("MEGATRON_DAPO_FAULT")
     if fault is not None and fault == (point, float(self.step)):
@@ -122,6 +140,8 @@ if __name__ == "__main__":
     from megatron_dapo.trainer import DAPOTrainer
 
     DAPOTrainer.test_hook = EngineRank.test_hook = test_hook
+    if "JOB_STORE_PORT_FILE" in os.environ:
+        _report_job_store(os.environ["JOB_STORE_PORT_FILE"])
     if "MEGATRON_DAPO_ENGINE_KILL" in os.environ:
         kill_seed, kill_count = os.environ["MEGATRON_DAPO_ENGINE_KILL"].split(":")
         _kill_engines(int(kill_seed), int(kill_count))

@@ -186,3 +186,52 @@ def test_the_job_store_listens_on_loopback_only_on_one_node(monkeypatch):
     client = dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=timedelta(seconds=10))
     client.set("k", b"v")
     assert store.get("k") == b"v"
+
+
+def test_numbers_on_a_store_that_are_not_numbers_end_the_job_in_one_line():
+    """The counters and versions the ranks keep on a store as decimal text (the weight channel's announced and base
+    versions, the servers' version, the queue's cut): a planted value is one JobError line, not int()'s traceback."""
+    from megatron_dapo.placement import ServerVersions
+
+    assert wire.stored_int(b"42", "x") == 42 and wire.stored_int(b"-1", "x") == -1
+    for planted in (b"", b"4 2", b"\x80\x03cos\nsystem", b"1e3", "\u0663".encode(), b"9" * 40, b"-"):
+        with pytest.raises(JobError, match=r"^the cut is not a message of this job \(not a number: .*\); another"):
+            wire.stored_int(planted, "the cut")
+    store = dist.HashStore()
+    versions = ServerVersions(store)
+    versions.store.set("loaded", "3")
+    assert versions.apply(type("E", (), {})()) == 3
+    versions.store.set("loaded", pickle.dumps(_Payload("/tmp/mdapo_never")))
+    with pytest.raises(JobError, match="the servers' weight version on the launch's store is not a message"):
+        versions.apply(object())
+
+
+def test_a_stalled_peer_is_killed_only_when_it_is_a_process_of_this_job(tmp_path):
+    """PeerWatch kills a stalled peer on its own host (it cannot act on SIGTERM). The pid comes from the store, which
+    anyone who reaches its port can write: a pid that is not a sibling of this rank (a child of its launcher) is named
+    and left alone, and an identity that is not "host pid" names no process."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from megatron_dapo.rollout.stream import PeerWatch
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # our child: not a peer
+    try:
+        store = dist.HashStore()
+        watch = PeerWatch(store, rank=0, world_size=3, stall_s=0.01)
+        store.set(f"{PeerWatch.PREFIX}who/1", f"{socket.gethostname()} {victim.pid}")
+        store.set(f"{PeerWatch.PREFIX}who/2", pickle.dumps(_Payload(str(tmp_path / "pwned"))))
+        time.sleep(0.05)
+        with pytest.raises(JobError) as err:
+            watch.check()
+        line = str(err.value)
+        assert "\n" not in line
+        assert f"rank 1 (host {socket.gethostname()}, pid {victim.pid}, not killed: not a process of this job)" in line
+        assert "rank 2 (host ?, pid 0)" in line
+        assert victim.poll() is None and not (tmp_path / "pwned").exists()
+        watch.close()
+    finally:
+        victim.kill()
+        victim.wait()

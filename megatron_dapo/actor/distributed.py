@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.launch_env import launch_env
+from megatron_dapo.launch_env import launch_store
 from megatron_dapo.launch_env import local_rank as launch_local_rank
 
 
@@ -176,12 +177,13 @@ def _device(backend: str, use_cuda: bool, local_rank: int) -> torch.device:
 def _init_process_group(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
     """The default process group over the launcher's rendezvous; a rendezvous that fails is one StartupError line
     naming the address (a dead or unreachable host, a rank that never started)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )  # fmt: skip
-    except dist.DistError as err:
+        # The store torch's tcp:// method would build (and its "default_pg" prefix), rank 0 listening on the job's
+        # interface only instead of every interface (launch_env.launch_store).
+        store = dist.PrefixStore("default_pg", launch_store(addr, port, rank, world, timeout))
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    except (dist.DistError, OSError) as err:  # OSError: rank 0 cannot listen on the port (in use)
         from megatron_dapo.launch import StartupError
 
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -58,21 +58,11 @@ class RolloutExchange:
         """
         if self.group is None:
             return list(items)
-        blob = wire.dumps(items)
         try:
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            dist.all_gather(sizes, torch.tensor([len(blob)], dtype=torch.int64), group=self.group)
-            width = max(int(s) for s in sizes)
-            mine = torch.zeros(width, dtype=torch.uint8)
-            mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            parts = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
-            dist.all_gather(parts, mine, group=self.group)
+            per_rank = wire.all_gather_values(items, self.group, self.world_size)
         except RuntimeError as err:
             raise self._timeout(err, what) from None
-        out: list[Any] = []
-        for part, size in zip(parts, sizes, strict=True):
-            out.extend(wire.loads(part[: int(size)].numpy().tobytes()))
-        return out
+        return [item for part in per_rank for item in part]
 
     def all_to_all(self, per_rank: list[list[Any]], what: str = "rollout rows") -> list[Any]:
         """Send per_rank[r] (a list of items, wire.py's types) to rank r; return what every rank sent to this one,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo import wire
 from megatron_dapo.launch_env import rendezvous_store
 from megatron_dapo.launch_env import scrubbed_environ
 from megatron_dapo.memory import ENGINE_TAGS
@@ -119,7 +120,7 @@ class ColocatedWeightUpdate:
     """Weight updates of one colocated SGLang engine with tensor_parallel = t, on EVERY rank of its rollout group.
 
         actor ranks r .. r+t-1 (GPU i = SGLang TP worker i's GPU), each holding the full exported bucket:
-            flatten per dtype on its own GPU -> serialize (CUDA IPC handle, no copy) --gather (gloo)--> rank r
+            flatten per dtype on its GPU -> serialize (CUDA IPC handle, no copy) --all-gather (gloo, wire)--> rank r
         rank r: Engine.update_weights_from_tensor(named_tensors=[payload of r, of r+1, ...], "flattened_bucket")
             SGLang TP worker i deserializes entry i (tp_worker.deserialize_own_rank) and reads GPU i only
         barrier (gloo): every worker has loaded; each rank frees its flattened copy
@@ -129,7 +130,8 @@ class ColocatedWeightUpdate:
 
     Args:
         engine: SGLangEngine on the group's first rank, else None.
-        group: gloo group of the t ranks (None when t == 1); leader: the global rank holding the engine.
+        group: gloo group of the t ranks (None when t == 1); the payloads cross it in wire.py's encoding (the bytes
+            inside are SGLang's own serialization, which its TP worker unpickles: SGLang's trust, not ours).
         metadata_cls, serialize, patch_reductions: SGLang's FlattenedTensorMetadata, MultiprocessingSerializer.
             serialize and monkey_patch_torch_reductions (IPC handles name the GPU by UUID), or test doubles.
     """
@@ -138,7 +140,6 @@ class ColocatedWeightUpdate:
         self,
         engine: Any,
         group: Any,
-        leader: int,
         *,
         metadata_cls: Callable[..., Any],
         serialize: Callable[[Any], bytes],
@@ -146,7 +147,6 @@ class ColocatedWeightUpdate:
     ) -> None:
         self.engine = engine
         self.group = group
-        self.leader = leader
         self._metadata_cls = metadata_cls
         self._serialize = serialize
         self._patch_reductions = patch_reductions
@@ -163,9 +163,8 @@ class ColocatedWeightUpdate:
         payloads, flats = local_ipc_payloads(bucket, self._metadata_cls, self._serialize)
         if self.group is None:
             per_rank = [payloads]
-        else:
-            per_rank = [None] * dist.get_world_size(self.group) if self.engine is not None else None
-            dist.gather_object(payloads, per_rank, dst=self.leader, group=self.group)
+        else:  # bytes in wire's encoding (gather_object would pickle the list); SGLang's payloads are its own
+            per_rank = wire.all_gather_values(payloads, self.group, dist.get_world_size(self.group))
         if self.engine is not None:
             for k in range(len(payloads)):  # one call per dtype group; entry i is TP worker i's own GPU
                 self.engine.update_weights_from_payloads([p[k] for p in per_rank])
@@ -196,7 +195,6 @@ def colocated_weight_update(engine: Any, rank: int, world_size: int, tensor_para
     return ColocatedWeightUpdate(
         engine,
         mine,
-        rank - rank % t,
         metadata_cls=FlattenedTensorMetadata,
         serialize=MultiprocessingSerializer.serialize,
         patch_reductions=monkey_patch_torch_reductions,

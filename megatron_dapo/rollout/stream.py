@@ -228,14 +228,17 @@ class PeerWatch:
         parts = []
         for r in stalled:
             who_key = f"{self.PREFIX}who/{r}"
-            host, pid = self.store.get(who_key).decode().split() if self.store.check([who_key]) else ("?", "0")
+            host, pid = _identity(self.store.get(who_key) if self.store.check([who_key]) else None)
             note = ""
-            if host == socket.gethostname() and int(pid) > 0:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                    note = ", killed"
-                except OSError:
-                    pass
+            if host == socket.gethostname() and pid > 0:
+                if not _sibling(pid):  # the store is not authenticated: never kill a pid it names on its word alone
+                    note = ", not killed: not a process of this job"
+                else:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        note = ", killed"
+                    except OSError:
+                        pass
             parts.append(f"{self.names(r)} (host {host}, pid {pid}{note})")
         alive = [r for r in [self.rank, *self.seen] if r not in stalled]  # this rank and the watched ones it sees
         waiting = f" while rank {self.rank} waited for {waiting_for}" if waiting_for else ""
@@ -245,6 +248,25 @@ class PeerWatch:
             report_rank=min(alive),
             retryable=True,
         )
+
+
+def _identity(value: bytes | None) -> tuple[str, int]:
+    """(host, pid) a rank posted on the store as "host pid"; ("?", 0) for none or anything else."""
+    parts = value.decode("utf-8", "replace").split() if value else []
+    if len(parts) == 2 and parts[1].isascii() and parts[1].isdigit() and len(parts[1]) <= 9:
+        return parts[0][:255], int(parts[1])
+    return "?", 0
+
+
+def _sibling(pid: int) -> bool:
+    """Whether `pid` is another process of this job on this host: a child of this process's parent (torchrun's agent,
+    srun's step daemon, a spawning parent), not of init."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after "(comm)": state, ppid
+    except (OSError, ValueError, IndexError):
+        return False
+    return pid != os.getpid() and ppid == os.getppid() and ppid > 1
 
 
 @wire.record
@@ -784,7 +806,7 @@ class _Run:
             store.compare_set("cut", "", str(self.queue.num_carried + self.queue.taken()))
         if self.sampling.limit == 0 and store.check(["cut"]):
             minutes = s.max_gen_s / 60
-            cut = int(store.get("cut"))
+            cut = wire.stored_int(store.get("cut"), "the rollout queue's cut on the job store")
             self.sampling.stop_at(cut, f"algorithm.max_gen_minutes={minutes:g} (the queue was cut at {cut} prompts)")
         return False
 

@@ -108,7 +108,7 @@ def _colocated_worker(marker: str) -> dict:
             set(),
             False,
         )
-    update = ColocatedWeightUpdate(engine, group, 0, metadata_cls=dict, serialize=pickle.dumps)
+    update = ColocatedWeightUpdate(engine, group, metadata_cls=dict, serialize=pickle.dumps)
     update.update_weights(_bucket(rank))
     out = {"marker_after_update": Path(marker).read_text() if Path(marker).exists() else None}
     if rank == 0:
