@@ -728,6 +728,36 @@ def verified_actor_checkpoint(
     return (root / sub if sub else root), checker.item_hashes(root, sub)
 
 
+def seal_hf_export(path: str | Path) -> None:
+    """Seal a Hugging Face export written by this package (the trainer's hf_final, `convert --to hf`): MANIFEST.json
+    with every file's size and sha256, and the COMPLETE marker, so that `verified_hf_model` checks it. One process
+    (the rank that wrote it)."""
+    CheckpointManager(Path(path).parent, keep_last=0).seal(path)
+
+
+def verified_hf_model(path: str | Path, *, log: Callable[[str], None]) -> Path:
+    """A Hugging Face model directory to load (`megatron-dapo eval --model`): an export of this package is verified as
+    a checkpoint is (its MANIFEST.json: every file listed, sizes and sha256s; one CheckpointError line naming what
+    fails); a directory with neither manifest nor marker is a model from elsewhere (the base model) and loads as it
+    is, with a notice. A Megatron checkpoint, a missing path or a file is one line saying so."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model {path}: {'not a directory' if path.exists() else 'does not exist'}")
+    if (path / "actor").is_dir() or (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"model {path}: a Megatron checkpoint, not a Hugging Face model; export it with `megatron-dapo convert "
+            "--to hf --checkpoint DIR --out HF_DIR`"
+        )
+    if not (path / MANIFEST).exists() and not (path / COMPLETE).exists():
+        log(f"model {path}: no {MANIFEST} (not an export of this package); loaded as it is")
+        return path
+    problems = CheckpointManager(path.parent, keep_last=0).verify(path)
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"model {path}: {'; '.join(problems[:3])}{more}")
+    return path
+
+
 class PreemptionFlag:
     """SIGTERM / SIGUSR1 set a flag instead of killing the process; the trainer saves at the next step boundary.
 

@@ -384,11 +384,13 @@ def user_error_exit(exit_codes: Iterable[int]) -> bool:
 
 
 def run_eval(config, model_dir: str | None) -> dict[str, float]:
-    """Evaluate a HF checkpoint with the rollout engine alone (no actor, one process): the prompts read with the
+    """Evaluate a HF checkpoint with the rollout engine alone (no actor, one process): the model verified first
+    (checkpoint.verified_hf_model: an export of this package against its manifest), the prompts read with the
     trainer's checks (inputs.prompt_settings), sampled and scored by the trainer's evaluation driver."""
     from transformers import AutoConfig
     from transformers import AutoTokenizer
 
+    from megatron_dapo.checkpoint import verified_hf_model
     from megatron_dapo.data import PromptDataset
     from megatron_dapo.data.dataset import prompt_token_ids
     from megatron_dapo.envs.base import environment_for_run
@@ -398,7 +400,7 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     from megatron_dapo.rollout import make_engine
     from megatron_dapo.rollout.factory import sampling_params
 
-    model_dir = model_dir or config.actor.model_path
+    model_dir = str(verified_hf_model(model_dir or config.actor.model_path, log=rank_notice))
     t = config.trainer
     tok = AutoTokenizer.from_pretrained(model_dir)
     settings = prompt_settings(

@@ -67,6 +67,7 @@ from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.batch import ActorBatch
 from megatron_dapo.batch import RoutedExperts
 from megatron_dapo.checkpoint import ItemHashes
+from megatron_dapo.checkpoint import seal_hf_export
 from megatron_dapo.config import RunConfig
 from megatron_dapo.metrics import all_reduce_stats
 from megatron_dapo.metrics import finalize
@@ -437,10 +438,10 @@ class MegatronActor:
 
     def save_hf(self, out_dir: str, tokenizer: Any = None) -> None:
         """Write the current weights as a Hugging Face checkpoint: out_dir/model.safetensors (the HF config's
-        dtype), config.json and, when given, the tokenizer's files. The one HF export (the trainer's final export
-        and `megatron-dapo convert --to hf` both call it). Collective: every rank must call it; only global rank 0
-        receives the full tensors (the others send their shards, other data-parallel replicas do nothing) and
-        writes; every rank returns once the files are written."""
+        dtype), config.json and, when given, the tokenizer's files, sealed (MANIFEST.json, COMPLETE). The one HF
+        export (the trainer's final export and `megatron-dapo convert --to hf` both call it). Collective: every rank
+        must call it; only global rank 0 receives the full tensors (the others send their shards, other data-parallel
+        replicas do nothing) and writes; every rank returns once the files are written."""
         from safetensors.torch import save_file
 
         tensors = {name: t.detach().cpu().contiguous() for name, t in self.export_hf_weights(dst_rank=0)}
@@ -450,6 +451,7 @@ class MegatronActor:
             self.hf_config.save_pretrained(out_dir)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
+            seal_hf_export(out_dir)  # MANIFEST.json + COMPLETE: `megatron-dapo eval` verifies what it loads
         if dist.is_initialized():
             dist.barrier()
 

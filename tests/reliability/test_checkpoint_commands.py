@@ -216,3 +216,80 @@ def test_convert_to_hf_of_a_run_step_is_the_actor_it_saved(actor_dir, tmp_path):
     original = load_file(str(Path(actor_dir[1]["model"]) / "model.safetensors"))
     converted = load_file(str(out / "model.safetensors"))
     assert set(original) == set(converted) and all(original[k].equal(converted[k]) for k in original)
+
+
+@pytest.fixture(scope="module")
+def hf_export(actor_dir, tmp_path_factory):
+    """A Hugging Face export of this package (`convert --to hf`: sealed with MANIFEST.json and COMPLETE)."""
+    base = tmp_path_factory.mktemp("hf_export")
+    run_dir, overrides = _run_with_checkpoints(actor_dir, base, steps=(1,))
+    out = base / "hf"
+    step = checkpoint_root(run_dir) / "step_00000001"
+    proc = _cli("convert", "--config", CONFIG, "--to", "hf", "--checkpoint", str(step), "--out", str(out), *overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / MANIFEST).exists() and (out / "COMPLETE").exists()
+    return out, step, overrides
+
+
+def _eval(model: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    few = ["--trainer.eval_max_prompts=2", "--trainer.eval_samples=2", "--rollout.max_response_length=8", "--algorithm.overlong_buffer=4"]
+    return _cli("eval", "--config", CONFIG, "--model", str(model), *overrides, *few)
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "does not exist"),
+        ("a file", "not a directory"),
+        ("a Megatron checkpoint", "a Megatron checkpoint, not a Hugging Face model"),
+        ("a byte flipped in the weights", "model.safetensors fails its sha256 check"),
+        ("the manifest emptied", "MANIFEST.json does not list"),
+        ("the manifest of the wrong shape", "MANIFEST.json is malformed"),
+        ("a code-running pickle added", "MANIFEST.json does not list pytorch_model.bin"),
+        ("no COMPLETE marker", "no COMPLETE marker"),
+    ],
+)
+def test_eval_loads_only_a_model_that_verifies(hf_export, tmp_path, case, expected):
+    """`megatron-dapo eval --model` verifies an export of this package as resume verifies a checkpoint: every damage
+    is one `error:` line, exit 2, before any model loads, and nothing runs."""
+    export, step, overrides = hf_export
+    model = tmp_path / "model"
+    shutil.copytree(export, model)
+    if case == "missing":
+        model = tmp_path / "nope"
+    elif case == "a file":
+        model = model / "config.json"
+    elif case == "a Megatron checkpoint":
+        model = step
+    elif case.startswith("a byte flipped"):
+        data = bytearray((model / "model.safetensors").read_bytes())
+        data[-3] ^= 0x01
+        (model / "model.safetensors").write_bytes(bytes(data))
+    elif case.endswith("emptied"):
+        (model / MANIFEST).write_text(json.dumps({"version": 1, "algorithm": "sha256", "files": {}}))
+    elif case.endswith("wrong shape"):
+        (model / MANIFEST).write_text(json.dumps({"version": 1, "algorithm": "sha256", "files": []}))
+    elif case.endswith("pickle added"):
+        import torch
+
+        torch.save({"payload": Exploit()}, model / "pytorch_model.bin")
+    else:
+        (model / "COMPLETE").unlink()
+    marker = Path("/tmp/megatron_dapo_convert_pwned")
+    marker.unlink(missing_ok=True)
+    proc = _eval(model, overrides)
+    assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not marker.exists()
+
+
+def test_eval_of_a_sealed_export_and_of_a_model_from_elsewhere(hf_export, actor_dir):
+    """The positive neighbours: the export verifies and evaluates; a model without a manifest (the base model) loads
+    as it is, with a notice saying so."""
+    export, _, overrides = hf_export
+    for model, notice in ((export, False), (Path(actor_dir[1]["model"]), True)):
+        proc = _eval(model, overrides)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "avg@" in proc.stdout or "pass@" in proc.stdout, proc.stdout[-2000:]
+        assert ("no MANIFEST.json (not an export of this package); loaded as it is" in proc.stderr) == notice
