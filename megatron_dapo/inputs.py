@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from megatron_dapo.actor.arch import is_moe
 from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.config import RunConfig
 from megatron_dapo.launch import StartupError
@@ -42,7 +43,7 @@ class RunInputs:
         self.tokenizer = AutoTokenizer.from_pretrained(c.actor.model_path)
         hf_config = AutoConfig.from_pretrained(c.actor.model_path)
         self.architecture = model_architecture(hf_config)
-        self.moe = bool(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None))
+        self.moe = is_moe(hf_config)
         """A mixture-of-experts model (its checkpoints' expert layout: checkpoint.check_compatible)."""
         self.stop_ids = [self.tokenizer.eos_token_id]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]

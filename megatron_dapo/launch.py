@@ -46,8 +46,8 @@ def preflight(config: Any, world_size: int) -> None:
 
     Covers: actor.tensor_parallel x pipeline_parallel dividing the world size (the actor's ranks of a split launch,
     rollout.engine_ranks), the model directory and its
-    config.json (attention and KV heads divisible by TP, layers by PP), the rollout engine's and the tracker's
-    packages, the data files,
+    config.json (attention and KV heads divisible by TP, layers by PP), the checkpoint a resume would start from (its
+    config compatible with this one), the rollout engine's and the tracker's packages, the data files,
     the network interfaces GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name (`check_socket_ifnames`).
     """
     a, engines = config.actor, config.rollout.engine_ranks
@@ -72,7 +72,8 @@ def preflight(config: Any, world_size: int) -> None:
             f"{a.pipeline_parallel} = {model_parallel * ep} does not divide the actor's {world_size - engines} ranks "
             "(experts are split over data-parallel ranks)"
         )
-    _check_model(a.model_path, a.tensor_parallel, a.pipeline_parallel, a)
+    text = _check_model(a.model_path, a.tensor_parallel, a.pipeline_parallel, a)
+    _check_resume(config, text)
     _check_engine(config.rollout)
     tracker = config.logging.tracker
     if tracker != "none":
@@ -158,7 +159,8 @@ def _check_package(package: str | None, what: str, hint: str) -> None:
     raise StartupError(f"{what} {problem}; {hint}")
 
 
-def _check_model(model_path: str, tp: int, pp: int, actor: Any = None) -> None:
+def _check_model(model_path: str, tp: int, pp: int, actor: Any = None) -> dict[str, Any]:
+    """The model directory's config.json against the layout; returns its text model's fields."""
     if not model_path:
         raise StartupError("actor.model_path: not set")
     config_file = Path(model_path) / "config.json"
@@ -183,6 +185,34 @@ def _check_model(model_path: str, tp: int, pp: int, actor: Any = None) -> None:
         )
     if actor is not None and isinstance(text, dict):
         _check_experts(text, actor, config_file)
+    return text if isinstance(text, dict) else {}
+
+
+def _check_resume(config: Any, text: dict[str, Any]) -> None:
+    """The checkpoint train would resume from against this config (checkpoint.check_compatible, the check train makes
+    after verifying it): the newest complete one under the run directory for checkpoint.resume=auto, or the one it
+    names. Its files are not verified here (train does, and falls back past a damaged one, to a checkpoint of the
+    same run)."""
+    import types
+
+    from megatron_dapo.actor.arch import is_moe
+    from megatron_dapo.checkpoint import CheckpointError
+    from megatron_dapo.checkpoint import CheckpointManager
+    from megatron_dapo.checkpoint import checkpoint_root
+    from megatron_dapo.checkpoint import list_checkpoints
+
+    resume = config.checkpoint.resume
+    if resume == "never":
+        return
+    candidates = list_checkpoints(checkpoint_root(config.trainer.run_dir)) if resume == "auto" else [Path(resume)]
+    if not candidates or not (candidates[-1] / "config.yaml").is_file():
+        return
+    try:
+        CheckpointManager(candidates[-1].parent, keep_last=0).check_config(
+            candidates[-1], config.to_dict(), moe=is_moe(types.SimpleNamespace(**text))
+        )
+    except CheckpointError as err:
+        raise StartupError(str(err).splitlines()[0]) from None
 
 
 def _check_experts(text: dict[str, Any], actor: Any, config_file: Path) -> None:

@@ -67,6 +67,12 @@ class MoeShape:
     shared_ffn: int  # shared_expert_intermediate_size (Qwen2-MoE; 0: no shared expert)
 
 
+def is_moe(hf_config: Any) -> bool:
+    """Whether a config describes a mixture of experts (num_experts or num_local_experts set), whatever its
+    architecture: what decides how its checkpoints reshard (checkpoint.check_compatible)."""
+    return bool(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None))
+
+
 def moe_shape(hf_config: Any) -> MoeShape | None:
     """MoeShape of an MoE architecture's config, None for dense ones."""
     if model_arch(hf_config) not in MOE_ARCHS:

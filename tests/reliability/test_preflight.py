@@ -113,3 +113,49 @@ def test_valid_expert_layouts_pass(setup, tmp_path):
             "--actor.routing_replay=r3"], world=2)  # fmt: skip
     _check([*setup, _model(tmp_path, **DENSE), "--actor.tensor_parallel=1"], world=3)
     _check([*setup, _model(tmp_path, architectures=["SomethingElse"]), "--actor.tensor_parallel=1"], world=2)
+
+
+def _saved_checkpoint(run_dir, config, step: int = 1):
+    """A complete checkpoint directory as far as the resume check reads it: its config.yaml and COMPLETE marker."""
+    import yaml
+
+    from megatron_dapo.checkpoint import COMPLETE
+    from megatron_dapo.checkpoint import checkpoint_root
+
+    path = checkpoint_root(run_dir) / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    (path / COMPLETE).write_text("done\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "saved, now, message",
+    [
+        (["--actor.expert_parallel=2"], ["--actor.expert_parallel=1"], "actor.expert_parallel: 2 -> 1 (saved TP 1 x "
+                                                                        "EP 2 x PP 1, now TP 1 x EP 1 x PP 1"),
+        (["--actor.expert_parallel=1"], ["--actor.expert_parallel=2"], "actor.expert_parallel: 1 -> 2"),
+        (["--algorithm.group_size=8"], ["--algorithm.group_size=4"], "algorithm.group_size: 8 -> 4"),
+    ],
+)  # fmt: skip
+def test_a_resume_the_ranks_would_refuse_is_found_before_launch(setup, tmp_path, saved, now, message):
+    """Issue 38 item 4: the checkpoint a resume would start from is checked against the config by `check`, `launch`
+    and the sbatch check (was: only by every rank at start-up, after the launch). The newest complete checkpoint for
+    checkpoint.resume=auto, or the one it names; resume=never and a compatible layout pass."""
+    run_dir = tmp_path / "run"
+    base = [*setup, _model(tmp_path, **MOE), "--actor.tensor_parallel=1", f"--trainer.run_dir={run_dir}"]
+    path = _saved_checkpoint(run_dir, load_config(None, [*base, *saved]))
+    with pytest.raises(StartupError) as err:
+        _check([*base, *now], world=2)
+    assert message in str(err.value) and "\n" not in str(err.value) and str(path) in str(err.value), str(err.value)
+    with pytest.raises(StartupError, match="cannot resume"):
+        _check([*base, *now, f"--checkpoint.resume={path}"], world=2)
+    _check([*base, *now, "--checkpoint.resume=never"], world=2)
+    _check([*base, *saved], world=2)
+
+
+def test_expert_parallel_changed_above_one_reshards(setup, tmp_path):
+    run_dir = tmp_path / "run"
+    base = [*setup, _model(tmp_path, **MOE), "--actor.tensor_parallel=1", f"--trainer.run_dir={run_dir}"]
+    _saved_checkpoint(run_dir, load_config(None, [*base, "--actor.expert_parallel=2"]))
+    _check([*base, "--actor.expert_parallel=4"], world=4)  # EP 2 -> 4 resumes (measured: row 113)
