@@ -190,29 +190,39 @@ def _check_model(model_path: str, tp: int, pp: int, actor: Any = None) -> dict[s
 
 def _check_resume(config: Any, text: dict[str, Any]) -> None:
     """The checkpoint train would resume from against this config (checkpoint.check_compatible, the check train makes
-    after verifying it): the newest complete one under the run directory for checkpoint.resume=auto, or the one it
-    names. Its files are not verified here (train does, and falls back past a damaged one, to a checkpoint of the
-    same run)."""
+    after verifying it): for checkpoint.resume=auto the newest complete one whose config.yaml matches its manifest
+    (train falls back past one that does not), or the one checkpoint.resume names. Only config.yaml is hashed here;
+    train verifies the rest."""
+    import json
     import types
 
     from megatron_dapo.actor.arch import is_moe
+    from megatron_dapo.checkpoint import MANIFEST
     from megatron_dapo.checkpoint import CheckpointError
     from megatron_dapo.checkpoint import CheckpointManager
+    from megatron_dapo.checkpoint import check_files
     from megatron_dapo.checkpoint import checkpoint_root
     from megatron_dapo.checkpoint import list_checkpoints
+    from megatron_dapo.checkpoint import manifest_files
 
     resume = config.checkpoint.resume
     if resume == "never":
         return
     candidates = list_checkpoints(checkpoint_root(config.trainer.run_dir)) if resume == "auto" else [Path(resume)]
-    if not candidates or not (candidates[-1] / "config.yaml").is_file():
+    for path in reversed(candidates):
+        try:
+            intact = not check_files(path, manifest_files(json.loads((path / MANIFEST).read_text())), ["config.yaml"])
+        except (OSError, ValueError, KeyError):
+            intact = False
+        if not intact:
+            continue  # damaged or unverifiable: train falls back past it, or refuses it with its own line
+        try:
+            CheckpointManager(path.parent, keep_last=0).check_config(
+                path, config.to_dict(), moe=is_moe(types.SimpleNamespace(**text))
+            )
+        except CheckpointError as err:
+            raise StartupError(str(err).splitlines()[0]) from None
         return
-    try:
-        CheckpointManager(candidates[-1].parent, keep_last=0).check_config(
-            candidates[-1], config.to_dict(), moe=is_moe(types.SimpleNamespace(**text))
-        )
-    except CheckpointError as err:
-        raise StartupError(str(err).splitlines()[0]) from None
 
 
 def _check_experts(text: dict[str, Any], actor: Any, config_file: Path) -> None:

@@ -232,7 +232,8 @@ def hf_export(actor_dir, tmp_path_factory):
 
 
 def _eval(model: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    few = ["--trainer.eval_max_prompts=2", "--trainer.eval_samples=2", "--rollout.max_response_length=8", "--algorithm.overlong_buffer=4"]
+    few = ["--trainer.eval_max_prompts=2", "--trainer.eval_samples=2", "--rollout.max_response_length=8",
+           "--algorithm.overlong_buffer=4"]  # fmt: skip
     return _cli("eval", "--config", CONFIG, "--model", str(model), *overrides, *few)
 
 

@@ -120,11 +120,15 @@ def _saved_checkpoint(run_dir, config, step: int = 1):
     import yaml
 
     from megatron_dapo.checkpoint import COMPLETE
+    from megatron_dapo.checkpoint import MANIFEST
     from megatron_dapo.checkpoint import checkpoint_root
+    from megatron_dapo.checkpoint import hash_files
 
     path = checkpoint_root(run_dir) / f"step_{step:08d}"
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    files = hash_files(path, ["config.yaml"])
+    (path / MANIFEST).write_text(json.dumps({"version": 1, "algorithm": "sha256", "files": files}))
     (path / COMPLETE).write_text("done\n")
     return path
 
@@ -152,6 +156,21 @@ def test_a_resume_the_ranks_would_refuse_is_found_before_launch(setup, tmp_path,
         _check([*base, *now, f"--checkpoint.resume={path}"], world=2)
     _check([*base, *now, "--checkpoint.resume=never"], world=2)
     _check([*base, *saved], world=2)
+
+
+def test_a_damaged_newest_checkpoint_is_left_to_trains_fallback(setup, tmp_path):
+    """A newest checkpoint whose config.yaml fails its manifest (or has none) is one train falls back past: the check
+    looks at the previous one instead of refusing the launch."""
+    run_dir = tmp_path / "run"
+    base = [*setup, _model(tmp_path, **MOE), "--actor.tensor_parallel=1", f"--trainer.run_dir={run_dir}"]
+    _saved_checkpoint(run_dir, load_config(None, [*base, "--actor.expert_parallel=2"]), step=1)
+    newest = _saved_checkpoint(run_dir, load_config(None, [*base, "--actor.expert_parallel=1"]), step=2)
+    (newest / "config.yaml").write_text("actor: {expert_parallel: 1, garbage: [")  # damaged: train falls back to 1
+    with pytest.raises(StartupError, match="step_00000001: cannot resume.*actor.expert_parallel: 2 -> 1"):
+        _check([*base, "--actor.expert_parallel=1"], world=2)
+    (newest / "config.yaml").unlink()
+    with pytest.raises(StartupError, match="step_00000001: cannot resume"):
+        _check([*base, "--actor.expert_parallel=1"], world=2)
 
 
 def test_expert_parallel_changed_above_one_reshards(setup, tmp_path):
