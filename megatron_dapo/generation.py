@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_dapo.errors import rank_notice
 from megatron_dapo.evaluate import sample_scores
 from megatron_dapo.experience import GroupScorer
 from megatron_dapo.rollout.delta import DeltaEncoder
@@ -439,8 +440,12 @@ class RemoteGeneration(_StepInFlight):
     def push_weights(self, version: int) -> dict[str, float]:
         """Every rank walks the actor's export; rank 0 sends it as `version` to the engine ranks (WeightChannel) or to
         the SGLang servers they drive (ServerPush), fp8-quantized (rollout.weight_dtype) as the colocated sync does."""
+        from megatron_dapo.placement import PushAbandoned
+        from megatron_dapo.placement import WeightChannel
+
         c = self.ctx.config
-        start, named = time.perf_counter(), self.export()
+        start, exported = time.perf_counter(), self.export()
+        named = exported
         if self.channel is None:
             for _ in named:
                 pass
@@ -449,8 +454,25 @@ class RemoteGeneration(_StepInFlight):
             from megatron_dapo.rollout.fp8 import quantize_named_tensors
 
             named = quantize_named_tensors(named)
-        delta = {"encoder": self.encoder} if self.encoder is not None else {}
-        metrics = self.channel.push(version, named, c.rollout.weight_sync_bucket_mb * 2**20, **delta)
+        extra: dict[str, Any] = {"encoder": self.encoder} if self.encoder is not None else {}
+        if isinstance(self.channel, WeightChannel):  # engine ranks join it: wait for them as for their generation
+            what = f"the engine ranks to join the weight push of step {version}"
+
+            def poll() -> None:
+                self.beat.check(what)
+                if self.ctx.stop():  # preempted: the run saves at this step's boundary; the engines need no weights
+                    raise PushAbandoned
+
+            timeout = (c.rollout.generation_timeout_minutes + c.trainer.eval_timeout_minutes) * 60.0
+            extra.update(poll=poll, timeout_s=timeout)
+        try:
+            metrics = self.channel.push(version, named, c.rollout.weight_sync_bucket_mb * 2**20, **extra)
+        except PushAbandoned:
+            for _ in exported:  # the other actor ranks walk the export's collectives to its end
+                pass
+            rank_notice(f"step {version}: a preemption signal came while an engine rank had not joined the "
+                            "weight push; it is given up (the checkpoint holds these weights)")  # fmt: skip
+            return {}
         metrics["weight_sync/seconds"] = seconds = time.perf_counter() - start
         metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / seconds if seconds > 0 else 0.0
         return metrics

@@ -8,8 +8,11 @@
                          group and the weight channel are built under their own prefixes
 
     weight channel (WeightChannel): actor rank 0 + every engine rank, a gloo group (channel rank 0 is the actor)
-      actor rank 0:  announce(version) on the store -> broadcast the buckets (header, payload), then an end marker
-      engine ranks:  a thread (StagedReceiver) joins each announced push and holds its buckets; the main thread
+      actor rank 0:  announce(version) on the store -> wait on the store until every engine rank has joined it,
+                     polling the peers' liveness and the preemption flag -> broadcast the buckets (header, payload),
+                     then an end marker
+      engine ranks:  a thread (StagedReceiver) joins each announced push (posting joined/<rank> = version) and holds
+                     its buckets; the main thread
                      loads them between engine steps (apply); requests in flight go on and stamp later tokens with
                      the new version
     messages (Mailbox, pickled on the store): "start" (actor -> engines: step, data position, carry), "gen/<s>"
@@ -148,6 +151,11 @@ def init_role(num_engine_ranks: int, timeout_s: float = 1800.0) -> tuple[Placeme
     return placement, store
 
 
+class PushAbandoned(Exception):
+    """A weight push given up before any byte was sent (its `poll` raised it: a preemption signal while an engine rank
+    had not joined); nothing of it reached an engine."""
+
+
 class WeightChannel:
     """Versioned weight pushes from actor rank 0 to every engine rank (build it on those ranks; others skip it).
 
@@ -178,12 +186,18 @@ class WeightChannel:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         bucket_bytes: int,
         encoder: DeltaEncoder | None = None,
+        poll: Callable[[], None] | None = None,
+        timeout_s: float = float("inf"),
     ) -> dict:
         """Send every (hf_name, full tensor) as weight `version` (actor rank 0; blocks until every engine has joined
         and received). Returns {"weight_sync/bytes", "weight_sync/num_buckets", "weight_sync/num_tensors"}.
         encoder (rollout.weight_sync_delta): each tensor goes as its changed elements against the previous push
         (rollout/delta.py; the engine ranks' DeltaDecoder rebuilds the full tensors), "weight_sync/changed_fraction"
-        is added; a push that fails drops the encoder's base, so the next one is full."""
+        is added; a push that fails drops the encoder's base, so the next one is full.
+        poll: called while waiting for the engine ranks to join (each joins once it has applied the previous push):
+        the caller's liveness check (JobError naming a stopped or dead rank) and preemption check (PushAbandoned:
+        `named_tensors` is then not consumed). timeout_s: how long an engine rank may take to join (JobError).
+        An engine rank that stops answering inside the transfer ends it at the group's timeout (JobError)."""
         if self.placement.is_engine:
             raise RuntimeError("WeightChannel.push: only actor rank 0 sends weights")
         _check_next_version("WeightChannel.push", version, self.version)
@@ -196,6 +210,7 @@ class WeightChannel:
         self.store.set("announced", str(version))
         total = buckets = tensors = 0
         try:
+            self._await_joins(version, poll, timeout_s)
             for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
                 header = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
                 payload = torch.cat([_as_bytes(t) for _, t in bucket])
@@ -203,9 +218,16 @@ class WeightChannel:
                 self._broadcast(payload)
                 total, buckets, tensors = total + payload.numel(), buckets + 1, tensors + len(bucket)
             self._send_header(None, 0)
-        except BaseException:
+        except BaseException as err:
             if encoder is not None:
                 encoder.reset()
+            if isinstance(err, RuntimeError) and not isinstance(err, JobError):  # gloo: a rank stopped mid-transfer
+                first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+                raise JobError(
+                    f"weight push of version {version}: an engine rank stopped answering in the transfer "
+                    f"(distributed.timeout_minutes; gloo: {first})",
+                    retryable=True,
+                ) from None
             raise
         self.version = version
         metrics = _push_metrics(total, buckets, tensors)
@@ -213,6 +235,26 @@ class WeightChannel:
             encoder.version = version
             metrics["weight_sync/changed_fraction"] = encoder.pop_fraction()
         return metrics
+
+    def _await_joins(self, version: int, poll: Callable[[], None] | None, timeout_s: float) -> None:
+        """Wait on the store until every engine rank has joined push `version` (poll() between looks)."""
+        keys = [f"joined/{e}" for e in range(1, 1 + self.placement.num_engine_ranks)]
+        start = time.monotonic()
+        while True:
+            if all(self.store.check([k]) for k in keys) and all(
+                wire.stored_int(self.store.get(k), "a weight channel's joined version") >= version for k in keys
+            ):
+                return
+            if poll is not None:
+                poll()
+            if time.monotonic() - start > timeout_s:
+                raise JobError(
+                    f"weight push of version {version}: not every engine rank joined within {timeout_s:.0f} s "
+                    "(rollout.generation_timeout_minutes + trainer.eval_timeout_minutes; an engine rank is stuck: see "
+                    "its log)",
+                    retryable=True,
+                )
+            time.sleep(POLL_S)
 
     # ----------------------------------------------------------------------------------------------- engine ranks
     def pending(self) -> int | None:
@@ -235,6 +277,7 @@ class WeightChannel:
                 self.decoder.begin(version, base)
             except ValueError as err:
                 raise JobError(str(err)) from None
+        self.store.set(f"joined/{self.placement.channel_rank}", str(version))  # the actor's push waits for this
         buckets = []
         while True:
             header, size = self._recv_header()

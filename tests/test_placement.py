@@ -59,3 +59,64 @@ def test_a_bucket_of_mixed_dtypes_at_unaligned_offsets_reads_back():
     payload = torch.cat([_as_bytes(t) for t in parts])
     back = _from_bytes(payload, [(str(i), t.dtype, tuple(t.shape)) for i, t in enumerate(parts)])
     assert all(torch.equal(t, got) for t, (_, got) in zip(parts, back, strict=True))
+
+
+def _push_waits_worker() -> dict:
+    """Actor rank 0 and one engine rank over a real weight channel (gloo, the launch's store): a push the engine joins
+    arrives whole; a push it never joins (stopped) ends at the caller's liveness check, and one given up for a
+    preemption raises PushAbandoned, in both cases before any tensor of the export is read."""
+    import os
+    from datetime import timedelta
+
+    import torch
+
+    from megatron_dapo.errors import JobError
+    from megatron_dapo.launch_env import launch_store
+    from megatron_dapo.placement import PushAbandoned
+    from megatron_dapo.placement import WeightChannel
+
+    rank = int(os.environ["RANK"])
+    store = launch_store("127.0.0.1", int(os.environ["MASTER_PORT"]), rank, 2, timedelta(seconds=60), env={})
+    channel = WeightChannel(Placement(rank, 2, 1), store, timeout_s=60)
+    weights = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    if rank == 1:
+        while channel.pending() is None:
+            pass
+        version, buckets = channel.receive_buckets()
+        got = {n: t for bucket in buckets for n, t in bucket}
+        store.wait(["actor/done"])
+        return {"version": version, "equal": all(torch.equal(got[n], weights[n]) for n in weights)}
+    out: dict = {"first": channel.push(1, iter(weights.items()), 1 << 20)["weight_sync/num_tensors"]}
+    read: list[str] = []
+
+    def export():
+        for name, t in weights.items():
+            read.append(name)
+            yield name, t
+
+    def stalled():
+        raise JobError("engine rank 1 (host h, pid 1) made no progress for 15 s")
+
+    for poll, kind in ((stalled, JobError), (lambda: (_ for _ in ()).throw(PushAbandoned()), PushAbandoned)):
+        try:
+            channel.push(channel.version + 1, export(), 1 << 20, poll=poll)
+            out[kind.__name__] = "returned"
+        except kind as err:
+            out[kind.__name__] = str(err)
+    out["read"] = read
+    try:
+        channel.push(channel.version + 1, export(), 1 << 20, poll=lambda: None, timeout_s=0.2)
+    except JobError as err:
+        out["timeout"] = str(err)
+    store.set("actor/done", "1")
+    return out
+
+
+def test_a_push_waits_for_the_engine_ranks_with_the_callers_liveness_and_preemption_checks():
+    from tests.actor._dist import run_distributed
+
+    actor, engine = run_distributed(_push_waits_worker, 2, timeout_s=120)
+    assert engine == {"version": 1, "equal": True} and actor["first"] == 2.0
+    assert actor["JobError"] == "engine rank 1 (host h, pid 1) made no progress for 15 s"
+    assert actor["PushAbandoned"] == "" and actor["read"] == []  # nothing of the export was consumed
+    assert actor["timeout"].startswith("weight push of version 2: not every engine rank joined within 0 s")

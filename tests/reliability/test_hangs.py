@@ -247,6 +247,10 @@ SPLIT = ["--rollout.engine_ranks=1", "--trainer.max_staleness=0", "--actor.tenso
         # actor rank 0, in step 1's log-probs: the engine rank (lockstep, max_staleness 0) waits for step 2's weights
         ("0", {"SLOW_LOGP": "1:4"}, "actor rank 0 (host {host}, pid {pid}, killed) made no progress for 15 s while "
                                     "rank 1 waited for the weights of step 2"),
+        # the engine rank, stopped while actor rank 0 is in step 1's log-probs: the actor then waits for it to join
+        # step 1's weight push (was: inside gloo's broadcast until its timeout, then a traceback)
+        ("1", {"SLOW_LOGP": "1:4"}, "engine rank 1 (host {host}, pid {pid}, killed) made no progress for 15 s while "
+                                    "rank 0 waited for the engine ranks to join the weight push of step 1"),
     ],
 )  # fmt: skip
 def test_a_stopped_rank_of_a_split_launch_ends_the_job_naming_it(tiny, tmp_path, stopped, hook, waiter):
@@ -280,8 +284,12 @@ def test_a_killed_rank_of_a_split_launch_ends_the_job_at_once(tiny, tmp_path, ki
     assert waited < 60, f"{waited:.0f} s from the SIGKILL of {role} to the end of the job"
     assert f"rank      : {killed}" in out and "exitcode  : -9" in out, out[-3000:]
     assert out.count("Traceback (most recent call last)") == 1, out[-3000:]  # torchrun's summary only
-    if killed == "1":  # the actor, signalled while it waited for the dead engine, dropped the step and saved
+    if role.startswith("the engine rank, generating"):  # the actor, signalled while it waited, dropped the step
         assert "a preemption signal came before step 2's update; the step is dropped" in out, out[-3000:]
+    elif role.startswith("the engine rank, before"):  # signalled while it waited for the dead engine to join
+        assert "step 1: a preemption signal came while an engine rank had not joined the weight push" in out, out[
+            -3000:
+        ]
 
 
 @pytest.mark.slow
