@@ -145,6 +145,22 @@ def test_python_tool_trajectories_through_the_stream_are_the_sampled_ids(byte_to
     assert metrics["episode/stop/answer"] == 1.0 and metrics["episode/stop/length"] == 0.0
 
 
+def assert_trained_as_sampled(rollouts, expected: list[tuple[list[int], list[bool]]]) -> None:
+    """Token in / token out up to the loss (issue 40 item 2): the actor's batch of these rollouts (rows_to_batch, the
+    rows the update trains on) holds each row's prompt, then exactly expected[i][0] (the engine's sampled ids of every
+    turn with the observation ids between them, recorded apart from the rollout), then padding; its loss mask is
+    expected[i][1] (the sampled ids only) and 0 elsewhere."""
+    rows = [(r, 0) for r in rollouts]
+    batch = rows_to_batch(rows, torch.ones(len(rows)), torch.ones(len(rows)), pad_token_id=0)
+    for b, (r, (ids, mask)) in enumerate(zip(rollouts, expected, strict=True)):
+        p, n = len(r.prompt_ids), len(ids)
+        assert batch.tokens[b, :p].tolist() == r.prompt_ids.tolist()
+        assert batch.tokens[b, p : p + n].tolist() == ids, b
+        assert batch.loss_mask[b, p : p + n].bool().tolist() == mask, b
+        assert not batch.loss_mask[b, :p].any() and not batch.loss_mask[b, p + n :].any()
+    assert int(batch.loss_mask.sum()) == sum(sum(mask) for _, mask in expected)  # the token-level loss's count
+
+
 class ThreeTurns:
     """A scripted multi-turn environment: observations (60 + turn, 61, 62) after the first two turns, done after the
     third; records every turn it was given."""
@@ -218,7 +234,7 @@ def _real_engine_run(max_running: int, cap: int):
 @pytest.mark.parametrize("cap", [40, 9])
 def test_real_engine_three_turns_token_in_token_out(cap):
     result, engine = _real_engine_run(max_running=8, cap=cap)
-    turns_seen = []
+    turns_seen, trained, expected = [], [], []
     for s in result.decided:
         g = result.groups[s.key]
         for k, r in enumerate(g.rollouts):
@@ -237,9 +253,12 @@ def test_real_engine_three_turns_token_in_token_out(cap):
             assert r.model_mask().tolist() == mask and r.model_mask()[-1]  # never ends on an observation
             torch.testing.assert_close(r.engine_logp, torch.cat(logps), rtol=0, atol=0)
             assert len(r) <= cap
+            trained.append(r)
+            expected.append((ids, mask))
             turns_seen.append(len(sampled))
             if r.finish is FinishReason.LENGTH:
                 assert len(r) == cap or len(sampled) < 3  # cut mid-turn at the cap, or no room for a next turn
+    assert_trained_as_sampled(trained, expected)
     if cap == 40:
         assert max(turns_seen) == 3 and all(n == 3 for n in turns_seen)
     else:

@@ -437,6 +437,7 @@ def test_multi_turn_trajectories_go_to_sglang_as_token_ids(mode, request):
     from megatron_dapo.config import AlgorithmConfig
     from megatron_dapo.experience import GroupScorer
     from tests.envs.test_multi_turn import ThreeTurns
+    from tests.envs.test_multi_turn import assert_trained_as_sampled
     from tests.envs.test_multi_turn import run_stream
 
     if mode == "colocated":
@@ -452,12 +453,16 @@ def test_multi_turn_trajectories_go_to_sglang_as_token_ids(mode, request):
     result = run_stream(engine, env.episode, scorer, params, prompts=[(5, "0", [1, 2, 3])], group_size=2, target=1)
     group = result.groups[result.decided[0].key]
     turn = lambda i: [10 + i, 11 + i, 2]  # row i of an SGLang call: two tokens, then its stop token
+    expected = []
     for r in group.rollouts:
         assert r.finish is FinishReason.STOP and r.observations == ((3, 6), (9, 12))
         turns = [r.response_ids[a:b].tolist() for a, b in ((0, 3), (6, 9), (12, 15))]
         assert r.response_ids[3:6].tolist() == [61, 61, 62] and r.response_ids[9:12].tolist() == [62, 61, 62]
         assert r.engine_logp.tolist() == [-0.5] * 3 + [0.0] * 3 + [-0.5] * 3 + [0.0] * 3 + [-0.5] * 3
         assert all(t in (turn(0), turn(1)) for t in turns)
+        ids = turns[0] + [61, 61, 62] + turns[1] + [62, 61, 62] + turns[2]  # what SGLang sampled, what was observed
+        expected.append((ids, [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3))
+    assert_trained_as_sampled(group.rollouts, expected)
     continuations = [b for b in gen.seen if len(b["input_ids"][0]) > 3]
     assert len(continuations) >= 4  # two later turns of each response (more groups started than the one kept)
     for body in continuations:

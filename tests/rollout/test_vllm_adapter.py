@@ -209,6 +209,7 @@ def test_multi_turn_trajectories_go_to_vllm_as_token_ids(fake_vllm, tiny_llama_d
     from megatron_dapo.experience import GroupScorer
     from megatron_dapo.rollout import FinishReason
     from tests.envs.test_multi_turn import ThreeTurns
+    from tests.envs.test_multi_turn import assert_trained_as_sampled
     from tests.envs.test_multi_turn import run_stream
 
     engine = VLLMEngine(EngineLaunch(str(tiny_llama_dir[0]), dtype="float32", seed=5))
@@ -218,7 +219,8 @@ def test_multi_turn_trajectories_go_to_vllm_as_token_ids(fake_vllm, tiny_llama_d
     params = SamplingParams(max_new_tokens=60, stop_token_ids=tuple(range(3, 53, 4)))  # a turn stops within 4 tokens
     result = run_stream(engine, env.episode, scorer, params, prompts=[(5, "0", [1, 4, 5])], group_size=2, target=1)
     by_prompt = {tuple(req["prompt_token_ids"]): sp for req, sp in llm.requests}
-    for r in result.groups[result.decided[0].key].rollouts:
+    rollouts, expected = result.groups[result.decided[0].key].rollouts, []
+    for r in rollouts:
         assert len(r.observations) == 2 and r.finish is FinishReason.STOP
         ids = r.response_ids.tolist()
         for (start, end), t in zip(r.observations, (1, 2), strict=True):
@@ -232,3 +234,12 @@ def test_multi_turn_trajectories_go_to_vllm_as_token_ids(fake_vllm, tiny_llama_d
         for turn, start in zip(turns, (0, r.observations[0][1], r.observations[1][1]), strict=True):
             logps = r.engine_logp[start : start + len(turn)].tolist()
             assert logps == pytest.approx([-(t + 1) / 10 for t in range(len(turn))])
+            seeds = [sp.seed for req, sp in llm.requests if tuple(req["prompt_token_ids"]) == (1, 4, 5, *ids[:start])]
+            # the ids vLLM sampled for this turn's request (FakeLLM's from its seed; the G rows of turn 1 share the
+            # prompt), in place
+            assert any(turn == [(seed + t) % 50 + 3 for t in range(len(turn))] for seed in seeds)
+        obs = [[61, 61, 62], [62, 61, 62]]
+        expected.append((turns[0] + obs[0] + turns[1] + obs[1] + turns[2],
+                         [True] * len(turns[0]) + [False] * 3 + [True] * len(turns[1]) + [False] * 3
+                         + [True] * len(turns[2])))  # fmt: skip
+    assert_trained_as_sampled(rollouts, expected)
