@@ -104,3 +104,39 @@ def test_every_module_imports_alone():
     failed = [out for rc, out in results if rc != 0]
     assert not failed, "\n".join(failed)
     assert len(modules) > 50
+
+
+def _third_party(module: str) -> set[str]:
+    """Top-level names of the packages outside megatron_dapo that `module` imports anywhere in its file."""
+    rel = Path(*module.split("."))
+    path = ROOT / rel / "__init__.py" if (ROOT / rel).is_dir() else ROOT / rel.with_suffix(".py")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found - {"megatron_dapo"}
+
+
+def test_layers_import_only_downward():
+    """The layering the design states (DESIGN.md, issue 37 item 3): algorithm and kernel code never imports megatron
+    (parallelism reaches it as a group or a count); only actor/ imports megatron.core; actor/ imports nothing from
+    rollout/, the placement, the generation or the trainer (the actor sits below them); rollout/ imports no trainer
+    part."""
+    modules = _modules()
+    above_actor = {"megatron_dapo.rollout", "megatron_dapo.placement", "megatron_dapo.generation",
+                   "megatron_dapo.trainer", "megatron_dapo.engine_rank", "megatron_dapo.cli"}  # fmt: skip
+    trainer_parts = {"megatron_dapo.trainer", "megatron_dapo.generation", "megatron_dapo.engine_rank",
+                     "megatron_dapo.placement", "megatron_dapo.cli"}  # fmt: skip
+    problems = []
+    for m in modules:
+        if "megatron" in _third_party(m) and not m.startswith("megatron_dapo.actor"):
+            problems.append(f"{m} imports megatron")
+        if m.startswith("megatron_dapo.actor."):
+            up = {i for i in _imports(m) if any(i == a or i.startswith(a + ".") for a in above_actor)}
+            problems += [f"{m} imports {i}" for i in sorted(up)]
+        if m.startswith("megatron_dapo.rollout."):
+            up = {i for i in _imports(m) if i in trainer_parts}
+            problems += [f"{m} imports {i}" for i in sorted(up)]
+    assert not problems, problems
