@@ -24,6 +24,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.actor.arch import QK_NORM_ARCHS
+from megatron_dapo.actor.arch import MoeShape
+from megatron_dapo.actor.arch import has_qkv_bias
+from megatron_dapo.actor.arch import model_arch
+from megatron_dapo.actor.arch import moe_shape
 from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.config import mini_batch_rows
 from megatron_dapo.fp8_format import fp8_weight_bytes
@@ -168,11 +173,23 @@ KNOWN_MODELS["qwen3-30b-a3b"] = ModelShape(  # Qwen/Qwen3-30B-A3B config.json
 )
 
 
+def _family(cfg: dict[str, Any]) -> tuple[bool, bool, MoeShape | None]:
+    """(q/k/v biases, q/k norm, the MoE shape) by the actor's own rules (actor/arch.py); an architecture the actor
+    does not know is planned as a dense model without either."""
+    import types
+
+    hf = types.SimpleNamespace(**cfg)
+    try:
+        return has_qkv_bias(hf), model_arch(hf) in QK_NORM_ARCHS, moe_shape(hf)
+    except (ValueError, AttributeError, TypeError):
+        return False, False, None
+
+
 def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
-    """ModelShape from a parsed HF config.json (Qwen2 configs have q/k/v biases, Llama configs do not)."""
+    """ModelShape from a parsed HF config.json (the family's traits: `_family`)."""
     try:
         heads = int(cfg["num_attention_heads"])
-        arch = " ".join(cfg.get("architectures") or []) + " " + str(cfg.get("model_type", ""))
+        qkv_bias, qk_norm, moe = _family(cfg)
         return ModelShape(
             name=name,
             hidden=int(cfg["hidden_size"]),
@@ -182,13 +199,13 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
             ffn=int(cfg["intermediate_size"]),
             vocab=int(cfg["vocab_size"]),
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias="qwen2" in arch.lower() and bool(cfg.get("qkv_bias", True)),
+            qkv_bias=qkv_bias,
             head_dim=int(cfg.get("head_dim") or 0),
-            qk_norm="qwen3" in arch.lower(),
-            experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if "moe" in arch.lower() else 0,
-            topk=int(cfg.get("num_experts_per_tok") or 0),
-            moe_ffn=int(cfg.get("moe_intermediate_size") or 0),
-            shared_ffn=int(cfg.get("shared_expert_intermediate_size") or 0),
+            qk_norm=qk_norm,
+            experts=moe.experts if moe else 0,
+            topk=moe.topk if moe else int(cfg.get("num_experts_per_tok") or 0),
+            moe_ffn=moe.ffn if moe else 0,
+            shared_ffn=moe.shared_ffn if moe else 0,
         )
     except KeyError as err:
         raise PlanError(f"{name}/config.json: missing field {err.args[0]!r}") from None

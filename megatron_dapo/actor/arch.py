@@ -3,9 +3,10 @@ traits, the mixture-of-experts shape and the checks of the actor's expert settin
 (launch.preflight, `megatron-dapo check`) run these before any process starts; the model build (actor/model.py) runs
 the same ones.
 
-    SUPPORTED_ARCHITECTURES                    {"LlamaForCausalLM": "llama", ..., "Qwen3MoeForCausalLM": "qwen3_moe"}
+    SUPPORTED_ARCHITECTURES                    {"LlamaForCausalLM": "llama", ..., "MixtralForCausalLM": "mixtral"}
     model_arch(hf_config) -> str               the family (ValueError naming the fields otherwise)
     moe_shape(hf_config) -> MoeShape | None    experts, top-k, expert width, norm_topk, shared expert width
+    moe_names(hf_config) -> MoeNames           the checkpoint names of its MoE blocks (router, experts)
     check_moe(hf_config, actor_config)         the actor's expert_parallel / routing_replay against the model
 
 hf_config: a transformers config, or any object with its fields as attributes (a namespace of config.json).
@@ -26,15 +27,46 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 _MODEL_TYPES = {arch: arch for arch in SUPPORTED_ARCHITECTURES.values()}
 QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 """Architectures with an RMSNorm over each head's query and key (HF q_norm / k_norm, megatron q_ / k_layernorm)."""
 QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
 """Architectures whose q/k/v projections have biases (Qwen2-MoE: unless its config sets qkv_bias false)."""
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 """Mixture-of-experts architectures: every decoder layer's MLP is a routed MoE block (+ a gated shared expert for
-Qwen2-MoE)."""
+Qwen2-MoE). Mixtral is Llama's attention with a renormalised top-k softmax router (its top-k probabilities always
+sum to 1) and experts as wide as intermediate_size."""
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    """How an MoE architecture's checkpoint names a layer's MoE block (under model.layers.{i}.): the block, its
+    router, and each routed expert's gate / up / down projections (under {block}.experts.{e}.)."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+    @property
+    def router(self) -> str:
+        return f"{self.block}.gate.weight"
+
+    def expert(self, e: int, which: str) -> str:
+        """`which` ("gate", "up" or "down") of routed expert e, relative to the layer."""
+        return f"{self.block}.experts.{e}.{getattr(self, which)}.weight"
+
+
+MOE_NAMES = {"mixtral": MoeNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")}
+"""Checkpoint names that differ from the Qwen MoE ones (MoeNames' defaults); transformers 5 fuses every family's
+experts in memory as mlp.experts.gate_up_proj / down_proj and converts these names on load."""
+
+
+def moe_names(hf_config: Any) -> MoeNames:
+    """The checkpoint names of the model's MoE blocks (MoeNames' defaults for a dense or Qwen model)."""
+    return MOE_NAMES.get(model_arch(hf_config), MoeNames())
 
 
 def model_arch(hf_config: Any) -> str:
@@ -78,11 +110,12 @@ def moe_shape(hf_config: Any) -> MoeShape | None:
     if model_arch(hf_config) not in MOE_ARCHS:
         return None
     experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    mixtral = model_arch(hf_config) == "mixtral"  # experts as wide as the dense MLP, top-k always renormalised
     return MoeShape(
         experts=int(experts),
         topk=int(hf_config.num_experts_per_tok),
-        ffn=int(hf_config.moe_intermediate_size),
-        norm_topk=bool(getattr(hf_config, "norm_topk_prob", False)),
+        ffn=int(hf_config.intermediate_size if mixtral else hf_config.moe_intermediate_size),
+        norm_topk=mixtral or bool(getattr(hf_config, "norm_topk_prob", False)),
         shared_ffn=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
     )
 

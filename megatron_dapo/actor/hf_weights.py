@@ -15,7 +15,8 @@ Layouts (megatron local spec names; the TE spec's fused layer_norm_weight names 
     layers.i.mlp.{gate,up}_proj.weight          ...mlp.linear_fc1.weight  TP rank r holds [gate_r ; up_r]
     layers.i.mlp.down_proj.weight               ...mlp.linear_fc2.weight  columns split over TP
     layers.i.{input,post_attention}_layernorm   ...input_layernorm / pre_mlp_layernorm (replicated)
-    MoE layers (Qwen3-MoE, Qwen2-MoE), instead of the dense mlp.{gate,up,down}_proj:
+    MoE layers (Qwen3-MoE, Qwen2-MoE, Mixtral), instead of the dense mlp.{gate,up,down}_proj (Mixtral's checkpoint
+    names: block_sparse_moe.gate, block_sparse_moe.experts.g.{w1,w3,w2} for gate, up, down; arch.MoeNames):
     layers.i.mlp.gate.weight [E, H]             ...mlp.router.weight      (replicated)
     layers.i.mlp.experts.g.{gate,up}_proj       ...mlp.experts.local_experts.k.linear_fc1.weight (TE grouped GEMM:
                                                 mlp.experts.linear_fc1.weight{k}) on EP rank g // (E/ep), k = g mod
@@ -56,9 +57,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_dapo.actor.arch import QK_NORM_ARCHS
+from megatron_dapo.actor.arch import MoeNames
 from megatron_dapo.actor.arch import MoeShape
 from megatron_dapo.actor.arch import has_qkv_bias
 from megatron_dapo.actor.arch import model_arch
+from megatron_dapo.actor.arch import moe_names
 from megatron_dapo.actor.arch import moe_shape
 from megatron_dapo.actor.model import padded_vocab_size
 
@@ -99,6 +102,7 @@ class _Dims:
     qk_norm: bool
     moe: MoeShape | None = None
     ep: int = 1  # expert-parallel size (the experts of each MoE layer split into ep contiguous ranges)
+    names: MoeNames = MoeNames()  # the checkpoint's names of an MoE block (Mixtral: block_sparse_moe, w1 / w3 / w2)
 
 
 def _dims(hf_config: Any, ep: int = 1) -> _Dims:
@@ -116,6 +120,7 @@ def _dims(hf_config: Any, ep: int = 1) -> _Dims:
         qk_norm=model_arch(hf_config) in QK_NORM_ARCHS,
         moe=moe_shape(hf_config),
         ep=ep,
+        names=moe_names(hf_config),
     )
 
 
@@ -177,7 +182,7 @@ def _moe_rows(d: _Dims) -> list[tuple]:
     """The MoE block's parameters besides the routed experts: the router and (Qwen2-MoE) the gated shared expert."""
     assert d.moe is not None
     h, e, s = d.hidden, d.moe.experts, d.moe.shared_ffn
-    rows = [(("mlp.router.weight",), "replicated", ("mlp.gate.weight",), ((e, h),))]
+    rows = [(("mlp.router.weight",), "replicated", (d.names.router,), ((e, h),))]
     if s:
         shared = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")
         rows += [
@@ -197,13 +202,13 @@ def _expert_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
     h, f, per_rank = d.hidden, d.moe.ffn, d.moe.experts // d.ep
     units = []
     for g in range(d.moe.experts):
-        k, prefix, hf = g % per_rank, f"decoder.layers.{j}.mlp.experts", f"model.layers.{i}.mlp.experts.{g}"
-        for fc, kind, names, shapes in (
-            ("linear_fc1", "fc1", ("gate_proj", "up_proj"), ((f, h), (f, h))),
-            ("linear_fc2", "row", ("down_proj",), ((h, f),)),
+        k, prefix = g % per_rank, f"decoder.layers.{j}.mlp.experts"
+        for fc, kind, which, shapes in (
+            ("linear_fc1", "fc1", ("gate", "up"), ((f, h), (f, h))),
+            ("linear_fc2", "row", ("down",), ((h, f),)),
         ):
             mcore = (f"{prefix}.local_experts.{k}.{fc}.weight", f"{prefix}.{fc}.weight{k}")
-            hf_names = tuple(f"{hf}.{n}.weight" for n in names)
+            hf_names = tuple(f"model.layers.{i}.{d.names.expert(g, w)}" for w in which)
             units.append(_Unit(stage, f"layer.{i}", mcore, kind, hf_names, shapes, i, ep_owner=g // per_rank))
     return units
 

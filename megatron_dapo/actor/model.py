@@ -173,10 +173,16 @@ def _check_hf_config(hf_config: Any, arch: str, pipeline_parallel: int) -> None:
         raise ValueError(f"hf config: hidden_act {act!r} not supported (only 'silu')")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("hf config: mlp_bias=True not supported")
-    if arch in ("llama", "qwen3", "qwen3_moe") and getattr(hf_config, "attention_bias", False):
+    if arch in ("llama", "qwen3", "qwen3_moe", "mixtral") and getattr(hf_config, "attention_bias", False):
         raise ValueError(f"hf config: attention_bias=True not supported for {arch}")
     if arch != "llama" and getattr(hf_config, "use_sliding_window", False):
         raise ValueError("hf config: use_sliding_window=True not supported")
+    window, positions = getattr(hf_config, "sliding_window", None), hf_config.max_position_embeddings
+    if arch == "mixtral" and window is not None and window < positions:  # Mixtral applies it whenever it is set
+        raise ValueError(
+            f"hf config: sliding_window {window} < max_position_embeddings {positions} not supported (the actor's "
+            "attention is full); Mixtral-8x7B and 8x22B set it to null"
+        )
     layers = hf_config.num_hidden_layers
     if layers % pipeline_parallel != 0:
         raise ValueError(

@@ -16,30 +16,55 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from megatron_dapo.actor.arch import MoeNames
 from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.delta import WeightDelta
 from megatron_dapo.rollout.delta import apply_delta
 
+_QWEN_NAMES = MoeNames()
 
-def fused_expert_rows(params: dict[str, Tensor]) -> dict[str, tuple[str, int, slice]]:
+
+def fused_expert_rows(params: dict[str, Tensor], names: MoeNames = _QWEN_NAMES) -> dict[str, tuple[str, int, slice]]:
     """Per-expert checkpoint names of transformers' fused MoE experts (transformers 5: `mlp.experts.gate_up_proj`
-    [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I]; its conversion mapping merges the
-    checkpoint's `mlp.experts.{e}.{gate,up,down}_proj.weight` into them on load) -> (fused parameter name, expert,
-    rows). Models without fused experts give {}."""
+    [E, 2I, H], gate rows first, and `mlp.experts.down_proj` [E, H, I], whatever the family; its conversion mapping
+    merges the checkpoint's per-expert tensors into them on load) -> (fused parameter name, expert, rows). `names`:
+    how the checkpoint names them (Qwen's `mlp.experts.{e}.{gate,up,down}_proj.weight`, Mixtral's
+    `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`: arch.moe_names). Models without fused experts give {}."""
     out: dict[str, tuple[str, int, slice]] = {}
     for name, p in params.items():
         prefix, _, leaf = name.rpartition(".")
         if not prefix.endswith("mlp.experts") or p.dim() != 3:
             continue
+        layer = prefix[: -len("mlp.experts")]  # "model.layers.{i}."
         if leaf == "gate_up_proj":
             half = p.shape[1] // 2
             for e in range(p.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = (name, e, slice(0, half))
-                out[f"{prefix}.{e}.up_proj.weight"] = (name, e, slice(half, None))
+                out[layer + names.expert(e, "gate")] = (name, e, slice(0, half))
+                out[layer + names.expert(e, "up")] = (name, e, slice(half, None))
         elif leaf == "down_proj":
             for e in range(p.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = (name, e, slice(None))
+                out[layer + names.expert(e, "down")] = (name, e, slice(None))
     return out
+
+
+def _checkpoint_names(model: torch.nn.Module) -> MoeNames:
+    """How the model's checkpoint names its MoE blocks (arch.moe_names of its config; Qwen's names for a model of a
+    family the actor does not know)."""
+    from megatron_dapo.actor.arch import moe_names
+
+    try:
+        return moe_names(model.config)
+    except (AttributeError, ValueError):
+        return _QWEN_NAMES
+
+
+def _router_aliases(params: dict[str, Tensor], names: MoeNames) -> dict[str, str]:
+    """{checkpoint name: parameter name} of routers the checkpoint names differently (Mixtral's
+    `block_sparse_moe.gate.weight` is transformers 5's `mlp.gate.weight`)."""
+    here = _QWEN_NAMES.router
+    if names.router == here:
+        return {}
+    return {n[: -len(here)] + names.router: n for n in params if n.endswith("." + here)}
 
 
 class ParameterWriter:
@@ -57,9 +82,11 @@ class ParameterWriter:
             canonical = first_name.setdefault(id(p), name)
             self._params[name] = p
             self._canonical[name] = canonical
-        self._experts = fused_expert_rows(self._params)
-        fused = {param for param, _, _ in self._experts.values()}
-        self.parameter_names = frozenset(set(first_name.values()) - fused | set(self._experts))
+        names = _checkpoint_names(model)
+        self._experts = fused_expert_rows(self._params, names)
+        self._aliases = _router_aliases(self._params, names)
+        fused = {param for param, _, _ in self._experts.values()} | set(self._aliases.values())
+        self.parameter_names = frozenset(set(first_name.values()) - fused | set(self._experts) | set(self._aliases))
         """The names a full update must bring: one per parameter (tied aliases once), per expert for fused ones."""
         self._received: set[str] | None = None
         self._fp8_pending: dict[str, dict[str, Tensor]] = {}  # FP8 weights waiting for their scale (or vice versa)
@@ -74,7 +101,7 @@ class ParameterWriter:
         if name in self._experts:
             param, expert, rows = self._experts[name]
             return self._params[param][expert, rows]
-        return self._params.get(name)
+        return self._params.get(self._aliases.get(name, name))
 
     def begin(self) -> None:
         """Open a session: `end` checks what arrived since. Until it completes the engine holds no version (a session

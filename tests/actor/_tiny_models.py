@@ -7,6 +7,8 @@
                           (renormalised), expert width 38 (19 per TP rank: a multiple of nothing convenient)
     make_tiny_qwen2_moe(dir)  Qwen2MoeForCausalLM: qkv bias, 8 experts top-2 (not renormalised) + a gated shared
                           expert of width 44
+    make_tiny_mixtral(dir)  MixtralForCausalLM: Llama's attention, 8 experts top-2 (renormalised) of width 38 (its
+                          intermediate_size), no sliding window; checkpoint names block_sparse_moe.experts.e.w1/w3/w2
 All: 2 layers (MoE: 4), hidden 64, head_dim 16, vocab 200 (not a multiple of 128 * TP, so padding is exercised),
 fp32 safetensors. Norm weights and biases are randomised too, so a missed or swapped tensor changes logits.
 """
@@ -22,6 +24,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM
+from transformers import MixtralConfig
+from transformers import MixtralForCausalLM
 from transformers import Qwen2Config
 from transformers import Qwen2ForCausalLM
 from transformers import Qwen2MoeConfig
@@ -30,6 +34,8 @@ from transformers import Qwen3Config
 from transformers import Qwen3ForCausalLM
 from transformers import Qwen3MoeConfig
 from transformers import Qwen3MoeForCausalLM
+
+from megatron_dapo.actor.arch import is_moe
 
 VOCAB = 200
 _COMMON = dict(
@@ -116,13 +122,27 @@ def make_tiny_qwen2_moe(path: str | Path, *, seed: int = 4, num_layers: int = 4)
     return _save(Qwen2MoeForCausalLM(config), seed, path)
 
 
+def make_tiny_mixtral(path: str | Path, *, seed: int = 5, num_layers: int = 4) -> Path:
+    """Save a MixtralForCausalLM (every layer MoE, 8 experts of width 38, top-2 renormalised) to `path`."""
+    experts = {k: v for k, v in MOE_FIELDS.items() if k in ("num_experts_per_tok",)}
+    config = MixtralConfig(
+        **{**_COMMON, "num_hidden_layers": num_layers, "intermediate_size": MOE_FIELDS["moe_intermediate_size"]},
+        **experts,
+        num_local_experts=MOE_FIELDS["num_experts"],
+        sliding_window=None,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    )
+    return _save(MixtralForCausalLM(config), seed, path)
+
+
 def load_hf(path: str | Path) -> torch.nn.Module:
     """The saved checkpoint as a transformers model (fp32, eval mode, eager attention)."""
     from transformers import AutoConfig
     from transformers import AutoModelForCausalLM
 
     # MoE: transformers' default grouped_mm experts need 16-byte strides (expert width 38 in fp32 has not): eager.
-    moe = {"experts_implementation": "eager"} if "Moe" in AutoConfig.from_pretrained(path).architectures[0] else {}
+    moe = {"experts_implementation": "eager"} if is_moe(AutoConfig.from_pretrained(path)) else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **moe)
     return model.eval()
 
@@ -138,8 +158,8 @@ def tiny_checkpoints() -> dict[str, Path]:
 
 @functools.cache
 def every_tiny_checkpoint() -> dict[str, Path]:
-    """tiny_checkpoints() and Qwen3, Qwen3-MoE and Qwen2-MoE ones: each architecture the actor supports (model parity,
-    export, planner)."""
+    """tiny_checkpoints() and Qwen3, Qwen3-MoE, Qwen2-MoE and Mixtral ones: each architecture the actor supports
+    (model parity, export, planner)."""
     root = Path(tempfile.mkdtemp(prefix="tiny_hf_"))
     atexit.register(shutil.rmtree, root, True)
     return {
@@ -147,4 +167,5 @@ def every_tiny_checkpoint() -> dict[str, Path]:
         "qwen3": make_tiny_qwen3(root / "qwen3"),
         "qwen3_moe": make_tiny_qwen3_moe(root / "qwen3_moe"),
         "qwen2_moe": make_tiny_qwen2_moe(root / "qwen2_moe"),
+        "mixtral": make_tiny_mixtral(root / "mixtral"),
     }

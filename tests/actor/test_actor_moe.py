@@ -1,4 +1,5 @@
-"""The MoE actor (Qwen3-MoE, Qwen2-MoE) inside MegatronActor on CPU/gloo, against transformers and against itself.
+"""The MoE actor (Qwen3-MoE, Qwen2-MoE, Mixtral) inside MegatronActor on CPU/gloo, against transformers and against
+itself.
 
 One 2-process launch per model runs three layouts: DP=2 with every expert on each rank (EP=1), EP=2 (each rank holds
 4 of the 8 experts; the alltoall dispatcher sends tokens between them) and PP=2. In each: the log-probs and
@@ -88,7 +89,7 @@ def _oracle(name: str, batch_seed: int = 0):
     return batch, logp.float(), ent.float(), float(loss), revert_weight_conversion(model, grads)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_moe_actor_matches_transformers_and_is_the_same_under_ep_and_pp(name):
     batch, ref_logp, ref_ent, ref_loss, ref_grads = _oracle(name)
     got = run_distributed(_worker, 2, str(every_tiny_checkpoint()[name]), batch, timeout_s=600)
@@ -300,7 +301,7 @@ def _gpu_worker(hf_dir: str, batch) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_moe_actor_on_gpu_with_grouped_gemm_experts_matches_transformers(name):
     """One GPU rank, fp32: with Transformer Engine the experts are TEGroupedMLP (grouped GEMM, weights named
     linear_fc{1,2}.weight{k}), without it megatron's local spec; either way log-probs, entropies and the DAPO

@@ -101,6 +101,14 @@ def test_to_transformer_config_qwen2_on_cpu():
 
 
 _MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", norm_topk_prob=True, **MOE_FIELDS)
+_MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+
+
+def test_a_mixtral_window_past_the_context_is_no_window():
+    """Mixtral applies sliding_window whenever it is set; one at or past max_position_embeddings never binds."""
+    cfg = to_transformer_config(_hf_config(**_MIXTRAL, sliding_window=256), ActorConfig(), on_cpu=True)
+    assert cfg.num_moe_experts == 8 and cfg.moe_ffn_hidden_size == _hf_config(**_MIXTRAL).intermediate_size
+    assert cfg.moe_router_pre_softmax is False  # top-k renormalised: softmax over the chosen logits
 
 
 @pytest.mark.parametrize(
@@ -117,6 +125,8 @@ _MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", norm_
         ({**_MOE, "mlp_only_layers": [0]}, {}, r"mlp_only_layers \[0\] / decoder_sparse_step 1 not supported"),
         ({**_MOE, "decoder_sparse_step": 2}, {}, "decoder_sparse_step 2 not supported"),
         ({**_MOE, "num_experts_per_tok": 1}, {}, "num_experts_per_tok 1 with norm_topk_prob not supported"),
+        ({**_MIXTRAL, "sliding_window": 128}, {}, "sliding_window 128 < max_position_embeddings 256 not supported"),
+        ({**_MIXTRAL, "num_experts_per_tok": 1}, {}, "num_experts_per_tok 1 with norm_topk_prob not supported"),
     ],
 )
 def test_to_transformer_config_rejects(override, actor, match):

@@ -28,6 +28,7 @@ from megatron_dapo.config import RunConfig
 from megatron_dapo.config import TrainerConfig
 from tests.actor._dist import run_distributed
 from tests.actor._tiny_models import VOCAB
+from tests.actor._tiny_models import make_tiny_mixtral
 from tests.actor._tiny_models import make_tiny_qwen2
 from tests.actor._tiny_models import make_tiny_qwen3_moe
 
@@ -169,7 +170,11 @@ def _sync_workers(cases: list[tuple[str, int, int]]) -> list[dict]:
     return out
 
 
-CASES = {"qwen2-tp2": (make_tiny_qwen2, 2, 1), "qwen3_moe-ep2": (make_tiny_qwen3_moe, 1, 2)}
+CASES = {
+    "qwen2-tp2": (make_tiny_qwen2, 2, 1),
+    "qwen3_moe-ep2": (make_tiny_qwen3_moe, 1, 2),
+    "mixtral-ep2": (make_tiny_mixtral, 1, 2),  # block_sparse_moe.experts.e.w1/w3/w2 names into fused experts
+}
 
 
 @functools.cache
@@ -182,8 +187,8 @@ def _synced() -> dict[str, dict]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_actor_update_sync_then_engine_logprobs_equal_actor_logprobs(case):
-    """Qwen3-MoE at EP=2: each rank exports the experts of the other through the EP group, and the engine (fused
-    transformers experts) takes the per-expert names."""
+    """Qwen3-MoE and Mixtral at EP=2: each rank exports the experts of the other through the EP group, and the engine
+    (fused transformers experts) takes the per-expert names (Mixtral's checkpoint names, router included)."""
     res = _synced()[case]
     # The update moved the weights and the sync carried them into the engine.
     assert (res["logits_before"] - res["logits_after"]).abs().max() > 1e-3

@@ -12,14 +12,16 @@ from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
 from tests.actor._tiny_models import load_hf
+from tests.actor._tiny_models import make_tiny_mixtral
 from tests.actor._tiny_models import make_tiny_qwen3_moe
 
 PROMPTS = [[5, 17, 33, 3], [9, 100], [150, 151, 152, 153, 154]]
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe")
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def moe_dir(tmp_path_factory, request):
+    make = {"qwen3_moe": make_tiny_qwen3_moe, "mixtral": make_tiny_mixtral}[request.param]
+    return make(tmp_path_factory.mktemp("moe") / request.param)
 
 
 def _own_routing(model, ids: torch.Tensor) -> torch.Tensor:

@@ -94,3 +94,34 @@ def test_every_moe_name_we_push_is_taken_by_sglangs_loader(name):
     direct = {k.split(".")[4] for k in names if ".mlp." in k and "mlp.experts" not in k}
     assert direct <= _assigned(block), direct - _assigned(block)
     assert ("shared_expert" in direct) == (name == "qwen2_moe")
+
+
+@needs_sglang
+def test_every_mixtral_name_we_push_is_taken_by_sglangs_loader():
+    """Mixtral (issue 41): SGLang 0.5.23's mixtral.py maps the checkpoint's block_sparse_moe.experts.{e}.{w1,w3,w2}
+    names (its make_expert_params_mapping with ckpt names w1 / w2 / w3, executed from its source) and loads the router
+    block_sparse_moe.gate directly; its stacked mapping is q/k/v only, which no expert name matches."""
+    path = ROOT / "srt/models/mixtral.py"
+    hf_config = AutoConfig.from_pretrained(every_tiny_checkpoint()["mixtral"])
+    stacked, call = _loader(path)
+    mapping = _expert_mapping(hf_config.num_local_experts, call)
+    names = hf_state_dict_keys(hf_config)
+    taken = {}
+    for key in names:
+        hits = [(p, e, s) for p, w, e, s in mapping if w in key]
+        if ".block_sparse_moe.experts." in key:
+            assert not any(w in key for _, w, _ in stacked), key
+            assert len(hits) == 1, (key, hits)
+            taken[key] = hits[0]
+        else:
+            assert not hits, key
+    want = {"w1": ("experts.w13_", "w1"), "w3": ("experts.w13_", "w3"), "w2": ("experts.w2_", "w2")}
+    for key, (param, expert, shard) in taken.items():
+        e, proj = key.split(".")[5:7]  # model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w2,w3}.weight
+        assert (param, shard) == want[proj] and expert == int(e), key
+    assert len(taken) == 3 * hf_config.num_local_experts * hf_config.num_hidden_layers
+    block = _classes([_parse(path)])["MixtralMoE"]
+    direct = {k.split(".")[4] for k in names if ".block_sparse_moe." in k and ".experts." not in k}
+    assert direct == {"gate"} and direct <= _assigned(block)
+    decoder = _classes([_parse(path)])["MixtralDecoderLayer"]
+    assert "block_sparse_moe" in _assigned(decoder)
