@@ -237,32 +237,17 @@ def _eval(model: Path, overrides: list[str]) -> subprocess.CompletedProcess:
     return _cli("eval", "--config", CONFIG, "--model", str(model), *overrides, *few)
 
 
-@pytest.mark.parametrize(
-    "case, expected",
-    [
-        ("missing", "does not exist"),
-        ("a file", "not a directory"),
-        ("a Megatron checkpoint", "a Megatron checkpoint, not a Hugging Face model"),
-        ("a byte flipped in the weights", "model.safetensors fails its sha256 check"),
-        ("the manifest emptied", "MANIFEST.json does not list"),
-        ("the manifest of the wrong shape", "MANIFEST.json is malformed"),
-        ("a code-running pickle added", "MANIFEST.json does not list pytorch_model.bin"),
-        ("no COMPLETE marker", "no COMPLETE marker"),
-    ],
-)
-def test_eval_loads_only_a_model_that_verifies(hf_export, tmp_path, case, expected):
-    """`megatron-dapo eval --model` verifies an export of this package as resume verifies a checkpoint: every damage
-    is one `error:` line, exit 2, before any model loads, and nothing runs."""
-    export, step, overrides = hf_export
+def _damaged(export: Path, step: Path, tmp_path: Path, case: str) -> Path:
+    """A copy of the sealed export with `case` done to it (or another path standing for it)."""
     model = tmp_path / "model"
     shutil.copytree(export, model)
     if case == "missing":
-        model = tmp_path / "nope"
-    elif case == "a file":
-        model = model / "config.json"
-    elif case == "a Megatron checkpoint":
-        model = step
-    elif case.startswith("a byte flipped"):
+        return tmp_path / "nope"
+    if case == "a file":
+        return model / "config.json"
+    if case == "a Megatron checkpoint":
+        return step
+    if case.startswith("a byte flipped"):
         data = bytearray((model / "model.safetensors").read_bytes())
         data[-3] ^= 0x01
         (model / "model.safetensors").write_bytes(bytes(data))
@@ -276,13 +261,45 @@ def test_eval_loads_only_a_model_that_verifies(hf_export, tmp_path, case, expect
         torch.save({"payload": Exploit()}, model / "pytorch_model.bin")
     else:
         (model / "COMPLETE").unlink()
+    return model
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "does not exist"),
+        ("a file", "not a directory"),
+        ("a Megatron checkpoint", "a Megatron checkpoint, not a Hugging Face model"),
+        ("a byte flipped in the weights", "model.safetensors fails its sha256 check"),
+        ("the manifest emptied", "MANIFEST.json does not list"),
+        ("the manifest of the wrong shape", "MANIFEST.json is malformed"),
+        ("a code-running pickle added", "MANIFEST.json does not list pytorch_model.bin"),
+        ("no COMPLETE marker", "no COMPLETE marker"),
+    ],
+)
+def test_eval_verifies_the_model_it_loads(hf_export, tmp_path, case, expected):
+    """What `megatron-dapo eval --model` checks before loading (checkpoint.verified_hf_model): an export of this
+    package verified as resume verifies a checkpoint; every damage is one line naming what fails, and nothing runs."""
+    from megatron_dapo.checkpoint import CheckpointError
+    from megatron_dapo.checkpoint import verified_hf_model
+
+    export, step, _ = hf_export
     marker = Path("/tmp/megatron_dapo_convert_pwned")
     marker.unlink(missing_ok=True)
-    proc = _eval(model, overrides)
+    with pytest.raises(CheckpointError) as err:
+        verified_hf_model(_damaged(export, step, tmp_path, case), log=pytest.fail)
+    assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not marker.exists()
+
+
+def test_eval_of_a_damaged_export_is_one_line_exit_2(hf_export, tmp_path):
+    """The same check through the CLI: one `error:` line, exit 2, before any model loads."""
+    export, step, overrides = hf_export
+    proc = _eval(_damaged(export, step, tmp_path, "a code-running pickle added"), overrides)
     assert proc.returncode == 2, proc.stdout[-1000:] + proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and expected in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert not marker.exists()
+    assert len(errors) == 1 and "MANIFEST.json does not list pytorch_model.bin" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not Path("/tmp/megatron_dapo_convert_pwned").exists()
 
 
 def test_eval_of_a_sealed_export_and_of_a_model_from_elsewhere(hf_export, actor_dir):
