@@ -115,7 +115,9 @@ def check_socket_ifnames(env: Mapping[str, str], available: list[str] | None = N
     names, each must exist. NCCL: comma-separated prefixes ("eth" matches eth0), "=name" for an exact name, a leading
     "^" excludes the list instead; some interface must match an including list. Raises StartupError (one line)."""
     names = available if available is not None else [name for _, name in socket.if_nameindex()]
-    gloo = [n.strip() for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+    from megatron_dapo.launch_env import gloo_interfaces
+
+    gloo = gloo_interfaces(env)
     missing = [n for n in gloo if n not in names]
     if missing:
         raise StartupError(

@@ -161,11 +161,8 @@ def store_bind_address(host: str, *, nodes: int, env: Mapping[str, str] | None =
     nodes resolve the name elsewhere); None (every interface) when neither holds, e.g. `host` names an address this
     host cannot bind (a forwarded or virtual one)."""
     env = os.environ if env is None else env
-    ifnames = [n.strip() for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
-    if nodes > 1 and len(ifnames) == 1:
-        address = interface_address(ifnames[0])
-        if address is not None:
-            return address
+    if nodes > 1 and (address := job_interface_address(env)) is not None:
+        return address
     try:
         resolved = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
     except (OSError, IndexError):
@@ -178,6 +175,18 @@ def store_bind_address(host: str, *, nodes: int, env: Mapping[str, str] | None =
     except OSError:  # not an address of this host
         return None
     return resolved
+
+
+def gloo_interfaces(env: Mapping[str, str]) -> list[str]:
+    """The interface names GLOO_SOCKET_IFNAME lists (comma-separated; job.sh sets it from DAPO_SOCKET_IFNAME)."""
+    return [n.strip() for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
+
+
+def job_interface_address(env: Mapping[str, str]) -> str | None:
+    """The IPv4 address of the one interface GLOO_SOCKET_IFNAME names (the network the job's nodes reach each other
+    on), or None: unset, several names, or an interface without an address."""
+    names = gloo_interfaces(env)
+    return interface_address(names[0]) if len(names) == 1 else None
 
 
 def interface_address(name: str) -> str | None:
@@ -315,9 +324,7 @@ def job_store_host(world_size: int, env: Mapping[str, str] | None = None) -> str
     env = os.environ if env is None else env
     if num_nodes(world_size, env) == 1:
         return "127.0.0.1"
-    ifnames = [n.strip() for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n.strip()]
-    address = interface_address(ifnames[0]) if len(ifnames) == 1 else None
-    return address or local_address(env.get("MASTER_ADDR"))
+    return job_interface_address(env) or local_address(env.get("MASTER_ADDR"))
 
 
 def weight_sync_master_address(configured: str, server_urls: Sequence[str], nodes: int) -> str:
