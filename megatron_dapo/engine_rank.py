@@ -144,11 +144,20 @@ class EngineRank:
                 data = self.inputs.train_data.state_dict()
                 box.post(f"gen/{step}", StepGeneration(step, result.kept, result.decided, groups, metrics, data, carry))
             self.step = step
-        # The actor may still push (it waits for every engine to join): load until it says stop, or is gone.
-        while not box.has("stop") and self.beat.silent_s(0) <= GONE_S:
-            self.load_pushed()
-            time.sleep(POLL_S)
+        self._await_stop()
         return self._close()
+
+    def _await_stop(self) -> None:
+        """The end wait: the actor may still push (it waits for every engine rank to join), so load pushes until it
+        says stop. Actor rank 0 silent for distributed.timeout_minutes ends the job naming it (a stopped actor is not
+        a finished one: leaving here would leave the launcher waiting on it for ever). After a preemption signal the
+        actor says stop once it has saved; an actor silent GONE_S by then will not (killed or stopped): leave."""
+        while not self.mailbox.has("stop"):
+            if self.preempt.flag and self.beat.silent_s(0) > GONE_S:
+                return
+            self.beat.check("the actor's stop")
+            if self.load_pushed() is None:
+                time.sleep(POLL_S)
 
     def _wait_on_actor(self, what: str) -> None:
         """While waiting for the actor: a preemption signal ends the wait (_Signalled), actor rank 0 silent for

@@ -365,6 +365,22 @@ class _NoAnswer(Exception):
     """The engine ranks did not answer a stop within placement.STOP_ANSWER_S."""
 
 
+class _AnswerDeadline:
+    """After a preemption signal, how long an actor rank still waits for the engine ranks (placement.STOP_ANSWER_S):
+    call it at each look while stopping; it raises _NoAnswer once that time has passed since the first call."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def __call__(self) -> None:
+        from megatron_dapo.placement import STOP_ANSWER_S
+
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        if now - self.since > STOP_ANSWER_S:
+            raise _NoAnswer
+
+
 class RemoteGeneration(_StepInFlight):
     """The actor ranks of a split launch: see the module docstring.
 
@@ -396,19 +412,14 @@ class RemoteGeneration(_StepInFlight):
         silent for distributed.timeout_minutes ends the job naming it (placement.launch_watch); a preemption signal
         stops the engine ranks, whose answer (an interrupted step) is awaited for STOP_ANSWER_S at most. The actor
         ranks agree on the outcome (an interrupted step on one is one on all)."""
-        from megatron_dapo.placement import STOP_ANSWER_S
-
-        c, what = self.ctx.config, f"step {step}'s generation"
-        signalled: list[float] = []
+        c, what, deadline = self.ctx.config, f"step {step}'s generation", _AnswerDeadline()
 
         def poll() -> None:
             self.beat.check(what)
             if self.ctx.stop():
                 if self.ctx.rank == 0 and not self.mailbox.has("stop"):
                     self.mailbox.post("stop", True)  # the engine ranks answer with an interrupted step
-                signalled.append(signalled[0] if signalled else time.monotonic())
-                if time.monotonic() - signalled[0] > STOP_ANSWER_S:
-                    raise _NoAnswer
+                deadline()
 
         try:
             message = self.mailbox.take(
@@ -477,21 +488,27 @@ class RemoteGeneration(_StepInFlight):
         metrics["weight_sync/gb_per_s"] = metrics["weight_sync/bytes"] / 1e9 / seconds if seconds > 0 else 0.0
         return metrics
 
-    def eval_scores(self, step: int, examples: list) -> list[list[dict]]:
-        """The engine ranks scored these weights when they loaded them (each posts its share)."""
-        t = self.ctx.config.trainer
-        timeout = t.eval_timeout_minutes * 60.0
-        return [
-            x
-            for e in range(self.placement.num_engine_ranks)
-            for x in self.mailbox.take(
-                f"eval/{step}/{e}",
-                timeout,
-                f"step {step}'s evaluation",
-                "trainer.eval_timeout_minutes",
-                poll=lambda: self.beat.check(f"step {step}'s evaluation"),
-            )
-        ]
+    def eval_scores(self, step: int, examples: list) -> list[list[dict]] | None:
+        """The engine ranks scored these weights when they loaded them (each posts its share). While waiting: an engine
+        rank silent for distributed.timeout_minutes ends the job naming it; after a preemption signal the scores are
+        awaited placement.STOP_ANSWER_S at most (an engine rank cannot stop its evaluation), then None: the evaluation
+        is given up so that the step's save fits the signal's grace."""
+        timeout = self.ctx.config.trainer.eval_timeout_minutes * 60.0
+        what, deadline = f"step {step}'s evaluation", _AnswerDeadline()
+
+        def poll() -> None:
+            self.beat.check(what)
+            if self.ctx.stop():
+                deadline()
+
+        try:
+            return [
+                x
+                for e in range(self.placement.num_engine_ranks)
+                for x in self.mailbox.take(f"eval/{step}/{e}", timeout, what, "trainer.eval_timeout_minutes", poll=poll)
+            ]
+        except _NoAnswer:
+            return None
 
     def carry_state(self) -> list[dict[str, Any]]:
         return self.carry

@@ -449,8 +449,9 @@ class ServerVersions:
 
 
 GONE_S = 5.0
-"""An engine rank whose work is over keeps loading pushes until the actor says stop, or until actor rank 0's beat
-has stood still this long (it was killed: nobody will say stop, and the launcher's SIGTERM only set a flag)."""
+"""An engine rank whose work is over keeps loading pushes until the actor says stop. After a preemption signal it
+leaves once actor rank 0's beat has stood still this long (killed or stopped: nobody will say stop); without one, a
+silent actor ends the job at distributed.timeout_minutes naming it (EngineRank._await_stop)."""
 STOP_ANSWER_S = 10.0
 """How long actor ranks wait, after a preemption signal, for the engine ranks to answer a step's generation as
 interrupted; past it the step is dropped without them (a stopped or dead engine answers nothing), so the actor saves

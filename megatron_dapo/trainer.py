@@ -343,7 +343,12 @@ class DAPOTrainer:
         if not examples:
             return {}
         start = time.perf_counter()
-        metrics = score_groups(self.generation.eval_scores(self.step, examples), t.eval_samples)
+        scores = self.generation.eval_scores(self.step, examples)
+        if scores is None:  # a split launch's actor, signalled while the engine ranks scored: the save comes first
+            self.notice(f"step {self.step}: a preemption signal came while the engine ranks scored the evaluation; "
+                        "it is given up (no eval/* metrics for this step)")  # fmt: skip
+            return {}
+        metrics = score_groups(scores, t.eval_samples)
         metrics["time/eval"] = time.perf_counter() - start
         return metrics
 
@@ -391,7 +396,10 @@ class DAPOTrainer:
             raise JobError(problem or "the run-dir lock is no longer this job's (rank 0 says why)")
 
     def _finish_save(self) -> None:
-        """Complete a background save (collective; nothing when none is pending)."""
+        """Complete a background save (collective; nothing when none is pending): the run dir still this job's (the
+        lock was checked when the save began; the write ran for a step since), then its manifest and COMPLETE."""
+        if self.ckpt.pending is not None:  # the same on every rank: every rank began the save
+            self._check_lock()
         with write_failure_ends_job():
             self.ckpt.finish_pending()
 

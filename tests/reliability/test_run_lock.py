@@ -103,18 +103,23 @@ def test_a_lock_file_deleted_or_replaced_is_recreated_before_the_save(tmp_path, 
     RunDirLock(tmp_path).acquire()
 
 
-def test_without_a_directory_lock_a_deleted_lock_file_stops_the_save(tmp_path, monkeypatch):
-    """Where the filesystem cannot flock a directory (NFS emulates flock with byte-range locks, which a read-only
-    descriptor cannot take: EBADF), .lock is the lock; deleting it lets a second job in, so the first job stops before
-    its next save instead of writing over the second's files."""
+@pytest.fixture
+def no_directory_flock(monkeypatch):
+    """A filesystem that cannot flock a directory (NFS emulates flock with byte-range locks, which a read-only
+    descriptor cannot take: EBADF); files still lock."""
     real = fcntl.flock
 
-    def no_directory_flock(fd, op):
+    def flock(fd, op):
         if os.path.isdir(f"/proc/self/fd/{fd}"):
             raise OSError(errno.EBADF, "Bad file descriptor")
         return real(fd, op)
 
-    monkeypatch.setattr(fcntl, "flock", no_directory_flock)
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+
+def test_without_a_directory_lock_a_deleted_lock_file_stops_the_save(tmp_path, no_directory_flock):
+    """Where the filesystem cannot flock a directory, .lock is the lock; deleting it lets a second job in, so the first
+    job stops before its next save instead of writing over the second's files."""
     first = RunDirLock(tmp_path)
     first.acquire()
     assert first.check() is None
@@ -123,3 +128,30 @@ def test_without_a_directory_lock_a_deleted_lock_file_stops_the_save(tmp_path, m
     problem = first.check()
     assert problem is not None and "\n" not in problem
     assert problem.startswith(f"{tmp_path / '.lock'} was deleted or replaced during the run") and "stopping" in problem
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_background_save_checks_the_lock_again_before_it_completes(tmp_path, no_directory_flock, lost):
+    """A background save (checkpoint.async_save) began while the run dir was this job's and completes a step later
+    (DAPOTrainer._finish_save): the lock is checked again before its manifest and COMPLETE are written, so a second job
+    that took the run dir in between (here: .lock deleted where directories cannot be flocked) does not get a finished
+    checkpoint written into it; with the lock intact the save completes."""
+    from megatron_dapo.errors import JobError
+    from megatron_dapo.trainer import DAPOTrainer
+
+    lock = RunDirLock(tmp_path)
+    lock.acquire()
+    finished: list[bool] = []
+    trainer = DAPOTrainer.__new__(DAPOTrainer)  # only the parts the save's completion reads
+    trainer.lock = lock
+    trainer.groups = type("Groups", (), {"max_over_job": staticmethod(lambda t: t)})()
+    trainer.ckpt = type("Ckpt", (), {"pending": object(), "finish_pending": lambda self: finished.append(True)})()
+    if lost:
+        (tmp_path / ".lock").unlink()
+        RunDirLock(tmp_path).acquire()  # the second job
+        with pytest.raises(JobError, match="was deleted or replaced during the run"):
+            trainer._finish_save()
+        assert not finished
+    else:
+        trainer._finish_save()
+        assert finished == [True]
