@@ -37,6 +37,8 @@ from megatron_dapo.placement import Mailbox
 from megatron_dapo.placement import StepGeneration
 from megatron_dapo.rollout.exchange import RolloutExchange
 from megatron_dapo.rollout.stream import oldest_version
+from megatron_dapo.trajectories import first_samples
+from megatron_dapo.trajectories import sample_records
 
 
 class EngineRank:
@@ -46,13 +48,17 @@ class EngineRank:
     config: the RunConfig. ctx: RolloutContext over the engine ranks. engine: this rank's engine (or the SGLang
     servers it drives). receiver: placement.StagedReceiver (or ServerVersions): `apply(engine)`, `loaded`,
     `received_s`, `close()`. mailbox / beat: placement.Mailbox and launch_watch on the launch's store. preempt: this
-    rank's PreemptionFlag (`flag`).
+    rank's PreemptionFlag (`flag`). rows: engine rank 0's row_channel.RowServer, or None.
     """
 
     def __init__(
-        self, config: RunConfig, ctx: RolloutContext, engine: Any, receiver: Any, mailbox: Any, beat: Any, preempt: Any
-    ) -> None:
+        self, config: RunConfig, ctx: RolloutContext, engine: Any, receiver: Any, mailbox: Any, beat: Any, preempt: Any,
+        rows: Any = None,
+    ) -> None:  # fmt: skip
         self.cfg, self.ctx = config, ctx
+        self.rows = rows
+        """Engine rank 0's row_channel.RowServer (the actor ranks take their rows from it); None on the others, and in
+        tests of this loop alone, where the rows go in the step's message."""
         self.rank, self.world, self.exchange, self.inputs = ctx.rank, ctx.world, ctx.exchange, ctx.inputs
         self.inputs.hook = self.test_hook  # the fresh-prompt point of generation
         self.engine, self.receiver, self.mailbox, self.beat, self.preempt = engine, receiver, mailbox, beat, preempt
@@ -102,7 +108,12 @@ class EngineRank:
 
                 channel.decoder = DeltaDecoder()
             receiver = StagedReceiver(channel)
-        return cls(c, ctx, engine, receiver, Mailbox(store), beat, preempt)
+        rows = None
+        if rank == 0:  # after the weight channel's group, as on actor rank 0 (each constructor waits for its members)
+            from megatron_dapo.row_channel import RowServer
+
+            rows = RowServer(placement.num_actor_ranks, store, c.distributed.timeout_s)
+        return cls(c, ctx, engine, receiver, Mailbox(store), beat, preempt, rows)
 
     # ---------------------------------------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, float]:
@@ -142,7 +153,14 @@ class EngineRank:
             metrics.update(finalize(merge_stats(self.exchange.all_gather([local], "engine metrics"))))
             if self.rank == 0:
                 data = self.inputs.train_data.state_dict()
-                box.post(f"gen/{step}", StepGeneration(step, result.kept, result.decided, groups, metrics, data, carry))
+                samples = None
+                if count := c.logging.trajectory_samples:  # chosen here, where every kept group is
+                    samples = first_samples(sample_records(groups.values(), self.inputs.tokenizer, count), count)
+                if self.rows is not None:  # the actor ranks take their rows from the row server, not the store
+                    self.rows.hold(step, groups)
+                    groups = {}
+                box.post(f"gen/{step}", StepGeneration(step, result.kept, result.decided, groups, metrics, data, carry,
+                                                       samples=samples))  # fmt: skip
             self.step = step
         self._await_stop()
         return self._close()
@@ -167,6 +185,8 @@ class EngineRank:
         self.beat.check(what)
 
     def _close(self) -> dict[str, float]:
+        if self.rows is not None:
+            self.rows.close()
         self.receiver.close()
         self.stream.close()
         self.beat.close()

@@ -386,14 +386,20 @@ class RemoteGeneration(_StepInFlight):
 
     ctx: RolloutContext over the actor ranks. placement / mailbox / beat: placement.py's. channel: actor rank 0's
     weight channel (placement.WeightChannel to the engine ranks, or ServerPush to the SGLang servers they drive),
-    None on the other actor ranks. export: the actor's named HF tensors (collective).
+    None on the other actor ranks. export: the actor's named HF tensors (collective). rows: row_channel.RowClient.
     """
 
-    def __init__(self, ctx: RolloutContext, *, placement: Any, mailbox: Any, beat: Any, channel: Any, export: Any):
+    def __init__(
+        self, ctx: RolloutContext, *, placement: Any, mailbox: Any, beat: Any, channel: Any, export: Any,
+        rows: Any = None,
+    ):  # fmt: skip
         super().__init__()
         self.ctx, self.placement, self.mailbox, self.beat, self.channel, self.export = (
             ctx, placement, mailbox, beat, channel, export,
         )  # fmt: skip
+        self.client = rows
+        """This rank's row_channel.RowClient (its rows come from engine rank 0's row server); None in tests of the
+        loop alone, where the rows come with the step's message."""
         self.carry: list[dict[str, Any]] = []
         """The carry after the last committed step as the engine ranks sent it (checkpoint form)."""
         r = ctx.config.rollout
@@ -432,12 +438,32 @@ class RemoteGeneration(_StepInFlight):
         if any(self.ctx.exchange.all_gather([interrupted], "the generation's outcome")):
             return StreamResult([], [], {}, [], {}, 0, interrupted=True)  # the step is dropped as in the colocated job
         self._hold(message.groups, message)
-        return StreamResult(message.kept, message.decided, message.groups, [], {}, 0, message.metrics)
+        return StreamResult(message.kept, message.decided, message.groups, [], {}, 0, message.metrics,
+                            samples=message.samples)  # fmt: skip
 
-    def rows(self, request: RowRequest) -> dict[int, Rollout]:
-        """Every actor rank received every kept group: its own rows, with its stage's MoE routing slice."""
+    def rows(self, request: RowRequest) -> dict[int, Rollout] | None:
+        """This rank's rows, with its stage's MoE routing slice, from engine rank 0's row server (only those cross
+        the wire). While waiting: the engine ranks' liveness; after a preemption signal the rows are awaited
+        placement.STOP_ANSWER_S at most, then None (the step is dropped: the trainer's next preemption check)."""
         rank, groups = self.ctx.rank, self._hand_out()
-        return {row: request.rollout(groups, row, rank) for row in request.rows_of(rank)}
+        mine = request.rows_of(rank)
+        if self.client is None:  # the rows came with the step's message
+            return {row: request.rollout(groups, row, rank) for row in mine}
+        step = self._pending.step
+        wanted = [(request.kept[g].key, i) for g, i in (request.index[row] for row in mine)]
+        what, deadline = f"step {step}'s rows", _AnswerDeadline()
+
+        def poll() -> bool:
+            self.beat.check(what)
+            if self.ctx.stop():
+                try:
+                    deadline()
+                except _NoAnswer:
+                    return False
+            return True
+
+        received = self.client.take(step, wanted, request.layers_of_rank[rank], poll)
+        return None if received is None else dict(zip(mine, received, strict=True))
 
     def commit(self) -> None:
         """The engine ranks' data position and carry after this step become the run's."""
@@ -557,5 +583,10 @@ def make_generation(
             from megatron_dapo.placement import WeightChannel
 
             channel = WeightChannel(placement, store, c.distributed.timeout_s)
+    from megatron_dapo.row_channel import RowClient
+
+    rows = RowClient(placement.rank, placement.num_actor_ranks, store, c.distributed.timeout_s)  # after the channel
     mailbox, beat = remote
-    return RemoteGeneration(ctx, placement=placement, mailbox=mailbox, beat=beat, channel=channel, export=export)
+    return RemoteGeneration(
+        ctx, placement=placement, mailbox=mailbox, beat=beat, channel=channel, export=export, rows=rows
+    )

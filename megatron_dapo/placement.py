@@ -15,10 +15,10 @@
                      its buckets; the main thread
                      loads them between engine steps (apply); requests in flight go on and stamp later tokens with
                      the new version
-    messages (Mailbox, pickled on the store): "start" (actor -> engines: step, data position, carry), "gen/<s>"
-      (engine rank 0 -> actor ranks: StepGeneration), "eval/<version>/<engine rank>" (scores), "stop" (actor ->
-      engines); launch_watch: every rank's heartbeat, so a wait on a stopped or dead peer ends within
-      distributed.timeout_minutes naming it, and engines whose work is over do not wait on a killed actor
+    messages (Mailbox, wire.py's data-only encoding on the store): "start" (actor -> engines: step, data position,
+      carry), "gen/<s>" (engine rank 0 -> actor ranks: StepGeneration, without the rows: row_channel.py sends each
+      actor rank its own), "eval/<version>/<engine rank>" (scores), "stop" (actor -> engines); launch_watch: every
+      rank's heartbeat, so a wait on a stopped or dead peer ends within distributed.timeout_minutes naming it
 
 Actor ranks come first so an actor's global rank is its rank in the actor group (and rank 0, which logs and
 checkpoints, is an actor). On GPU the engines are SGLang servers on their own GPUs and the weights travel over the
@@ -476,9 +476,11 @@ class StepGeneration:
     """What the engine ranks hand the actor ranks for one step (posted by engine rank 0 on the store).
 
     kept / decided: the step's kept and decided group summaries in queue order (StreamResult's); groups: every kept
-    group by key (the rows, gathered from the engine ranks); metrics: the stream's, the sampled responses' and the
-    engine ranks' own; data / carry: the data iterator's state and the carry (checkpoint form) after this step, which
-    the actor saves with the step; interrupted: a preemption stopped the step (nothing else is set).
+    group by key (the rows, gathered from the engine ranks) when they go with the message; empty on a launch, where
+    each actor rank takes its own rows from engine rank 0's row server (row_channel.py); metrics: the stream's, the
+    sampled responses' and the engine ranks' own; data / carry: the data iterator's state and the carry (checkpoint
+    form) after this step, which the actor saves with the step; interrupted: a preemption stopped the step (nothing
+    else is set).
     """
 
     step: int
@@ -489,6 +491,13 @@ class StepGeneration:
     data: dict[str, Any] = field(default_factory=dict)
     carry: list[dict[str, Any]] = field(default_factory=list)
     interrupted: bool = False
+    samples: list[dict[str, Any]] | None = None
+    """logging.trajectory_samples' records of the step (trajectories.sample_records over every kept group), or None."""
+
+
+STORE_VALUE_LIMIT = 8 * 2**20
+"""The largest value torch's TCPStore takes (its libuv server, the default, closes the connection of a client that
+sends more: "Invalid payload size", then "Connection reset by peer" on the sender)."""
 
 
 class Mailbox:
@@ -500,7 +509,14 @@ class Mailbox:
         self.store = dist.PrefixStore(f"{PREFIX}mail/", store)
 
     def post(self, key: str, message: Any) -> None:
-        self.store.set(key, wire.dumps(message))
+        data = wire.dumps(message)
+        if len(data) > STORE_VALUE_LIMIT:
+            raise JobError(
+                f"asynchronous training: the message {key!r} is {len(data) / 2**20:.1f} MiB, over the launch store's "
+                f"{STORE_VALUE_LIMIT / 2**20:g} MiB per value (rows go over row_channel.py; a carry this large: lower "
+                "rollout.max_inflight_prompts or set rollout.partial false)"
+            )
+        self.store.set(key, data)
 
     def has(self, key: str) -> bool:
         return self.store.check([key])

@@ -63,6 +63,7 @@ from megatron_dapo.resume import trainer_state
 from megatron_dapo.rollout.exchange import RolloutExchange
 from megatron_dapo.rollout.types import GroupSummary
 from megatron_dapo.trajectories import gather_samples
+from megatron_dapo.trajectories import write_samples
 
 
 @dataclass
@@ -242,10 +243,17 @@ class DAPOTrainer:
                 state.metrics.update(result.metrics)
                 state.metrics.update(sampled_response_metrics(result.decided))
                 if samples := self.cfg.logging.trajectory_samples:  # collective
-                    gather_samples(self.exchange, self.rank, self.run_dir, self.step, result.groups.values(),
-                                   self.inputs.tokenizer, samples)  # fmt: skip
+                    if result.samples is not None:  # chosen where the groups are (a split launch's engine rank 0)
+                        if self.rank == 0:
+                            write_samples(self.run_dir, self.step, result.samples)
+                    else:
+                        gather_samples(self.exchange, self.rank, self.run_dir, self.step, result.groups.values(),
+                                       self.inputs.tokenizer, samples)  # fmt: skip
                 if result.kept:
-                    state.batch, state.plan = self.route(result.kept)
+                    with timer("rows"):
+                        routed = self.route(result.kept)
+                    if routed is not None:  # None: a preemption signal came while the rows were on their way
+                        state.batch, state.plan = routed
         with self.memory.phase("log-probs"):
             if not self._abandoned(state) and state.batch is not None:
                 self._log_probs(state, timer)
@@ -313,11 +321,12 @@ class DAPOTrainer:
         metrics["perf/actor_tokens_per_s"] = tokens["real_tokens"] / max(actor_s, 1e-9)
 
     # ------------------------------------------------------------------------------------------------ rollout rows
-    def route(self, kept: list[GroupSummary]) -> tuple[ActorBatch, RowPlan]:
+    def route(self, kept: list[GroupSummary]) -> tuple[ActorBatch, RowPlan] | None:
         """This DP rank's rows of the training batch made of `kept` (group summaries, same on every rank).
 
         Every rank builds the same RowPlan from the summaries' lengths; generation hands each rank the rows of its DP
-        rank (generation.rows). Returns (local batch: plan.rows_of(dp_rank) in that order, plan).
+        rank (generation.rows). Returns (local batch: plan.rows_of(dp_rank) in that order, plan), or None when the
+        rows were given up for a preemption signal (the step's next preemption check drops it on every rank).
         """
         c = self.cfg
         index = row_index(kept)
@@ -325,6 +334,8 @@ class DAPOTrainer:
         mine = plan.rows_of(self.groups.dp_rank)
         wanted = [plan.rows_of(d) for d in range(self.groups.dp_size)]
         received = self.generation.rows(RowRequest(kept, index, wanted, self.dp_of_rank, self.routing_layers_of_rank))
+        if received is None:
+            return None
         missing = [r for r in mine if r not in received]
         if missing:
             raise RuntimeError(f"rollout routing: rank {self.rank} did not receive rows {missing[:5]} of its plan")

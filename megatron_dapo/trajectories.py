@@ -70,8 +70,12 @@ def gather_samples(exchange: Any, rank: int, run_dir: str | Path, step: int, gro
     generated, gathered; rank 0 writes the first `count` by sample then example (`write_samples`)."""
     records = exchange.all_gather(sample_records(groups, tokenizer, count), "trajectory samples")
     if rank == 0:
-        chosen = sorted(records, key=lambda rec: (rec["sample"], rec["index"]))[:count]
-        write_samples(run_dir, step, chosen)
+        write_samples(run_dir, step, first_samples(records, count))
+
+
+def first_samples(records: Iterable[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """The `count` records a step's file holds: by sample, then example index."""
+    return sorted(records, key=lambda rec: (rec["sample"], rec["index"]))[:count]
 
 
 def write_samples(run_dir: str | Path, step: int, records: Iterable[dict[str, Any]]) -> Path:

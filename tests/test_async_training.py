@@ -121,16 +121,22 @@ def test_delta_weight_sync_over_the_weight_channel_trains_as_the_colocated_job(t
 def test_multi_turn_trajectories_on_a_split_launch_train_as_the_colocated_job(tiny, tmp_path):
     """A multi-turn environment (tests/_scripted_env.py) on a lockstep split launch: the engine rank drives the
     episodes, the trajectories (observation spans, episode outcomes) cross to the actor rank, and the run's samples,
-    rewards, episode metrics, losses and evaluations are the colocated job's."""
+    rewards, episode metrics, losses and evaluations are the colocated job's; so are the readable trajectory samples
+    (logging.trajectory_samples), which engine rank 0 chooses (the actor rank holds only its rows)."""
     colocated, split = tmp_path / "colocated", tmp_path / "split"
     steps = ("--trainer.total_steps=2", "--trainer.eval_every=2", "--reward.environment=scripted_turns",
-             "--rollout.max_response_length=32", "--algorithm.overlong_buffer=8")  # fmt: skip
+             "--rollout.max_response_length=32", "--algorithm.overlong_buffer=8",
+             "--logging.trajectory_samples=3")  # fmt: skip
     _train(tiny, colocated, *steps, nproc=1)
     done = _c10d(tiny, split, *steps, "--trainer.max_staleness=0")
     assert done.returncode == 0, _log(split)[-4000:]
     rows = _metrics(split)
     assert max(r["episode/turns"] for r in rows[1:]) > 1.0 and "eval/avg@4" in rows[2]
     assert _stable(rows) == _stable(_metrics(colocated))
+    for step in (1, 2):
+        name = f"trajectories/step_{step:08d}.jsonl"
+        samples = (split / name).read_text()
+        assert samples.count("\n") == 3 and samples == (colocated / name).read_text()
 
 
 @pytest.mark.slow

@@ -120,3 +120,28 @@ def test_a_push_waits_for_the_engine_ranks_with_the_callers_liveness_and_preempt
     assert actor["JobError"] == "engine rank 1 (host h, pid 1) made no progress for 15 s"
     assert actor["PushAbandoned"] == "" and actor["read"] == []  # nothing of the export was consumed
     assert actor["timeout"].startswith("weight push of version 2: not every engine rank joined within 0 s")
+
+
+def test_the_store_value_limit_is_torchs_and_a_message_over_it_is_one_line():
+    """torch's TCPStore (the launch's, hosted_store) closes the connection of a client sending a value over 8 MiB:
+    before the rows went over row_channel.py, a split launch whose step held more than that died with "Connection
+    reset by peer". placement.STORE_VALUE_LIMIT is that limit (checked here against torch), and a message over it is
+    one line naming the key."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_dapo import launch_env
+    from megatron_dapo.errors import JobError
+    from megatron_dapo.placement import STORE_VALUE_LIMIT
+    from megatron_dapo.placement import Mailbox
+
+    store = launch_env.hosted_store("127.0.0.1", 0, 0, 1, timedelta(seconds=10), bind="127.0.0.1")
+    store.set("fits", b"x" * (STORE_VALUE_LIMIT - 4096))
+    assert len(store.get("fits")) == STORE_VALUE_LIMIT - 4096
+    with pytest.raises(Exception):  # noqa: B017 - torch's DistNetworkError or DistStoreError, as it reports it
+        store.set("over", b"x" * (STORE_VALUE_LIMIT + 1))
+    box = Mailbox(dist.HashStore())
+    with pytest.raises(JobError, match=r"the message 'gen/3' is 9\.0 MiB, over the launch store's 8 MiB per value"):
+        box.post("gen/3", {"data": b"x" * (9 * 2**20)})
+    assert not box.has("gen/3")

@@ -305,6 +305,9 @@ class StreamResult:
     metrics: dict[str, float] = field(default_factory=dict)
     interrupted: bool = False
     """A rank asked the step to stop (a preemption signal): nothing was decided; carry and data are as before."""
+    samples: list[dict[str, Any]] | None = None
+    """logging.trajectory_samples' records, when chosen where every kept group is (a split launch's engine rank 0);
+    None: each rank samples its own groups (trajectories.gather_samples)."""
 
 
 @dataclass(eq=False)
