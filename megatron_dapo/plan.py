@@ -172,6 +172,21 @@ KNOWN_MODELS["qwen3-30b-a3b"] = ModelShape(  # Qwen/Qwen3-30B-A3B config.json
     moe_ffn=768,
 )
 
+KNOWN_MODELS["mixtral-8x7b-instruct-v0.1"] = ModelShape(  # mistralai/Mixtral-8x7B-Instruct-v0.1 config.json
+    "Mixtral-8x7B-Instruct-v0.1",
+    4096,
+    32,
+    32,
+    8,
+    14336,
+    32000,
+    False,
+    False,
+    experts=8,
+    topk=2,
+    moe_ffn=14336,  # Mixtral's experts are as wide as its intermediate_size (actor/arch.py moe_shape)
+)
+
 
 def _family(cfg: dict[str, Any]) -> tuple[bool, bool, MoeShape | None]:
     """(q/k/v biases, q/k norm, the MoE shape) by the actor's own rules (actor/arch.py); an architecture the actor

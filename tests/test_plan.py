@@ -586,7 +586,10 @@ def test_counts_match_megatron_core():
 # ---------------------------------------------------------------------------------------------------------------
 # the shipped launch files and docs agree with the planner
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sbatch", ["dapo_qwen2.5_32b.sbatch", "dapo_qwen2.5_7b.sbatch", "dapo_qwen3_30b_a3b.sbatch"])
+@pytest.mark.parametrize(
+    "sbatch",
+    ["dapo_qwen2.5_32b.sbatch", "dapo_qwen2.5_7b.sbatch", "dapo_qwen3_30b_a3b.sbatch", "dapo_mixtral_8x7b.sbatch"],
+)
 def test_shipped_sbatch_layouts_fit(sbatch):
     import re
 

@@ -39,15 +39,26 @@ def make_tiny_tokenizer(out_dir: str | Path):
     return tok
 
 
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+"""The tiny MoE models make_tiny_model builds (moe_family)."""
+
+
 def make_tiny_model(
-    out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, moe: bool = False
-) -> Path:
+    out_dir: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, moe: bool = False,
+    moe_family: str = "qwen3_moe",
+) -> Path:  # fmt: skip
     """A random tied-embedding GQA Llama (SmolLM2's architecture, scaled down) with the tiny tokenizer; moe=True: an
-    untied Qwen3-MoE of the same size instead (8 experts of width 48, top-2, every layer MoE)."""
+    untied MoE of the same size instead, every layer MoE with 8 experts of width 48, top-2: Qwen3-MoE (moe_family
+    "qwen3_moe", its q/k norms, top-k renormalised), or Mixtral ("mixtral": Llama's attention, full context)."""
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM
+    from transformers import MixtralConfig
+    from transformers import MixtralForCausalLM
     from transformers import Qwen3MoeConfig
     from transformers import Qwen3MoeForCausalLM
+
+    if moe_family not in MOE_FAMILIES:
+        raise ValueError(f"make_tiny_model: moe_family {moe_family!r} is not one of {MOE_FAMILIES}")
 
     out_dir = Path(out_dir)
     tok = make_tiny_tokenizer(out_dir)
@@ -64,13 +75,18 @@ def make_tiny_model(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    if moe:
+    if moe and moe_family == "mixtral":
+        common["intermediate_size"] = 48  # Mixtral's experts are intermediate_size wide
+        config, cls = MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+                                    tie_word_embeddings=False), MixtralForCausalLM  # fmt: skip
+    elif moe:
         moe_fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
         config = Qwen3MoeConfig(**common, **moe_fields, head_dim=hidden // 4, tie_word_embeddings=False)
+        cls = Qwen3MoeForCausalLM
     else:
-        config = LlamaConfig(**common, tie_word_embeddings=True)
+        config, cls = LlamaConfig(**common, tie_word_embeddings=True), LlamaForCausalLM
     torch.manual_seed(seed)
-    model = (Qwen3MoeForCausalLM if moe else LlamaForCausalLM)(config).float()
+    model = cls(config).float()
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir)
@@ -78,14 +94,15 @@ def make_tiny_model(
 
 
 def make_tiny_run(
-    root: str | Path, *, num_train: int = 64, num_test: int = 16, seed: int = 0, moe: bool = False
-) -> dict[str, str]:
-    """Create root/model (tiny model; moe: the Qwen3-MoE one) and root/data/{train,test}.jsonl (one-digit sums);
-    returns their paths."""
+    root: str | Path, *, num_train: int = 64, num_test: int = 16, seed: int = 0, moe: bool = False,
+    moe_family: str = "qwen3_moe",
+) -> dict[str, str]:  # fmt: skip
+    """Create root/model (tiny model; moe: the MoE one of moe_family) and root/data/{train,test}.jsonl (one-digit
+    sums); returns their paths."""
     from megatron_dapo.data import make_dataset
 
     root = Path(root)
-    model_dir = make_tiny_model(root / "model", seed=seed, moe=moe)
+    model_dir = make_tiny_model(root / "model", seed=seed, moe=moe, moe_family=moe_family)
     kwargs = {
         "min_terms": 2,
         "max_terms": 2,
