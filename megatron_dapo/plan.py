@@ -172,6 +172,22 @@ KNOWN_MODELS["qwen3-30b-a3b"] = ModelShape(  # Qwen/Qwen3-30B-A3B config.json
     moe_ffn=768,
 )
 
+KNOWN_MODELS["qwen3-235b-a22b"] = ModelShape(  # Qwen/Qwen3-235B-A22B config.json
+    "Qwen3-235B-A22B",
+    4096,
+    94,
+    64,
+    4,
+    12288,
+    151936,
+    False,
+    False,
+    head_dim=128,
+    qk_norm=True,
+    experts=128,
+    topk=8,
+    moe_ffn=1536,
+)
 KNOWN_MODELS["mixtral-8x7b-instruct-v0.1"] = ModelShape(  # mistralai/Mixtral-8x7B-Instruct-v0.1 config.json
     "Mixtral-8x7B-Instruct-v0.1",
     4096,
@@ -292,7 +308,11 @@ class Assumptions:
     """Per step, SGLang's release of weights + KV + graphs and the two resumes (torch_memory_saver unmapping and
     remapping tens of GiB), and the flush of its cache."""
     offload_gbps: float = 25.0
-    """Actor state to / from pinned host memory per GPU (PCIe Gen5 x16, ~40% of its 64 GB/s each way)."""
+    """Actor state to / from pinned host memory per GPU (PCIe Gen5 x16, ~40% of its 64 GB/s each way); also the
+    delta sync's comparison of the export with the sender's host copy (rollout/delta.py)."""
+    delta_bytes_fraction: float = 0.069
+    """rollout.weight_sync_delta: the bytes a delta sync sends as a share of a full one. Measured on CPU at the main
+    job's lr (5e-6, bf16 export, SmolLM2-135M; docs/benchmarks.md "Delta weight sync": 0.065-0.069)."""
     preempt_margin_s: float = 120.0
     """Added to the preemption lead time: start-up of the last save, file-system stalls, the signal's path."""
     checkpoint_gbps_per_node: float = 2.0
@@ -856,35 +876,139 @@ def step_times(
         formulas["update"] = (
             f"{tr.ppo_epochs} epoch(s) x {update_mult} x ({base} / (same) + all-to-all {a2a_fwd:,.1f} s)"
         )
-    fp8 = getattr(ro, "weight_dtype", "auto") == "fp8"
-    size = engine_weight_bytes(m, 1, a.dtype_bytes, fp8)  # what one sync sends (the whole model, HF layout)
-    tp, pp = act.tensor_parallel, act.pipeline_parallel
-    pp_link = a.internode_gbps if nodes > 1 and tp * dp >= gpus_per_node else a.nvlink_gbps
-    buckets = math.ceil(size / (ro.weight_sync_bucket_mb * 2**20))
-    gather = size * (tp - 1) / tp / (a.nvlink_gbps * 1e9)
-    bcast = size * (pp - 1) / pp / (pp_link * 1e9)
-    ep_link = a.internode_gbps if ep * tp > gpus_per_node else a.nvlink_gbps
-    expert_bytes = size * m.layers * m.layer_expert_params / max(m.num_params, 1)  # the experts' share of S
-    bcast += expert_bytes * (ep - 1) / ep / (ep_link * 1e9) if m.experts else 0.0
-    # Colocated: the engine reads the buckets through CUDA IPC. Otherwise a broadcast to GPUs the actor does not own:
-    # NVLink when a disaggregated split stays inside one node, the network between nodes.
-    load_gbps = a.ipc_gbps if colocated else a.nvlink_gbps if split and nodes == 1 else a.internode_gbps
-    load = size / (load_gbps * 1e9)
-    memory = a.engine_memory_s if colocated else 0.0
-    times["sync"] = gather + bcast + load + buckets * a.bucket_overhead_s + memory
-    formulas["sync"] = (
-        f"S {size / 1e9:.1f} GB{' (FP8)' if fp8 else ''}: TP gather S*(tp-1)/tp/{a.nvlink_gbps:g} + PP broadcast "
-        f"S*(pp-1)/pp/{pp_link:g}"
-        + (f" + EP broadcast S_experts {expert_bytes / 1e9:.1f} GB*(ep-1)/ep/{ep_link:g}" if m.experts else "")
-        + f" + load S/{load_gbps:g} + {buckets} buckets x "
-        f"{a.bucket_overhead_s} s" + (f" + engine release/resume {a.engine_memory_s:g} s" if colocated else "")
-    )
+    layout = SyncLayout(
+        act.tensor_parallel, act.pipeline_parallel, ep, dp, nodes, gpus_per_node,
+        "colocated" if colocated else "split" if split else "server", engine_gpus=engine_gpus, engine_tp=etp,
+        fp8=getattr(ro, "weight_dtype", "auto") == "fp8", delta=bool(getattr(ro, "weight_sync_delta", False)),
+        bucket_mb=ro.weight_sync_bucket_mb,
+    )  # fmt: skip
+    times["sync"], formulas["sync"], _ = sync_estimate(m, layout, a)
     times["offload"], formulas["offload"] = offload_time(config, m, dp, a)
     if split:
         times["offload"], formulas["offload"] = 0.0, "disaggregated: no engine shares the actor's GPUs, nothing moves"
     times["eval"], formulas["eval"] = eval_time(config, a, rate, tps_seq)
     times["checkpoint"], formulas["checkpoint"] = checkpoint_time(config, m, nodes, a)
     return times, formulas
+
+
+@dataclass(frozen=True, slots=True)
+class SyncLayout:
+    """One weight sync to plan: the actor's layout (tp, pp, ep, dp over nodes x gpus_per_node), where its engines
+    run and how the weights travel.
+
+    placement: "colocated" (the engines share the actor's GPUs and read buckets through CUDA IPC), "split" (engines
+    on GPUs of their own: NVLink within one node, the network between nodes) or "server" (SGLang servers elsewhere).
+    transport: "rank0" (what runs: the export is gathered over TP and broadcast over PP and EP to the stage's first
+    rank, which sends every bucket) or "direct" (modelled, not built: every actor rank sends its own slices to the
+    engine GPUs that hold them, no gather). delta: rollout.weight_sync_delta's changed elements only (the sender
+    compares the export with its host copy); fp8: rollout.weight_dtype fp8.
+    """
+
+    tp: int
+    pp: int
+    ep: int
+    dp: int
+    nodes: int
+    gpus_per_node: int
+    placement: str
+    engine_gpus: int = 0
+    engine_tp: int = 1
+    transport: str = "rank0"
+    delta: bool = False
+    fp8: bool = False
+    bucket_mb: int = 1024
+
+
+def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, str, dict[str, float]]:
+    """Seconds of one weight sync, its formula and its terms (seconds by name). S is the HF-layout export in the
+    engine's dtype; a delta sends S x delta_bytes_fraction after comparing all of S with the sender's host copy (at
+    offload_gbps: device to host); direct resharding replaces the gather and the one sender by every actor GPU
+    sending its share, bounded by what each engine GPU receives and each actor GPU sends."""
+    size = engine_weight_bytes(m, 1, a.dtype_bytes, s.fp8)  # what one sync sends (the whole model, HF layout)
+    colocated = s.placement == "colocated"
+    sent = size * a.delta_bytes_fraction if s.delta else size
+    # Colocated: the engine reads the buckets through CUDA IPC. Otherwise a broadcast to GPUs the actor does not own:
+    # NVLink when a disaggregated split stays inside one node, the network between nodes.
+    load_gbps = a.ipc_gbps if colocated else a.nvlink_gbps if s.placement == "split" and s.nodes == 1 else (
+        a.internode_gbps
+    )  # fmt: skip
+    terms: dict[str, float] = {}
+    dtype = " (FP8)" if s.fp8 else ""
+    expert_bytes = size * m.layers * m.layer_expert_params / max(m.num_params, 1)  # the experts' share of S
+    if s.transport == "direct":
+        actor_gpus = s.tp * s.pp * s.dp
+        replicas = max(s.engine_gpus // s.engine_tp, 1)
+        per_engine_gpu, per_actor_gpu = sent / s.engine_tp, sent * replicas / actor_gpus
+        terms["transfer"] = max(per_engine_gpu, per_actor_gpu) / (load_gbps * 1e9)
+        buckets = math.ceil(per_engine_gpu / (s.bucket_mb * 2**20))
+        formula = (
+            f"S {size / 1e9:.1f} GB{dtype}, direct: max(S'/etp {per_engine_gpu / 1e9:.1f} GB per engine GPU, "
+            f"S' x {replicas} engines / {actor_gpus} actor GPUs {per_actor_gpu / 1e9:.1f} GB) / {load_gbps:g}"
+        )
+        # each actor rank compares its own slices: the dense part split over TP x PP, the experts over TP x PP x EP
+        compare = ((size - expert_bytes) / (s.tp * s.pp) + expert_bytes / (s.tp * s.pp * s.ep)) if s.delta else 0.0
+    else:
+        pp_link = a.internode_gbps if s.nodes > 1 and s.tp * s.dp >= s.gpus_per_node else a.nvlink_gbps
+        terms["tp gather"] = size * (s.tp - 1) / s.tp / (a.nvlink_gbps * 1e9)
+        terms["pp broadcast"] = size * (s.pp - 1) / s.pp / (pp_link * 1e9)
+        ep_link = a.internode_gbps if s.ep * s.tp > s.gpus_per_node else a.nvlink_gbps
+        if m.experts:
+            terms["pp broadcast"] += expert_bytes * (s.ep - 1) / s.ep / (ep_link * 1e9)
+        terms["load"] = sent / (load_gbps * 1e9)
+        buckets = math.ceil(sent / (s.bucket_mb * 2**20))
+        formula = (
+            f"S {size / 1e9:.1f} GB{dtype}: TP gather S*(tp-1)/tp/{a.nvlink_gbps:g} + PP broadcast S*(pp-1)/pp/"
+            f"{pp_link:g}"
+            + (f" + EP broadcast S_experts {expert_bytes / 1e9:.1f} GB*(ep-1)/ep/{ep_link:g}" if m.experts else "")
+            + f" + load S{chr(39) if s.delta else ''}/{load_gbps:g}"
+        )
+        compare = size if s.delta else 0.0  # the sending rank compares the whole export
+    if s.delta:
+        terms["delta compare"] = compare / (a.offload_gbps * 1e9)
+        formula += (
+            f" + delta compare {compare / 1e9:.1f} GB/{a.offload_gbps:g} (S' = S x {a.delta_bytes_fraction:g} = "
+            f"{sent / 1e9:.1f} GB sent)"
+        )
+    terms["buckets"] = buckets * a.bucket_overhead_s
+    formula += f" + {buckets} buckets x {a.bucket_overhead_s} s"
+    if colocated:
+        terms["engine release/resume"] = a.engine_memory_s
+        formula += f" + engine release/resume {a.engine_memory_s:g} s"
+    return sum(terms.values()), formula, terms
+
+
+SYNC_TARGETS: list[tuple[str, str, SyncLayout, float, str]] = [
+    # (case, KNOWN_MODELS key, layout (transport and delta varied), target s, the peers' published number)
+    ("Qwen2.5-32B colocated, 16 x 8 H100 (actor TP 8 x PP 2 x DP 8, SGLang TP 4)", "qwen2.5-32b",
+     SyncLayout(8, 2, 1, 8, 16, 8, "colocated", engine_gpus=128, engine_tp=4, bucket_mb=2048), 2.0,
+     "verl delta sync, trainer and rollout on separate nodes: 6.2 s (full 14.2 s)"),
+    ("Qwen3-30B-A3B split, 2 x 8 H100 (actor node TP 1 x EP 8 x DP 8; engine node 2 x SGLang TP 4)", "qwen3-30b-a3b",
+     SyncLayout(1, 1, 8, 8, 2, 8, "split", engine_gpus=8, engine_tp=4, bucket_mb=1024), 1.5,
+     "NeMo-RL direct reshard on H100: 0.74-1.0 s"),
+    ("Qwen3-235B-A22B split, 12 x 8 H100 (actor 8 nodes TP 4 x PP 8 x DP 2, EP 8; 4 FP8 SGLang engines at TP 8)",
+     "qwen3-235b-a22b", SyncLayout(4, 8, 8, 2, 12, 8, "split", engine_gpus=32, engine_tp=8, fp8=True, bucket_mb=1024),
+     5.0, "Miles point-to-point RDMA: 3.16 s (10.75 s over NCCL)"),
+]  # fmt: skip
+"""Issue 39 item 5: the weight-sync targets at scale, planned with sync_estimate (format_sync_targets)."""
+
+
+def format_sync_targets(a: Assumptions | None = None) -> str:
+    """docs/planning.md's "Weight sync at scale" table: every SYNC_TARGETS case with each transport (rank0: what
+    runs; direct: modelled) full and delta, its seconds against the target and its largest terms."""
+    from dataclasses import replace
+
+    a = a or Assumptions()
+    lines = ["| case | transport | delta | sync s | target s | largest terms (s) |", "|---|---|---|---|---|---|"]
+    for case, key, layout, target, _ in SYNC_TARGETS:
+        for transport in ("rank0", "direct"):
+            for delta in (False, True):
+                total, _, terms = sync_estimate(KNOWN_MODELS[key], replace(layout, transport=transport, delta=delta), a)
+                top = sorted(terms.items(), key=lambda kv: -kv[1])[:3]
+                parts = ", ".join(f"{name} {value:.2f}" for name, value in top if value > 0)
+                mark = "meets" if total <= target else "misses"
+                lines.append(f"| {case} | {transport} | {'yes' if delta else 'no'} | {total:.2f} | {target:g} "
+                             f"({mark}) | {parts} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def colocated_step_seconds(times: dict[str, float]) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -796,3 +797,40 @@ def test_multi_turn_tool_time_is_added_to_generation():
     expected = sampled * c.algorithm.group_size * 2.0 * 0.25 / engines
     assert tools.times_s["generation"] - no_tools.times_s["generation"] == pytest.approx(expected, rel=1e-12)
     assert "+ tools" in tools.time_formulas["generation"] and "+ tools" not in base.time_formulas["generation"]
+
+
+def test_sync_estimate_delta_and_direct_terms_by_hand():
+    """Issue 39 item 5: the sync term's options, by hand on Qwen2.5-32B colocated (S = 65.5 GB in bf16).
+    delta: the load and the buckets follow S' = S x delta_bytes_fraction, and the sender compares all of S with its
+    host copy at offload_gbps; direct: no TP gather or PP broadcast, each engine GPU receives S'/etp and each actor GPU
+    sends S' x engines / actor GPUs, the larger at the link's rate; each rank compares only its slices."""
+    from dataclasses import replace
+
+    from megatron_dapo.plan import KNOWN_MODELS
+    from megatron_dapo.plan import Assumptions
+    from megatron_dapo.plan import SyncLayout
+    from megatron_dapo.plan import engine_weight_bytes
+    from megatron_dapo.plan import sync_estimate
+
+    m, a = KNOWN_MODELS["qwen2.5-32b"], Assumptions()
+    S = engine_weight_bytes(m, 1, 2)
+    base = SyncLayout(8, 2, 1, 8, 16, 8, "colocated", engine_gpus=128, engine_tp=4, bucket_mb=2048)
+    _, _, full = sync_estimate(m, base, a)
+    total, formula, delta = sync_estimate(m, replace(base, delta=True), a)
+    assert total == pytest.approx(sum(delta.values()))
+    assert delta["load"] == pytest.approx(full["load"] * a.delta_bytes_fraction)
+    assert delta["delta compare"] == pytest.approx(S / 25e9)
+    assert delta["buckets"] == math.ceil(S * a.delta_bytes_fraction / 2**31) * 0.2 < full["buckets"]
+    assert delta["tp gather"] == full["tp gather"] and "delta compare" in formula
+    _, _, direct = sync_estimate(m, replace(base, transport="direct", delta=True), a)
+    assert "tp gather" not in direct and "pp broadcast" not in direct
+    sent = S * a.delta_bytes_fraction
+    assert direct["transfer"] == pytest.approx(max(sent / 4, sent * 32 / 128) / (a.ipc_gbps * 1e9))
+    assert direct["delta compare"] == pytest.approx(S / 16 / 25e9)  # its TP x PP = 16th of a dense model
+    assert direct["engine release/resume"] == 3.0
+
+
+def test_docs_show_the_sync_targets_at_scale():
+    from megatron_dapo.plan import format_sync_targets
+
+    assert format_sync_targets() in (ROOT / "docs/planning.md").read_text(), "refresh docs/planning.md's table"
