@@ -442,11 +442,15 @@ class RolloutConfig:
             f'"fp8" is implemented for engines {with_capability("fp8")}, not {self.engine} {self.mode}',
         )
         if self.weight_sync_delta:
+            # FP8 payloads: the engine holds dequantized weights, so the FP8 base a delta applies to exists only on a
+            # split launch's engine rank (its DeltaDecoder keeps the last push and hands the engine full tensors).
+            fp8_ok = self.weight_dtype == "auto" or self.engine_ranks > 0
             _check(
-                self.mode in kind.delta_modes and self.weight_dtype == "auto",
+                self.mode in kind.delta_modes and fp8_ok,
                 "rollout.weight_sync_delta",
-                f'implemented for engines {with_capability("delta")} (also split) with weight_dtype "auto", '
-                f'not {self.engine} {self.mode} with weight_dtype "{self.weight_dtype}"',
+                f'implemented for engines {with_capability("delta")} (also split; weight_dtype "fp8" only split), '
+                f'not {self.engine} {self.mode} with weight_dtype "{self.weight_dtype}"'
+                + ("" if fp8_ok else " and rollout.engine_ranks 0"),
             )
 
 

@@ -99,12 +99,14 @@ def test_lockstep_split_launch_is_the_colocated_job_and_resumes_after_a_kill(tin
 
 
 @pytest.mark.slow
-def test_delta_weight_sync_over_the_weight_channel_trains_as_the_colocated_job(tiny, tmp_path):
+@pytest.mark.parametrize("weight_dtype", ["auto", "fp8"])
+def test_delta_weight_sync_over_the_weight_channel_trains_as_the_colocated_job(tiny, tmp_path, weight_dtype):
     """rollout.weight_sync_delta on a split launch: actor rank 0 pushes each tensor's changes over the weight channel
     and the engine rank rebuilds the full tensors (rollout/delta.py's DeltaDecoder) before loading them; the lockstep
-    run's samples, rewards, losses and evaluations are the colocated job's (only what the push sent differs)."""
+    run's samples, rewards, losses and evaluations are the colocated job's (only what the push sent differs). With
+    rollout.weight_dtype fp8 the deltas are of the block-FP8 stream, against the colocated job's full FP8 syncs."""
     colocated, split = tmp_path / "colocated", tmp_path / "split"
-    steps = ("--trainer.total_steps=2", "--trainer.eval_every=2")
+    steps = ("--trainer.total_steps=2", "--trainer.eval_every=2", f"--rollout.weight_dtype={weight_dtype}")
     _train(tiny, colocated, *steps, nproc=1)
     done = _c10d(tiny, split, *steps, "--trainer.max_staleness=0", "--rollout.weight_sync_delta=true")
     assert done.returncode == 0, _log(split)[-4000:]

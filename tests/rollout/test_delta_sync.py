@@ -130,7 +130,7 @@ def test_a_restarted_engine_gets_a_full_sync_after_reset():
     "overrides",
     [
         {"engine": "sglang"},
-        {"engine": "transformers", "weight_dtype": "fp8"},
+        {"engine": "transformers", "weight_dtype": "fp8"},  # colocated: the engine keeps no FP8 base
     ],
 )
 def test_delta_sync_where_it_is_not_implemented_is_one_config_line(overrides):
@@ -139,23 +139,36 @@ def test_delta_sync_where_it_is_not_implemented_is_one_config_line(overrides):
     assert "\n" not in str(e.value)
 
 
-def test_the_split_launchs_wire_carries_deltas_and_the_engine_rank_rebuilds_full_tensors():
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (torch.equal does not take FP8)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    same = a.dtype == b.dtype and a.shape == b.shape
+    return same and torch.equal(a.reshape(-1).view(ints[a.element_size()]), b.reshape(-1).view(ints[b.element_size()]))
+
+
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])
+def test_the_split_launchs_wire_carries_deltas_and_the_engine_rank_rebuilds_full_tensors(weight_dtype):
     """WeightChannel's path without the processes: the actor's encoder, the plain (name, tensor) pairs of the wire
     (a delta as its index and values, split across small buckets), each bucket's bytes and header, the engine rank's
-    DeltaDecoder: the full tensors it rebuilds equal the export bit for bit, push after push; a push against a
-    version the engine rank does not hold is refused."""
+    DeltaDecoder: the full tensors it rebuilds equal the export bit for bit, push after push, and an engine loaded
+    from them holds what an engine given every push in full holds; a push against a version the engine rank does not
+    hold is refused. fp8 (rollout.weight_dtype, issue 39 item 1): the pushes are the block-FP8 stream (e4m3 weights and
+    their fp32 scale_inv blocks), whose deltas are bitwise in those dtypes like bf16's."""
     from megatron_dapo.placement import _as_bytes
     from megatron_dapo.placement import _from_bytes
     from megatron_dapo.rollout import bucket_named_tensors
     from megatron_dapo.rollout.delta import DeltaDecoder
     from megatron_dapo.rollout.delta import DeltaEncoder
     from megatron_dapo.rollout.delta import as_plain_tensors
+    from megatron_dapo.rollout.fp8 import quantize_named_tensors
 
-    named = _exported(TransformersEngine(tiny_model(seed=0)))
+    exported = _exported(TransformersEngine(tiny_model(seed=0)))
     encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    by_delta, by_full = TransformersEngine(tiny_model(seed=1)), TransformersEngine(tiny_model(seed=2))
     sent = []
     for version in range(1, 6):
-        named = _update(named, version) if version > 1 else named
+        exported = _update(exported, version) if version > 1 else exported
+        named = dict(quantize_named_tensors(exported.items())) if weight_dtype == "fp8" else exported
         encoder.start()
         base = encoder.version
         wire = as_plain_tensors((n, encoder.encode(n, t, version)) for n, t in named.items())
@@ -168,7 +181,12 @@ def test_the_split_launchs_wire_carries_deltas_and_the_engine_rank_rebuilds_full
             sent.append(sum(t.numel() * t.element_size() for _, t in bucket))
         decoder.end()
         encoder.version = version
-        assert rebuilt.keys() == named.keys() and all(torch.equal(rebuilt[n], named[n]) for n in named), version
+        assert rebuilt.keys() == named.keys() and all(_bitwise_equal(rebuilt[n], named[n]) for n in named), version
+        WeightSync(by_delta).sync(iter(rebuilt.items()))
+        WeightSync(by_full).sync(iter(named.items()))
+        assert _same_weights(by_delta, by_full), version
+    if weight_dtype == "fp8":
+        assert sum(t.dtype == torch.float8_e4m3fn for t in named.values()) >= 4  # the projections went as FP8
     full = sum(t.numel() * t.element_size() for t in named.values())
     assert sum(sent) < 1.5 * full  # five pushes in the bytes of one and a half full ones
     with pytest.raises(ValueError, match="push 9 is a delta against version 7 but this rank holds version 5"):
