@@ -394,6 +394,7 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     from megatron_dapo.data import PromptDataset
     from megatron_dapo.data.dataset import prompt_token_ids
     from megatron_dapo.envs.base import environment_for_run
+    from megatron_dapo.envs.base import prompt_record
     from megatron_dapo.evaluate import evaluate
     from megatron_dapo.inputs import prompt_settings
     from megatron_dapo.reward import Verifier
@@ -416,7 +417,8 @@ def run_eval(config, model_dir: str | None) -> dict[str, float]:
     truths = [ex.ground_truth for ex in examples]
     verifier = Verifier.from_config(config.reward)
     env = environment_for_run(config.reward, tokenizer=tok, verifier=verifier, max_tokens=params.max_new_tokens)
-    return evaluate(engine, prompts, truths, verifier, params, tokenizer=tok, environment=env)
+    records = [prompt_record(ex) for ex in examples]
+    return evaluate(engine, prompts, truths, verifier, params, tokenizer=tok, environment=env, records=records)
 
 
 def convert(config, to: str, checkpoint: str | None, out: str) -> None:

@@ -58,7 +58,7 @@ def score_groups(scored: Sequence[Sequence[dict[str, Any]]], k: int) -> dict[str
 
 def sample_scores(
     engine: Any, prompts: Sequence[list[int]], truths: Sequence[str], verifier: Any, tokenizer: Any, params: Any,
-    environment: Any = None,
+    environment: Any = None, records: Sequence[dict[str, Any]] | None = None,
 ) -> list[list[dict[str, Any]]]:  # fmt: skip
     """The evaluation driver (the trainer's evaluation and `megatron-dapo eval`): params.n responses per prompt from
     `engine`, each scored by `verifier(text, truth)` on its decoded text, or with a multi-turn `environment`
@@ -66,7 +66,8 @@ def sample_scores(
     Returns one list of params.n results per prompt ([] without prompts: the engine is not called).
 
     Args:
-        prompts: token ids per prompt (chat template applied). truths: ground truth per prompt.
+        prompts: token ids per prompt (chat template applied). truths: ground truth per prompt. records: each
+            prompt's record for the environment's episodes (envs/base.py prompt_record), or None.
         params: the engine's SamplingParams (`rollout.factory.sampling_params` with the evaluation's temperature and
             top_p).
     """
@@ -76,7 +77,8 @@ def sample_scores(
     if environment is not None and environment.multi_turn:
         from megatron_dapo.rollout.turns import run_trajectories
 
-        done = run_trajectories(engine, prompts, lambda i: environment.episode(truths[i]), params)
+        record = (lambda i: records[i]) if records is not None else (lambda i: None)
+        done = run_trajectories(engine, prompts, lambda i: environment.episode(truths[i], record(i)), params)
         details = [r.episode["outcome"]["details"] for r in done]
         return [details[i * k : (i + 1) * k] for i in range(len(prompts))]
     completions = engine.generate(list(prompts), params)
@@ -97,6 +99,8 @@ def evaluate(
     *,
     tokenizer: Any,
     environment: Any = None,
+    records: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, float]:
     """`sample_scores` aggregated by `score_groups` (avg@k, pass@k, cons@k with k = params.n)."""
-    return score_groups(sample_scores(engine, prompts, truths, verifier, tokenizer, params, environment), params.n)
+    scored = sample_scores(engine, prompts, truths, verifier, tokenizer, params, environment, records)
+    return score_groups(scored, params.n)

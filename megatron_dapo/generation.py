@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_dapo.envs.base import prompt_record
 from megatron_dapo.errors import rank_notice
 from megatron_dapo.evaluate import sample_scores
 from megatron_dapo.experience import GroupScorer
@@ -98,8 +99,10 @@ class RolloutContext:
         c = self.config
         store = job_store(self.rank, self.world, self.exchange, c.distributed.timeout_s)
         config = StreamConfig.from_run(c, self.sampler.max_sampled_prompts, self.world)
-        env = self.environment
-        episode = env.episode if env is not None and env.multi_turn else None
+        env, record = self.environment, self.inputs.record
+        episode = None
+        if env is not None and env.multi_turn:  # each episode starts from its prompt's record
+            episode = lambda index, truth: env.episode(truth, record(index))
         hooks = StreamHooks(score=self.scorer, episode=episode, **hooks)
         return RolloutStream(engine, self.rank, self.exchange, store, config, hooks)
 
@@ -122,7 +125,8 @@ class RolloutContext:
         )  # fmt: skip
         prompts, truths = [self.inputs.render(ex) for ex in mine], [ex.ground_truth for ex in mine]
         verifier = self.scorer.verifier
-        return sample_scores(engine, prompts, truths, verifier, self.inputs.tokenizer, params, self.environment)
+        return sample_scores(engine, prompts, truths, verifier, self.inputs.tokenizer, params, self.environment,
+                             records=[prompt_record(ex) for ex in mine])  # fmt: skip
 
 
 def carry_entries(states: list[dict[str, Any]], owners: list[int], rank: int):

@@ -17,6 +17,7 @@ from typing import Any
 from megatron_dapo.actor.arch import is_moe
 from megatron_dapo.checkpoint import CheckpointError
 from megatron_dapo.config import RunConfig
+from megatron_dapo.envs.base import prompt_record
 from megatron_dapo.launch import StartupError
 from megatron_dapo.resume import model_architecture
 
@@ -55,6 +56,7 @@ class RunInputs:
         evals = PromptDataset(c.data.eval_files, **prompts) if c.data.eval_files else None
         self.eval_examples = evals.examples if evals is not None else []
         self.longest_prompt = max(train.longest_prompt or 0, (evals.longest_prompt or 0) if evals else 0)
+        self._train_by_index = {example.index: example for example in train.examples}
         self._prompt_ids: dict[int, list[int]] = {}
         self._cached_prompt_ids = train.cache.prompt_ids_of_index if train.cache is not None else None
 
@@ -63,6 +65,11 @@ class RunInputs:
         from megatron_dapo.data.dataset import prompt_token_ids
 
         return prompt_token_ids(self.tokenizer, example.prompt_messages)
+
+    def record(self, index: int) -> dict[str, Any]:
+        """The training prompt of example `index` as an environment's episode starts from it (envs/base.py
+        prompt_record: its messages, source, index and extra_info)."""
+        return prompt_record(self._train_by_index[index])
 
     def fresh(self, offset: int) -> tuple[int, str, list[int]]:
         """(example index, ground truth, prompt ids) of the data's offset-th next prompt (a fresh queue position); the

@@ -22,7 +22,9 @@ class ScriptedTurns:
         self.tokenizer, self.verifier = tokenizer, verifier
         self.observation = tuple(tokenizer.encode(observation_text(tokenizer, "7"), add_special_tokens=False))
 
-    def episode(self, ground_truth: str) -> _Episode:
+    def episode(self, ground_truth: str, record: dict | None = None) -> _Episode:
+        if record is None or record["ground_truth"] != ground_truth:  # the trainer hands each episode its prompt's
+            raise AssertionError(f"scripted_turns: episode of {ground_truth!r} without its prompt record: {record}")
         return _Episode(self, ground_truth)
 
 

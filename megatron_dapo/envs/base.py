@@ -1,7 +1,8 @@
 """The environment interface (issue 40 item 1): what a multi-turn rollout asks after each model turn.
 
     env = make_environment(name, tokenizer=..., verifier=..., **options)    registered by name, like the losses
-    episode = env.episode(ground_truth)                                      one trajectory's state
+    episode = env.episode(ground_truth, record)                              one trajectory's state, from its
+                                                                             prompt's record (prompt_record)
     turn = episode.step(turn_ids)          the model's sampled token ids of one turn (its stop token included)
       -> Turn(done=False, observation_ids)   token ids to append after the turn (tokenised once, here, with the chat
                                              template's turn markers), then the model samples its next turn
@@ -69,7 +70,22 @@ class Environment(Protocol):
     multi_turn: bool
     """Set by register_environment. False: one model turn, always done after it (nothing to drive turn by turn)."""
 
-    def episode(self, ground_truth: str) -> Episode: ...
+    def episode(self, ground_truth: str, record: Mapping[str, Any] | None = None) -> Episode:
+        """One trajectory of the prompt whose answer is `ground_truth`. record: that prompt's record
+        (`prompt_record`: its data row's messages, source, index and extra_info, plain values; a task's test cases or
+        tool settings live in extra_info), None where no data row is at hand."""
+        ...
+
+
+def prompt_record(example: Any) -> dict[str, Any]:
+    """A data row (data.Example) as an episode sees it: plain values, its own copy."""
+    return {
+        "index": int(example.index),
+        "ground_truth": str(example.ground_truth),
+        "data_source": str(example.data_source),
+        "prompt_messages": [dict(m) for m in example.prompt_messages],
+        "extra_info": dict(example.extra_info),
+    }
 
 
 EPISODE_COUNTS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds", "tool_calls_over_budget")
@@ -143,7 +159,7 @@ class SingleTurn:
     def __init__(self, *, tokenizer: Any, verifier: Callable[[str, str], dict]) -> None:
         self.tokenizer, self.verifier = tokenizer, verifier
 
-    def episode(self, ground_truth: str) -> _SingleTurnEpisode:
+    def episode(self, ground_truth: str, record: Mapping[str, Any] | None = None) -> _SingleTurnEpisode:
         return _SingleTurnEpisode(self, ground_truth)
 
 

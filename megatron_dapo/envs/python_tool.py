@@ -22,6 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,7 +90,7 @@ class PythonTool:
         return cls(tokenizer=tokenizer, verifier=verifier, sandbox=sandbox, max_turns=reward.max_turns,
                    max_tool_calls=reward.max_tool_calls, max_tokens=max_tokens)  # fmt: skip
 
-    def episode(self, ground_truth: str) -> _ToolEpisode:
+    def episode(self, ground_truth: str, record: Mapping[str, Any] | None = None) -> _ToolEpisode:
         return _ToolEpisode(self, ground_truth)
 
 

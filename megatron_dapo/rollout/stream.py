@@ -394,7 +394,8 @@ class StreamHooks:
 
     score: (position, example index, truth, G finished rollouts) -> RolloutGroup (the verifier, or a multi-turn
         episode's outcome on each rollout, Rollout.episode; + overlong shaping).
-    episode: (truth) -> a new episode of a multi-turn environment (envs/base.py), or None (single-turn): each turn the
+    episode: (example index, truth) -> a new episode of a multi-turn environment (envs/base.py; the trainer's hands it
+        the prompt's record), or None (single-turn): each turn the
         engine finishes goes to its response's episode; not done, its observation is appended (Rollout.observe) and
         the next turn is submitted with the trajectory as the prefix (token in, token out: the engine's ids and the
         observation ids, never re-encoded text); done, or when the observation and a next turn no longer fit under
@@ -411,7 +412,7 @@ class StreamHooks:
     """
 
     score: Callable[[int, int, str, list[Rollout]], RolloutGroup]
-    episode: Callable[[str], Any] | None = None
+    episode: Callable[[int, str], Any] | None = None
     stop: Callable[[], bool] = lambda: False
     restart: Callable[[], Any] | None = None
     resync: Callable[[list[int]], None] | None = None
@@ -580,7 +581,7 @@ class _Run:
             if r is None:
                 prefix = b.prefixes[k]
                 if b.episodes is not None:
-                    b.episodes[k] = self.s.episode(b.truth)
+                    b.episodes[k] = self.s.episode(b.index, b.truth)
                     if prefix.episode is not None and "state" in prefix.episode:  # a carried trajectory continues
                         b.episodes[k].restore(prefix.episode["state"])
                 seed = completion_seed(self.base, b.index, k)

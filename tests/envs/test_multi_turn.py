@@ -62,10 +62,17 @@ class _OneThread:
         return list(items)
 
 
+def records_of(prompts):
+    """The stream's episode hook over `prompts` ((index, truth, ids) each): each episode starts from its prompt's
+    record, as the trainer's does (RunInputs.record)."""
+    by_index = {index: {"index": index, "ground_truth": truth} for index, truth, _ in prompts}
+    return lambda episode: lambda index, truth: episode(truth, by_index[index])
+
+
 def run_stream(engine, episode, scorer, params, *, prompts, group_size, target):
     stream = make_stream(
         engine, 0, _OneThread(), dist.HashStore(), group_size=group_size, window=8, cap=0, partial=False,
-        timeout_s=60, score=scorer, episode=episode,
+        timeout_s=60, score=scorer, episode=records_of(prompts)(episode),
     )  # fmt: skip
     sampling = DynamicSampler(target_prompts=target, enabled=False, max_sampled_prompts=0).start()
     fresh = lambda offset: prompts[offset % len(prompts)]
@@ -169,12 +176,14 @@ class ThreeTurns:
 
     def __init__(self) -> None:
         self.seen: list[list[list[int]]] = []
+        self.records: list[tuple[str, dict | None]] = []
         self.lock = threading.Lock()
 
-    def episode(self, truth: str):
+    def episode(self, truth: str, record: dict | None = None):
         turns = []
         with self.lock:
             self.seen.append(turns)
+            self.records.append((truth, record))
 
         class _Episode:
             def step(self, turn_ids):
@@ -228,12 +237,22 @@ def _real_engine_run(max_running: int, cap: int):
     params = SamplingParams(max_new_tokens=cap, stop_token_ids=tuple(range(3, 30)), seed=None)
     prompts = [(20 + i, "0", [1, 5 + i, 9]) for i in range(3)]
     result = run_stream(engine, env.episode, scorer, params, prompts=prompts, group_size=4, target=3)
-    return result, engine
+    return result, engine, env
+
+
+def test_each_episode_starts_from_its_prompts_record():
+    """Issue 40 item 1: the stream hands the episode factory the example index of the trajectory's prompt, and the
+    trainer's hook (RunInputs.record) turns it into that prompt's record: every episode of every group got the record
+    of its own prompt, carried ones included."""
+    result, _, env = _real_engine_run(max_running=8, cap=40)
+    assert env.records and all(record is not None and record["ground_truth"] == truth for truth, record in env.records)
+    indices = {record["index"] for _, record in env.records}
+    assert {g.index for g in result.groups.values()} <= indices <= {20, 21, 22}
 
 
 @pytest.mark.parametrize("cap", [40, 9])
 def test_real_engine_three_turns_token_in_token_out(cap):
-    result, engine = _real_engine_run(max_running=8, cap=cap)
+    result, engine, _ = _real_engine_run(max_running=8, cap=cap)
     turns_seen, trained, expected = [], [], []
     for s in result.decided:
         g = result.groups[s.key]
@@ -263,7 +282,7 @@ def test_real_engine_three_turns_token_in_token_out(cap):
         assert max(turns_seen) == 3 and all(n == 3 for n in turns_seen)
     else:
         assert min(turns_seen) < 3  # the cap ends some trajectories early
-    again, _ = _real_engine_run(max_running=3, cap=cap)  # other batching: the same trajectories (batch-invariant)
+    again, _, _ = _real_engine_run(max_running=3, cap=cap)  # other batching: the same trajectories (batch-invariant)
     for s, t in zip(result.decided, again.decided, strict=True):
         for a, b in zip(result.groups[s.key].rollouts, again.groups[t.key].rollouts, strict=True):
             assert a.response_ids.tolist() == b.response_ids.tolist() and a.observations == b.observations
@@ -299,7 +318,8 @@ def _multi_turn_step(deaths: list[int]):
     scorer = GroupScorer(None, None, AlgorithmConfig(overlong_penalty=False), 60, env)
     stream = make_stream(
         engines[0], 0, _OneThread(), dist.HashStore(), group_size=4, window=6, cap=60, partial=False, timeout_s=20,
-        score=scorer, episode=env.episode, restart=restart, resync=resync, max_restarts=10, prompt_retries=10,
+        score=scorer, episode=lambda index, truth: env.episode(truth, {"index": index, "ground_truth": truth}),
+        restart=restart, resync=resync, max_restarts=10, prompt_retries=10,
     )  # fmt: skip
     rule = DynamicSampler(target_prompts=4, max_sampled_prompts=60, on_cap="partial")
     result = stream.run(1, rule.start(), SamplingParams(max_new_tokens=60), 7, fresh, [], {})
@@ -331,12 +351,12 @@ def test_partial_rollouts_carry_trajectories_mid_turn_with_their_episodes():
     engine = TransformersEngine(tiny_model("qwen2", seed=3), eos_token_ids=(EOS,), max_running=4, max_context=64)
     env = ThreeTurns()
     scorer = GroupScorer(None, None, AlgorithmConfig(overlong_penalty=False), 40, env)
+    prompts = [(20 + i, "0", [1, 5 + i, 9]) for i in range(8)]
     stream = make_stream(
         engine, 0, _OneThread(), dist.HashStore(), group_size=4, window=6, cap=0, partial=True, timeout_s=60,
-        score=scorer, episode=env.episode,
+        score=scorer, episode=records_of(prompts)(env.episode),
     )  # fmt: skip
     params = SamplingParams(max_new_tokens=40, stop_token_ids=tuple(range(3, 30)))
-    prompts = [(20 + i, "0", [1, 5 + i, 9]) for i in range(8)]
     fresh = lambda offset: prompts[offset % len(prompts)]
     first = stream.run(1, DynamicSampler(target_prompts=1, enabled=False).start(), params, 7, fresh, [], {})
     carried = {key: [Rollout.from_state(r.to_state()) for r in rows] for key, rows in first.carry_rows.items()}
