@@ -99,9 +99,9 @@ class RolloutContext:
         c = self.config
         store = job_store(self.rank, self.world, self.exchange, c.distributed.timeout_s)
         config = StreamConfig.from_run(c, self.sampler.max_sampled_prompts, self.world)
-        env, record = self.environment, self.inputs.record
-        episode = None
+        env, episode = self.environment, None
         if env is not None and env.multi_turn:  # each episode starts from its prompt's record
+            record = self.inputs.record
             episode = lambda index, truth: env.episode(truth, record(index))
         hooks = StreamHooks(score=self.scorer, episode=episode, **hooks)
         return RolloutStream(engine, self.rank, self.exchange, store, config, hooks)

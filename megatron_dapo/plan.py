@@ -154,54 +154,13 @@ _KNOWN = [
     ("Qwen2.5-32B", 5120, 64, 40, 8, 27648, 152064, False, True),
     ("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, False),
 ]
-KNOWN_MODELS: dict[str, ModelShape] = {row[0].lower(): ModelShape(*row) for row in _KNOWN}
-KNOWN_MODELS["qwen3-30b-a3b"] = ModelShape(  # Qwen/Qwen3-30B-A3B config.json
-    "Qwen3-30B-A3B",
-    2048,
-    48,
-    32,
-    4,
-    6144,
-    151936,
-    False,
-    False,
-    head_dim=128,
-    qk_norm=True,
-    experts=128,
-    topk=8,
-    moe_ffn=768,
-)
-
-KNOWN_MODELS["qwen3-235b-a22b"] = ModelShape(  # Qwen/Qwen3-235B-A22B config.json
-    "Qwen3-235B-A22B",
-    4096,
-    94,
-    64,
-    4,
-    12288,
-    151936,
-    False,
-    False,
-    head_dim=128,
-    qk_norm=True,
-    experts=128,
-    topk=8,
-    moe_ffn=1536,
-)
-KNOWN_MODELS["mixtral-8x7b-instruct-v0.1"] = ModelShape(  # mistralai/Mixtral-8x7B-Instruct-v0.1 config.json
-    "Mixtral-8x7B-Instruct-v0.1",
-    4096,
-    32,
-    32,
-    8,
-    14336,
-    32000,
-    False,
-    False,
-    experts=8,
-    topk=2,
-    moe_ffn=14336,  # Mixtral's experts are as wide as its intermediate_size (actor/arch.py moe_shape)
-)
+_KNOWN_MOE = [
+    # ... + head_dim, qk_norm, routed experts, top-k, expert width (moe_intermediate_size; Mixtral's intermediate_size)
+    ("Qwen3-30B-A3B", 2048, 48, 32, 4, 6144, 151936, False, False, 128, True, 128, 8, 768),
+    ("Qwen3-235B-A22B", 4096, 94, 64, 4, 12288, 151936, False, False, 128, True, 128, 8, 1536),
+    ("Mixtral-8x7B-Instruct-v0.1", 4096, 32, 32, 8, 14336, 32000, False, False, 0, False, 8, 2, 14336),
+]
+KNOWN_MODELS: dict[str, ModelShape] = {row[0].lower(): ModelShape(*row) for row in [*_KNOWN, *_KNOWN_MOE]}
 
 
 def _family(cfg: dict[str, Any]) -> tuple[bool, bool, MoeShape | None]:

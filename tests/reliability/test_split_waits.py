@@ -94,6 +94,16 @@ def _bounded(fn):
     return out, time.monotonic() - start
 
 
+def _assert_named(out: dict, seconds: float, silent: str, waiter: str, wait: str) -> None:
+    """The wait ended after the watch's stall with one line naming the silent peer and what `waiter` waited for."""
+    error = out.get("error")
+    assert isinstance(error, JobError), out
+    line = str(error)
+    assert "\n" not in line and line.startswith(f"{silent} (host "), line
+    assert f"made no progress for {STALL_S:g} s while {waiter} waited for {wait} (distributed.timeout_minutes)" in line
+    assert seconds >= STALL_S - 0.2
+
+
 # ------------------------------------------------------------------------------------------------- engine rank
 def _engine(store, watches, *, stall_s: float, signalled: bool, total_steps: int = 2) -> tuple[EngineRank, Mailbox]:
     cfg = load_config(None, [f"--trainer.total_steps={total_steps}", "--trainer.max_staleness=0",
@@ -126,13 +136,7 @@ def test_an_engine_rank_names_a_silent_actor_in_every_wait(store, wait):
     _silent_peer(master, ACTOR, watches)
     if ENGINE_WAITS[wait] is not None:
         box.post("start", ENGINE_WAITS[wait])
-    out, seconds = _bounded(rank.fit)
-    error = out.get("error")
-    assert isinstance(error, JobError), out
-    line = str(error)
-    assert "\n" not in line and line.startswith("actor rank 0 (host "), line
-    assert f"made no progress for {STALL_S:g} s while rank 1 waited for {wait} (distributed.timeout_minutes)" in line
-    assert seconds >= STALL_S - 0.2
+    _assert_named(*_bounded(rank.fit), "actor rank 0", "rank 1", wait)
 
 
 @pytest.mark.parametrize("wait", list(ENGINE_WAITS))
@@ -189,13 +193,7 @@ def test_the_actor_names_a_silent_engine_rank_in_every_wait(store, wait):
     master, watches = store
     generation, _ = _actor(master, watches, stall_s=STALL_S, signalled=False)
     _silent_peer(master, ENGINE, watches)
-    out, seconds = _bounded(lambda: ACTOR_WAITS[wait](generation))
-    error = out.get("error")
-    assert isinstance(error, JobError), out
-    line = str(error)
-    assert "\n" not in line and line.startswith("engine rank 1 (host "), line
-    assert f"made no progress for {STALL_S:g} s while rank 0 waited for {wait} (distributed.timeout_minutes)" in line
-    assert seconds >= STALL_S - 0.2
+    _assert_named(*_bounded(lambda: ACTOR_WAITS[wait](generation)), "engine rank 1", "rank 0", wait)
 
 
 @pytest.mark.parametrize("wait", list(ACTOR_WAITS))
