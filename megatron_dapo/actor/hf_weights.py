@@ -46,6 +46,7 @@ pipeline, which sends it to r when the stage is not r's; other data-parallel rep
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -388,6 +389,21 @@ def load_hf_into_model(
     missing = [n for n, p in params.items() if id(p) not in done]
     if missing:
         raise KeyError(f"hf_weights: megatron parameters not loaded from {ckpt.source}: {missing}")
+    unused = unused_tensors(ckpt.where, hf_config)
+    if unused:  # a variant of the family whose part the converter does not map: refused, never dropped
+        from megatron_dapo.launch import StartupError
+
+        more = f" (+{len(unused) - 3} more)" if len(unused) > 3 else ""
+        raise StartupError(f"actor.model_path: {ckpt.source} holds tensors the converter does not load (a variant "
+                           f"of the family it does not map): {', '.join(unused[:3])}{more}")  # fmt: skip
+
+
+def unused_tensors(names: Iterable[str], hf_config: Any) -> list[str]:
+    """The checkpoint tensors no megatron parameter takes (sorted): none of export's names, nor a tied model's stored
+    lm_head copy, nor a rotary embedding's cached inverse frequencies."""
+    wanted = set(hf_state_dict_keys(hf_config))
+    tied = {"lm_head.weight"} if _dims(hf_config).tied else set()
+    return sorted(n for n in names if n not in wanted and n not in tied and not n.endswith(".inv_freq"))
 
 
 # ---------------------------------------------------------------------------------------------- export

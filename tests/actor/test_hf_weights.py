@@ -123,3 +123,21 @@ def test_checkpoint_errors_name_the_file(tmp_path):
         ckpt.get("nope", (1,))
     with pytest.raises(ValueError, match="has shape"):
         ckpt.get("model.norm.weight", (3,))
+
+
+def test_a_checkpoint_tensor_the_converter_would_drop_is_named():
+    """mbridge dropped Qwen2-MoE's shared-expert gate without a word (docs/integration.md): its loader walks the
+    megatron parameters only. Ours also asks the other way: a checkpoint tensor no parameter takes (a family variant
+    the converter does not map) is refused in one line; every tiny family's own tensors pass, as do a tied model's
+    stored lm_head copy and cached rotary frequencies. (An o_proj bias stands for such a variant: no family here has
+    one.)"""
+    from transformers import AutoConfig
+
+    for name, path in every_tiny_checkpoint().items():
+        cfg = AutoConfig.from_pretrained(path)
+        keys = hf_weights._SafetensorsDir(path).where
+        assert hf_weights.unused_tensors(keys, cfg) == [], name
+        extra = [*keys, "model.layers.0.self_attn.o_proj.bias", "model.layers.0.self_attn.rotary_emb.inv_freq"]
+        assert hf_weights.unused_tensors(extra, cfg) == ["model.layers.0.self_attn.o_proj.bias"], name
+        if hf_weights._dims(cfg).tied:
+            assert "lm_head.weight" not in keys and hf_weights.unused_tensors([*keys, "lm_head.weight"], cfg) == []
