@@ -10,7 +10,8 @@ signal. The waits:
     engine rank   the actor's start state | the weights of a step | the actor's stop after the last step
     actor rank 0  a step's generation     | a step's evaluation scores | the engine ranks' join of a weight push
 
-(the join is placement.WeightChannel._await_joins with the caller's poll: test_placement.py's
+At one engine rank and, for the actor's waits, a 2 x 2 split (the silent one of two engine ranks is named). (The
+join is placement.WeightChannel._await_joins with the caller's poll: test_placement.py's
 test_a_push_waits_for_the_engine_ranks_with_the_callers_liveness_and_preemption_checks; the whole-job versions of
 the generation and weights waits, under torchrun, are test_hangs.py's split-launch cases).
 """
@@ -172,13 +173,17 @@ def test_an_engine_rank_after_its_last_step_leaves_when_the_actor_says_stop_and_
 
 
 # ------------------------------------------------------------------------------------------------- actor rank 0
-def _actor(store, watches, *, stall_s: float, signalled: bool) -> tuple[RemoteGeneration, Mailbox]:
+def _actor(
+    store, watches, *, stall_s: float, signalled: bool, placement: Placement = ACTOR
+) -> tuple[RemoteGeneration, Mailbox]:
     cfg = load_config(None, ["--trainer.eval_every=2"])
-    beat = launch_watch(ACTOR, store, stall_s)
+    beat = launch_watch(placement, store, stall_s)
     watches.append(beat)
     box = Mailbox(store)
     ctx = SimpleNamespace(config=cfg, rank=0, stop=lambda: signalled, exchange=ThreadExchange(1).for_rank(0))
-    generation = RemoteGeneration(ctx, placement=ACTOR, mailbox=box, beat=beat, channel=None, export=lambda: iter(()))
+    generation = RemoteGeneration(
+        ctx, placement=placement, mailbox=box, beat=beat, channel=None, export=lambda: iter(())
+    )
     return generation, box
 
 
@@ -194,6 +199,21 @@ def test_the_actor_names_a_silent_engine_rank_in_every_wait(store, wait):
     generation, _ = _actor(master, watches, stall_s=STALL_S, signalled=False)
     _silent_peer(master, ENGINE, watches)
     _assert_named(*_bounded(lambda: ACTOR_WAITS[wait](generation)), "engine rank 1", "rank 0", wait)
+
+
+@pytest.mark.parametrize("wait", list(ACTOR_WAITS))
+def test_with_two_engine_ranks_the_actor_names_the_silent_one(store, wait):
+    """Actor ranks 0-1, engine ranks 2-3 (a 2 x 2 split): engine rank 3 stops while engine rank 2 beats on; the actor
+    names rank 3 alone (it watches every engine rank; the other actor rank is watched by megatron's collectives, whose
+    gloo timeout is distributed.timeout_minutes: rel/test_actor_faults.py)."""
+    master, watches = store
+    layout = {r: Placement(r, 4, 2) for r in range(4)}
+    generation, _ = _actor(master, watches, stall_s=STALL_S, signalled=False, placement=layout[0])
+    _live_peer(master, layout[2], watches)
+    _silent_peer(master, layout[3], watches)
+    out, seconds = _bounded(lambda: ACTOR_WAITS[wait](generation))
+    _assert_named(out, seconds, "engine rank 3", "rank 0", wait)
+    assert "engine rank 2" not in str(out["error"])
 
 
 @pytest.mark.parametrize("wait", list(ACTOR_WAITS))
