@@ -1,4 +1,4 @@
-# ruff: noqa: E402  (an exploratory script: imports staged to show where each failure happens)
+# ruff: noqa: E402, E501  (an exploratory script: imports staged to show where each failure happens)
 """mbridge 0.15.1 trial on CPU, world size 1 over gloo (megatron-core 0.16.1, no TE).
 
 usage: python trial.py FAMILY [--workarounds w1,w2,...]
@@ -47,53 +47,19 @@ stage("1. tiny HF model (transformers, fp32, save_pretrained)")
 import transformers
 
 torch.manual_seed(0)
-common = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    intermediate_size=128,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-)
-if args.family == "qwen2":
-    cfg = transformers.Qwen2Config(**common)
-    cls = transformers.Qwen2ForCausalLM
-elif args.family == "llama":
-    cfg = transformers.LlamaConfig(**common)
-    cls = transformers.LlamaForCausalLM
-elif args.family == "mixtral":
-    cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
-    cls = transformers.MixtralForCausalLM
-elif args.family == "qwen3":
-    cfg = transformers.Qwen3Config(**common, head_dim=16)
-    cls = transformers.Qwen3ForCausalLM
-elif args.family == "qwen3_moe":
-    cfg = transformers.Qwen3MoeConfig(
-        **common,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    cls = transformers.Qwen3MoeForCausalLM
-elif args.family == "qwen2_moe":
-    cfg = transformers.Qwen2MoeConfig(
-        **common,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        norm_topk_prob=False,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    cls = transformers.Qwen2MoeForCausalLM
+common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6)  # fmt: skip
+moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+FAMILIES = {  # family -> (transformers class prefix, its fields beyond `common`)
+    "qwen2": ("Qwen2", {}),
+    "llama": ("Llama", {}),
+    "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3": ("Qwen3", {"head_dim": 16}),
+    "qwen3_moe": ("Qwen3Moe", {"head_dim": 16, **moe, "norm_topk_prob": True}),
+    "qwen2_moe": ("Qwen2Moe", {**moe, "shared_expert_intermediate_size": 48, "norm_topk_prob": False}),
+}
+prefix, extra = FAMILIES[args.family]
+cfg = getattr(transformers, f"{prefix}Config")(**common, **extra)
+cls = getattr(transformers, f"{prefix}ForCausalLM")
 cfg.torch_dtype = torch.float32
 hf = cls(cfg).float().eval()
 with torch.no_grad():  # make the norms and biases non-trivial so a swapped/missing tensor shows up in the logits
@@ -171,14 +137,8 @@ except Exception:
     fail("AutoBridge.from_config")
 
 if "nofuse" in W:
-    bridge.set_extra_args(
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-    )
+    fusions = ("masked_softmax", "bias_activation", "bias_dropout", "gradient_accumulation", "apply_rope")  # *_fusion
+    bridge.set_extra_args(persist_layer_norm=False, **{f"{f}_fusion": False for f in fusions})
     print("workaround nofuse: fusions off via set_extra_args")
 
 if "router" in W:
