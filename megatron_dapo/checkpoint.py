@@ -50,6 +50,8 @@ from typing import Any
 
 import yaml
 
+from megatron_dapo.errors import first_line
+
 COMPLETE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 PREFIX = "step_"
@@ -544,7 +546,7 @@ class CheckpointManager:
         try:
             expected = manifest_files(json.loads((path / MANIFEST).read_text()))
         except (OSError, ValueError) as err:
-            return [f"{MANIFEST} is malformed ({str(err).splitlines()[0][:200]})"]
+            return [f"{MANIFEST} is malformed ({first_line(err)})"]
         unlisted = sorted(set(checkpoint_files(path)) - set(expected))
         if unlisted:
             more = f" (+{len(unlisted) - 3} more)" if len(unlisted) > 3 else ""

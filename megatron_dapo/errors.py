@@ -11,6 +11,13 @@ def rank_notice(line: str) -> None:
     print(f"[megatron_dapo] {line}", file=sys.stderr, flush=True)
 
 
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """What a one-line error quotes of another library's exception: its first line, at most `limit` characters (its
+    type's name when it has no text)."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else type(err).__name__
+
+
 class JobError(RuntimeError):
     """A condition found while training that ends the job; the message is one line naming what and why.
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from megatron_dapo import wire
 from megatron_dapo.errors import JobError
+from megatron_dapo.errors import first_line
 from megatron_dapo.rollout.delta import DeltaDecoder
 from megatron_dapo.rollout.delta import DeltaEncoder
 from megatron_dapo.rollout.delta import as_plain_tensors
@@ -222,10 +223,9 @@ class WeightChannel:
             if encoder is not None:
                 encoder.reset()
             if isinstance(err, RuntimeError) and not isinstance(err, JobError):  # gloo: a rank stopped mid-transfer
-                first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
                 raise JobError(
                     f"weight push of version {version}: an engine rank stopped answering in the transfer "
-                    f"(distributed.timeout_minutes; gloo: {first})",
+                    f"(distributed.timeout_minutes; gloo: {first_line(err)})",
                     retryable=True,
                 ) from None
             raise

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_dapo import wire
 from megatron_dapo.errors import JobError
+from megatron_dapo.errors import first_line
 from megatron_dapo.placement import JOIN_S
 from megatron_dapo.placement import POLL_S
 from megatron_dapo.rollout.types import Rollout
@@ -38,6 +39,9 @@ from megatron_dapo.rollout.types import RolloutGroup
 
 PREFIX = "megatron_dapo/rows/"
 """Key prefix of the requests, the ready marks and the group on the launch's store."""
+POSTED = "posted"
+"""A counter every request adds to: the server's thread looks at the requests only when it moved (or a step was
+held since), one store call per poll instead of one per actor rank and held step."""
 _TAG = 39
 
 
@@ -49,6 +53,13 @@ def rows_group(num_actor_ranks: int, group_rank: int, store: dist.Store, timeout
     )
 
 
+def _stopped(step: int, who: str, err: RuntimeError) -> JobError:
+    """A transfer of a step's rows that gloo ended (the group's timeout, distributed.timeout_minutes, or a closed
+    connection): one retryable line naming the peer."""
+    return JobError(f"step {step}'s rows: {who} stopped answering in the transfer (distributed.timeout_minutes; "
+                    f"gloo: {first_line(err)})", retryable=True)  # fmt: skip
+
+
 class RowServer:
     """Engine rank 0's side (see the module docstring). store: the launch's store; timeout_s: the group's
     (distributed.timeout_minutes: a transfer an actor rank stopped answering ends with one line)."""
@@ -58,6 +69,8 @@ class RowServer:
         self.store = dist.PrefixStore(PREFIX, store.clone())  # the thread's own connection (the main thread's waits)
         self.group = group if group is not None else rows_group(num_actor_ranks, num_actor_ranks, store, timeout_s)
         self._held: dict[int, dict[str, RolloutGroup]] = {}
+        self._seen = -1
+        """POSTED when the thread last looked at the requests (-1: look now); hold() resets it."""
         self._taken: dict[int, set[int]] = {}
         """Per held step, the actor ranks that took it (or asked for a later step)."""
         self._lock = threading.Lock()
@@ -74,19 +87,23 @@ class RowServer:
             raise self._error
         with self._lock:
             self._held[step], self._taken[step] = groups, set()
+            self._seen = -1
 
     def _run(self) -> None:
         try:
             while not self._closed:
-                if not self._serve():
+                posted = self.store.add(POSTED, 0)
+                if posted == self._seen or not self._serve(posted):
                     time.sleep(POLL_S)
         except BaseException as err:  # surfaced on the main thread by hold()
             self._error = err
 
-    def _serve(self) -> bool:
-        """Answer every request on the store for a held step; True when one was answered."""
+    def _serve(self, posted: int) -> bool:
+        """Answer every request on the store for a held step (`posted`: POSTED before the look); True when one was
+        answered."""
         with self._lock:
             steps = sorted(self._held)
+            self._seen = posted  # a hold() after this resets it: the next poll looks again
         served = False
         for step in steps:
             for rank in range(self.actors):
@@ -100,12 +117,16 @@ class RowServer:
                 request = wire.load_stored(self.store.get(key), f"the row request {PREFIX}{key} on the launch's store")
                 rows = self._rows(step, rank, request)
                 payload = torch.frombuffer(bytearray(wire.dumps([step, rows])), dtype=torch.uint8)
-                self.store.set(f"ready/{key}", "1")
-                self.group.send([torch.tensor([payload.numel()], dtype=torch.int64)], rank, _TAG).wait()
-                self.group.send([payload], rank, _TAG).wait()
-                self.bytes_sent += payload.numel()
+                # The request is answered from here: consumed and counted before the rank can see its rows.
                 self.store.delete_key(key)
                 self._let_go(step, rank)
+                self.bytes_sent += payload.numel()
+                self.store.set(f"ready/{key}", "1")
+                try:
+                    self.group.send([torch.tensor([payload.numel()], dtype=torch.int64)], rank, _TAG).wait()
+                    self.group.send([payload], rank, _TAG).wait()
+                except RuntimeError as err:  # gloo: the actor rank stopped inside the transfer
+                    raise _stopped(step, f"actor rank {rank}", err) from None
                 served = True
         return served
 
@@ -160,6 +181,7 @@ class RowClient:
         or returns False to give the rows up (a preemption signal): then None."""
         key = f"{step}/{self.rank}"
         self.store.set(key, wire.dumps({"rows": [[k, i] for k, i in rows], "layers": list(layers) if layers else None}))
+        self.store.add(POSTED, 1)  # the server's thread looks at the requests when this moves
         while not self.store.check([f"ready/{key}"]):
             if poll() is False:
                 return None
@@ -170,9 +192,7 @@ class RowClient:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
             self.group.recv([payload], self.server, _TAG).wait()
         except RuntimeError as err:  # gloo: the engine rank stopped inside the transfer
-            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            raise JobError(f"step {step}'s rows: engine rank 0 stopped answering in the transfer "
-                           f"(distributed.timeout_minutes; gloo: {first})", retryable=True) from None  # fmt: skip
+            raise _stopped(step, "engine rank 0", err) from None
         self.store.delete_key(f"ready/{key}")
         self.bytes_received += payload.numel()
         sent = wire.load_stored(payload.numpy().tobytes(), f"step {step}'s rows from engine rank 0")

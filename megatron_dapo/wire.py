@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.errors import first_line
+
 MAGIC = b"MDW1"
 MAX_DEPTH = 64
 """Deepest nesting a message may have (our records nest a handful of levels)."""
@@ -331,4 +333,4 @@ class _Reader:
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as err:  # a missing field, or a value the record refuses
-            raise WireError(f"wire: {cls.__qualname__}: {str(err).splitlines()[0][:200]}") from None
+            raise WireError(f"wire: {cls.__qualname__}: {first_line(err)}") from None

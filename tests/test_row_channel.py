@@ -20,6 +20,7 @@ from megatron_dapo.errors import JobError
 from megatron_dapo.rollout import FinishReason
 from megatron_dapo.rollout.types import Rollout
 from megatron_dapo.rollout.types import RolloutGroup
+from megatron_dapo.row_channel import POSTED
 from megatron_dapo.row_channel import PREFIX
 from megatron_dapo.row_channel import RowClient
 from megatron_dapo.row_channel import RowServer
@@ -115,7 +116,9 @@ def test_a_client_gives_up_when_its_poll_says_so_and_a_bad_request_is_one_line(c
     server, clients, master = channel
     assert clients[0].take(7, [("g7:0", 0)], None, lambda: False) is None  # no step 7: the poll gives up
     server.hold(8, _groups(8))
-    dist.PrefixStore(PREFIX, master).set("8/1", wire.dumps({"rows": [["nope", 0]], "layers": None}))
+    planted = dist.PrefixStore(PREFIX, master)
+    planted.set("8/1", wire.dumps({"rows": [["nope", 0]], "layers": None}))
+    planted.add(POSTED, 1)  # as a client's request does
     for _ in range(400):
         if server._error is not None:
             break

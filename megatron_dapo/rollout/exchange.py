@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import wire
+from megatron_dapo.errors import first_line
 
 
 class ExchangeTimeout(RuntimeError):
@@ -105,7 +106,7 @@ class RolloutExchange:
         return ExchangeTimeout(
             f"rollout exchange ({what}): not every rank arrived within {self.setting}="
             f"{self.timeout_s / 60:g} (a rank's generation ran longer, or a rank died: see its log); "
-            f"gloo: {text.splitlines()[0][:200]}"
+            f"gloo: {first_line(err)}"
         )
 
     def close(self) -> None:
