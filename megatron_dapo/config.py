@@ -361,6 +361,13 @@ class RolloutConfig:
     weight_sync_full_every: int = 0
     """With weight_sync_delta, every N-th sync sends every tensor in full (0: only the first one and those after an
     engine restart or a failed sync)."""
+    weight_sync_route: str = "auto"
+    """How a split launch's (rollout.engine_ranks > 0) weights reach its engine ranks: "direct" (every actor rank
+    sends the shards it holds straight to the engine ranks, which rebuild the HF tensors; no gather, no rank carries
+    the whole model: actor/reshard.py, placement.DirectChannel) or "rank0" (the actor gathers the full HF tensors and
+    rank 0 broadcasts them: placement.WeightChannel), the engine's weights the same bit for bit; "auto": "direct" to
+    the embedded engines of engine ranks, "rank0" to SGLang servers (mode "server"; direct is not built for them:
+    docs/rollout.md, "Weight sync routes")."""
     compare_logprobs: bool = True
     """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
     generation_timeout_minutes: float = 60.0
@@ -419,6 +426,11 @@ class RolloutConfig:
     gate/up/down projections quantized to float8_e4m3fn with one fp32 scale per 128 x 128 block, the block-FP8 layout
     SGLang loads; embeddings, norms and lm_head stay as they are). Engines "transformers" and colocated "sglang"."""
 
+    @property
+    def direct_weight_sync(self) -> bool:
+        """A split launch's weights go by direct resharding (weight_sync_route, "auto" resolved)."""
+        return self.engine_ranks > 0 and self.mode != "server" and self.weight_sync_route in ("auto", "direct")
+
     def __post_init__(self) -> None:
         _check_numbers(self, "rollout")
         _one_of(self.engine, tuple(ENGINES), "rollout.engine")
@@ -436,6 +448,13 @@ class RolloutConfig:
                 "set an address of the trainer's rank-0 host that the servers can reach",
             )
         _one_of(self.weight_dtype, ("auto", "fp8"), "rollout.weight_dtype")
+        _one_of(self.weight_sync_route, ("auto", "direct", "rank0"), "rollout.weight_sync_route")
+        _check(
+            not (self.weight_sync_route == "direct" and self.mode == "server"),
+            "rollout.weight_sync_route",
+            '"direct" is not built for SGLang servers (mode "server"; docs/rollout.md, "Weight sync routes"); '
+            'use "auto" or "rank0"',
+        )
         _check(
             self.weight_dtype == "auto" or self.mode in kind.fp8_modes,
             "rollout.weight_dtype",

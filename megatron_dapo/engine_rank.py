@@ -102,8 +102,19 @@ class EngineRank:
                 c.rollout, c.actor.model_path, base_gpu_id=gpu, seed=c.trainer.seed,
                 max_context=-(-max_context // 64) * 64, routed_experts=routed,
             )  # fmt: skip
-            channel = WeightChannel(placement, store, c.distributed.timeout_s)
-            if c.rollout.weight_sync_delta:  # the pushes carry changes: the full tensors are rebuilt here
+            if c.rollout.direct_weight_sync:  # every actor rank sends its shards; the full tensors are rebuilt here
+                from transformers import AutoConfig
+
+                from megatron_dapo.placement import DirectChannel
+
+                channel: Any = DirectChannel(
+                    placement, store, c.distributed.timeout_s, hf_config=AutoConfig.from_pretrained(c.actor.model_path),
+                    actor_tp=c.actor.tensor_parallel, delta=c.rollout.weight_sync_delta,
+                    fp8=c.rollout.weight_dtype == "fp8",
+                )  # fmt: skip
+            else:
+                channel = WeightChannel(placement, store, c.distributed.timeout_s)
+            if c.rollout.weight_sync_delta and not c.rollout.direct_weight_sync:  # the full tensors are rebuilt here
                 from megatron_dapo.rollout.delta import DeltaDecoder
 
                 channel.decoder = DeltaDecoder()

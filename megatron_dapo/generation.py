@@ -395,12 +395,14 @@ class RemoteGeneration(_StepInFlight):
 
     def __init__(
         self, ctx: RolloutContext, *, placement: Any, mailbox: Any, beat: Any, channel: Any, export: Any,
-        rows: Any = None,
+        rows: Any = None, shards: Any = None,
     ):  # fmt: skip
         super().__init__()
         self.ctx, self.placement, self.mailbox, self.beat, self.channel, self.export = (
             ctx, placement, mailbox, beat, channel, export,
         )  # fmt: skip
+        self.shards = shards
+        """Direct resharding: () -> this rank's (piece name, shard) pairs (MegatronActor.owned_shards)."""
         self.client = rows
         """This rank's row_channel.RowClient (its rows come from engine rank 0's row server); None in tests of the
         loop alone, where the rows come with the step's message."""
@@ -479,19 +481,23 @@ class RemoteGeneration(_StepInFlight):
                 self.mailbox.delete(f"gen/{result.step}")  # every actor rank read it before the update began
 
     def push_weights(self, version: int) -> dict[str, float]:
-        """Every rank walks the actor's export; rank 0 sends it as `version` to the engine ranks (WeightChannel) or to
-        the SGLang servers they drive (ServerPush), fp8-quantized (rollout.weight_dtype) as the colocated sync does."""
+        """Push the weights as `version`. Direct resharding (rollout.weight_sync_route): every rank sends its own
+        shards to the engine ranks (DirectChannel; they quantize to fp8 themselves with rollout.weight_dtype "fp8").
+        Otherwise every rank walks the actor's export and rank 0 sends it to the engine ranks (WeightChannel) or to
+        the SGLang servers they drive (ServerPush), fp8-quantized as the colocated sync does."""
+        from megatron_dapo.placement import DirectChannel
         from megatron_dapo.placement import PushAbandoned
         from megatron_dapo.placement import WeightChannel
 
         c = self.ctx.config
-        start, exported = time.perf_counter(), self.export()
+        direct = isinstance(self.channel, DirectChannel)
+        start, exported = time.perf_counter(), self.shards() if direct else self.export()
         named = exported
         if self.channel is None:
             for _ in named:
                 pass
             return {}
-        if c.rollout.weight_dtype == "fp8":
+        if c.rollout.weight_dtype == "fp8" and not direct:
             from megatron_dapo.rollout.fp8 import quantize_named_tensors
 
             named = quantize_named_tensors(named)
@@ -506,12 +512,16 @@ class RemoteGeneration(_StepInFlight):
 
             timeout = (c.rollout.generation_timeout_minutes + c.trainer.eval_timeout_minutes) * 60.0
             extra.update(poll=poll, timeout_s=timeout)
+        if direct:
+            extra["gather"] = lambda x: self.ctx.exchange.all_gather([x], f"the weight push of step {version}")
         try:
             metrics = self.channel.push(version, named, c.rollout.weight_sync_bucket_mb * 2**20, **extra)
-        except PushAbandoned:
-            for _ in exported:  # the other actor ranks walk the export's collectives to its end
-                pass
-            rank_notice(f"step {version}: a preemption signal came while an engine rank had not joined the "
+        except PushAbandoned:  # rank 0's (the rank-0 route), every rank's (direct)
+            if not direct:
+                for _ in exported:  # the other actor ranks walk the export's collectives to its end
+                    pass
+            if self.ctx.rank == 0:
+                rank_notice(f"step {version}: a preemption signal came while an engine rank had not joined the "
                             "weight push; it is given up (the checkpoint holds these weights)")  # fmt: skip
             return {}
         metrics["weight_sync/seconds"] = seconds = time.perf_counter() - start
@@ -556,6 +566,7 @@ def make_generation(
     ctx: RolloutContext,
     *,
     export: Callable[[], Iterator],
+    shards: Callable[[], Iterator] | None = None,
     memory: Any,
     placement: Any = None,
     store: Any = None,
@@ -565,8 +576,9 @@ def make_generation(
     wait_saved: Callable[[], None] = lambda: None,
 ) -> LocalGeneration | RemoteGeneration:
     """The trainer's generation: LocalGeneration on a colocated launch (placement None); RemoteGeneration on the actor
-    ranks of a split one, with remote = (mailbox, beat) from placement.py, and no engine in this rank's memory (actor
-    rank 0 holds the weight channel: to the engine ranks, or to the SGLang servers they drive)."""
+    ranks of a split one, with remote = (mailbox, beat) from placement.py, and no engine in this rank's memory (the
+    weight channel: every actor rank's DirectChannel with direct resharding, else actor rank 0's, to the engine
+    ranks or to the SGLang servers they drive; shards: MegatronActor.owned_shards, for the direct route)."""
     if placement is None:
         return LocalGeneration(
             ctx, export=export, memory=memory, eval_exchange=eval_exchange, local_rank=local_rank,
@@ -578,7 +590,11 @@ def make_generation(
     c = ctx.config
     memory.build_engine(lambda: None, sized_at_start=sizes_kv_pool_at_start(c.rollout))  # no engine here
     channel = None
-    if placement.channel_rank is not None:
+    if c.rollout.direct_weight_sync:  # every actor rank sends its own shards
+        from megatron_dapo.placement import DirectChannel
+
+        channel = DirectChannel(placement, store, c.distributed.timeout_s)
+    elif placement.channel_rank is not None:
         if c.rollout.mode == "server":  # the servers get the weights, their versions go to the store
             from megatron_dapo.placement import ServerPush
 
@@ -592,5 +608,5 @@ def make_generation(
     rows = RowClient(placement.rank, placement.num_actor_ranks, store, c.distributed.timeout_s)  # after the channel
     mailbox, beat = remote
     return RemoteGeneration(
-        ctx, placement=placement, mailbox=mailbox, beat=beat, channel=channel, export=export, rows=rows
+        ctx, placement=placement, mailbox=mailbox, beat=beat, channel=channel, export=export, rows=rows, shards=shards
     )

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from dataclasses import field
 from datetime import timedelta
@@ -171,10 +172,7 @@ class WeightChannel:
             raise ValueError(f"WeightChannel: rank {placement.rank} is neither actor rank 0 nor an engine rank")
         self.placement = placement
         self.store = dist.PrefixStore(f"{PREFIX}weights/", store)
-        self.group = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"{PREFIX}weights/group/", store), rank, 1 + placement.num_engine_ranks,
-            timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        self.wire = _Wire(_gloo_group(store, "weights/group/", rank, 1 + placement.num_engine_ranks, timeout_s))
         self.version: int | None = None
         """The last version pushed (actor) or received (engine; StagedReceiver.loaded is the one in the engine)."""
         self.decoder: DeltaDecoder | None = None
@@ -202,32 +200,17 @@ class WeightChannel:
         if self.placement.is_engine:
             raise RuntimeError("WeightChannel.push: only actor rank 0 sends weights")
         _check_next_version("WeightChannel.push", version, self.version)
-        if encoder is not None:
-            encoder.start()
-        base = encoder.version if encoder is not None else None
-        if encoder is not None:
-            named_tensors = as_plain_tensors((n, encoder.encode(n, t, version)) for n, t in named_tensors)
+        base, named_tensors = _encoded(encoder, named_tensors, version)
         self.store.set("base", "" if base is None else str(base))
         self.store.set("announced", str(version))
-        total = buckets = tensors = 0
         try:
             self._await_joins(version, poll, timeout_s)
-            for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
-                header = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
-                payload = torch.cat([_as_bytes(t) for _, t in bucket])
-                self._send_header(header, payload.numel())
-                self._broadcast(payload)
-                total, buckets, tensors = total + payload.numel(), buckets + 1, tensors + len(bucket)
-            self._send_header(None, 0)
+            total, buckets, tensors = self.wire.send(named_tensors, bucket_bytes)
         except BaseException as err:
             if encoder is not None:
                 encoder.reset()
-            if isinstance(err, RuntimeError) and not isinstance(err, JobError):  # gloo: a rank stopped mid-transfer
-                raise JobError(
-                    f"weight push of version {version}: an engine rank stopped answering in the transfer "
-                    f"(distributed.timeout_minutes; gloo: {first_line(err)})",
-                    retryable=True,
-                ) from None
+            if _stopped_in_transfer(err):
+                raise _transfer_error(version, err) from None
             raise
         self.version = version
         metrics = _push_metrics(total, buckets, tensors)
@@ -279,13 +262,7 @@ class WeightChannel:
                 raise JobError(str(err)) from None
         self.store.set(f"joined/{self.placement.channel_rank}", str(version))  # the actor's push waits for this
         buckets = []
-        while True:
-            header, size = self._recv_header()
-            if header is None:
-                break
-            payload = torch.empty(size, dtype=torch.uint8)
-            self._broadcast(payload)
-            bucket = _from_bytes(payload, header)
+        for bucket in self.wire.receive():
             if self.decoder is not None:
                 try:
                     bucket = self.decoder.decode(bucket)
@@ -297,23 +274,242 @@ class WeightChannel:
         self.version = version
         return version, buckets
 
-    # ----------------------------------------------------------------------------------------------- wire
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+
+class DirectChannel(WeightChannel):
+    """Direct resharding (rollout.weight_sync_route "direct"): every actor rank sends the Megatron shards the transfer
+    plan gives it (actor/reshard.py) straight to every engine rank, each on a gloo group of its own (the actor rank
+    and the engine ranks), all at once; no actor rank gathers or holds more than its own shards and one bucket. The
+    announcement and the joins on the store are WeightChannel's; actor rank 0 waits for the joins and tells the other
+    actor ranks (`gather`, an all-gather over the actor ranks) to send or not. An engine rank receives from every
+    sender on a thread each and rebuilds the full HF tensors (reshard.Assembler), bit for bit the rank-0 export's.
+
+    Build it on every rank of the split launch: actor ranks with hf_config None, engine ranks with the model's HF
+    config and the actor's TP size. delta: each sender keeps a DeltaEncoder of its own pieces and each engine rank a
+    DeltaDecoder per sender (the base version travels with each sender's stream and is checked there); fp8: the
+    engine ranks quantize the rebuilt tensors (rollout.weight_dtype "fp8"; the same tensors as a rank-0 FP8 push)."""
+
+    def __init__(
+        self, placement: Placement, store: dist.Store, timeout_s: float, *, hf_config: Any = None, actor_tp: int = 1,
+        delta: bool = False, fp8: bool = False,
+    ) -> None:  # fmt: skip
+        self.placement = placement
+        self.store = dist.PrefixStore(f"{PREFIX}weights/", store)
+        engines, actors = placement.num_engine_ranks, placement.num_actor_ranks
+        if placement.is_engine:
+            if hf_config is None:
+                raise ValueError("DirectChannel: an engine rank needs the model's HF config to rebuild the tensors")
+            me = 1 + placement.role_rank
+            self.wires = [_Wire(_gloo_group(store, f"direct/{a}/", me, 1 + engines, timeout_s)) for a in range(actors)]
+        else:
+            self.wires = [_Wire(_gloo_group(store, f"direct/{placement.rank}/", 0, 1 + engines, timeout_s))]
+        self.hf_config, self.actor_tp, self.fp8 = hf_config, actor_tp, fp8
+        self.decoders = [DeltaDecoder() for _ in self.wires] if delta and placement.is_engine else None
+        self.version: int | None = None
+        self.decoder = None
+
+    # ----------------------------------------------------------------------------------------------- actor ranks
+    def push(
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+        encoder: DeltaEncoder | None = None,
+        poll: Callable[[], None] | None = None,
+        timeout_s: float = float("inf"),
+        *,
+        gather: Callable[[Any], list[Any]],
+    ) -> dict:
+        """Every actor rank: send this rank's pieces (reshard.owned_shards) as weight `version`. Actor rank 0
+        announces it and waits for the engine ranks to join (poll, timeout_s as WeightChannel.push), then every rank
+        sends. gather(x): x of every actor rank, in rank order (a collective of the actor ranks). PushAbandoned on
+        every rank when rank 0's poll raised it (nothing was sent); a JobError on every rank when rank 0's wait
+        failed, and when a rank failed to send (its own error there, one naming it on the others; every encoder then
+        drops its base). Returns, on every rank, the push's totals over the senders (WeightChannel.push's metrics)
+        and "weight_sync/max_sender_bytes" (the most any one actor rank's link carried)."""
+        if self.placement.is_engine:
+            raise RuntimeError("DirectChannel.push: engine ranks receive")
+        _check_next_version("DirectChannel.push", version, self.version)
+        outcome, failure = "send", None
+        if self.placement.rank == 0:
+            self.store.set("announced", str(version))
+            try:
+                self._await_joins(version, poll, timeout_s)
+            except PushAbandoned:
+                outcome = "abandon"
+            except BaseException as err:
+                outcome, failure = "fail", err
+        outcome = gather(outcome)[0]
+        if outcome != "send":
+            if failure is not None:
+                raise failure
+            if outcome == "fail":
+                raise JobError(f"weight push of version {version}: given up by actor rank 0 (see its log)",
+                               retryable=True)  # fmt: skip
+            raise PushAbandoned
+        base, named_tensors = _encoded(encoder, named_tensors, version)
+        try:
+            self.wires[0].send_header([version, base], 0)
+            sent = self.wires[0].send(named_tensors, bucket_bytes)
+        except Exception as err:
+            if encoder is not None:
+                encoder.reset()
+            failure = _transfer_error(version, err) if _stopped_in_transfer(err) else err
+            sent = (0, 0, 0)
+        counts = (encoder.changed, encoder.elements) if encoder is not None else (0, 0)
+        every = gather([failure is None, *sent, *counts])  # the senders learn whether every one of them got through
+        if failure is not None:
+            raise failure
+        failed = [rank for rank, x in enumerate(every) if not x[0]]
+        if failed:
+            if encoder is not None:
+                encoder.reset()  # the engine ranks hold no complete version of this push
+            raise JobError(f"weight push of version {version}: actor rank {failed[0]} failed to send its shards "
+                           "(see its log)", retryable=True)  # fmt: skip
+        self.version = version
+        if encoder is not None:
+            encoder.version = version
+            encoder.pop_fraction()
+        every = [x[1:] for x in every]
+        metrics = _push_metrics(*(sum(x[i] for x in every) for i in range(3)))
+        metrics["weight_sync/max_sender_bytes"] = float(max(x[0] for x in every))
+        if encoder is not None:
+            elements = sum(x[4] for x in every)
+            metrics["weight_sync/changed_fraction"] = sum(x[3] for x in every) / elements if elements else 0.0
+        return metrics
+
+    # ----------------------------------------------------------------------------------------------- engine ranks
+    def receive_buckets(self) -> tuple[int, list[list[tuple[str, torch.Tensor]]]]:
+        """Join the announced push and receive every sender's pieces (a thread per sender); returns (version, one
+        bucket of the rebuilt full HF tensors, export order)."""
+        from megatron_dapo.actor.reshard import Assembler
+
+        version = self.pending()
+        if version is None:
+            raise RuntimeError("DirectChannel.receive_buckets: no push was announced")
+        self.store.set(f"joined/{self.placement.channel_rank}", str(version))  # the actor ranks' push waits for this
+        assembler, lock = Assembler(self.hf_config, self.actor_tp), threading.Lock()
+        errors: list[BaseException] = []
+
+        def take(sender: int) -> None:
+            try:
+                wire_ = self.wires[sender]
+                (sent_version, base), _ = wire_.recv_header()
+                if sent_version != version:
+                    raise JobError(f"weight push: actor rank {sender} sent version {sent_version} while version "
+                                   f"{version} was announced")  # fmt: skip
+                decoder = self.decoders[sender] if self.decoders is not None else None
+                if decoder is not None:
+                    try:
+                        decoder.begin(version, base)
+                    except ValueError as err:
+                        raise JobError(f"{err} (actor rank {sender}'s shards)") from None
+                elif base is not None:
+                    raise JobError(
+                        f"weight push of version {version}: actor rank {sender} sent a delta against "
+                        f"version {base} but this engine rank keeps no base (rollout.weight_sync_delta)"
+                    )
+                for bucket in wire_.receive():
+                    with lock:
+                        for name, tensor in decoder.decode(bucket) if decoder is not None else bucket:
+                            assembler.add(name, tensor)
+                if decoder is not None:
+                    decoder.end()
+            except BaseException as err:  # raised on the receiving thread below
+                errors.append(err)
+
+        threads = [threading.Thread(target=take, args=(a,), name=f"direct-{a}") for a in range(len(self.wires))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        try:
+            if errors:
+                raise errors[0]
+            full = list(assembler.full_tensors())
+        except ValueError as err:
+            raise JobError(str(err)) from None
+        if self.fp8:
+            from megatron_dapo.rollout.fp8 import quantize_named_tensors
+
+            full = list(quantize_named_tensors(full))
+        self.version = version
+        return version, [full]
+
+
+def _encoded(
+    encoder: DeltaEncoder | None, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+) -> tuple[int | None, Iterable[tuple[str, torch.Tensor]]]:
+    """(the base version the push is a delta against, or None; the pairs as they go on the wire): with an encoder,
+    each tensor as its changed elements against the previous push (as_plain_tensors), lazily."""
+    if encoder is None:
+        return None, named_tensors
+    encoder.start()
+    return encoder.version, as_plain_tensors((n, encoder.encode(n, t, version)) for n, t in named_tensors)
+
+
+class _Wire:
+    """Buckets of (name, tensor) from rank 0 of a gloo group to its other ranks: per bucket a header [(name, dtype,
+    shape)] and one uint8 payload (both broadcast), then an end marker (a None header)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[int, int, int]:
+        """Send every pair, bucketed, then the end marker; returns (payload bytes, buckets, tensors)."""
+        total = buckets = tensors = 0
+        for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
+            header = [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
+            payload = torch.cat([_as_bytes(t) for _, t in bucket])
+            self.send_header(header, payload.numel())
+            self.broadcast(payload)
+            total, buckets, tensors = total + payload.numel(), buckets + 1, tensors + len(bucket)
+        self.send_header(None, 0)
+        return total, buckets, tensors
+
+    def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The buckets of one `send`, in order, up to its end marker."""
+        while True:
+            header, size = self.recv_header()
+            if header is None:
+                return
+            payload = torch.empty(size, dtype=torch.uint8)
+            self.broadcast(payload)
+            yield _from_bytes(payload, header)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.group.broadcast([tensor], opts).wait()
 
-    def _send_header(self, header: list | None, payload_bytes: int) -> None:
+    def send_header(self, header: list | None, payload_bytes: int) -> None:
         blob = torch.frombuffer(bytearray(wire.dumps(header)), dtype=torch.uint8)
-        self._broadcast(torch.tensor([blob.numel(), payload_bytes], dtype=torch.int64))
-        self._broadcast(blob)
+        self.broadcast(torch.tensor([blob.numel(), payload_bytes], dtype=torch.int64))
+        self.broadcast(blob)
 
-    def _recv_header(self) -> tuple[list | None, int]:
+    def recv_header(self) -> tuple[list | None, int]:
         sizes = torch.empty(2, dtype=torch.int64)
-        self._broadcast(sizes)
+        self.broadcast(sizes)
         blob = torch.empty(int(sizes[0]), dtype=torch.uint8)
-        self._broadcast(blob)
+        self.broadcast(blob)
         return wire.loads(blob.numpy().tobytes()), int(sizes[1])
+
+
+def _gloo_group(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of `size` ranks on the launch's store under PREFIX + prefix (blocks until every member joins)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(PREFIX + prefix, store), rank, size, timedelta(seconds=timeout_s))
+
+
+def _stopped_in_transfer(err: BaseException) -> bool:
+    """gloo's error when a peer stopped answering inside a transfer (not our own JobError)."""
+    return isinstance(err, RuntimeError) and not isinstance(err, JobError)
+
+
+def _transfer_error(version: int, err: BaseException) -> JobError:
+    return JobError(
+        f"weight push of version {version}: an engine rank stopped answering in the transfer "
+        f"(distributed.timeout_minutes; gloo: {first_line(err)})",
+        retryable=True,
+    )
 
 
 def load_buckets(engine: Any, version: int, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:

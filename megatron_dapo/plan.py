@@ -858,9 +858,10 @@ class SyncLayout:
     placement: "colocated" (the engines share the actor's GPUs and read buckets through CUDA IPC), "split" (engines
     on GPUs of their own: NVLink within one node, the network between nodes) or "server" (SGLang servers elsewhere).
     transport: "rank0" (what runs: the export is gathered over TP and broadcast over PP and EP to the stage's first
-    rank, which sends every bucket) or "direct" (modelled, not built: every actor rank sends its own slices to the
-    engine GPUs that hold them, no gather). delta: rollout.weight_sync_delta's changed elements only (the sender
-    compares the export with its host copy); fp8: rollout.weight_dtype fp8.
+    rank, which sends every bucket) or "direct" (every actor rank sends its own slices to the engine GPUs that hold
+    them, no gather; built for a split launch's embedded engine ranks, rollout.weight_sync_route, not into SGLang).
+    delta: rollout.weight_sync_delta's changed elements only (the sender compares the export with its host copy);
+    fp8: rollout.weight_dtype fp8.
     """
 
     tp: int
@@ -953,7 +954,7 @@ SYNC_TARGETS: list[tuple[str, str, SyncLayout, float, str]] = [
 
 def format_sync_targets(a: Assumptions | None = None) -> str:
     """docs/planning.md's "Weight sync at scale" table: every SYNC_TARGETS case with each transport (rank0: what
-    runs; direct: modelled) full and delta, its seconds against the target and its largest terms."""
+    runs into SGLang; direct: modelled there) full and delta, its seconds against the target and its largest terms."""
     from dataclasses import replace
 
     a = a or Assumptions()

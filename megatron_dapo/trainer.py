@@ -159,6 +159,7 @@ class DAPOTrainer:
         )  # fmt: skip
         return make_generation(
             ctx, export=lambda: self.actor.export_hf_weights(),  # resolved per call (tests wrap the actor's)
+            shards=lambda: self.actor.owned_shards(),
             memory=self.memory, placement=placement, store=store, remote=self.remote, eval_exchange=self.eval_exchange,
             local_rank=self.groups.local_rank, wait_saved=self.ckpt.wait_written,
         )  # fmt: skip

@@ -120,6 +120,8 @@ class MegatronActor:
         if not source:
             raise ValueError("MegatronActor: pass hf_dir or set actor.model_path (the HF config is needed)")
         self.hf_config = AutoConfig.from_pretrained(source)
+        self._transfer_plan: Any = None
+        """actor/reshard.py's Plan of a direct weight sync (owned_shards), made on its first call."""
         self.vocab_size = int(self.hf_config.vocab_size)
         self.device = groups.device
         self.logprob_impl = get_logprob_impl(config.actor.logprob_impl)
@@ -435,6 +437,21 @@ class MegatronActor:
         return hf_weights.export_hf_weights(
             self.model, self.hf_config, self.groups, bucket_bytes=bucket_bytes, dst_rank=dst_rank
         )
+
+    def owned_shards(self) -> Iterator[tuple[str, Tensor]]:
+        """This rank's share of a direct weight sync (actor/reshard.py): (piece name, its local megatron shard in the
+        export dtype) for the pieces the transfer plan gives it. The plan is made on the first call, an all-gather of
+        every rank's (tp, pp, ep) coordinates over the actor's ranks (collective that once); later calls touch no
+        other rank."""
+        from megatron_dapo.actor import reshard
+
+        self._require_resident("owned_shards", ("params",))
+        if self._transfer_plan is None:
+            coords: list[Any] = [None] * self.groups.world_size
+            mine = (self.groups.tp_rank, self.groups.pp_rank, self.groups.ep_rank)
+            dist.all_gather_object(coords, mine, group=self.groups.world_group)
+            self._transfer_plan = reshard.transfer_plan(self.hf_config, reshard.Layout.of(self.groups, coords))
+        return reshard.owned_shards(self.model, self.hf_config, self.groups, self._transfer_plan)
 
     def save_hf(self, out_dir: str, tokenizer: Any = None) -> None:
         """Write the current weights as a Hugging Face checkpoint: out_dir/model.safetensors (the HF config's

@@ -1,0 +1,168 @@
+"""Direct resharding: every actor rank sends the Megatron shards it holds, the engine ranks rebuild the HF tensors.
+
+    transfer_plan(hf_config, layout) -> Plan           which actor rank sends which shard of which parameter
+    owned_shards(model_chunks, hf_config, groups, pieces, dtype) -> Iterator[(piece name, shard)]    (actor side)
+    Assembler(hf_config, tp).add(name, shard) ... .full_tensors() -> Iterator[(hf name, full tensor)] (engine side)
+
+The rank-0 route (actor.hf_weights.export_hf_weights + placement.WeightChannel) gathers every tensor over TP,
+broadcasts it over PP and sends the whole model from actor rank 0: one rank's link carries every byte and the other
+actor ranks wait in collectives. Here no actor rank gathers anything: a piece is one TP shard of one megatron
+parameter (a replicated one, such as a norm, is one piece), named "<its first HF name>@<TP rank>", in the export
+dtype; the plan gives each piece to exactly one of the actor ranks holding it (its stage, TP rank and, for a routed
+expert, EP rank; data-parallel replicas hold the same pieces and share the work, the least loaded first), and every
+actor rank sends its pieces at once on its own link (placement.DirectChannel). An engine rank receives the pieces of
+every sender and rebuilds each full HF tensor with the converter's own `_unshard`, so the tensors it loads are
+bit for bit those of the rank-0 export.
+
+The plan is a function of the HF config and the actor's layout only (every rank computes the same one); the engine
+side needs only the HF config and the actor's TP size (how many shards a split parameter has).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron_dapo.actor.hf_weights import _dims
+from megatron_dapo.actor.hf_weights import _export_dtype
+from megatron_dapo.actor.hf_weights import _find_param
+from megatron_dapo.actor.hf_weights import _plan
+from megatron_dapo.actor.hf_weights import _stage_model
+from megatron_dapo.actor.hf_weights import _Unit
+from megatron_dapo.actor.hf_weights import _unshard
+from megatron_dapo.actor.model import padded_vocab_size
+
+if TYPE_CHECKING:
+    from megatron_dapo.actor.distributed import ParallelGroups
+
+SHARD_SEP = "@"
+"""Separates a piece's HF name from its TP rank ("model.layers.0.self_attn.q_proj.weight@1")."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The actor's parallel layout: sizes, and per actor rank (in rank order) its (tp_rank, pp_rank, ep_rank)."""
+
+    tp: int
+    pp: int
+    ep: int
+    coords: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def of(cls, groups: ParallelGroups, coords: Iterable[tuple[int, int, int]]) -> Layout:
+        return cls(groups.tp_size, groups.pp_size, groups.ep_size, tuple(tuple(c) for c in coords))
+
+    def __post_init__(self) -> None:
+        want = {(t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
+        missing = sorted(want - set(self.coords))
+        if missing:
+            raise ValueError(f"reshard: no actor rank holds (tp, pp, ep) = {missing[0]} of a {self.tp} x {self.pp} x "
+                             f"{self.ep} layout")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """pieces[r]: the (unit index, TP rank) pairs actor rank r sends, in export order; units: the converter's plan."""
+
+    units: tuple[_Unit, ...]
+    pieces: tuple[tuple[tuple[int, int], ...], ...]
+    numels: tuple[int, ...]
+    """Per actor rank, the elements it sends in a full sync (its share of the link traffic)."""
+
+
+def piece_name(unit: _Unit, shard: int) -> str:
+    return f"{unit.hf_names[0]}{SHARD_SEP}{shard}"
+
+
+def _shard_count(unit: _Unit, tp: int) -> int:
+    return 1 if unit.kind == "replicated" else tp
+
+
+def _shard_numel(unit: _Unit, d: Any, tp: int) -> int:
+    numel = sum(int(torch.Size(s).numel()) for s in unit.hf_shapes)
+    if unit.kind == "vocab":
+        numel = padded_vocab_size(d.vocab, tp) * d.hidden
+    return numel // _shard_count(unit, tp)
+
+
+def transfer_plan(hf_config: Any, layout: Layout) -> Plan:
+    """Give every shard of every parameter to one actor rank that holds it: among its holders (data-parallel
+    replicas) the one with the fewest elements so far, the lowest rank on a tie. Deterministic: every rank computes
+    the same plan."""
+    d = _dims(hf_config, layout.ep)
+    units = tuple(_plan(d, layout.pp))
+    loads = [0] * len(layout.coords)
+    pieces: list[list[tuple[int, int]]] = [[] for _ in layout.coords]
+    for index, unit in enumerate(units):
+        size = _shard_numel(unit, d, layout.tp)
+        for shard in range(_shard_count(unit, layout.tp)):
+            holders = [
+                r
+                for r, (tp, pp, ep) in enumerate(layout.coords)
+                if pp == unit.stage and (unit.kind == "replicated" or tp == shard) and unit.ep_owner in (None, ep)
+            ]
+            rank = min(holders, key=lambda r: (loads[r], r))
+            loads[rank] += size
+            pieces[rank].append((index, shard))
+    return Plan(units, tuple(tuple(p) for p in pieces), tuple(loads))
+
+
+def owned_shards(
+    model_chunks: list[torch.nn.Module],
+    hf_config: Any,
+    groups: ParallelGroups,
+    plan: Plan,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, Tensor]]:
+    """This rank's pieces of `plan` as (piece name, its local megatron shard in `dtype`, default the HF config's as
+    the export). No collective: each rank reads its own parameters. The tensors may alias the live parameters: send
+    or copy each before the optimizer steps."""
+    d = _dims(hf_config, groups.ep_size)
+    params = dict(_stage_model(model_chunks, d, groups).named_parameters())
+    dtype = dtype or _export_dtype(hf_config, next(iter(params.values())).dtype)
+    with torch.no_grad():
+        for index, shard in plan.pieces[groups.rank]:
+            unit = plan.units[index]
+            yield piece_name(unit, shard), _find_param(params, unit).detach().to(dtype)
+
+
+class Assembler:
+    """An engine rank's side: collects the pieces of one sync from every sender and rebuilds the full HF tensors.
+
+    hf_config: the model's; tp: the actor's tensor-parallel size (the shard count of a split parameter)."""
+
+    def __init__(self, hf_config: Any, tp: int) -> None:
+        self.d = _dims(hf_config)
+        self.tp = tp
+        self.units = {unit.hf_names[0]: unit for unit in _plan(self.d, 1)}  # HF names and kinds do not depend on PP/EP
+        self.pieces: dict[tuple[str, int], Tensor] = {}
+
+    def add(self, name: str, shard: Tensor) -> None:
+        """One received piece (its name as `piece_name` gave it); ValueError (one line) for a name no parameter has or
+        a piece received twice."""
+        key, sep, rank = name.rpartition(SHARD_SEP)
+        unit = self.units.get(key)
+        if not sep or unit is None or not rank.isdigit() or int(rank) >= _shard_count(unit, self.tp):
+            raise ValueError(f"direct weight sync: received a piece {name!r} that no parameter of this model has "
+                             f"at actor TP {self.tp}")  # fmt: skip
+        if (key, int(rank)) in self.pieces:
+            raise ValueError(f"direct weight sync: piece {name!r} received twice")
+        self.pieces[key, int(rank)] = shard
+
+    def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Every (hf_name, full tensor) in the export's order; ValueError (one line) naming the first missing piece.
+        Consumes the pieces."""
+        for key, unit in self.units.items():
+            count = _shard_count(unit, self.tp)
+            missing = [r for r in range(count) if (key, r) not in self.pieces]
+            if missing:
+                raise ValueError(f"direct weight sync: no actor rank sent {key}{SHARD_SEP}{missing[0]} (of {count})")
+            shards = [self.pieces.pop((key, r)) for r in range(count)]
+            yield from zip(unit.hf_names, _unshard(unit.kind, shards, self.d), strict=True)
+        self.pieces.clear()

@@ -1,0 +1,261 @@
+"""Direct resharding (actor/reshard.py, placement.DirectChannel): the transfer plan gives every shard to exactly one
+of its holders, the engine side rebuilds every family's HF tensors bit for bit from shards cut by the converter's own
+loader, and under torchrun --rdzv-backend c10d a Megatron actor at several layouts pushes into engine ranks whose
+tensors equal the rank-0 export bit for bit, full and as deltas, with no actor rank carrying the whole model."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from megatron_dapo.actor import reshard
+from megatron_dapo.actor.hf_weights import _dims
+from megatron_dapo.actor.hf_weights import _shard
+from megatron_dapo.net import free_port
+from tests.actor._tiny_models import every_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _layout(tp: int, pp: int, ep: int, dp: int) -> reshard.Layout:
+    """megatron's rank order tp-ep-dp-pp (EP carved out of DP): TP adjacent, stages world / pp apart."""
+    coords = []
+    for p in range(pp):
+        for r in range(dp):
+            for t in range(tp):
+                coords.append((t, p, r % ep))
+    return reshard.Layout(tp, pp, ep, tuple(coords))
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "ep", "dp"), [(1, 1, 1, 1), (2, 2, 1, 1), (1, 1, 1, 3), (2, 1, 2, 2), (1, 2, 2, 4)]
+)
+def test_every_shard_goes_once_from_a_rank_that_holds_it_and_replicas_share_the_work(tp, pp, ep, dp):
+    config = AutoConfig.from_pretrained(every_tiny_checkpoint()["qwen3_moe"])
+    layout = _layout(tp, pp, ep, dp)
+    plan = reshard.transfer_plan(config, layout)
+    sent = [(u, s) for pieces in plan.pieces for u, s in pieces]
+    want = [(i, s) for i, unit in enumerate(plan.units) for s in range(1 if unit.kind == "replicated" else tp)]
+    assert sorted(sent) == sorted(want)  # every shard, once
+    for rank, pieces in enumerate(plan.pieces):
+        t, p, e = layout.coords[rank]
+        for index, shard in pieces:
+            unit = plan.units[index]
+            assert unit.stage == p and unit.ep_owner in (None, e)
+            assert unit.kind == "replicated" or shard == t
+    # Replicas of the same (tp, pp) coordinates split the dense pieces: nobody sends much more than its share.
+    per_stage = {}
+    for rank, (_, p, _) in enumerate(layout.coords):
+        per_stage.setdefault(p, []).append(plan.numels[rank])
+    for loads in per_stage.values():
+        assert max(loads) <= 1.6 * sum(loads) / len(loads), loads
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("model", sorted(every_tiny_checkpoint()))
+def test_the_engine_side_rebuilds_every_familys_tensors_bit_for_bit(model, tp):
+    """Pieces cut by the loader's own sharding (`_shard`, what a TP rank holds), in a random order, give back the
+    checkpoint's tensors exactly (vocab padding stripped, q/k/v de-interleaved, gate/up split)."""
+    path = every_tiny_checkpoint()[model]
+    config = AutoConfig.from_pretrained(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    d = _dims(config)
+    plan = reshard.transfer_plan(config, _layout(tp, 1, 1, 1))
+    pieces = []
+    for unit in plan.units:
+        hf = [tensors[n] for n in unit.hf_names]
+        for shard in range(1 if unit.kind == "replicated" else tp):
+            pieces.append((reshard.piece_name(unit, shard), _shard(unit.kind, hf, d, tp, shard)))
+    random.Random(0).shuffle(pieces)
+    assembler = reshard.Assembler(config, tp)
+    for name, piece in pieces:
+        assembler.add(name, piece)
+    rebuilt = dict(assembler.full_tensors())
+    expected = {k: v for k, v in tensors.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    assert rebuilt.keys() == expected.keys()
+    assert all(torch.equal(rebuilt[k], expected[k]) for k in expected)
+
+
+def test_a_missing_an_unknown_or_a_repeated_piece_is_one_line():
+    config = AutoConfig.from_pretrained(every_tiny_checkpoint()["llama"])
+    assembler = reshard.Assembler(config, 2)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.q_proj.weight@2' that no parameter"):
+        assembler.add("model.layers.0.self_attn.q_proj.weight@2", torch.zeros(1))
+    with pytest.raises(ValueError, match="'model.nope@0' that no parameter"):
+        assembler.add("model.nope@0", torch.zeros(1))
+    assembler.add("model.norm.weight@0", torch.zeros(1))
+    with pytest.raises(ValueError, match="received twice"):
+        assembler.add("model.norm.weight@0", torch.zeros(1))
+    with pytest.raises(ValueError, match=r"no actor rank sent model.embed_tokens.weight@0 \(of 2\)"):
+        list(assembler.full_tensors())
+
+
+def test_a_layout_that_misses_a_coordinate_is_one_line():
+    with pytest.raises(ValueError, match=r"no actor rank holds \(tp, pp, ep\) = \(1, 0, 0\)"):
+        reshard.Layout(2, 1, 1, ((0, 0, 0), (0, 0, 0)))
+
+
+LAUNCHES = [
+    pytest.param(6, 2, 2, 2, 1, "qwen3,qwen2", id="actor_tp2xpp2-to-2_engines"),
+    pytest.param(4, 1, 1, 1, 1, "llama", id="uneven-3_replicas-to-1_engine"),
+    pytest.param(4, 2, 1, 1, 2, "qwen3_moe,mixtral", id="actor_ep2-to-2_engines"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "engines", "tp", "pp", "ep", "models"), LAUNCHES)
+def test_engine_ranks_hold_the_rank0_export_bit_for_bit_full_and_as_deltas(
+    tmp_path, world, engines, tp, pp, ep, models
+):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    endpoint = f"--rdzv-endpoint=127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=c10d", endpoint,
+           "--nnodes=1", f"--nproc-per-node={world}", "--max-restarts=0", str(ROOT / "tests" / "_reshard_worker.py"),
+           str(tmp_path), str(engines), str(tp), str(pp), str(ep),
+           ",".join(f"{m}={every_tiny_checkpoint()[m]}" for m in models.split(","))]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    actors = world - engines
+    version = 0
+    for model in models.split(","):
+        for step in range(3):
+            version += 1
+            export = torch.load(tmp_path / f"{model}.{version}.export.pt")
+            for e in range(engines):
+                engine = torch.load(tmp_path / f"{model}.{version}.engine{e}.pt")
+                assert list(engine) == list(export), (model, version, e)  # the export's order
+                bad = [n for n in export if not torch.equal(engine[n], export[n])]
+                assert bad == [], (model, version, e, bad[:3])
+            reports = [torch.load(tmp_path / f"{model}.{version}.actor{r}.pt") for r in range(actors)]
+            metrics = reports[0]["metrics"]
+            assert all(r["metrics"] == metrics for r in reports)  # every actor rank reports the push's totals
+            full = sum(t.numel() * t.element_size() for t in export.values())
+            fraction = metrics["weight_sync/changed_fraction"]
+            if step == 0:  # full: the shards add up to the model (plus megatron's vocab padding), split over the ranks
+                assert fraction == 1.0
+                assert full <= metrics["weight_sync/bytes"] == 4 * sum(reports[0]["planned"])
+                assert metrics["weight_sync/max_sender_bytes"] == 4 * max(reports[0]["planned"])
+                if actors > 1:
+                    assert metrics["weight_sync/max_sender_bytes"] < 0.75 * full  # no rank carries the model
+            elif step == 1:
+                assert 0.9 < fraction <= 1.0  # every parameter moved (a few values round back to the same float)
+            else:
+                assert fraction == 0.0 and metrics["weight_sync/bytes"] == 0.0
+
+
+def _direct_faults_worker(hf_dir: str) -> dict:
+    """Two actor ranks (TP 2, no Megatron: the shards are cut from the checkpoint by the loader's `_shard`) and one
+    engine rank over a real DirectChannel (gloo groups on the launch's store, 8 s timeouts). Pushes: 1 full, 2 a
+    delta; 3 and 4 never joined, rank 0's wait given up for a preemption (every actor rank: PushAbandoned) and failed
+    (rank 1: one line naming actor rank 0); 5 a delta whose sender 1 claims a base the engine does not hold (refused;
+    the engine stays on version 2, the sender times out, the other sender is told which rank failed)."""
+    from datetime import timedelta
+
+    from megatron_dapo.errors import JobError
+    from megatron_dapo.launch_env import launch_store
+    from megatron_dapo.placement import DirectChannel
+    from megatron_dapo.placement import Placement
+    from megatron_dapo.placement import PushAbandoned
+    from megatron_dapo.rollout.delta import DeltaEncoder
+    from megatron_dapo.rollout.exchange import RolloutExchange
+
+    rank = int(os.environ["RANK"])
+    store = launch_store("127.0.0.1", int(os.environ["MASTER_PORT"]), rank, 3, timedelta(seconds=60), env={})
+    placement = Placement(rank, 3, 1)
+    config = AutoConfig.from_pretrained(hf_dir)
+    full = load_file(str(Path(hf_dir) / "model.safetensors"))
+    if placement.is_engine:
+        channel = DirectChannel(placement, store, 8.0, hf_config=config, actor_tp=2, delta=True)
+        out: dict = {}
+        for version in (1, 2, 5):
+            while channel.pending() != version:
+                time.sleep(0.01)
+            try:
+                got, buckets = channel.receive_buckets()
+                tensors = dict(buckets[0])
+                out[version] = all(torch.equal(tensors[k], _moved(full, version)[k]) for k in tensors)
+            except JobError as err:
+                out[version] = str(err)
+        out["version"] = channel.version
+        store.wait(["actor/done"])
+        return out
+    from megatron_dapo.actor.hf_weights import _dims
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore("actors/", store), rank=rank,
+                                         world_size=2)  # fmt: skip
+    exchange = RolloutExchange(2, timeout_s=60.0)
+    channel = DirectChannel(placement, store, 8.0)
+    plan = reshard.transfer_plan(config, reshard.Layout(2, 1, 1, ((0, 0, 0), (1, 0, 0))))
+    encoder, d, out = DeltaEncoder(), _dims(config), {}
+
+    def pieces(version: int):
+        weights = _moved(full, version)
+        for index, shard in plan.pieces[rank]:
+            unit = plan.units[index]
+            yield reshard.piece_name(unit, shard), _shard(unit.kind, [weights[n] for n in unit.hf_names], d, 2, shard)
+
+    def gather(x):
+        return exchange.all_gather([x], "test")
+
+    for version in (1, 2):
+        out[version] = channel.push(version, pieces(version), 4096, encoder, gather=gather)["weight_sync/bytes"]
+    for name, poll in (("abandoned", lambda: (_ for _ in ()).throw(PushAbandoned())), ("failed", _stalled)):
+        try:  # versions 3 and 4: the engine rank waits for 5 and never joins them
+            channel.push(channel.version + 1, pieces(3), 4096, encoder, poll=poll, timeout_s=5, gather=gather)
+            out[name] = "returned"
+        except (PushAbandoned, JobError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+        channel.version += 1
+    if rank == 1:
+        encoder.version = 1  # a base the engine rank does not hold
+    try:
+        out[5] = channel.push(5, pieces(5), 4096, encoder, gather=gather)
+    except JobError as err:
+        out[5] = str(err)
+    if rank == 0:
+        store.set("actor/done", "1")
+    return out
+
+
+def _moved(full: dict, version: int) -> dict:
+    """The checkpoint's tensors at `version`: from version 2 on, every tenth element of each one moved."""
+    if version < 2:
+        return full
+    moved = {}
+    for name, t in full.items():
+        t = t.clone()
+        t.view(-1)[::10] += 1.0
+        moved[name] = t
+    return moved
+
+
+def _stalled() -> None:
+    from megatron_dapo.errors import JobError
+
+    raise JobError("engine rank 0 (host h, pid 1) made no progress for 15 s")
+
+
+def test_direct_pushes_check_versions_on_both_sides_and_a_refused_one_leaves_the_old_weights():
+    from tests.actor._dist import run_distributed
+
+    hf_dir = str(every_tiny_checkpoint()["llama"])
+    actor0, actor1, engine = run_distributed(_direct_faults_worker, 3, hf_dir, timeout_s=180)
+    assert engine[1] is True and engine[2] is True  # full, then a delta: the checkpoint's tensors exactly
+    assert actor0[2] < 0.5 * actor0[1]  # the delta sent a tenth of the elements (+ their indices)
+    assert actor0["abandoned"] == actor1["abandoned"] == "PushAbandoned: "
+    assert actor0["failed"] == "JobError: engine rank 0 (host h, pid 1) made no progress for 15 s"
+    assert actor1["failed"] == "JobError: weight push of version 4: given up by actor rank 0 (see its log)"
+    assert engine[5] == ("weight channel: push 5 is a delta against version 1 but this rank holds version 2 (actor "
+                         "rank 1's shards)")  # fmt: skip
+    assert engine["version"] == 2  # the refused push left the engine on its old weights
+    assert actor1[5].startswith("weight push of version 5: an engine rank stopped answering in the transfer")
+    assert actor0[5] == "weight push of version 5: actor rank 1 failed to send its shards (see its log)"
