@@ -187,6 +187,7 @@ def _direct_faults_worker(hf_dir: str) -> dict:
                 out[version] = str(err)
         out["version"] = channel.version
         store.wait(["actor/done"])
+        store.set("engine/done", "1")  # rank 0 hosts the store: it leaves after this
         return out
     from megatron_dapo.actor.hf_weights import _dims
 
@@ -223,6 +224,7 @@ def _direct_faults_worker(hf_dir: str) -> dict:
         out[5] = str(err)
     if rank == 0:
         store.set("actor/done", "1")
+        store.wait(["engine/done"])
     return out
 
 

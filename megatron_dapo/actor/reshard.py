@@ -9,10 +9,10 @@ broadcasts it over PP and sends the whole model from actor rank 0: one rank's li
 actor ranks wait in collectives. Here no actor rank gathers anything: a piece is one TP shard of one megatron
 parameter (a replicated one, such as a norm, is one piece), named "<its first HF name>@<TP rank>", in the export
 dtype; the plan gives each piece to exactly one of the actor ranks holding it (its stage, TP rank and, for a routed
-expert, EP rank; data-parallel replicas hold the same pieces and share the work, the least loaded first), and every
-actor rank sends its pieces at once on its own link (placement.DirectChannel). An engine rank receives the pieces of
-every sender and rebuilds each full HF tensor with the converter's own `_unshard`, so the tensors it loads are
-bit for bit those of the rank-0 export.
+expert, EP rank; data-parallel replicas hold the same pieces and share the work: largest first, to the least
+loaded), and every actor rank sends its pieces at once on its own link (placement.DirectChannel). An engine rank
+receives the pieces of every sender and rebuilds each full HF tensor with the converter's own `_unshard`, so the
+tensors it loads are bit for bit those of the rank-0 export.
 
 The plan is a function of the HF config and the actor's layout only (every rank computes the same one); the engine
 side needs only the HF config and the actor's TP size (how many shards a split parameter has).
@@ -92,25 +92,30 @@ def _shard_numel(unit: _Unit, d: Any, tp: int) -> int:
 
 
 def transfer_plan(hf_config: Any, layout: Layout) -> Plan:
-    """Give every shard of every parameter to one actor rank that holds it: among its holders (data-parallel
-    replicas) the one with the fewest elements so far, the lowest rank on a tie. Deterministic: every rank computes
-    the same plan."""
+    """Give every shard of every parameter to one actor rank that holds it: largest shards first, each to the holder
+    (data-parallel replicas hold the same shards) with the fewest elements so far, the lowest rank on a tie; each
+    rank then sends its shards in export order. Deterministic: every rank computes the same plan."""
     d = _dims(hf_config, layout.ep)
     units = tuple(_plan(d, layout.pp))
+    shards = [
+        (index, shard, _shard_numel(unit, d, layout.tp))
+        for index, unit in enumerate(units)
+        for shard in range(_shard_count(unit, layout.tp))
+    ]
     loads = [0] * len(layout.coords)
-    pieces: list[list[tuple[int, int]]] = [[] for _ in layout.coords]
-    for index, unit in enumerate(units):
-        size = _shard_numel(unit, d, layout.tp)
-        for shard in range(_shard_count(unit, layout.tp)):
-            holders = [
-                r
-                for r, (tp, pp, ep) in enumerate(layout.coords)
-                if pp == unit.stage and (unit.kind == "replicated" or tp == shard) and unit.ep_owner in (None, ep)
-            ]
-            rank = min(holders, key=lambda r: (loads[r], r))
-            loads[rank] += size
-            pieces[rank].append((index, shard))
-    return Plan(units, tuple(tuple(p) for p in pieces), tuple(loads))
+    owner: dict[tuple[int, int], int] = {}
+    for index, shard, size in sorted(shards, key=lambda x: -x[2]):  # stable: export order among equal sizes
+        unit = units[index]
+        holders = [
+            r
+            for r, (tp, pp, ep) in enumerate(layout.coords)
+            if pp == unit.stage and (unit.kind == "replicated" or tp == shard) and unit.ep_owner in (None, ep)
+        ]
+        rank = min(holders, key=lambda r: (loads[r], r))
+        loads[rank] += size
+        owner[index, shard] = rank
+    pieces = tuple(tuple((i, s) for i, s, _ in shards if owner[i, s] == rank) for rank in range(len(layout.coords)))
+    return Plan(units, pieces, tuple(loads))
 
 
 def owned_shards(
