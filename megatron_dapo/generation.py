@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Iterator
 from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from megatron_dapo.envs.base import prompt_record
@@ -92,7 +93,9 @@ class RolloutContext:
         """The training SamplingParams (one response per request; G requests per prompt)."""
         c = self.config
         r3 = c.actor.routing_replay == "r3"  # the actor replays the engine's experts
-        return sampling_params(c.rollout, n=1, stop_token_ids=self.inputs.stop_ids, routed_experts=r3)
+        params = sampling_params(c.rollout, n=1, stop_token_ids=self.inputs.stop_ids, routed_experts=r3)
+        env = self.environment
+        return replace(params, multi_turn=True) if env is not None and env.multi_turn else params
 
     def make_stream(self, engine: Any, **hooks: Any) -> RolloutStream:
         """The rollout stream over this role's ranks (collective: the queue's store address is gathered)."""

@@ -78,6 +78,9 @@ class SamplingParams:
     """Return the sampling log-prob of every generated token."""
     return_routed_experts: bool = False
     """MoE models: return every token's experts per MoE layer (Rollout.routed_experts; actor.routing_replay r3)."""
+    multi_turn: bool = False
+    """A response that stops may be continued as the prefix of a new request (its next turn, after an observation):
+    an engine may keep its KV cache until then (the transformers engine does; SGLang's radix cache does it anyway)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:

@@ -127,18 +127,26 @@ class SlotCache:
 
 
 class PrefillCache:
-    """The model's cache argument for a one-prompt prefill: keeps each layer's [1, Hkv, P, D] key/value."""
+    """The model's cache argument for a one-prompt prefill: keeps each layer's [1, Hkv, P, D] key/value. With `past`
+    (per layer keys and values [Hkv, P0, D] of the context's first P0 tokens, a kept turn's cache), the forward runs
+    on the remaining tokens only and each layer attends over past + new."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, past: tuple[list[Tensor], list[Tensor]] | None = None) -> None:
         self.keys: list[Tensor | None] = [None] * num_layers
         self.values: list[Tensor | None] = [None] * num_layers
+        self.past = past
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if self.past is not None:
+            key = torch.cat([self.past[0][layer_idx][None], key], dim=2)
+            value = torch.cat([self.past[1][layer_idx][None], value], dim=2)
         self.keys[layer_idx], self.values[layer_idx] = key, value
         return key, value
 
 
-def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """[1, 1, length, length] additive causal mask."""
-    upper = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
-    return torch.zeros(1, 1, length, length, dtype=dtype, device=device).masked_fill(upper, torch.finfo(dtype).min)
+def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, past: int = 0) -> Tensor:
+    """[1, 1, length, past + length] additive causal mask: query i (position past + i) sees keys 0..past + i."""
+    upper = torch.ones(length, past + length, dtype=torch.bool, device=device).triu(past + 1)
+    return torch.zeros(1, 1, length, past + length, dtype=dtype, device=device).masked_fill(
+        upper, torch.finfo(dtype).min
+    )

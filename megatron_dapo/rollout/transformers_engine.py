@@ -6,6 +6,11 @@
         -> top-k / top-p filter -> per-row torch.Generator sample; a finished row returns its Rollout at once and
         its slot takes the next waiting request (no batch waits for its longest row)
     abort(): every request in flight comes back unfinished (tokens so far) -- partial rollouts continue them later
+    multi-turn (SamplingParams.multi_turn): a row that stops keeps its KV (copied out of its slot, which frees at
+        once); the trajectory's next turn, a request whose context extends those tokens, prefills only what is new
+        (the last sampled token and the observation) over it. Kept until used, at most max_running (the least
+        recently kept go first), dropped by abort, a weight update and a release of the KV cache
+        (docs/benchmarks.md "Multi-turn: KV kept across a tool call")
     generate(prompts, params): the same, blocking, for a fixed list (evaluation, tools)
 
 Why not model.generate: it cannot draw each row from its own generator, and its default top_k=50 silently
@@ -20,6 +25,7 @@ top-p truncation, in fp32 -- the quantity the actor recomputes (DESIGN.md).
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -180,6 +186,11 @@ class TransformersEngine:
         self._waiting: deque[GenerationRequest] = deque()
         self._prefills: dict[tuple[int, ...], tuple[list[Tensor], list[Tensor], Tensor]] = {}
         self._prefill_refs: dict[tuple[int, ...], int] = {}
+        self._kept: OrderedDict[tuple[int, ...], tuple[list[Tensor], list[Tensor]]] = OrderedDict()
+        """Multi-turn: per stopped row, its tokens that have KV (context + response but the last token) -> per layer
+        keys and values [Hkv, P, D], until its next turn's prefill takes them."""
+        self.prefilled_tokens = 0
+        """Tokens run through prefill forwards so far (a kept turn's context counts only what was new)."""
         config = self.model.config
         gen_config = getattr(self.model, "generation_config", None)
         if eos_token_ids is None:
@@ -269,6 +280,7 @@ class TransformersEngine:
         for req in self._waiting:
             out.append((req.key, request_result(req, [], [] if self._want_logp() else None, FinishReason.ABORT, 0)))
         self._live, self._waiting, self._prefills, self._prefill_refs = [], deque(), {}, {}
+        self._kept.clear()
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
@@ -310,13 +322,16 @@ class TransformersEngine:
         hit = self._prefills.get(key)
         if hit is not None:
             return hit
-        n = len(key)
-        cache = PrefillCache(self.model.config.num_hidden_layers)
+        past = self._take_kept(key)
+        start = 0 if past is None else past[0][0].shape[1]
+        n = len(key) - start
+        self.prefilled_tokens += n
+        cache = PrefillCache(self.model.config.num_hidden_layers, past)
         logits = (
             self._forward(
-                input_ids=torch.tensor([key], device=self.device),
-                attention_mask=causal_mask(n, self.model.dtype, self.device),
-                position_ids=torch.arange(n, device=self.device)[None],
+                input_ids=torch.tensor([key[start:]], device=self.device),
+                attention_mask=causal_mask(n, self.model.dtype, self.device, past=start),
+                position_ids=torch.arange(start, start + n, device=self.device)[None],
                 use_cache=True,
                 **{self._cache_arg: cache},
                 **self._prefill_kwargs,
@@ -328,6 +343,23 @@ class TransformersEngine:
         out = ([k[0] for k in cache.keys], [v[0] for v in cache.values], logits, routing)
         self._prefills[key] = out
         return out
+
+    def _take_kept(self, key: tuple[int, ...]) -> tuple[list[Tensor], list[Tensor]] | None:
+        """The kept KV of the longest kept token sequence that `key` extends (removed: a turn continues once)."""
+        best = max((t for t in self._kept if len(t) < len(key) and key[: len(t)] == t), key=len, default=None)
+        return None if best is None else self._kept.pop(best)
+
+    def _keep(self, row: _Row, slot: int) -> None:
+        """Multi-turn: copy a stopped row's KV out of its slot, keyed by the tokens it covers."""
+        tokens = (self._context_key(row.request) + tuple(row.tokens))[: row.position]
+        cache = self._cache
+        self._kept[tokens] = (
+            [k[slot, :, : row.position].clone() for k in cache.keys],
+            [v[slot, :, : row.position].clone() for v in cache.values],
+        )
+        self._kept.move_to_end(tokens)
+        while len(self._kept) > self.max_running:
+            self._kept.popitem(last=False)
 
     def _admit(self, finished: list) -> None:
         """Move waiting requests into free slots: prefill (shared by the requests of one context), write the slot,
@@ -408,8 +440,11 @@ class TransformersEngine:
                 leaving.append((slot, FinishReason.STOP))
             elif len(row.tokens) >= row.limit:
                 leaving.append((slot, FinishReason.LENGTH))
+        keep = params.multi_turn and not params.return_routed_experts  # (a kept prefill would route part of a context)
         for slot, reason in sorted(leaving, reverse=True):
             row = self._live[slot]
+            if keep and reason is FinishReason.STOP:
+                self._keep(row, slot)
             finished.append((row.request.key, self._result(row, reason)))
             last = len(self._live) - 1
             if slot != last:
@@ -434,6 +469,7 @@ class TransformersEngine:
         """Open an update session (resuming released weights); end_weight_update() checks that every parameter
         arrived."""
         self.resume_memory(["weights"])
+        self._kept.clear()  # a next turn prefills its context under the new weights
         self.weights.begin()
 
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
@@ -466,6 +502,7 @@ class TransformersEngine:
             if self.num_unfinished():
                 raise RuntimeError("TransformersEngine.release_memory: requests are in flight (abort them first)")
             self._cache = None
+            self._kept.clear()
         if self.device.type == "cuda" and "weights" in tags and not self._asleep:
             self.model.to("cpu")
             torch.cuda.empty_cache()

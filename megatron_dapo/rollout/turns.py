@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ def run_trajectories(
     in Rollout.episode."""
     if engine.num_unfinished():
         raise RuntimeError(f"{type(engine).__name__}: requests of a stream are still in flight")
+    params = replace(params, multi_turn=True)
     base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())  # as requests_for
     episodes, done = {}, {}
     for i, prompt in enumerate(prompts):
