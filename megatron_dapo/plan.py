@@ -24,10 +24,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from megatron_dapo.actor.arch import QK_NORM_ARCHS
 from megatron_dapo.actor.arch import MoeShape
+from megatron_dapo.actor.arch import has_qk_norm
 from megatron_dapo.actor.arch import has_qkv_bias
-from megatron_dapo.actor.arch import model_arch
 from megatron_dapo.actor.arch import moe_shape
 from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.config import mini_batch_rows
@@ -67,7 +66,7 @@ def check_layout(nodes: Any, gpus_per_node: Any, gpu_memory_gb: Any) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """The fields of an HF Llama/Qwen2/Qwen3 config.json the planner needs (dense, SwiGLU, RMSNorm, RoPE)."""
+    """The fields of a supported HF config.json the planner needs (SwiGLU, RMSNorm, RoPE; dense or MoE)."""
 
     name: str
     hidden: int
@@ -89,7 +88,29 @@ class ModelShape:
     moe_ffn: int = 0
     """One expert's SwiGLU width (moe_intermediate_size)."""
     shared_ffn: int = 0
-    """Qwen2-MoE's gated shared expert width (0: none)."""
+    """The shared expert's width (Qwen2-MoE: gated; GLM-4.5: n_shared_experts x moe_ffn, ungated; 0: none)."""
+    shared_gate: bool = True
+    """Whether the shared expert has a gate [1, h] (Qwen2-MoE)."""
+    dense_layers: int = 0
+    """MoE models whose first layers are dense (GLM-4.5's first_k_dense_replace): their MLP is `ffn` wide."""
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with the MoE block (0 for a dense model)."""
+        return self.layers - self.dense_layers if self.experts else 0
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) has the MoE block."""
+        return bool(self.experts) and layer >= self.dense_layers
+
+    def layer_params(self, layer: int) -> tuple[int, int, int]:
+        """(tensor-parallel, routed-expert, replicated) parameters of layer `layer`: the layer_* properties for an MoE
+        layer, the dense MLP and no router for a dense one."""
+        if self.sparse(layer):
+            return self.layer_sharded_params, self.layer_expert_params, self.layer_replicated_params
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return h * (q + 2 * kv) + bias + q * h + 3 * h * self.ffn, 0, 2 * h + (2 * self.hd if self.qk_norm else 0)
 
     @property
     def hd(self) -> int:
@@ -106,7 +127,8 @@ class ModelShape:
     @property
     def layer_sharded_params(self) -> int:
         """Parameters of one layer that tensor parallelism splits: q, k, v (+ biases), o and the MLP's gate, up, down
-        (MoE: the shared expert's; the routed experts are layer_expert_params)."""
+        (MoE: the shared expert's; the routed experts are layer_expert_params). An MoE model's MoE layer
+        (`layer_params` gives any layer's)."""
         h, q, kv = self.hidden, self.q_dim, self.kv_dim
         bias = (q + 2 * kv) if self.qkv_bias else 0
         mlp = 3 * h * (self.shared_ffn if self.experts else self.ffn)
@@ -120,31 +142,33 @@ class ModelShape:
     @property
     def layer_replicated_params(self) -> int:
         """Parameters of one layer on every TP rank: the two RMSNorm weights (and Qwen3's q / k norms; MoE: the
-        router [E, h] and the shared expert's gate [1, h])."""
-        router = self.experts * self.hidden + (self.hidden if self.shared_ffn and self.experts else 0)
+        router [E, h] and the shared expert's gate [1, h]; GLM-4.5's router bias is a buffer, not a parameter)."""
+        gate = self.shared_ffn and self.experts and self.shared_gate
+        router = self.experts * self.hidden + (self.hidden if gate else 0)
         return 2 * self.hidden + (2 * self.hd if self.qk_norm else 0) + router
 
     @property
     def active_params(self) -> int:
         """Parameters one token goes through (MoE: top-k of the routed experts; dense: num_params): FLOPs and decode
         speed scale with it."""
-        return self.num_params - self.layers * (self.experts - self.topk) * 3 * self.hidden * self.moe_ffn
+        return self.num_params - self.moe_layers * (self.experts - self.topk) * 3 * self.hidden * self.moe_ffn
 
     @property
     def layer_mlp_act(self) -> int:
         """Per token, the MLP's stored activations in elements (/ tp): gate|up and the SwiGLU output of the dense
         MLP (3 ffn), or of each of the top-k experts and the shared expert, plus the dispatched copies of the token
-        (k in, k out: 2 k h)."""
+        (k in, k out: 2 k h); with dense first layers, the larger of the two (an upper bound for those layers)."""
         if not self.experts:
             return 3 * self.ffn
-        return self.topk * 3 * self.moe_ffn + 3 * self.shared_ffn + 2 * self.topk * self.hidden
+        moe = self.topk * 3 * self.moe_ffn + 3 * self.shared_ffn + 2 * self.topk * self.hidden
+        return max(moe, 3 * self.ffn) if self.dense_layers else moe
 
     @property
     def num_params(self) -> int:
         """The HF parameter count (unpadded vocabulary; the LM head counted once when tied; every expert)."""
-        per_layer = self.layer_sharded_params + self.layer_expert_params + self.layer_replicated_params
+        layers = sum(sum(self.layer_params(i)) for i in range(self.layers))
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * per_layer + embeddings + self.hidden
+        return layers + embeddings + self.hidden
 
 
 # Known architectures (from the models' HF config.json; used when actor.model_path is not on this machine):
@@ -170,7 +194,7 @@ def _family(cfg: dict[str, Any]) -> tuple[bool, bool, MoeShape | None]:
 
     hf = types.SimpleNamespace(**cfg)
     try:
-        return has_qkv_bias(hf), model_arch(hf) in QK_NORM_ARCHS, moe_shape(hf)
+        return has_qkv_bias(hf), has_qk_norm(hf), moe_shape(hf)
     except (ValueError, AttributeError, TypeError):
         return False, False, None
 
@@ -196,6 +220,8 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
             topk=moe.topk if moe else int(cfg.get("num_experts_per_tok") or 0),
             moe_ffn=moe.ffn if moe else 0,
             shared_ffn=moe.shared_ffn if moe else 0,
+            shared_gate=moe.shared_gate if moe else True,
+            dense_layers=moe.dense_layers if moe else 0,
         )
     except KeyError as err:
         raise PlanError(f"{name}/config.json: missing field {err.args[0]!r}") from None
@@ -394,18 +420,18 @@ def actor_stages(m: ModelShape, tp: int, pp: int, ep: int = 1) -> list[_Stage]:
         raise PlanError(f"actor.tensor_parallel: {tp} must divide num_key_value_heads {m.kv_heads}")
     if ep > 1 and (not m.experts or m.experts % ep):
         raise PlanError(f"actor.expert_parallel: {ep} must divide the model's experts ({m.experts})")
-    experts = m.layer_expert_params // (tp * ep)
-    per_layer = m.layer_sharded_params // tp + experts + m.layer_replicated_params
     vocab_rows = padded_vocab(m.vocab, tp) // tp * m.hidden
-    stages = []
+    stages, per_stage = [], m.layers // pp
     for s in range(pp):
-        n = m.layers // pp * per_layer
+        mine = [m.layer_params(i) for i in range(s * per_stage, (s + 1) * per_stage)]
+        experts = sum(e // (tp * ep) for _, e, _ in mine)
+        n = sum(sharded // tp + replicated for sharded, _, replicated in mine) + experts
         first, last = s == 0, s == pp - 1
         if first:
             n += vocab_rows
         if last:
             n += m.hidden + (0 if (m.tied and first) else vocab_rows)
-        stages.append(_Stage(s, m.layers // pp, n, last, expert_params=m.layers // pp * experts))
+        stages.append(_Stage(s, per_stage, n, last, expert_params=experts))
     return stages
 
 
@@ -500,19 +526,20 @@ def engine_weight_bytes(m: ModelShape, etp: int, b: int, fp8: bool = False) -> f
     gate/up/down weights (experts' too) at 1 byte per element plus an fp32 scale per 128 x 128 block
     (fp8_format.py); biases, norms, routers, embeddings and the LM head stay at b. etp=1 gives the whole model: the
     bytes one weight sync sends."""
-    linear = m.layers * linear_weight_bytes(m, fp8, b)
+    linear = sum(linear_weight_bytes(m, fp8, b, sparse=m.sparse(i)) for i in range(m.layers))
     biases = m.layers * (m.q_dim + 2 * m.kv_dim if m.qkv_bias else 0) * b
     embeddings = m.vocab * m.hidden * (1 if m.tied else 2) * b
-    replicated = (m.layers * m.layer_replicated_params + m.hidden) * b
+    replicated = (sum(m.layer_params(i)[2] for i in range(m.layers)) + m.hidden) * b
     return (linear + biases + embeddings) / etp + replicated
 
 
-def linear_weight_bytes(m: ModelShape, fp8: bool, b: int) -> float:
+def linear_weight_bytes(m: ModelShape, fp8: bool, b: int, *, sparse: bool) -> float:
     """Bytes of one layer's projection weights ([out, in]: q, k, v, o, then gate, up, down of the MLP, or of every
-    expert and the shared expert) in bf16 or block FP8 (the MoE router is in layer_replicated_params)."""
+    expert and the shared expert) in bf16 or block FP8 (the MoE router is in layer_replicated_params). sparse: an MoE
+    layer (`ModelShape.sparse`)."""
     h, q, kv, f = m.hidden, m.q_dim, m.kv_dim, m.ffn
     mlp = [(f, h), (f, h), (h, f)]
-    if m.experts:
+    if sparse:
         fe, fs = m.moe_ffn, m.shared_ffn
         mlp = [(fe, h), (fe, h), (h, fe)] * m.experts + ([(fs, h), (fs, h), (h, fs)] if fs else [])
     shapes = [(q, h), (kv, h), (kv, h), (h, q), *mlp]
@@ -812,7 +839,7 @@ def step_times(
     ep = getattr(act, "expert_parallel", 1)
     tokens_per_gpu = rows * seq / (actor_gpus / act.tensor_parallel)  # every TP rank of a DP rank holds the tokens
     a2a_link = a.internode_gbps if ep * act.tensor_parallel > gpus_per_node else a.nvlink_gbps
-    a2a_fwd = m.layers / act.pipeline_parallel * tokens_per_gpu * 2 * m.topk * m.hidden * a.dtype_bytes
+    a2a_fwd = m.moe_layers / act.pipeline_parallel * tokens_per_gpu * 2 * m.topk * m.hidden * a.dtype_bytes
     a2a_fwd = a2a_fwd * (ep - 1) / ep / (a2a_link * 1e9) if m.experts and ep > 1 else 0.0
     times["log-probs"] = passes * (rows * seq * fwd_per_token * bubble / flops_s + a2a_fwd)
     update_mult = 4 if recompute == "full" else 3  # fwd + 2x bwd (+ fwd again under full recompute)
@@ -894,7 +921,7 @@ def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, 
     )  # fmt: skip
     terms: dict[str, float] = {}
     dtype = " (FP8)" if s.fp8 else ""
-    expert_bytes = size * m.layers * m.layer_expert_params / max(m.num_params, 1)  # the experts' share of S
+    expert_bytes = size * m.moe_layers * m.layer_expert_params / max(m.num_params, 1)  # the experts' share of S
     if s.transport == "direct":
         actor_gpus = s.tp * s.pp * s.dp
         replicas = max(s.engine_gpus // s.engine_tp, 1)

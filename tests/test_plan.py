@@ -102,7 +102,7 @@ def test_config_json_is_read_when_the_model_is_local(tmp_path):
     assert resolve_model("/nowhere/Qwen2.5-7B-Instruct")[0].name == "Qwen2.5-7B"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
 def test_moe_parameter_counts_are_transformers(name):
     """Every expert, the router and (Qwen2-MoE) the gated shared expert counted as transformers counts them; the
     active parameters are those less the experts a token does not go through."""
@@ -511,6 +511,7 @@ def _megatron_counts(ckpts: dict[str, str]) -> dict[str, object]:
     from transformers import AutoConfig
 
     from megatron_dapo.actor.actor import MegatronActor
+    from megatron_dapo.actor.arch import is_moe
     from megatron_dapo.actor.checkpointing import allocate_adam_state
     from megatron_dapo.actor.checkpointing import torch_adam_states
     from megatron_dapo.actor.distributed import destroy_distributed
@@ -527,7 +528,7 @@ def _megatron_counts(ckpts: dict[str, str]) -> dict[str, object]:
         groups = init_distributed(tp, pp, expert_parallel=ep)
         for name, path in ckpts.items():
             hf_config = AutoConfig.from_pretrained(path)
-            if ep > 1 and not getattr(hf_config, "num_experts", 0):
+            if ep > 1 and not is_moe(hf_config):
                 continue
             actor_cfg = ActorConfig(
                 model_path=path, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, dtype="fp32"

@@ -177,19 +177,28 @@ def test_moe_dapo_steps_at_expert_parallel_2(tmp_path_factory):
     assert "actor.expert_parallel: 2 -> 1 (saved TP 1 x EP 2 x PP 1, now TP 1 x EP 1 x PP 1" in errors[0], errors[0]
 
 
+NEW_FAMILY_RUNS = {  # a family: an expert tensor the export must keep by the checkpoint's name
+    "mixtral": "model.layers.1.block_sparse_moe.experts.7.w2.weight",
+    "glm4_moe": "model.layers.1.mlp.gate.e_score_correction_bias",
+}
+
+
 @pytest.mark.slow
-def test_a_mixtral_actor_trains_3_steps_with_r3_and_resumes_exactly(tmp_path_factory):
-    """Issue 41 item 4 on a family new to the actor: a tiny random Mixtral (8 experts as wide as its intermediate
-    size, top-2 renormalised, Llama attention) trained by the whole job under torchrun, 2 ranks at
+@pytest.mark.parametrize("family", sorted(NEW_FAMILY_RUNS))
+def test_a_new_familys_actor_trains_3_steps_with_r3_and_resumes_exactly(tmp_path_factory, family):
+    """Issue 41 item 4 on the families new to the actor: a tiny random Mixtral (8 experts as wide as its intermediate
+    size, top-2 renormalised, Llama attention) and a tiny random GLM-4.5 (a dense first layer, then a sigmoid router
+    with a correction bias over 2 expert groups, a shared expert) trained by the whole job under torchrun, 2 ranks at
     actor.expert_parallel=2 with routing replay r3, 3 steps: every metric finite, the engine's and the actor's
-    routing agree (fp32), and a resume from step 2's checkpoint ends with the uninterrupted
+    routing agree (fp32; GLM-4.5's per MoE layer), and a resume from step 2's checkpoint ends with the uninterrupted
     run's metrics and final weights bit for bit (the resume starts from a copy of the run's step-2 checkpoint: what a
-    kill after step 2 leaves); the export keeps Mixtral's names (block_sparse_moe, w1/w2/w3)."""
-    tiny = make_tiny_run(tmp_path_factory.mktemp("tiny_mixtral"), num_train=48, num_test=8, moe=True,
-                         moe_family="mixtral")  # fmt: skip
+    kill after step 2 leaves); the export keeps the family's names (Mixtral's block_sparse_moe w1/w2/w3, GLM-4.5's
+    router bias, in fp32 and unchanged: it is not trained)."""
+    tiny = make_tiny_run(tmp_path_factory.mktemp(f"tiny_{family}"), num_train=48, num_test=8, moe=True,
+                         moe_family=family)  # fmt: skip
     steps = ("--trainer.total_steps=3", "--actor.tensor_parallel=1", "--actor.expert_parallel=2",
              "--actor.routing_replay=r3", "--trainer.eval_every=0")  # fmt: skip
-    straight = tmp_path_factory.mktemp("mixtral") / "straight"
+    straight = tmp_path_factory.mktemp(family) / "straight"
     _train(tiny, straight, *steps)
     rows = [r for r in _metrics(straight) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -211,8 +220,12 @@ def test_a_mixtral_actor_trains_3_steps_with_r3_and_resumes_exactly(tmp_path_fac
     assert all(r["rollout/logprob_mismatch_max"] < 1e-5 for r in _metrics(resumed) if r["step"] >= 1)
     final = load_file(str(straight / "hf_final" / "model.safetensors"))
     final_resumed = load_file(str(resumed / "hf_final" / "model.safetensors"))
-    assert set(final) == set(final_resumed) and "model.layers.1.block_sparse_moe.experts.7.w2.weight" in final
+    assert set(final) == set(final_resumed) and NEW_FAMILY_RUNS[family] in final
     assert all(torch.equal(final[k], final_resumed[k]) for k in final)
+    initial = load_file(str(Path(tiny["model"]) / "model.safetensors"))
+    assert set(final) == set(initial)
+    for name in [k for k in initial if k.endswith("e_score_correction_bias")]:
+        assert final[name].dtype == torch.float32 and torch.equal(final[name], initial[name]), name
 
 
 @pytest.mark.slow

@@ -194,7 +194,7 @@ class MegatronActor:
         replay or when nothing was replayed."""
         if self.routing is None:
             return {}
-        return self.routing.agreement_metrics(prefix, self.groups, self.tf_config.num_layers)
+        return self.routing.agreement_metrics(prefix, self.groups)
 
     def row_plan(self, batch: ActorBatch) -> RowPlan:
         """The placement of a full batch's rows over DP ranks (MicroBatcher.row_plan)."""

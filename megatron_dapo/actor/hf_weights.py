@@ -57,13 +57,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_dapo.actor.arch import QK_NORM_ARCHS
 from megatron_dapo.actor.arch import MoeNames
 from megatron_dapo.actor.arch import MoeShape
+from megatron_dapo.actor.arch import has_qk_norm
 from megatron_dapo.actor.arch import has_qkv_bias
-from megatron_dapo.actor.arch import model_arch
+from megatron_dapo.actor.arch import moe_layer
 from megatron_dapo.actor.arch import moe_names
 from megatron_dapo.actor.arch import moe_shape
+from megatron_dapo.actor.arch import mtp_layers
 from megatron_dapo.actor.model import padded_vocab_size
 
 if TYPE_CHECKING:
@@ -87,6 +88,20 @@ class _Unit:
     hf_shapes: tuple[tuple[int, ...], ...]
     layer: int | None = None  # global layer index (checked against TransformerLayer.layer_number)
     ep_owner: int | None = None  # routed expert: the expert-parallel rank holding it (None: every EP rank)
+
+    @property
+    def fp32(self) -> bool:
+        """Exported in fp32 whatever the export dtype: GLM-4.5's router expert bias (a megatron fp32 buffer; HF
+        keeps e_score_correction_bias in fp32 too: a bf16 bias would change which experts a token picks)."""
+        return self.mcore[0].endswith(FP32_TENSORS)
+
+    def dtype(self, out_dtype: torch.dtype) -> torch.dtype:
+        """The dtype this unit's HF tensors are exported in."""
+        return torch.float32 if self.fp32 else out_dtype
+
+
+FP32_TENSORS = ("mlp.router.expert_bias",)
+"""Megatron tensors exported in fp32 (`_Unit.fp32`)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +133,7 @@ def _dims(hf_config: Any, ep: int = 1) -> _Dims:
         layers=hf_config.num_hidden_layers,
         tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=has_qkv_bias(hf_config),
-        qk_norm=model_arch(hf_config) in QK_NORM_ARCHS,
+        qk_norm=has_qk_norm(hf_config),
         moe=moe_shape(hf_config),
         ep=ep,
         names=moe_names(hf_config),
@@ -149,7 +164,8 @@ def _layer_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
             ((h,),),
         ),
     ]
-    if d.moe is not None:  # the MLP is the MoE block: its rows replace the dense fc1 / fc2
+    sparse = d.moe is not None and moe_layer(d.moe, i)
+    if sparse:  # the MLP is the MoE block: its rows replace the dense fc1 / fc2
         rows = [r for r in rows if r[0][0] not in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
         rows += _moe_rows(d)
     if not d.qkv_bias:
@@ -176,21 +192,28 @@ def _layer_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
         )
         for mcore, kind, names, shapes in rows
     ]
-    return units + (_expert_units(d, i, stage, j) if d.moe is not None else [])
+    return units + (_expert_units(d, i, stage, j) if sparse else [])
 
 
 def _moe_rows(d: _Dims) -> list[tuple]:
-    """The MoE block's parameters besides the routed experts: the router and (Qwen2-MoE) the gated shared expert."""
+    """The MoE block's parameters besides the routed experts: the router, (GLM-4.5) its expert bias, a megatron buffer
+    kept in fp32, and the shared expert (Qwen2-MoE: gated) when there is one."""
     assert d.moe is not None
     h, e, s = d.hidden, d.moe.experts, d.moe.shared_ffn
     rows = [(("mlp.router.weight",), "replicated", (d.names.router,), ((e, h),))]
+    if d.moe.expert_bias:
+        rows.append((("mlp.router.expert_bias",), "replicated", (f"{d.names.block}.gate.e_score_correction_bias",),
+                     ((e,),)))  # fmt: skip
     if s:
-        shared = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")
+        shared = f"{d.names.block}.{d.names.shared}"
+        fc1 = (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")
         rows += [
-            (("mlp.shared_experts.linear_fc1.weight",), "fc1", shared, ((s, h), (s, h))),
-            (("mlp.shared_experts.linear_fc2.weight",), "row", ("mlp.shared_expert.down_proj.weight",), ((h, s),)),
-            (("mlp.shared_experts.gate_weight",), "replicated", ("mlp.shared_expert_gate.weight",), ((1, h),)),
+            (("mlp.shared_experts.linear_fc1.weight",), "fc1", fc1, ((s, h), (s, h))),
+            (("mlp.shared_experts.linear_fc2.weight",), "row", (f"{shared}.down_proj.weight",), ((h, s),)),
         ]
+        if d.moe.shared_gate:
+            rows.append((("mlp.shared_experts.gate_weight",), "replicated", ("mlp.shared_expert_gate.weight",),
+                         ((1, h),)))  # fmt: skip
     return rows
 
 
@@ -314,6 +337,12 @@ def _held_here(unit: _Unit, groups: ParallelGroups) -> bool:
     return unit.stage == groups.pp_rank and unit.ep_owner in (None, groups.ep_rank)
 
 
+def model_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
+    """A stage model's parameters (first, in order) and then its buffers, by name: what the units name (the router's
+    expert bias is a persistent buffer)."""
+    return {**dict(model.named_buffers()), **dict(model.named_parameters())}
+
+
 def _find_param(params: dict[str, Tensor], unit: _Unit) -> Tensor:
     for name in unit.mcore:
         if name in params:
@@ -367,7 +396,7 @@ def load_hf_into_model(
     """
     d = _dims(hf_config, groups.ep_size)
     model = _stage_model(model_chunks, d, groups)
-    params = dict(model.named_parameters())
+    params = model_tensors(model)
     ckpt = _SafetensorsDir(hf_dir)
     units = [u for u in _plan(d, groups.pp_size) if _held_here(u, groups)]
     if d.tied and groups.pp_size > 1 and groups.is_last_stage:
@@ -386,7 +415,7 @@ def load_hf_into_model(
                 )
             param.copy_(shard.to(param.dtype))
             done.add(id(param))
-    missing = [n for n, p in params.items() if id(p) not in done]
+    missing = [n for n, p in model.named_parameters() if id(p) not in done]
     if missing:
         raise KeyError(f"hf_weights: megatron parameters not loaded from {ckpt.source}: {missing}")
     unused = unused_tensors(ckpt.where, hf_config)
@@ -400,10 +429,16 @@ def load_hf_into_model(
 
 def unused_tensors(names: Iterable[str], hf_config: Any) -> list[str]:
     """The checkpoint tensors no megatron parameter takes (sorted): none of export's names, nor a tied model's stored
-    lm_head copy, nor a rotary embedding's cached inverse frequencies."""
+    lm_head copy, nor a rotary embedding's cached inverse frequencies, nor a multi-token-prediction layer's (dropped:
+    arch.mtp_layers)."""
     wanted = set(hf_state_dict_keys(hf_config))
     tied = {"lm_head.weight"} if _dims(hf_config).tied else set()
-    return sorted(n for n in names if n not in wanted and n not in tied and not n.endswith(".inv_freq"))
+    mtp = tuple(f"model.layers.{i}." for i in mtp_layers(hf_config))
+    return sorted(
+        n
+        for n in names
+        if n not in wanted and n not in tied and not n.endswith(".inv_freq") and not (mtp and n.startswith(mtp))
+    )
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -472,8 +507,8 @@ def export_hf_weights(
     """
     d = _dims(hf_config, groups.ep_size)
     model = _stage_model(model_chunks, d, groups)
-    params = dict(model.named_parameters())
-    out_dtype = dtype or _export_dtype(hf_config, next(iter(params.values())).dtype)
+    params = model_tensors(model)
+    out_dtype = dtype or _export_dtype(hf_config, next(model.parameters()).dtype)
     itemsize = torch.empty((), dtype=out_dtype).element_size()
     buckets = _buckets(_plan(d, groups.pp_size), bucket_bytes, itemsize)
     if dst_rank is not None and groups.ep_size > 1:
@@ -494,21 +529,46 @@ def export_hf_weights(
                 tensors = []
                 for u in bucket:
                     if _held_here(u, groups):
-                        tensors += [t.to(out_dtype) for t in _gather_unit(_find_param(params, u), u, d, groups)]
+                        gathered = _gather_unit(_find_param(params, u), u, d, groups)
+                        tensors += [t.to(u.dtype(out_dtype)) for t in gathered]
                     else:  # a routed expert of another EP rank: filled by _share_experts
                         tensors += [torch.empty(s, dtype=out_dtype, device=groups.device) for s in u.hf_shapes]
                 if groups.ep_size > 1:
                     _share_experts(bucket, tensors, groups)
             if groups.pp_size > 1:
-                numels = [int(torch.Size(s).numel()) for s in shapes]
-                if groups.pp_rank == stage:
-                    flat = torch.cat([t.reshape(-1) for t in tensors])
-                else:
-                    flat = torch.empty(sum(numels), dtype=out_dtype, device=groups.device)
-                dist.broadcast(flat, src=groups.pp_ranks[stage], group=groups.pp_group)
-                tensors = [p.view(s) for p, s in zip(flat.split(numels), shapes)]
+                dtypes = [u.dtype(out_dtype) for u in bucket for _ in u.hf_names]
+                tensors = _broadcast_bucket(tensors if groups.pp_rank == stage else None, shapes, dtypes,
+                                            groups.pp_ranks[stage], groups)  # fmt: skip
             yield from zip(names, tensors)
             del tensors
+
+
+def _flat_runs(dtypes: list[torch.dtype]) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive tensors of one dtype: each travels as one flat tensor."""
+    runs: list[tuple[int, int]] = []
+    for i, dt in enumerate(dtypes):
+        if runs and dtypes[runs[-1][0]] == dt:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _broadcast_bucket(
+    tensors: list[Tensor] | None, shapes: list, dtypes: list[torch.dtype], src: int, groups: ParallelGroups
+) -> list[Tensor]:
+    """A bucket's tensors from the stage rank `src` to the other ranks of pp_group (tensors None there): one flat
+    broadcast per run of one dtype."""
+    out: list[Tensor] = []
+    for a, b in _flat_runs(dtypes):
+        numels = [int(torch.Size(s).numel()) for s in shapes[a:b]]
+        if tensors is not None:
+            flat = torch.cat([t.reshape(-1) for t in tensors[a:b]])
+        else:
+            flat = torch.empty(sum(numels), dtype=dtypes[a], device=groups.device)
+        dist.broadcast(flat, src=src, group=groups.pp_group)
+        out += [p.view(s) for p, s in zip(flat.split(numels), shapes[a:b])]
+    return out
 
 
 def _share_experts(bucket: list[_Unit], tensors: list[Tensor], groups: ParallelGroups) -> None:
@@ -570,15 +630,21 @@ def _export_to_rank(
                         shards = [torch.empty_like(local) for _ in range(groups.tp_size)] if is_leader else None
                         dist.gather(local, shards, dst=leader[stage], group=groups.tp_group)
                     if groups.rank == leader[stage]:
-                        tensors.extend(t.to(out_dtype) for t in _unshard(unit.kind, shards, d))
+                        tensors.extend(t.to(unit.dtype(out_dtype)) for t in _unshard(unit.kind, shards, d))
             if stage != dst_pp and groups.rank in (leader[stage], dst_rank):
-                numels = [int(torch.Size(s).numel()) for s in shapes]
+                dtypes = [u.dtype(out_dtype) for u in bucket for _ in u.hf_names]
+                received: list[Tensor] = []
+                for a, b in _flat_runs(dtypes):
+                    numels = [int(torch.Size(s).numel()) for s in shapes[a:b]]
+                    if groups.rank == dst_rank:
+                        flat = torch.empty(sum(numels), dtype=dtypes[a], device=groups.device)
+                        dist.recv(flat, src=leader[stage], group=groups.pp_group)
+                        received += [p.view(s) for p, s in zip(flat.split(numels), shapes[a:b])]
+                    else:
+                        flat = torch.cat([t.reshape(-1) for t in tensors[a:b]])
+                        dist.send(flat, dst=dst_rank, group=groups.pp_group)
                 if groups.rank == dst_rank:
-                    flat = torch.empty(sum(numels), dtype=out_dtype, device=groups.device)
-                    dist.recv(flat, src=leader[stage], group=groups.pp_group)
-                    tensors = [p.view(s) for p, s in zip(flat.split(numels), shapes)]
-                else:
-                    dist.send(torch.cat([t.reshape(-1) for t in tensors]), dst=dst_rank, group=groups.pp_group)
+                    tensors = received
             if groups.rank == dst_rank:
                 yield from zip(names, tensors)
             del tensors

@@ -43,11 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron_dapo.actor.arch import QK_NORM_ARCHS
 from megatron_dapo.actor.arch import MoeShape
 from megatron_dapo.actor.arch import check_moe
+from megatron_dapo.actor.arch import has_qk_norm
 from megatron_dapo.actor.arch import has_qkv_bias
 from megatron_dapo.actor.arch import model_arch
+from megatron_dapo.actor.arch import moe_layer
+from megatron_dapo.actor.arch import rotary_fraction
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -136,12 +138,17 @@ def sequence_parallel_on(actor_config: ActorConfig, *, use_te: bool) -> bool:
     return bool(actor_config.sequence_parallel and actor_config.tensor_parallel > 1 and use_te)
 
 
-def _moe_fields(moe: MoeShape | None, actor_config: ActorConfig, *, use_te: bool) -> dict[str, Any]:
+def _moe_fields(moe: MoeShape | None, actor_config: ActorConfig, *, use_te: bool, layers: int) -> dict[str, Any]:
     """TransformerConfig fields of the MoE layers: HF's router (softmax over all experts in fp32, top-k, renormalised
     when norm_topk_prob) is megatron's softmax router with pre_softmax False (top-k of the logits, softmax over the
     k: the same numbers) or True (softmax over all, top-k, not renormalised); experts split over expert_parallel
     ranks, each expert's matrices over tensor_parallel (expert tensor parallel = TP); aux loss per actor config, no
-    z-loss; grouped GEMM with Transformer Engine, one SequentialMLP expert at a time on the local spec."""
+    z-loss; grouped GEMM with Transformer Engine, one SequentialMLP expert at a time on the local spec.
+
+    GLM-4.5's router (moe.score "sigmoid") is megatron's sigmoid router: the expert bias (HF e_score_correction_bias)
+    added for the choice only, group-limited top-k, the chosen scores renormalised (always, top-k > 1) and scaled;
+    the bias is a checkpoint value here, never updated (moe_router_bias_update_rate 0: megatron's aux-loss-free
+    balancing would move the routing away from the engine's). Dense first layers: moe_layer_freq."""
     if moe is None:
         return {}
     coeff = actor_config.moe_aux_loss_coeff
@@ -149,8 +156,8 @@ def _moe_fields(moe: MoeShape | None, actor_config: ActorConfig, *, use_te: bool
         num_moe_experts=moe.experts,
         moe_router_topk=moe.topk,
         moe_ffn_hidden_size=moe.ffn,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not moe.norm_topk,
+        moe_router_score_function=moe.score,
+        moe_router_pre_softmax=not moe.norm_topk and moe.score == "softmax",
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
         moe_aux_loss_coeff=coeff,
@@ -163,7 +170,15 @@ def _moe_fields(moe: MoeShape | None, actor_config: ActorConfig, *, use_te: bool
         expert_tensor_parallel_size=actor_config.tensor_parallel,
     )
     if moe.shared_ffn:
-        fields.update(moe_shared_expert_intermediate_size=moe.shared_ffn, moe_shared_expert_gate=True)
+        fields.update(moe_shared_expert_intermediate_size=moe.shared_ffn, moe_shared_expert_gate=moe.shared_gate)
+    if moe.expert_bias:
+        fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if moe.scaling != 1.0:
+        fields.update(moe_router_topk_scaling_factor=moe.scaling)
+    if moe.groups > 1:
+        fields.update(moe_router_num_groups=moe.groups, moe_router_group_topk=moe.group_topk)
+    if moe.dense_layers:
+        fields.update(moe_layer_freq=[int(moe_layer(moe, i)) for i in range(layers)])
     return fields
 
 
@@ -175,6 +190,10 @@ def _check_hf_config(hf_config: Any, arch: str, pipeline_parallel: int) -> None:
         raise ValueError("hf config: mlp_bias=True not supported")
     if arch in ("llama", "qwen3", "qwen3_moe", "mixtral") and getattr(hf_config, "attention_bias", False):
         raise ValueError(f"hf config: attention_bias=True not supported for {arch}")
+    fraction = rotary_fraction(hf_config)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if not 0 < fraction <= 1 or int(head_dim * fraction) % 2:
+        raise ValueError(f"hf config: partial_rotary_factor {fraction} of head_dim {head_dim} not supported")
     if arch != "llama" and getattr(hf_config, "use_sliding_window", False):
         raise ValueError("hf config: use_sliding_window=True not supported")
     window, positions = getattr(hf_config, "sliding_window", None), hf_config.max_position_embeddings
@@ -191,7 +210,7 @@ def _check_hf_config(hf_config: Any, arch: str, pipeline_parallel: int) -> None:
 
 
 def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: bool) -> TransformerConfig:
-    """Translate an HF Llama/Qwen2/Qwen3 config plus the actor's parallelism and precision into a TransformerConfig.
+    """Translate a supported HF config plus the actor's parallelism and precision into a TransformerConfig.
 
     On CPU the dtype is fp32 whatever actor_config.dtype says, and every fusion that needs CUDA/TE is off.
     """
@@ -201,6 +220,15 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
     tp, pp = actor_config.tensor_parallel, actor_config.pipeline_parallel
     _check_hf_config(hf_config, arch, pp)
     moe = check_moe(hf_config, actor_config)
+    if (
+        moe is not None
+        and actor_config.routing_replay != "none"
+        and moe.dense_layers >= hf_config.num_hidden_layers // pp
+    ):
+        raise ValueError(
+            f"actor.pipeline_parallel: {pp} leaves the first stage only dense layers (first_k_dense_replace "
+            f"{moe.dense_layers} of {hf_config.num_hidden_layers}); every stage needs an MoE layer for routing replay"
+        )
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if kv_heads % tp != 0 and tp % kv_heads != 0:
@@ -224,7 +252,7 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config),
-        qk_layernorm=arch in QK_NORM_ARCHS,
+        qk_layernorm=has_qk_norm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -250,7 +278,7 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
-        **_moe_fields(moe, actor_config, use_te=use_te),
+        **_moe_fields(moe, actor_config, use_te=use_te, layers=hf_config.num_hidden_layers),
     )
 
 
@@ -436,28 +464,22 @@ def build_gpt_model(
     [B, S, V_padded / tp] (vocab-parallel), in the compute dtype; with `model.return_hidden = True` the last stage
     returns hidden states instead (see `hidden_output_gpt_class`).
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     on_cpu = groups.device.type == "cpu"
     config = to_transformer_config(hf_config, actor_config, on_cpu=on_cpu)
-    experts = config.num_moe_experts
-    if use_transformer_engine(actor_config, on_cpu=on_cpu):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    use_te = use_transformer_engine(actor_config, on_cpu=on_cpu)
+    if config.num_moe_experts and not use_te:
+        from megatron_dapo.actor.cpu_compat import moe_without_te_compat
 
-        spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm
-        )
-    else:
-        if experts:
-            from megatron_dapo.actor.cpu_compat import moe_without_te_compat
+        moe_without_te_compat()
+    spec = _layer_spec(config, config.num_moe_experts, use_te=use_te)
+    if isinstance(config.moe_layer_freq, list):  # dense first layers (GLM-4.5): a spec per layer of this stage
+        from megatron.core.transformer.transformer_block import LayerNormImpl
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-            moe_without_te_compat()
-        spec = get_gpt_layer_local_spec(
-            num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=config.qk_layernorm
-        )
-        # The local DotProductAttention refuses packed (THD) input; this subclass runs it, so the actor's packed
-        # path is the same on CPU as on GPU (where Transformer Engine's attention takes cu_seqlens natively).
-        spec.submodules.self_attention.submodules.core_attention = varlen_attention_class()
+        dense = _layer_spec(config, None, use_te=use_te)
+        per_stage = config.num_layers // groups.pp_size
+        mine = config.moe_layer_freq[groups.pp_rank * per_stage : (groups.pp_rank + 1) * per_stage]
+        spec = TransformerBlockSubmodules(layer_specs=[spec if m else dense for m in mine], layer_norm=LayerNormImpl)
     model = hidden_output_gpt_class()(
         config=config,
         transformer_layer_spec=spec,
@@ -468,10 +490,30 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=rotary_fraction(hf_config),
         **_rope_params(hf_config),
     )
     return model.to(groups.device)
+
+
+def _layer_spec(config: TransformerConfig, experts: int | None, *, use_te: bool) -> Any:
+    """One decoder layer's megatron spec: the Transformer Engine one, or the local one whose core attention also
+    takes packed sequences (`varlen_attention_class`); an MoE MLP when `experts`, else the dense one."""
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=config.qk_layernorm
+    )
+    # The local DotProductAttention refuses packed (THD) input; this subclass runs it, so the actor's packed
+    # path is the same on CPU as on GPU (where Transformer Engine's attention takes cu_seqlens natively).
+    spec.submodules.self_attention.submodules.core_attention = varlen_attention_class()
+    return spec
 
 
 def forward_logits(

@@ -36,6 +36,7 @@ from megatron_dapo.actor.hf_weights import _plan
 from megatron_dapo.actor.hf_weights import _stage_model
 from megatron_dapo.actor.hf_weights import _Unit
 from megatron_dapo.actor.hf_weights import _unshard
+from megatron_dapo.actor.hf_weights import model_tensors
 from megatron_dapo.actor.model import padded_vocab_size
 
 if TYPE_CHECKING:
@@ -129,12 +130,13 @@ def owned_shards(
     the export). No collective: each rank reads its own parameters. The tensors may alias the live parameters: send
     or copy each before the optimizer steps."""
     d = _dims(hf_config, groups.ep_size)
-    params = dict(_stage_model(model_chunks, d, groups).named_parameters())
-    dtype = dtype or _export_dtype(hf_config, next(iter(params.values())).dtype)
+    model = _stage_model(model_chunks, d, groups)
+    params = model_tensors(model)
+    dtype = dtype or _export_dtype(hf_config, next(model.parameters()).dtype)
     with torch.no_grad():
         for index, shard in plan.pieces[groups.rank]:
             unit = plan.units[index]
-            yield piece_name(unit, shard), _find_param(params, unit).detach().to(dtype)
+            yield piece_name(unit, shard), _find_param(params, unit).detach().to(unit.dtype(dtype))
 
 
 class Assembler:

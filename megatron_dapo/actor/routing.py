@@ -77,8 +77,18 @@ def routing_by_row(flat: Tensor, layout: PackedLayout | None, lengths: list[int]
     return [grid[:n, j] for j, n in enumerate(lengths)]
 
 
+def moe_layer_flags(config: Any) -> list[bool]:
+    """Per decoder layer of the whole model, whether it is MoE (megatron's moe_layer_freq: an int k puts the MoE
+    block in every k-th layer from the first, a list gives each layer's 0 / 1; GLM-4.5's dense first layers)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    return [bool(x) for x in freq]
+
+
 class RoutingReplay:
-    """Drives the RouterReplay instances of one model's MoE layers (this pipeline stage's), in layer order."""
+    """Drives the RouterReplay instances of one model's MoE layers (this pipeline stage's), in layer order. Routing
+    is indexed by MoE layer (dense layers have no router and no entry), as the engines record it."""
 
     def __init__(self, model: Any) -> None:
         """model: the unwrapped GPTModel built with config.moe_enable_routing_replay."""
@@ -86,14 +96,19 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self._actions = RouterReplayAction
-        self.replays = [layer.mlp.router.router_replay for layer in model.decoder.layers]
+        flags = moe_layer_flags(model.config)
+        layers = [layer for layer in model.decoder.layers if flags[layer.layer_number - 1]]
+        self.replays = [layer.mlp.router.router_replay for layer in layers]
         if any(r is None for r in self.replays):
-            raise ValueError("RoutingReplay: every decoder layer must be MoE with moe_enable_routing_replay")
+            raise ValueError("RoutingReplay: every MoE layer must be built with moe_enable_routing_replay")
         for r in self.replays:  # driven here, not through megatron's process-global static methods
             RouterReplay.global_router_replay_instances.remove(r)
         self.topk = int(model.config.moe_router_topk)
         self.num_experts = int(model.config.num_moe_experts)
-        self.first_layer = model.decoder.layers[0].layer_number - 1 if self.replays else 0
+        self.total_layers = sum(flags)
+        """MoE layers of the whole model."""
+        self.first_layer = sum(flags[: layers[0].layer_number - 1]) if layers else 0
+        """The MoE-layer index of this stage's first MoE layer."""
         self._real: Tensor | None = None  # [T] bool: the replayed forward's tokens that count for agreement
         self.agree = torch.zeros(len(self.replays), dtype=torch.float64)
         """Per layer, replayed tokens whose replayed top-k set equals the router's own (since `pop_agreement`)."""
@@ -171,12 +186,12 @@ class RoutingReplay:
         self.count.zero_()
         return out
 
-    def agreement_metrics(self, prefix: str, groups: ParallelGroups, total_layers: int) -> dict[str, float]:
+    def agreement_metrics(self, prefix: str, groups: ParallelGroups) -> dict[str, float]:
         """Routing agreement of the replayed forwards since the last call (collective over all ranks): per MoE layer
         the fraction of replayed tokens whose replayed top-k set is the one the router itself picks now, as
         {prefix}/routing_agreement (all layers, token-weighted), {prefix}/routing_agreement_min (worst layer) and
-        {prefix}/routing_agreement_layer_{i} (i over the model's total_layers). {} when nothing was replayed."""
-        stats = torch.zeros(2, total_layers, dtype=torch.float64, device=groups.device)
+        {prefix}/routing_agreement_layer_{i} (i over the model's MoE layers). {} when nothing was replayed."""
+        stats = torch.zeros(2, self.total_layers, dtype=torch.float64, device=groups.device)
         agree, count = self.pop_agreement()
         stats[0, self.first_layer : self.first_layer + len(agree)] = agree.to(groups.device)
         stats[1, self.first_layer : self.first_layer + len(count)] = count.to(groups.device)

@@ -39,7 +39,7 @@ def make_tiny_tokenizer(out_dir: str | Path):
     return tok
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
 """The tiny MoE models make_tiny_model builds (moe_family)."""
 
 
@@ -49,7 +49,11 @@ def make_tiny_model(
 ) -> Path:  # fmt: skip
     """A random tied-embedding GQA Llama (SmolLM2's architecture, scaled down) with the tiny tokenizer; moe=True: an
     untied MoE of the same size instead, every layer MoE with 8 experts of width 48, top-2: Qwen3-MoE (moe_family
-    "qwen3_moe", its q/k norms, top-k renormalised), or Mixtral ("mixtral": Llama's attention, full context)."""
+    "qwen3_moe", its q/k norms, top-k renormalised), Mixtral ("mixtral": Llama's attention, full context), or GLM-4.5
+    ("glm4_moe": the first layer dense, then a sigmoid router with a correction bias over 2 expert groups, scaled by
+    2.5, a shared expert; q/k/v biases and norms, RoPE on half of each head)."""
+    from transformers import Glm4MoeConfig
+    from transformers import Glm4MoeForCausalLM
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM
     from transformers import MixtralConfig
@@ -79,6 +83,12 @@ def make_tiny_model(
         common["intermediate_size"] = 48  # Mixtral's experts are intermediate_size wide
         config, cls = MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
                                     tie_word_embeddings=False), MixtralForCausalLM  # fmt: skip
+    elif moe and moe_family == "glm4_moe":
+        config = Glm4MoeConfig(**common, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                               n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                               norm_topk_prob=True, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+                               head_dim=hidden // 4, partial_rotary_factor=0.5, tie_word_embeddings=False)  # fmt: skip
+        cls = Glm4MoeForCausalLM
     elif moe:
         moe_fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
         config = Qwen3MoeConfig(**common, **moe_fields, head_dim=hidden // 4, tie_word_embeddings=False)
@@ -87,6 +97,9 @@ def make_tiny_model(
         config, cls = LlamaConfig(**common, tie_word_embeddings=True), LlamaForCausalLM
     torch.manual_seed(seed)
     model = cls(config).float()
+    for name, buffer in model.named_buffers():  # GLM-4.5's router bias (transformers starts it at 0): in use
+        if name.endswith("e_score_correction_bias"):
+            buffer.normal_(0.0, 0.1)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir)

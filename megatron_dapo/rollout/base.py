@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
+from typing import NamedTuple
 from typing import Protocol
 from typing import runtime_checkable
 
@@ -33,14 +34,25 @@ from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
 
 
+class RoutedShape(NamedTuple):
+    """The shape of an MoE model's per-token routing as SGLang records it: [positions, layers, topk] ids of
+    `experts`, one entry per decoder layer; the first `dense_layers` (GLM-4.5's dense layers) have no router, and
+    Rollout.routed_experts (the actor's layout, the embedded engine's) leaves them out."""
+
+    layers: int
+    topk: int
+    experts: int
+    dense_layers: int = 0
+
+
 @dataclass(frozen=True)
 class EngineLaunch:
     """What starts an engine in this process (SGLangEngine, VLLMEngine; `factory.make_engine` builds it): the HF
     checkpoint directory model_path (the actor's starting point; later weights come through WeightSync), the
     RolloutConfig it reads its sizes from (its defaults when None), the weight dtype name ("bfloat16" / "float32"),
     the engine's seed, base_gpu_id (SGLang: the first of its rollout.tensor_parallel GPUs), extra (more keyword
-    arguments for sglang.Engine / vllm.LLM) and routed_shape ((layers, experts per token, experts) of an MoE model
-    whose results must carry every token's routing, actor.routing_replay r3; SGLang only)."""
+    arguments for sglang.Engine / vllm.LLM) and routed_shape (RoutedShape of an MoE model whose results must carry
+    every token's routing, actor.routing_replay r3; SGLang only)."""
 
     model_path: str
     rollout: RolloutConfig | None = None
@@ -48,7 +60,7 @@ class EngineLaunch:
     seed: int = 0
     base_gpu_id: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
-    routed_shape: tuple[int, int, int] | None = None
+    routed_shape: RoutedShape | None = None
 
     @property
     def config(self) -> RolloutConfig:

@@ -12,6 +12,7 @@ import torch
 from megatron_dapo.config import RolloutConfig
 from megatron_dapo.rollout.base import EngineLaunch
 from megatron_dapo.rollout.base import RolloutEngine
+from megatron_dapo.rollout.base import RoutedShape
 from megatron_dapo.rollout.base import SamplingParams
 
 TRANSFORMERS_MAX_RUNNING = 32
@@ -47,16 +48,16 @@ def sampling_params(
     )
 
 
-def routing_shape(model_path: str) -> tuple[int, int, int]:
-    """(num_hidden_layers, num_experts_per_tok, num_experts) of an MoE checkpoint's config.json: the shape of an
-    engine's per-token routing (every layer is MoE; model.py refuses dense layers in MoE models)."""
+def routing_shape(model_path: str) -> RoutedShape:
+    """RoutedShape (num_hidden_layers, num_experts_per_tok, num_experts, dense first layers) of an MoE checkpoint's
+    config.json: the shape of SGLang's per-token routing."""
     from megatron_dapo.plan import shape_from_hf_config
 
     path = Path(model_path) / "config.json"
     shape = shape_from_hf_config(json.loads(path.read_text()), str(path))
     if not shape.experts or not shape.topk:
         raise ValueError(f"{path}: not a mixture-of-experts config (no num_experts / num_experts_per_tok)")
-    return shape.layers, shape.topk, shape.experts
+    return RoutedShape(shape.layers, shape.topk, shape.experts, shape.dense_layers)
 
 
 def server_stream(

@@ -70,7 +70,8 @@ def _router_aliases(params: dict[str, Tensor], names: MoeNames) -> dict[str, str
 class ParameterWriter:
     """The HF names of one model's parameters and the sessions that write them.
 
-    model: the transformers model (its parameters are written in place, cast to their dtype and device).
+    model: the transformers model (its parameters, and its persistent buffers such as GLM-4.5's
+        e_score_correction_bias, are written in place, cast to their dtype and device).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -78,7 +79,9 @@ class ParameterWriter:
         self._params: dict[str, Tensor] = {}
         self._canonical: dict[str, str] = {}
         first_name: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
+        stored = model.state_dict(keep_vars=True)
+        buffers = [(n, b) for n, b in model.named_buffers() if n in stored]  # persistent: GLM-4.5's router bias
+        for name, p in [*model.named_parameters(remove_duplicate=False), *buffers]:
             canonical = first_name.setdefault(id(p), name)
             self._params[name] = p
             self._canonical[name] = canonical

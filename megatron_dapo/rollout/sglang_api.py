@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo.rollout.base import RoutedShape
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import request_result
 from megatron_dapo.rollout.types import FinishReason
@@ -221,15 +222,14 @@ def parse_sglang_output(
     version: int,
     *,
     allow_abort: bool = False,
-    routed_shape: tuple[int, int, int] | None = None,
+    routed_shape: RoutedShape | None = None,
 ) -> Rollout:
     """One SGLang generate result (a dict with "output_ids" and "meta_info") -> the request's Rollout.
 
     meta_info.output_token_logprobs is a list of (logprob, token_id, text) over every generated token;
     meta_info.finish_reason is {"type": "stop" | "length" | "abort", "matched": ...}. An abort is an error unless
-    allow_abort (the stream aborted it: the tokens so far come back unfinished). routed_shape (num_hidden_layers,
-    top_k, num_experts): the request asked for routed experts; meta_info.routed_experts is decoded
-    (`decode_routed_experts`).
+    allow_abort (the stream aborted it: the tokens so far come back unfinished). routed_shape: the request asked for
+    routed experts; meta_info.routed_experts is decoded (`decode_routed_experts`).
     """
     meta = out.get("meta_info", {})
     reason = meta.get("finish_reason") or {}
@@ -275,24 +275,25 @@ def _weight_versions(spans: list[dict] | None, version: int, num_ids: int) -> tu
     return int(starts[-1][1]), [(start, int(v)) for start, v in starts]
 
 
-def decode_routed_experts(encoded: str | None, shape: tuple[int, int, int], positions: int) -> Tensor:
+def decode_routed_experts(encoded: str | None, shape: RoutedShape, positions: int) -> Tensor:
     """SGLang's meta_info.routed_experts (base64 of int32 [positions, layers, k], positions = prompt + output tokens
-    - 1: the last token is never fed) -> [positions, layers, k] uint8 (<= 256 experts) / int16 (Rollout.
-    routed_experts); shape = (layers, k, num_experts). A missing or mis-sized value is a RuntimeError naming the
-    server flag."""
+    - 1: the last token is never fed; SGLang's capturer holds a row per decoder layer, indexed by layer id) ->
+    [positions, MoE layers, k] uint8 (<= 256 experts) / int16 (Rollout.routed_experts: the dense layers' unfilled
+    rows dropped). A missing or mis-sized value is a RuntimeError naming the server flag."""
     if not encoded:
         raise RuntimeError(
             "sglang: no routed_experts in the result; the engine must run with enable_return_routed_experts "
             "(server mode: --enable-return-routed-experts)"
         )
     flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
-    layers, k, experts = shape
+    layers, k = shape.layers, shape.topk
     if flat.numel() != positions * layers * k:
         raise RuntimeError(
             f"sglang: routed_experts holds {flat.numel()} ids, expected {positions} positions x {layers} layers x "
             f"top-{k}"
         )
-    return flat.view(positions, layers, k).to(torch.uint8 if experts <= 256 else torch.int16)
+    routed = flat.view(positions, layers, k)[:, shape.dense_layers :]
+    return routed.to(torch.uint8 if shape.experts <= 256 else torch.int16)
 
 
 def effective_max_running(server_info: dict) -> int:

@@ -32,6 +32,7 @@ from concurrent.futures import wait
 from typing import Any
 
 from megatron_dapo.rollout.base import EngineDied
+from megatron_dapo.rollout.base import RoutedShape
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
@@ -55,7 +56,7 @@ class _Calls:
 
     weight_version: int = 0
     max_running: int = 0
-    routed_shape: tuple[int, int, int] | None = None
+    routed_shape: RoutedShape | None = None
     """(MoE layers, top-k, experts) when the engine returns routed experts (actor.routing_replay r3), else None."""
 
     def _init_stream(self, max_running: int) -> None:

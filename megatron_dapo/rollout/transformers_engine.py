@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatron_dapo.actor.arch import num_experts
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import generate_blocking
 from megatron_dapo.rollout.base import request_result
@@ -106,7 +107,7 @@ class _RouterCapture:
         layers = getattr(getattr(model, "model", None), "layers", None) or []
         gates = [layer.mlp.gate for layer in layers if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
         self.num_layers = len(gates)
-        experts = int(getattr(model.config, "num_experts", 0) or 0)
+        experts = num_experts(model.config)
         self.dtype = torch.uint8 if experts <= 256 else torch.int16
         self.on = False
         self.live = False
@@ -173,7 +174,7 @@ class TransformersEngine:
         _check_full_attention(self.model.config)
         register_attention()
         self.model.set_attn_implementation(ATTENTION_NAME)
-        if getattr(self.model.config, "num_experts", 0) and self.device.type == "cpu":
+        if num_experts(self.model.config) and self.device.type == "cpu":
             # transformers' default MoE kernel (torch grouped_mm) needs 16-byte strides on CPU: any expert width runs
             # with the per-expert loop.
             self.model.set_experts_implementation("eager")
@@ -213,7 +214,7 @@ class TransformersEngine:
         self._asleep = False
         self.weights = ParameterWriter(self.model)
         """The model's HF parameter names and the weight-update sessions that write them (rollout/param_writer.py)."""
-        self._routing = _RouterCapture(self.model) if getattr(self.model.config, "num_experts", 0) else None
+        self._routing = _RouterCapture(self.model) if num_experts(self.model.config) else None
 
     def evaluation_clone(self) -> TransformersEngine:
         """A second engine over the same model (its parameters shared, not copied), with its own cache and queue: an

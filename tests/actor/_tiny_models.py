@@ -9,6 +9,10 @@
                           expert of width 44
     make_tiny_mixtral(dir)  MixtralForCausalLM: Llama's attention, 8 experts top-2 (renormalised) of width 38 (its
                           intermediate_size), no sliding window; checkpoint names block_sparse_moe.experts.e.w1/w3/w2
+    make_tiny_glm4_moe(dir)  Glm4MoeForCausalLM (GLM-4.5): layer 0 dense, then 8 experts top-2 by a sigmoid router
+                          with a random correction bias, limited to the best 1 of 2 expert groups, renormalised and
+                          scaled by 2.5, an ungated shared expert of width 38; q/k/v bias, q/k norms, RoPE on half
+                          of each head
 All: 2 layers (MoE: 4), hidden 64, head_dim 16, vocab 200 (not a multiple of 128 * TP, so padding is exercised),
 fp32 safetensors. Norm weights and biases are randomised too, so a missed or swapped tensor changes logits.
 """
@@ -22,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import Glm4MoeConfig
+from transformers import Glm4MoeForCausalLM
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM
 from transformers import MixtralConfig
@@ -53,6 +59,9 @@ _COMMON = dict(
 def _randomise(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, buffer in model.named_buffers():  # GLM-4.5's router bias: large enough to change the choice
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
@@ -136,6 +145,29 @@ def make_tiny_mixtral(path: str | Path, *, seed: int = 5, num_layers: int = 4) -
     return _save(MixtralForCausalLM(config), seed, path)
 
 
+def make_tiny_glm4_moe(path: str | Path, *, seed: int = 6, num_layers: int = 4) -> Path:
+    """Save a Glm4MoeForCausalLM (first layer dense, sigmoid group-limited router with a correction bias) to `path`."""
+    config = Glm4MoeConfig(
+        **{**_COMMON, "num_hidden_layers": num_layers},
+        n_routed_experts=MOE_FIELDS["num_experts"],
+        num_experts_per_tok=MOE_FIELDS["num_experts_per_tok"],
+        moe_intermediate_size=MOE_FIELDS["moe_intermediate_size"],
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        use_qk_norm=True,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    )
+    return _save(Glm4MoeForCausalLM(config), seed, path)
+
+
 def load_hf(path: str | Path) -> torch.nn.Module:
     """The saved checkpoint as a transformers model (fp32, eval mode, eager attention)."""
     from transformers import AutoConfig
@@ -158,8 +190,8 @@ def tiny_checkpoints() -> dict[str, Path]:
 
 @functools.cache
 def every_tiny_checkpoint() -> dict[str, Path]:
-    """tiny_checkpoints() and Qwen3, Qwen3-MoE, Qwen2-MoE and Mixtral ones: each architecture the actor supports
-    (model parity, export, planner)."""
+    """tiny_checkpoints() and Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 ones: each architecture the actor
+    supports (model parity, export, planner)."""
     root = Path(tempfile.mkdtemp(prefix="tiny_hf_"))
     atexit.register(shutil.rmtree, root, True)
     return {
@@ -168,4 +200,5 @@ def every_tiny_checkpoint() -> dict[str, Path]:
         "qwen3_moe": make_tiny_qwen3_moe(root / "qwen3_moe"),
         "qwen2_moe": make_tiny_qwen2_moe(root / "qwen2_moe"),
         "mixtral": make_tiny_mixtral(root / "mixtral"),
+        "glm4_moe": make_tiny_glm4_moe(root / "glm4_moe"),
     }

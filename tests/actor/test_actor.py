@@ -99,7 +99,9 @@ def _hf_named_grads(actor) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for p in params:
             p.data.copy_(p.main_grad)
-        grads = {name: t.float().clone() for name, t in actor.export_hf_weights()}
+        # GLM-4.5's router bias is a buffer (its value is exported, it has no gradient)
+        exported = actor.export_hf_weights()
+        grads = {n: t.float().clone() for n, t in exported if not n.endswith("e_score_correction_bias")}
         for p, s in zip(params, saved):
             p.data.copy_(s)
     return grads

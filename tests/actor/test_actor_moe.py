@@ -1,4 +1,4 @@
-"""The MoE actor (Qwen3-MoE, Qwen2-MoE, Mixtral) inside MegatronActor on CPU/gloo, against transformers and against
+"""The MoE actor (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5) inside MegatronActor on CPU/gloo, against transformers and
 itself.
 
 One 2-process launch per model runs three layouts: DP=2 with every expert on each rank (EP=1), EP=2 (each rank holds
@@ -89,7 +89,7 @@ def _oracle(name: str, batch_seed: int = 0):
     return batch, logp.float(), ent.float(), float(loss), revert_weight_conversion(model, grads)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
 def test_moe_actor_matches_transformers_and_is_the_same_under_ep_and_pp(name):
     batch, ref_logp, ref_ent, ref_loss, ref_grads = _oracle(name)
     got = run_distributed(_worker, 2, str(every_tiny_checkpoint()[name]), batch, timeout_s=600)
@@ -290,7 +290,7 @@ def _gpu_worker(hf_dir: str, batch) -> dict:
     groups = init_distributed(1, 1)
     actor = MegatronActor(_config(hf_dir, 1, 1), groups, hf_dir=hf_dir)
     gpt = actor.unwrapped()
-    experts = type(gpt.decoder.layers[0].mlp.experts).__name__
+    experts = type(next(x.mlp for x in gpt.decoder.layers if hasattr(x.mlp, "experts")).experts).__name__
     logp, ent = actor.compute_logprobs(batch)
     actor.config.trainer.micro_batch_size = 4
     stats = actor._forward_backward(batch)
@@ -301,7 +301,7 @@ def _gpu_worker(hf_dir: str, batch) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
 def test_moe_actor_on_gpu_with_grouped_gemm_experts_matches_transformers(name):
     """One GPU rank, fp32: with Transformer Engine the experts are TEGroupedMLP (grouped GEMM, weights named
     linear_fc{1,2}.weight{k}), without it megatron's local spec; either way log-probs, entropies and the DAPO

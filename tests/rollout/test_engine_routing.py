@@ -12,23 +12,30 @@ from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
 from tests.actor._tiny_models import load_hf
+from tests.actor._tiny_models import make_tiny_glm4_moe
 from tests.actor._tiny_models import make_tiny_mixtral
 from tests.actor._tiny_models import make_tiny_qwen3_moe
 
 PROMPTS = [[5, 17, 33, 3], [9, 100], [150, 151, 152, 153, 154]]
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+MAKE = {"qwen3_moe": make_tiny_qwen3_moe, "mixtral": make_tiny_mixtral, "glm4_moe": make_tiny_glm4_moe}
+MOE_LAYERS = {"qwen3_moe": 4, "mixtral": 4, "glm4_moe": 3}  # GLM-4.5's first layer is dense: no router, no entry
+
+
+@pytest.fixture(scope="module", params=sorted(MAKE))
 def moe_dir(tmp_path_factory, request):
-    make = {"qwen3_moe": make_tiny_qwen3_moe, "mixtral": make_tiny_mixtral}[request.param]
+    make = MAKE[request.param]
     return make(tmp_path_factory.mktemp("moe") / request.param)
 
 
 def _own_routing(model, ids: torch.Tensor) -> torch.Tensor:
-    """transformers' routing of one sequence, teacher-forced: [len(ids), layers, k]."""
+    """transformers' routing of one sequence, teacher-forced: [len(ids), MoE layers, k]."""
     seen = []
     hooks = [
-        layer.mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[2])) for layer in model.model.layers
+        layer.mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[2]))
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate")
     ]
     with torch.no_grad():
         model(ids[None])
@@ -43,7 +50,7 @@ def test_engine_routing_is_the_models_own_for_prompt_and_response(moe_dir):
     model = load_hf(moe_dir)
     for c in out:
         n = len(c.prompt_ids) + len(c) - 1  # the last sampled token is never fed back
-        assert c.routed_experts.shape == (n, 4, 2) and c.routed_experts.dtype == torch.uint8
+        assert c.routed_experts.shape == (n, MOE_LAYERS[moe_dir.name], 2) and c.routed_experts.dtype == torch.uint8
         ids = torch.cat([c.prompt_ids, c.response_ids]).long()
         want = _own_routing(model, ids)[:n]
         assert torch.equal(c.routed_experts.long().sort(-1).values, want.sort(-1).values)
@@ -82,7 +89,8 @@ def test_routing_shape_from_the_checkpoint(moe_dir, tmp_path):
     from megatron_dapo.rollout.factory import routing_shape
     from tests.rollout.conftest import tiny_model
 
-    assert routing_shape(str(moe_dir)) == (4, 2, 8)  # layers, top-k, experts: what SGLang's routed_experts hold
+    # layers, top-k, experts, dense first layers: what SGLang's routed_experts hold
+    assert routing_shape(str(moe_dir)) == (4, 2, 8, 4 - MOE_LAYERS[moe_dir.name])
     tiny_model("qwen2").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="config.json: not a mixture-of-experts config"):
         routing_shape(str(tmp_path))
@@ -118,7 +126,7 @@ def test_multi_turn_trajectories_carry_the_routing_of_every_position(moe_dir):
     assert any(len(c.observations) == 2 for c in out)
     for c in out:
         n = len(c.prompt_ids) + len(c) - 1
-        assert c.routed_experts.shape == (n, 4, 2)
+        assert c.routed_experts.shape == (n, MOE_LAYERS[moe_dir.name], 2)
         ids = torch.cat([c.prompt_ids, c.response_ids]).long()
         want = _own_routing(model, ids)[:n]
         assert torch.equal(c.routed_experts.long().sort(-1).values, want.sort(-1).values)

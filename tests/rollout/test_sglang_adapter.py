@@ -22,6 +22,7 @@ from megatron_dapo.rollout import Rollout
 from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout import TransformersEngine
 from megatron_dapo.rollout import bucket_named_tensors
+from megatron_dapo.rollout.base import RoutedShape
 from megatron_dapo.rollout.base import requests_for
 from megatron_dapo.rollout.sglang_api import SGLANG_API
 from megatron_dapo.rollout.sglang_api import ApiUse
@@ -378,11 +379,14 @@ def test_routed_experts_are_requested_and_decoded_as_sglang_encodes_them():
     routing = np.random.default_rng(0).integers(0, 300, size=(3 + 2 - 1, 4, 2)).astype(np.int32)
     out = _out([5, 2], "stop", [-0.5, -0.1], matched=2)
     out["meta_info"]["routed_experts"] = base64.b64encode(routing.tobytes()).decode("utf-8")
-    c = parse_sglang_output(out, req, True, 0, routed_shape=(4, 2, 300))
+    c = parse_sglang_output(out, req, True, 0, routed_shape=RoutedShape(4, 2, 300))
     assert c.routed_experts.dtype == torch.int16 and torch.equal(c.routed_experts.long(), torch.from_numpy(routing))
     assert parse_sglang_output(out, req, True, 0).routed_experts is None  # not asked: not decoded
+    # GLM-4.5: SGLang's capturer keeps a row per decoder layer; the dense first layers' rows are dropped
+    glm = parse_sglang_output(out, req, True, 0, routed_shape=RoutedShape(4, 2, 300, dense_layers=1))
+    assert torch.equal(glm.routed_experts.long(), torch.from_numpy(routing)[:, 1:])
     with pytest.raises(RuntimeError, match="holds 32 ids, expected 4 positions x 4 layers x top-3"):
-        parse_sglang_output(out, req, True, 0, routed_shape=(4, 3, 300))
+        parse_sglang_output(out, req, True, 0, routed_shape=RoutedShape(4, 3, 300))
     del out["meta_info"]["routed_experts"]
     with pytest.raises(RuntimeError, match="--enable-return-routed-experts"):
-        parse_sglang_output(out, req, True, 0, routed_shape=(4, 2, 300))
+        parse_sglang_output(out, req, True, 0, routed_shape=RoutedShape(4, 2, 300))

@@ -12,6 +12,7 @@ import ast
 import pytest
 from transformers import AutoConfig
 
+from megatron_dapo.actor.arch import num_experts
 from megatron_dapo.actor.hf_weights import hf_state_dict_keys
 from tests.actor._tiny_models import every_tiny_checkpoint
 from tests.rollout.test_sglang_adapter import ROOT
@@ -125,3 +126,42 @@ def test_every_mixtral_name_we_push_is_taken_by_sglangs_loader():
     assert direct == {"gate"} and direct <= _assigned(block)
     decoder = _classes([_parse(path)])["MixtralDecoderLayer"]
     assert "block_sparse_moe" in _assigned(decoder)
+
+
+@needs_sglang
+def test_every_glm4_moe_name_we_push_is_taken_by_sglangs_loader():
+    """GLM-4.5 (issue 41): SGLang 0.5.23's glm4_moe.py skips expert names in its stacked mapping (q/k/v, gate/up:
+    the shared experts' and the dense layers' MLPs take it), maps mlp.experts.{e}.{gate,up,down}_proj with its
+    make_expert_params_mapping (executed from its source), builds a layer sparse from first_k_dense_replace on as the
+    actor does, and loads the router's weight and fp32 correction bias directly into its gate's parameters."""
+    path = ROOT / "srt/models/glm4_moe.py"
+    hf_config = AutoConfig.from_pretrained(every_tiny_checkpoint()["glm4_moe"])
+    stacked, call = _loader(path)
+    fn = _function(path, "load_weights")
+    assert any(isinstance(n, ast.Constant) and n.value == "mlp.experts" for n in ast.walk(fn))
+    mapping = _expert_mapping(num_experts(hf_config), call)
+    names = hf_state_dict_keys(hf_config)
+    taken = {}
+    for key in names:
+        hits = [(p, e, s) for p, w, e, s in mapping if w in key]
+        if ".mlp.experts." in key:
+            assert len(hits) == 1, (key, hits)
+            taken[key] = hits[0]
+        else:
+            assert not hits, key
+    want = {"gate_proj": ("experts.w13_", "w1"), "up_proj": ("experts.w13_", "w3"), "down_proj": ("experts.w2_", "w2")}
+    for key, (param, expert, shard) in taken.items():
+        e, proj = key.split(".")[5:7]
+        assert (param, shard) == want[proj] and expert == int(e), key
+    sparse = hf_config.num_hidden_layers - hf_config.first_k_dense_replace
+    assert len(taken) == 3 * num_experts(hf_config) * sparse
+    sparse_rule = _function(path, "_is_layer_sparse")
+    assert "first_k_dense_replace" in ast.unparse(sparse_rule) and ">=" in ast.unparse(sparse_rule)
+    classes = _classes([_parse(path)])
+    moe = {k.split(".")[4] for k in names if ".mlp." in k and ".mlp.experts." not in k and ".layers.0." not in k}
+    assert moe == {"gate", "shared_experts"} and moe <= _assigned(classes["Glm4MoeSparseMoeBlock"])
+    router = {k.split(".")[5] for k in names if ".mlp.gate." in k}
+    assert router == {"weight", "e_score_correction_bias"} and router <= _assigned(classes["Glm4MoeGate"])
+    dense = {k.split(".")[4] for k in names if ".layers.0.mlp." in k}  # stacked gate/up -> gate_up_proj, and down
+    assert dense == {"gate_proj", "up_proj", "down_proj"}
+    assert {"gate_up_proj", "down_proj"} <= _assigned(classes["Glm4MoeMLP"])
