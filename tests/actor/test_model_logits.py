@@ -102,6 +102,20 @@ def test_to_transformer_config_qwen2_on_cpu():
 
 _MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", norm_topk_prob=True, **MOE_FIELDS)
 _MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+_GLM = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=38, n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, num_hidden_layers=4)  # fmt: skip
+
+
+def test_glm4_moe_router_fields():
+    """GLM-4.5's router as megatron's: sigmoid, the correction bias as a frozen expert bias, 2 groups choosing 1,
+    scaled by 2.5; the first layer dense (moe_layer_freq); an ungated shared expert of n_shared_experts x 38."""
+    cfg = to_transformer_config(_hf_config(**_GLM), ActorConfig(), on_cpu=True)
+    assert (cfg.moe_router_score_function, cfg.moe_router_pre_softmax) == ("sigmoid", False)
+    assert cfg.moe_router_enable_expert_bias and cfg.moe_router_bias_update_rate == 0.0
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk, cfg.moe_router_topk_scaling_factor) == (2, 1, 2.5)
+    assert cfg.moe_layer_freq == [0, 1, 1, 1] and cfg.ffn_hidden_size == 96 and cfg.moe_ffn_hidden_size == 38
+    assert cfg.moe_shared_expert_intermediate_size == 38 and not cfg.moe_shared_expert_gate
 
 
 def test_a_mixtral_window_past_the_context_is_no_window():
@@ -127,6 +141,19 @@ def test_a_mixtral_window_past_the_context_is_no_window():
         ({**_MOE, "num_experts_per_tok": 1}, {}, "num_experts_per_tok 1 with norm_topk_prob not supported"),
         ({**_MIXTRAL, "sliding_window": 128}, {}, "sliding_window 128 < max_position_embeddings 256 not supported"),
         ({**_MIXTRAL, "num_experts_per_tok": 1}, {}, "num_experts_per_tok 1 with norm_topk_prob not supported"),
+        ({**_GLM, "topk_group": 2}, {}, "n_group 2 / topk_group 2 with 8 experts top-2 not supported"),
+        ({**_GLM, "norm_topk_prob": False}, {}, "norm_topk_prob false with a sigmoid router not supported"),
+        ({**_GLM, "first_k_dense_replace": 4}, {}, "first_k_dense_replace 4 leaves no MoE layer of 4"),
+        (
+            {**_GLM, "first_k_dense_replace": 2},
+            {"pipeline_parallel": 2, "routing_replay": "r3"},
+            "actor.pipeline_parallel: 2 leaves the first stage only dense layers",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.35}},
+            {},
+            "partial_rotary_factor 0.35 of head_dim 16 not supported",
+        ),
     ],
 )
 def test_to_transformer_config_rejects(override, actor, match):
