@@ -183,6 +183,8 @@ _KNOWN_MOE = [
     ("Qwen3-30B-A3B", 2048, 48, 32, 4, 6144, 151936, False, False, 128, True, 128, 8, 768),
     ("Qwen3-235B-A22B", 4096, 94, 64, 4, 12288, 151936, False, False, 128, True, 128, 8, 1536),
     ("Mixtral-8x7B-Instruct-v0.1", 4096, 32, 32, 8, 14336, 32000, False, False, 0, False, 8, 2, 14336),
+    # ... + shared expert width, its gate, dense first layers (GLM-4.5-Air: zai-org/GLM-4.5-Air's config.json)
+    ("GLM-4.5-Air", 4096, 46, 96, 8, 10944, 151552, False, True, 128, False, 128, 8, 1408, 1408, False, 1),
 ]
 KNOWN_MODELS: dict[str, ModelShape] = {row[0].lower(): ModelShape(*row) for row in [*_KNOWN, *_KNOWN_MOE]}
 

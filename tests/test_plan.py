@@ -118,6 +118,18 @@ def test_moe_parameter_counts_are_transformers(name):
     assert shape.active_params == shape.num_params - experts * (8 - 2) // 8
 
 
+def test_glm45_air_counts_are_the_published_ones():
+    """GLM-4.5-Air as zai-org publishes it: 106 B parameters, 12 B active (embeddings aside); the first of its 46 layers
+    dense (10944 wide), the others 128 experts of 1408 plus a shared one, no shared-expert gate, the router's
+    correction bias a buffer (not counted, as transformers does not count it)."""
+    m = KNOWN_MODELS["glm-4.5-air"]
+    assert (m.dense_layers, m.moe_layers, m.shared_ffn, m.shared_gate) == (1, 45, 1408, False)
+    assert round(m.num_params / 1e9) == 107 and round((m.active_params - 2 * m.vocab * m.hidden) / 1e9) == 12
+    dense, moe = m.layer_params(0), m.layer_params(1)
+    assert dense[1] == 0 and dense[2] == 2 * m.hidden and moe[1] == 128 * 3 * m.hidden * 1408
+    assert moe[2] == 2 * m.hidden + 128 * m.hidden  # norms and the router, no gate
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # worked example 3: Qwen3-30B-A3B (MoE) on two nodes (examples/qwen3_30b_a3b_dapo.yaml)
 # ---------------------------------------------------------------------------------------------------------------
@@ -590,7 +602,13 @@ def test_counts_match_megatron_core():
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "sbatch",
-    ["dapo_qwen2.5_32b.sbatch", "dapo_qwen2.5_7b.sbatch", "dapo_qwen3_30b_a3b.sbatch", "dapo_mixtral_8x7b.sbatch"],
+    [
+        "dapo_qwen2.5_32b.sbatch",
+        "dapo_qwen2.5_7b.sbatch",
+        "dapo_qwen3_30b_a3b.sbatch",
+        "dapo_mixtral_8x7b.sbatch",
+        "dapo_glm45_air.sbatch",
+    ],
 )
 def test_shipped_sbatch_layouts_fit(sbatch):
     import re
