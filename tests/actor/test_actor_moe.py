@@ -160,9 +160,8 @@ def _replay_worker(hf_dir: str, moved_dir: str, batch, engine_routing: list) -> 
         # r3: an engine's routing (every layer, all positions but the last) replayed as given.
         local.routed_experts = RoutedExperts.from_rows([engine_routing[i] for i in rows], 8)
         r3_logp, _ = new.compute_logprobs(local, plan=plan)
-        first = new.unwrapped().decoder.layers[0].layer_number - 1
-        # As the trainer sends it under PP: only this stage's layers (Rollout.routing_layers' cut).
-        count = len(new.unwrapped().decoder.layers)
+        # As the trainer sends it under PP: only this stage's MoE layers (Rollout.routing_layers' cut).
+        first, count = new.routing.first_layer, new.routing.num_layers
         cut = [engine_routing[i][:, first : first + count] for i in rows]
         local.routed_experts = RoutedExperts.from_rows(cut, 8)
         r3_cut_logp, _ = new.compute_logprobs(local, plan=plan)
@@ -175,10 +174,12 @@ def _replay_worker(hf_dir: str, moved_dir: str, batch, engine_routing: list) -> 
 
 
 def _forced(model, routing: torch.Tensor | None):
-    """Force transformers' MoE routers to `routing` [B, S, layers, k] (None: leave them free); returns (handles,
-    recorded: per layer the routers' own top-k [B * S, k] on the inputs they saw)."""
+    """Force transformers' MoE routers to `routing` [B, S, MoE layers, k] (None: leave them free); returns (handles,
+    recorded: per MoE layer the routers' own top-k [B * S, k] on the inputs they saw). The forced weights are the
+    router's own scores at those experts: softmax, or GLM-4.5's sigmoid renormalised and scaled."""
     recorded, handles = [], []
-    for j, layer in enumerate(model.model.layers):
+    sigmoid = model.config.model_type == "glm4_moe"
+    for j, layer in enumerate(x for x in model.model.layers if hasattr(x.mlp, "gate")):
 
         def hook(module, args, output, j=j):
             logits, weights, idx = output
@@ -186,9 +187,12 @@ def _forced(model, routing: torch.Tensor | None):
             if routing is None:
                 return output
             idx = routing[:, :, j].reshape(-1, idx.shape[-1]).to(idx.device)  # rows b * S + s, as the block flattens
-            probs = torch.softmax(logits.float(), dim=-1).gather(1, idx)
+            scores = torch.sigmoid(logits.float()) if sigmoid else torch.softmax(logits.float(), dim=-1)
+            probs = scores.gather(1, idx)
             if model.config.norm_topk_prob:
                 probs = probs / probs.sum(-1, keepdim=True)
+            if sigmoid:
+                probs = probs * model.config.routed_scaling_factor
             return logits, probs.to(weights.dtype), idx
 
         handles.append(layer.mlp.gate.register_forward_hook(hook))
@@ -218,15 +222,18 @@ def _hf_pass(hf_dir, batch, routing=None, backward=False):
     return logp.float(), own, grads
 
 
-def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path):
-    """actor.routing_replay r2 on Qwen3-MoE: the recorded experts are transformers' own top-k for every token and
-    layer; recording and replaying the unchanged policy's routing change no log-prob; a policy whose routers moved,
-    replaying the old routing, has the log-probs and DAPO gradients of transformers' moved model forced to the old
-    experts (and not those of its free routing), and so has r3's replay of an engine's routing (every layer, the last
-    token unreported; each stage takes its layers). DP=2 packed, EP=2 padded, PP=2 with full recompute."""
+@pytest.mark.parametrize("name", ["qwen3_moe", "glm4_moe"])
+def test_r2_records_transformers_routing_and_replays_it_in_every_layout(tmp_path, name):
+    """actor.routing_replay r2 on Qwen3-MoE and GLM-4.5: the recorded experts are transformers' own top-k for every
+    token and layer; recording and replaying the unchanged policy's routing change no log-prob; a policy whose
+    routers moved, replaying the old routing, has the log-probs and DAPO gradients of transformers' moved model
+    forced to the old experts (and not those of its free routing), and so has r3's replay of an engine's routing
+    (every layer, the last token unreported; each stage takes its layers). DP=2 packed, EP=2 padded, PP=2 with full
+    recompute. GLM-4.5 too: routing indexed by MoE layer (its dense first layer has none; under PP the second
+    stage's first MoE layer is the model's second), its sigmoid router replayed with the bias-free scores
+    renormalised and scaled."""
     from safetensors.torch import save_file
 
-    name = "qwen3_moe"
     src = every_tiny_checkpoint()[name]
     batch, *_ = _oracle(name)
     # The moved policy: every router perturbed (enough to change some top-k choices).
