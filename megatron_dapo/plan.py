@@ -24,9 +24,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.actor.arch import MlaShape
 from megatron_dapo.actor.arch import MoeShape
 from megatron_dapo.actor.arch import has_qk_norm
 from megatron_dapo.actor.arch import has_qkv_bias
+from megatron_dapo.actor.arch import mla_shape
 from megatron_dapo.actor.arch import moe_shape
 from megatron_dapo.algorithms.loss_configs import uses_reference
 from megatron_dapo.config import mini_batch_rows
@@ -93,6 +95,38 @@ class ModelShape:
     """Whether the shared expert has a gate [1, h] (Qwen2-MoE)."""
     dense_layers: int = 0
     """MoE models whose first layers are dense (GLM-4.5's first_k_dense_replace): their MLP is `ffn` wide."""
+    kv_lora: int = 0
+    """Multi-latent attention (DeepSeek-V3; 0: GQA): the compressed kv rank. head_dim is then the q/k head (no-rope +
+    rope dims)."""
+    q_lora: int = 0
+    """Its q rank (0: a full q projection)."""
+    qk_rope: int = 0
+    """Its rotary key dims (one key shared by the heads)."""
+    v_head: int = 0
+    """Its value head size."""
+
+    @property
+    def attention_shapes(self) -> list[tuple[int, int]]:
+        """One layer's attention projection weights [out, in] (all split over TP in the actor): q, k, v and o; with
+        multi-latent attention its down projections (split by rows), up projections (by heads) and o."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        if not self.kv_lora:
+            return [(q, h), (kv, h), (kv, h), (h, q)]
+        nope = self.hd - self.qk_rope
+        qs = [(self.q_lora, h), (q, self.q_lora)] if self.q_lora else [(q, h)]
+        kvs = [(self.kv_lora + self.qk_rope, h), (self.heads * (nope + self.v_head), self.kv_lora)]
+        return [*qs, *kvs, (h, self.heads * self.v_head)]
+
+    @property
+    def attention_norms(self) -> int:
+        """One layer's attention norm weights (replicated): Qwen3's q / k norms, MLA's low-rank norms."""
+        return (2 * self.hd if self.qk_norm else 0) + (self.q_lora + self.kv_lora if self.kv_lora else 0)
+
+    @property
+    def attention_params(self) -> int:
+        """One layer's attention projection parameters, biases included."""
+        bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        return sum(r * c for r, c in self.attention_shapes) + bias
 
     @property
     def moe_layers(self) -> int:
@@ -108,9 +142,7 @@ class ModelShape:
         layer, the dense MLP and no router for a dense one."""
         if self.sparse(layer):
             return self.layer_sharded_params, self.layer_expert_params, self.layer_replicated_params
-        h, q, kv = self.hidden, self.q_dim, self.kv_dim
-        bias = (q + 2 * kv) if self.qkv_bias else 0
-        return h * (q + 2 * kv) + bias + q * h + 3 * h * self.ffn, 0, 2 * h + (2 * self.hd if self.qk_norm else 0)
+        return self.attention_params + 3 * self.hidden * self.ffn, 0, 2 * self.hidden + self.attention_norms
 
     @property
     def hd(self) -> int:
@@ -129,10 +161,7 @@ class ModelShape:
         """Parameters of one layer that tensor parallelism splits: q, k, v (+ biases), o and the MLP's gate, up, down
         (MoE: the shared expert's; the routed experts are layer_expert_params). An MoE model's MoE layer
         (`layer_params` gives any layer's)."""
-        h, q, kv = self.hidden, self.q_dim, self.kv_dim
-        bias = (q + 2 * kv) if self.qkv_bias else 0
-        mlp = 3 * h * (self.shared_ffn if self.experts else self.ffn)
-        return h * (q + 2 * kv) + bias + q * h + mlp
+        return self.attention_params + 3 * self.hidden * (self.shared_ffn if self.experts else self.ffn)
 
     @property
     def layer_expert_params(self) -> int:
@@ -145,7 +174,7 @@ class ModelShape:
         router [E, h] and the shared expert's gate [1, h]; GLM-4.5's router bias is a buffer, not a parameter)."""
         gate = self.shared_ffn and self.experts and self.shared_gate
         router = self.experts * self.hidden + (self.hidden if gate else 0)
-        return 2 * self.hidden + (2 * self.hd if self.qk_norm else 0) + router
+        return 2 * self.hidden + self.attention_norms + router
 
     @property
     def active_params(self) -> int:
@@ -189,23 +218,23 @@ _KNOWN_MOE = [
 KNOWN_MODELS: dict[str, ModelShape] = {row[0].lower(): ModelShape(*row) for row in [*_KNOWN, *_KNOWN_MOE]}
 
 
-def _family(cfg: dict[str, Any]) -> tuple[bool, bool, MoeShape | None]:
-    """(q/k/v biases, q/k norm, the MoE shape) by the actor's own rules (actor/arch.py); an architecture the actor
-    does not know is planned as a dense model without either."""
+def _family(cfg: dict[str, Any]) -> tuple[bool, bool, MoeShape | None, MlaShape | None]:
+    """(q/k/v biases, q/k norm, the MoE shape, the MLA shape) by the actor's own rules (actor/arch.py); an architecture
+    the actor does not know is planned as a dense model without any."""
     import types
 
     hf = types.SimpleNamespace(**cfg)
     try:
-        return has_qkv_bias(hf), has_qk_norm(hf), moe_shape(hf)
+        return has_qkv_bias(hf), has_qk_norm(hf), moe_shape(hf), mla_shape(hf)
     except (ValueError, AttributeError, TypeError):
-        return False, False, None
+        return False, False, None, None
 
 
 def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
     """ModelShape from a parsed HF config.json (the family's traits: `_family`)."""
     try:
         heads = int(cfg["num_attention_heads"])
-        qkv_bias, qk_norm, moe = _family(cfg)
+        qkv_bias, qk_norm, moe, mla = _family(cfg)
         return ModelShape(
             name=name,
             hidden=int(cfg["hidden_size"]),
@@ -216,7 +245,7 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
             vocab=int(cfg["vocab_size"]),
             tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            head_dim=int(cfg.get("head_dim") or 0),
+            head_dim=mla.q_head if mla else int(cfg.get("head_dim") or 0),
             qk_norm=qk_norm,
             experts=moe.experts if moe else 0,
             topk=moe.topk if moe else int(cfg.get("num_experts_per_tok") or 0),
@@ -224,6 +253,10 @@ def shape_from_hf_config(cfg: dict[str, Any], name: str) -> ModelShape:
             shared_ffn=moe.shared_ffn if moe else 0,
             shared_gate=moe.shared_gate if moe else True,
             dense_layers=moe.dense_layers if moe else 0,
+            kv_lora=mla.kv_lora if mla else 0,
+            q_lora=(mla.q_lora or 0) if mla else 0,
+            qk_rope=mla.rope if mla else 0,
+            v_head=mla.v if mla else 0,
         )
     except KeyError as err:
         raise PlanError(f"{name}/config.json: missing field {err.args[0]!r}") from None
@@ -539,12 +572,12 @@ def linear_weight_bytes(m: ModelShape, fp8: bool, b: int, *, sparse: bool) -> fl
     """Bytes of one layer's projection weights ([out, in]: q, k, v, o, then gate, up, down of the MLP, or of every
     expert and the shared expert) in bf16 or block FP8 (the MoE router is in layer_replicated_params). sparse: an MoE
     layer (`ModelShape.sparse`)."""
-    h, q, kv, f = m.hidden, m.q_dim, m.kv_dim, m.ffn
+    h, f = m.hidden, m.ffn
     mlp = [(f, h), (f, h), (h, f)]
     if sparse:
         fe, fs = m.moe_ffn, m.shared_ffn
         mlp = [(fe, h), (fe, h), (h, fe)] * m.experts + ([(fs, h), (fs, h), (h, fs)] if fs else [])
-    shapes = [(q, h), (kv, h), (kv, h), (h, q), *mlp]
+    shapes = [*m.attention_shapes, *mlp]
     if fp8:
         return float(sum(fp8_weight_bytes(r, c) for r, c in shapes))
     return float(sum(r * c for r, c in shapes) * b)
@@ -552,7 +585,10 @@ def linear_weight_bytes(m: ModelShape, fp8: bool, b: int, *, sparse: bool) -> fl
 
 def kv_bytes_per_token(m: ModelShape, etp: int, b: int) -> float:
     """KV cache bytes per token on one GPU of the engine: 2 (K and V) * layers * kv_heads/etp * head_dim * b (SGLang
-    replicates KV heads when etp > kv_heads: at least one head per GPU)."""
+    replicates KV heads when etp > kv_heads: at least one head per GPU); multi-latent attention caches the compressed
+    kv and the rotary key, layers * (kv_lora + qk_rope) * b, the same on every GPU of the engine (not split over TP)."""
+    if m.kv_lora:
+        return m.layers * (m.kv_lora + m.qk_rope) * b
     return 2 * m.layers * max(1.0, m.kv_heads / etp) * m.hd * b
 
 

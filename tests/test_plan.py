@@ -102,7 +102,7 @@ def test_config_json_is_read_when_the_model_is_local(tmp_path):
     assert resolve_model("/nowhere/Qwen2.5-7B-Instruct")[0].name == "Qwen2.5-7B"
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"])
 def test_moe_parameter_counts_are_transformers(name):
     """Every expert, the router and (Qwen2-MoE) the gated shared expert counted as transformers counts them; the
     active parameters are those less the experts a token does not go through."""

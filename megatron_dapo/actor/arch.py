@@ -9,6 +9,7 @@ the same ones.
     moe_names(hf_config) -> MoeNames           the checkpoint names of its MoE blocks (router, experts)
     moe_layer(moe, i) -> bool                  whether decoder layer i is MoE (GLM-4.5: its first ones are dense)
     mtp_layers(hf_config) -> range             the checkpoint's multi-token-prediction layers (dropped)
+    mla_shape(hf_config) -> MlaShape | None    multi-latent attention's ranks and head sizes (DeepSeek-V3)
     check_moe(hf_config, actor_config)         the actor's expert_parallel / routing_replay against the model
 
 hf_config: a transformers config, or any object with its fields as attributes (a namespace of config.json).
@@ -32,6 +33,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 _MODEL_TYPES = {arch: arch for arch in SUPPORTED_ARCHITECTURES.values()}
 QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
@@ -40,7 +42,7 @@ GLM-4.5 has them when its config sets use_qk_norm (has_qk_norm)."""
 QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
 """Architectures whose q/k/v projections have biases (Qwen2-MoE: unless its config sets qkv_bias false); GLM-4.5:
 when its config sets attention_bias (q/k/v only, o_proj never)."""
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 """Mixture-of-experts architectures: every decoder layer's MLP is a routed MoE block (+ a gated shared expert for
 Qwen2-MoE). Mixtral is Llama's attention with a renormalised top-k softmax router (its top-k probabilities always
 sum to 1) and experts as wide as intermediate_size. GLM-4.5 (Glm4Moe) is DeepSeek-V3's MoE under GQA attention: its
@@ -49,7 +51,15 @@ a per-expert correction bias (e_score_correction_bias, not trained: megatron's e
 be limited to the best `topk_group` of `n_group` expert groups, the chosen sigmoid scores renormalised and scaled by
 routed_scaling_factor, plus an ungated shared expert; RoPE on the first partial_rotary_factor of each head. Its
 multi-token-prediction layers (num_nextn_predict_layers, stored as layers past num_hidden_layers) are dropped: RL
-trains the main model only, and the engine's MTP head (speculative decoding) keeps the checkpoint's weights."""
+trains the main model only, and the engine's MTP head (speculative decoding) keeps the checkpoint's weights.
+DeepSeek-V3 has the same mixture of experts (and MTP layers) under multi-latent attention (`MlaShape`)."""
+SIGMOID_MOE_ARCHS = ("glm4_moe", "deepseek_v3")
+"""The DeepSeek-V3-style MoE: dense first layers, sigmoid router with a correction bias, groups, scaling, shared
+experts."""
+MLA_ARCHS = ("deepseek_v3",)
+"""Multi-latent attention (DeepSeek-V3): low-rank q (q_lora_rank; None: a full q_proj) and a compressed kv
+(kv_lora_rank) with one shared rotary key (qk_rope_head_dim), expanded per head to a no-rope key (qk_nope_head_dim)
+and a value (v_head_dim)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,7 @@ class MoeNames:
 MOE_NAMES = {
     "mixtral": MoeNames(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
     "glm4_moe": MoeNames(shared="shared_experts"),
+    "deepseek_v3": MoeNames(shared="shared_experts"),
 }
 """Checkpoint names that differ from the Qwen MoE ones (MoeNames' defaults); transformers 5 fuses every family's
 experts in memory as mlp.experts.gate_up_proj / down_proj and converts these names on load."""
@@ -166,7 +177,7 @@ def moe_shape(hf_config: Any) -> MoeShape | None:
         norm_topk=mixtral or bool(getattr(hf_config, "norm_topk_prob", False)),
         shared_ffn=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
     )
-    if arch != "glm4_moe":
+    if arch not in SIGMOID_MOE_ARCHS:
         return shape
     return dataclasses.replace(
         shape,
@@ -185,8 +196,38 @@ def mtp_layers(hf_config: Any) -> range:
     """The checkpoint's multi-token-prediction layers (GLM-4.5: num_nextn_predict_layers stored as model.layers.{L..}
     after the L decoder layers), which the actor drops (MOE_ARCHS' note); empty for the other families."""
     layers = int(hf_config.num_hidden_layers)
-    count = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0) if model_arch(hf_config) == "glm4_moe" else 0
+    mtp = model_arch(hf_config) in SIGMOID_MOE_ARCHS
+    count = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0) if mtp else 0
     return range(layers, layers + count)
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """Multi-latent attention's sizes (HF names)."""
+
+    q_lora: int | None  # q_lora_rank (None: q_proj [heads * (nope + rope), h] instead of q_a / q_b)
+    kv_lora: int  # kv_lora_rank
+    nope: int  # qk_nope_head_dim
+    rope: int  # qk_rope_head_dim
+    v: int  # v_head_dim
+
+    @property
+    def q_head(self) -> int:
+        return self.nope + self.rope
+
+
+def mla_shape(hf_config: Any) -> MlaShape | None:
+    """MlaShape of a multi-latent-attention config, None for the other families."""
+    if model_arch(hf_config) not in MLA_ARCHS:
+        return None
+    q_lora = getattr(hf_config, "q_lora_rank", None)
+    return MlaShape(
+        q_lora=int(q_lora) if q_lora else None,
+        kv_lora=int(hf_config.kv_lora_rank),
+        nope=int(hf_config.qk_nope_head_dim),
+        rope=int(hf_config.qk_rope_head_dim),
+        v=int(hf_config.v_head_dim),
+    )
 
 
 def moe_layer(moe: MoeShape, layer: int) -> bool:

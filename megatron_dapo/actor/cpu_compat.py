@@ -3,6 +3,7 @@
 API:
     apply_cpu_compat() -> None      install every shim once (idempotent; no-op when CUDA is available)
     moe_without_te_compat() -> None the two MoE shims below, also needed on a GPU without Transformer Engine
+    mla_without_te_compat() -> None the multi-latent attention shim below, likewise
     cpu_compat_applied() -> bool    whether the shims are installed in this process
     import_megatron_core() -> None  import megatron.core; without CUDA, its jit fusions stay plain functions
 
@@ -31,6 +32,11 @@ Nothing is patched at import time. What the shims do (each one exists because me
   imports (NameError without it): it is set to None there. The alltoall dispatcher converts its split sizes with
   `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts CUDA tensors only; CPU tensors stay tensors, which
   `all_to_all_single` rejects as split sizes (TypeError): the token dispatcher's copy returns them as numpy.
+
+- Multi-latent attention (`mla_without_te_compat`, by build_gpt_model for MLA models without TE): megatron-core
+  0.16.1's multi_latent_attention sets HAVE_TE when `megatron.core.extensions.transformer_engine` imports, which it
+  does without TE (its TE classes are then placeholders), and tests `isinstance(linear_proj, TELinear)` under it
+  (TypeError): its HAVE_TE is set to the extension's own.
 
 Known not to work on CPU whatever the shims: gradient_accumulation_fusion, persist_layer_norm, apply_rope_fusion
 (needs TE), sequence_parallel, the dynamic inference engine. bf16 parameters need megatron's Float16Module.
@@ -325,6 +331,15 @@ def moe_without_te_compat() -> None:
 
     token_dispatcher.maybe_move_tensor_to_cpu = splits_to_cpu
     setattr(token_dispatcher, _MARKER, True)
+
+
+def mla_without_te_compat() -> None:
+    """The multi-latent attention shim (module docstring). Idempotent; changes nothing when TE is importable."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    if not getattr(transformer_engine, "HAVE_TE", False):
+        multi_latent_attention.HAVE_TE = False
 
 
 def apply_cpu_compat() -> None:

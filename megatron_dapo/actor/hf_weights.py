@@ -57,10 +57,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megatron_dapo.actor.arch import MlaShape
 from megatron_dapo.actor.arch import MoeNames
 from megatron_dapo.actor.arch import MoeShape
 from megatron_dapo.actor.arch import has_qk_norm
 from megatron_dapo.actor.arch import has_qkv_bias
+from megatron_dapo.actor.arch import mla_shape
 from megatron_dapo.actor.arch import moe_layer
 from megatron_dapo.actor.arch import moe_names
 from megatron_dapo.actor.arch import moe_shape
@@ -119,6 +121,7 @@ class _Dims:
     moe: MoeShape | None = None
     ep: int = 1  # expert-parallel size (the experts of each MoE layer split into ep contiguous ranges)
     names: MoeNames = MoeNames()  # the checkpoint's names of an MoE block (Mixtral: block_sparse_moe, w1 / w3 / w2)
+    mla: MlaShape | None = None  # multi-latent attention (DeepSeek-V3)
 
 
 def _dims(hf_config: Any, ep: int = 1) -> _Dims:
@@ -137,6 +140,7 @@ def _dims(hf_config: Any, ep: int = 1) -> _Dims:
         moe=moe_shape(hf_config),
         ep=ep,
         names=moe_names(hf_config),
+        mla=mla_shape(hf_config),
     )
 
 
@@ -170,6 +174,8 @@ def _layer_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
         rows += _moe_rows(d)
     if not d.qkv_bias:
         rows.pop(1)
+    if d.mla is not None:  # its projections replace q/k/v and o
+        rows = _mla_rows(d) + [r for r in rows if not r[0][0].startswith("self_attention.")]
     if d.qk_norm:  # one [head_dim] RMSNorm weight shared by every head: the same on every TP rank
         for p in "qk":
             rows.append(
@@ -193,6 +199,36 @@ def _layer_units(d: _Dims, i: int, stage: int, j: int) -> list[_Unit]:
         for mcore, kind, names, shapes in rows
     ]
     return units + (_expert_units(d, i, stage, j) if sparse else [])
+
+
+def _mla_rows(d: _Dims) -> list[tuple]:
+    """Multi-latent attention's parameters: the low-rank down projections of q and of kv + the rotary key (column: rows
+    split over TP, megatron's ColumnParallelLinear then gathers them), their RMSNorms, the per-head up projections
+    (column: heads split over TP; q heads [nope | rope], kv heads [k nope | v]) and o (row)."""
+    assert d.mla is not None
+    h, m, n = d.hidden, d.mla, d.heads
+    attn = "self_attention"
+    rows: list[tuple] = []
+    if m.q_lora is None:
+        rows.append(((f"{attn}.linear_q_proj.weight",), "column", ("self_attn.q_proj.weight",), ((n * m.q_head, h),)))
+    else:
+        rows += [
+            ((f"{attn}.linear_q_down_proj.weight",), "column", ("self_attn.q_a_proj.weight",), ((m.q_lora, h),)),
+            ((f"{attn}.q_layernorm.weight", f"{attn}.linear_q_up_proj.layer_norm_weight"), "replicated",
+             ("self_attn.q_a_layernorm.weight",), ((m.q_lora,),)),
+            ((f"{attn}.linear_q_up_proj.weight",), "column", ("self_attn.q_b_proj.weight",),
+             ((n * m.q_head, m.q_lora),)),
+        ]  # fmt: skip
+    rows += [
+        ((f"{attn}.linear_kv_down_proj.weight",), "column", ("self_attn.kv_a_proj_with_mqa.weight",),
+         ((m.kv_lora + m.rope, h),)),
+        ((f"{attn}.kv_layernorm.weight", f"{attn}.linear_kv_up_proj.layer_norm_weight"), "replicated",
+         ("self_attn.kv_a_layernorm.weight",), ((m.kv_lora,),)),
+        ((f"{attn}.linear_kv_up_proj.weight",), "column", ("self_attn.kv_b_proj.weight",),
+         ((n * (m.nope + m.v), m.kv_lora),)),
+        ((f"{attn}.linear_proj.weight",), "row", ("self_attn.o_proj.weight",), ((h, n * m.v),)),
+    ]  # fmt: skip
+    return rows
 
 
 def _moe_rows(d: _Dims) -> list[tuple]:
@@ -280,6 +316,8 @@ def _shard(kind: str, hf: list[Tensor], d: _Dims, tp: int, rank: int) -> Tensor:
         return hf[0]
     if kind == "row":
         return hf[0].chunk(tp, dim=1)[rank]
+    if kind == "column":
+        return hf[0].chunk(tp, dim=0)[rank]
     if kind == "qkv":
         return _qkv_to_mcore(*hf, d).chunk(tp, dim=0)[rank]
     if kind == "fc1":
@@ -298,6 +336,8 @@ def _unshard(kind: str, shards: list[Tensor], d: _Dims) -> list[Tensor]:
         return [shards[0]]
     if kind == "row":
         return [torch.cat(shards, dim=1)]
+    if kind == "column":
+        return [torch.cat(shards, dim=0)]
     if kind == "qkv":
         return list(_qkv_from_mcore(torch.cat(shards, dim=0), d))
     if kind == "fc1":

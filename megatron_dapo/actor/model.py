@@ -47,6 +47,7 @@ from megatron_dapo.actor.arch import MoeShape
 from megatron_dapo.actor.arch import check_moe
 from megatron_dapo.actor.arch import has_qk_norm
 from megatron_dapo.actor.arch import has_qkv_bias
+from megatron_dapo.actor.arch import mla_shape
 from megatron_dapo.actor.arch import model_arch
 from megatron_dapo.actor.arch import moe_layer
 from megatron_dapo.actor.arch import rotary_fraction
@@ -239,13 +240,16 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
     dtype = torch.float32 if on_cpu else _DTYPES[actor_config.dtype]
     recompute = actor_config.recompute_activations
     use_te = use_transformer_engine(actor_config, on_cpu=on_cpu)
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, _mla_fields(hf_config)
+    if mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as config_class
+    return config_class(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=heads,
         num_query_groups=kv_heads,
-        kv_channels=head_dim,
+        **({} if mla else {"kv_channels": head_dim}),
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True,
@@ -279,6 +283,32 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
         **_moe_fields(moe, actor_config, use_te=use_te, layers=hf_config.num_hidden_layers),
+        **mla,
+    )
+
+
+def _mla_fields(hf_config: Any) -> dict[str, Any]:
+    """MLATransformerConfig fields of a multi-latent-attention model ({} for the others): its ranks and head sizes,
+    its RoPE (plain: megatron's "rope"; the q/k rotary halves of HF's interleaved layout are what megatron's MLA RoPE
+    de-interleaves), no query/key layer scaling. Other RoPE types are refused in one line."""
+    mla = mla_shape(hf_config)
+    if mla is None:
+        return {}
+    rope = _rope_params(hf_config)
+    if set(rope) != {"rotary_base"}:
+        raise ValueError("hf config: rope_parameters other than the default with multi-latent attention not supported")
+    return dict(
+        q_lora_rank=mla.q_lora,
+        kv_lora_rank=mla.kv_lora,
+        qk_head_dim=mla.nope,
+        qk_pos_emb_head_dim=mla.rope,
+        v_head_dim=mla.v,
+        rope_type="rope",
+        rotary_base=rope["rotary_base"],
+        rotary_percent=1.0,
+        mscale=1.0,
+        mscale_all_dim=0.0,
+        kv_channels=mla.q_head,
     )
 
 
@@ -341,6 +371,12 @@ def varlen_attention_class() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class VarlenDotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.v_channels = v_channels
+            """Multi-latent attention's value head size (its key's is the query's): megatron's local attention
+            assumes one head size, so every path here is the plain-torch one."""
+
         def forward(
             self,
             query: Tensor,
@@ -362,6 +398,16 @@ def varlen_attention_class() -> type:
                     query[:, 0], key[:, 0], value[:, 0], attention_mask[0, 0], scale=self._effective_scale()
                 )
                 return out.unsqueeze(1)
+            if packed_seq_params is None and self.v_channels is not None and attention_bias is None:
+                # multi-latent attention, BSHD [S, b, heads, D]: causal, row by row
+                rows = [
+                    varlen_causal_attention(
+                        query[:, j], key[:, j], value[:, j], torch.tensor([0, query.shape[0]]),
+                        scale=self._effective_scale(),
+                    )
+                    for j in range(query.shape[1])
+                ]  # fmt: skip
+                return torch.stack(rows, dim=1)
             if packed_seq_params is None:
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
             if packed_seq_params.qkv_format != "thd" or attention_bias is not None:
@@ -384,13 +430,14 @@ def varlen_causal_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlen
     """Causal attention within each packed sequence (no attention across sequence boundaries).
 
     Args:
-        query: [T, heads, D]; key, value: [T, kv_heads, D] with heads a multiple of kv_heads (grouped-query).
+        query: [T, heads, D]; key: [T, kv_heads, D], value: [T, kv_heads, Dv] with heads a multiple of kv_heads
+            (grouped-query; Dv = D but for multi-latent attention).
         cu_seqlens: [n + 1] int, sequence boundaries in T (cu_seqlens[-1] == T).
         scale: softmax scale applied to q.k.
     Returns:
-        [T, heads * D] in query's dtype.
+        [T, heads * Dv] in query's dtype.
     """
-    t, heads, dim = query.shape
+    t, heads, dim = query.shape[0], query.shape[1], value.shape[-1]
     group = heads // key.shape[1]
     bounds = cu_seqlens.tolist()
     if bounds[-1] != t:
@@ -430,13 +477,13 @@ def masked_block_attention(query: Tensor, key: Tensor, value: Tensor, masked: Te
     group), each run with scaled_dot_product_attention and its slice of the mask; grouped-query heads are repeated.
 
     Args:
-        query: [S, heads, D]; key, value: [S, kv_heads, D] with heads a multiple of kv_heads.
+        query: [S, heads, D]; key: [S, kv_heads, D], value: [S, kv_heads, Dv] with heads a multiple of kv_heads.
         masked: [S, S] bool, True = query may not see key (megatron's convention); every query sees itself.
         scale: softmax scale applied to q.k.
     Returns:
-        [S, heads * D] in query's dtype.
+        [S, heads * Dv] in query's dtype.
     """
-    s, heads, dim = query.shape
+    heads, dim = query.shape[1], value.shape[-1]
     group = heads // key.shape[1]
     bounds = _mask_blocks(masked)
     out = []
@@ -471,6 +518,10 @@ def build_gpt_model(
         from megatron_dapo.actor.cpu_compat import moe_without_te_compat
 
         moe_without_te_compat()
+    if getattr(config, "multi_latent_attention", False) and not use_te:
+        from megatron_dapo.actor.cpu_compat import mla_without_te_compat
+
+        mla_without_te_compat()
     spec = _layer_spec(config, config.num_moe_experts, use_te=use_te)
     if isinstance(config.moe_layer_freq, list):  # dense first layers (GLM-4.5): a spec per layer of this stage
         from megatron.core.transformer.transformer_block import LayerNormImpl
@@ -498,18 +549,28 @@ def build_gpt_model(
 
 def _layer_spec(config: TransformerConfig, experts: int | None, *, use_te: bool) -> Any:
     """One decoder layer's megatron spec: the Transformer Engine one, or the local one whose core attention also
-    takes packed sequences (`varlen_attention_class`); an MoE MLP when `experts`, else the dense one."""
+    takes packed sequences (`varlen_attention_class`); an MoE MLP when `experts`, else the dense one. Multi-latent
+    attention (DeepSeek-V3) with its two low-rank norms (megatron builds them only with qk_layernorm)."""
+    mla = bool(getattr(config, "multi_latent_attention", False))
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm
-        )
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm, qk_layernorm=config.qk_layernorm or mla,
+            multi_latent_attention=mla,
+        )  # fmt: skip
+        if mla:  # the down projections split over TP as on the local spec (one checkpoint layout; TE duplicates them)
+            from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+
+            attention = spec.submodules.self_attention.submodules
+            attention.linear_q_down_proj = attention.linear_kv_down_proj = TEColumnParallelLinear
+        return spec
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=config.qk_layernorm
-    )
+        num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=config.qk_layernorm or mla,
+        multi_latent_attention=mla,
+    )  # fmt: skip
     # The local DotProductAttention refuses packed (THD) input; this subclass runs it, so the actor's packed
     # path is the same on CPU as on GPU (where Transformer Engine's attention takes cu_seqlens natively).
     spec.submodules.self_attention.submodules.core_attention = varlen_attention_class()

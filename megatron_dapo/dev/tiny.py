@@ -39,7 +39,7 @@ def make_tiny_tokenizer(out_dir: str | Path):
     return tok
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
 """The tiny MoE models make_tiny_model builds (moe_family)."""
 
 
@@ -51,7 +51,10 @@ def make_tiny_model(
     untied MoE of the same size instead, every layer MoE with 8 experts of width 48, top-2: Qwen3-MoE (moe_family
     "qwen3_moe", its q/k norms, top-k renormalised), Mixtral ("mixtral": Llama's attention, full context), or GLM-4.5
     ("glm4_moe": the first layer dense, then a sigmoid router with a correction bias over 2 expert groups, scaled by
-    2.5, a shared expert; q/k/v biases and norms, RoPE on half of each head)."""
+    2.5, a shared expert; q/k/v biases and norms, RoPE on half of each head), or DeepSeek-V3 ("deepseek_v3": that
+    mixture of experts under multi-latent attention, q rank 32, kv rank 24, 8 + 8 q/k dims per head, 16 for v)."""
+    from transformers import DeepseekV3Config
+    from transformers import DeepseekV3ForCausalLM
     from transformers import Glm4MoeConfig
     from transformers import Glm4MoeForCausalLM
     from transformers import LlamaConfig
@@ -89,6 +92,14 @@ def make_tiny_model(
                                norm_topk_prob=True, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
                                head_dim=hidden // 4, partial_rotary_factor=0.5, tie_word_embeddings=False)  # fmt: skip
         cls = Glm4MoeForCausalLM
+    elif moe and moe_family == "deepseek_v3":
+        common["num_key_value_heads"] = common["num_attention_heads"]
+        config = DeepseekV3Config(**common, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                  n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=24,
+                                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                                  tie_word_embeddings=False)  # fmt: skip
+        cls = DeepseekV3ForCausalLM
     elif moe:
         moe_fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
         config = Qwen3MoeConfig(**common, **moe_fields, head_dim=hidden // 4, tie_word_embeddings=False)

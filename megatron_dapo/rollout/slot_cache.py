@@ -44,9 +44,9 @@ def grouped_attention(
 ) -> tuple[Tensor, None]:
     """Eager attention with grouped query heads (no key/value copies per query head).
 
-    query: [B, H, q, D]; key, value: [B, Hkv, C, D] with H a multiple of Hkv (head h reads KV head h // (H / Hkv),
-    as transformers' repeat_kv); attention_mask: [B, 1, q, C] additive (0 / -inf) or None. Returns ([B, q, H, D],
-    None). dropout must be 0 (inference only).
+    query: [B, H, q, D]; key: [B, Hkv, C, D], value: [B, Hkv, C, Dv] with H a multiple of Hkv (head h reads KV head
+    h // (H / Hkv), as transformers' repeat_kv; Dv = D but for multi-latent attention); attention_mask: [B, 1, q, C]
+    additive (0 / -inf) or None. Returns ([B, q, H, Dv], None). dropout must be 0 (inference only).
     """
     if dropout:
         raise ValueError("grouped_attention: dropout is not supported (inference only)")
@@ -59,7 +59,7 @@ def grouped_attention(
         scores = scores + attention_mask[:, :, None, :, -c:]
     probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
     out = torch.matmul(probs.view(b, hkv, g * q, c), value)
-    return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
+    return out.view(b, h, q, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def register_attention() -> None:
@@ -82,11 +82,13 @@ class SlotCache:
     """
 
     def __init__(
-        self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device
-    ) -> None:
+        self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+        value_dim: int | None = None,
+    ) -> None:  # fmt: skip
         shape = (num_slots, kv_heads, capacity, head_dim)
+        value_shape = (*shape[:3], value_dim or head_dim)  # multi-latent attention: its rotary key as values
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity = capacity
         self.num_slots = num_slots
         self._rows = 0

@@ -306,14 +306,18 @@ class TransformersEngine:
             cfg = self.model.config
             heads = cfg.num_attention_heads
             head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+            # Multi-latent attention (transformers 5.25's DeepSeek-V3): the cache holds one "head" of the compressed kv
+            # (as keys) and the rotary key (as values), expanded per head after the cache.
+            mla = getattr(cfg, "kv_lora_rank", None)
             self._cache = SlotCache(
                 cfg.num_hidden_layers,
                 self.max_running,
                 capacity,
-                getattr(cfg, "num_key_value_heads", None) or heads,
-                head_dim,
+                1 if mla else getattr(cfg, "num_key_value_heads", None) or heads,
+                cfg.kv_lora_rank if mla else head_dim,
                 self.model.dtype,
                 self.device,
+                value_dim=cfg.qk_rope_head_dim if mla else None,
             )
         return self._cache
 

@@ -21,7 +21,7 @@ from tests.actor._tiny_models import every_tiny_checkpoint
 LAYOUTS = {2: ((2, 1, 1), (1, 2, 1), (1, 1, 2)), 4: ((2, 2, 1), (2, 1, 2), (1, 2, 2))}
 """(tensor_parallel, pipeline_parallel, expert_parallel) checked per world size."""
 DENSE = ("llama", "qwen2", "qwen3")
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3")
 
 
 def layout_id(tp: int, pp: int, ep: int) -> str:

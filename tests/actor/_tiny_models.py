@@ -13,6 +13,9 @@
                           with a random correction bias, limited to the best 1 of 2 expert groups, renormalised and
                           scaled by 2.5, an ungated shared expert of width 38; q/k/v bias, q/k norms, RoPE on half
                           of each head
+    make_tiny_deepseek_v3(dir)  DeepseekV3ForCausalLM: GLM-4.5's MoE (first layer dense, sigmoid router with a bias,
+                          2 groups choosing 1, scaled, a shared expert) under multi-latent attention: q rank 24, kv
+                          rank 20, per head 8 no-rope + 4 rope dims for q/k, 10 for v (all split over TP=2)
 All: 2 layers (MoE: 4), hidden 64, head_dim 16, vocab 200 (not a multiple of 128 * TP, so padding is exercised),
 fp32 safetensors. Norm weights and biases are randomised too, so a missed or swapped tensor changes logits.
 """
@@ -26,6 +29,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import DeepseekV3Config
+from transformers import DeepseekV3ForCausalLM
 from transformers import Glm4MoeConfig
 from transformers import Glm4MoeForCausalLM
 from transformers import LlamaConfig
@@ -168,6 +173,30 @@ def make_tiny_glm4_moe(path: str | Path, *, seed: int = 6, num_layers: int = 4) 
     return _save(Glm4MoeForCausalLM(config), seed, path)
 
 
+def make_tiny_deepseek_v3(path: str | Path, *, seed: int = 7, num_layers: int = 4) -> Path:
+    """Save a DeepseekV3ForCausalLM (multi-latent attention, GLM-4.5's mixture of experts) to `path`."""
+    config = DeepseekV3Config(
+        **{**_COMMON, "num_hidden_layers": num_layers, "num_key_value_heads": 4},
+        n_routed_experts=MOE_FIELDS["num_experts"],
+        num_experts_per_tok=MOE_FIELDS["num_experts_per_tok"],
+        moe_intermediate_size=MOE_FIELDS["moe_intermediate_size"],
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=20,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=10,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
+    return _save(DeepseekV3ForCausalLM(config), seed, path)
+
+
 def load_hf(path: str | Path) -> torch.nn.Module:
     """The saved checkpoint as a transformers model (fp32, eval mode, eager attention)."""
     from transformers import AutoConfig
@@ -190,8 +219,8 @@ def tiny_checkpoints() -> dict[str, Path]:
 
 @functools.cache
 def every_tiny_checkpoint() -> dict[str, Path]:
-    """tiny_checkpoints() and Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral and GLM-4.5 ones: each architecture the actor
-    supports (model parity, export, planner)."""
+    """tiny_checkpoints() and Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5 and DeepSeek-V3 ones: each architecture
+    the actor supports (model parity, export, planner)."""
     root = Path(tempfile.mkdtemp(prefix="tiny_hf_"))
     atexit.register(shutil.rmtree, root, True)
     return {
@@ -201,4 +230,5 @@ def every_tiny_checkpoint() -> dict[str, Path]:
         "qwen2_moe": make_tiny_qwen2_moe(root / "qwen2_moe"),
         "mixtral": make_tiny_mixtral(root / "mixtral"),
         "glm4_moe": make_tiny_glm4_moe(root / "glm4_moe"),
+        "deepseek_v3": make_tiny_deepseek_v3(root / "deepseek_v3"),
     }

@@ -28,6 +28,7 @@ from megatron_dapo.config import RunConfig
 from megatron_dapo.config import TrainerConfig
 from tests.actor._dist import run_distributed
 from tests.actor._tiny_models import VOCAB
+from tests.actor._tiny_models import make_tiny_deepseek_v3
 from tests.actor._tiny_models import make_tiny_glm4_moe
 from tests.actor._tiny_models import make_tiny_mixtral
 from tests.actor._tiny_models import make_tiny_qwen2
@@ -176,6 +177,7 @@ CASES = {
     "qwen3_moe-ep2": (make_tiny_qwen3_moe, 1, 2),
     "mixtral-ep2": (make_tiny_mixtral, 1, 2),  # block_sparse_moe.experts.e.w1/w3/w2 names into fused experts
     "glm4_moe-ep2": (make_tiny_glm4_moe, 1, 2),  # a dense first layer, the router's fp32 bias (a buffer) synced
+    "deepseek_v3-ep2": (make_tiny_deepseek_v3, 1, 2),  # multi-latent attention; the engine caches its latent kv
 }
 
 

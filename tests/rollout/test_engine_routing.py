@@ -12,6 +12,7 @@ from megatron_dapo.rollout.types import FinishReason
 from megatron_dapo.rollout.types import GenerationRequest
 from megatron_dapo.rollout.types import Rollout
 from tests.actor._tiny_models import load_hf
+from tests.actor._tiny_models import make_tiny_deepseek_v3
 from tests.actor._tiny_models import make_tiny_glm4_moe
 from tests.actor._tiny_models import make_tiny_mixtral
 from tests.actor._tiny_models import make_tiny_qwen3_moe
@@ -19,8 +20,13 @@ from tests.actor._tiny_models import make_tiny_qwen3_moe
 PROMPTS = [[5, 17, 33, 3], [9, 100], [150, 151, 152, 153, 154]]
 
 
-MAKE = {"qwen3_moe": make_tiny_qwen3_moe, "mixtral": make_tiny_mixtral, "glm4_moe": make_tiny_glm4_moe}
-MOE_LAYERS = {"qwen3_moe": 4, "mixtral": 4, "glm4_moe": 3}  # GLM-4.5's first layer is dense: no router, no entry
+MAKE = {
+    "qwen3_moe": make_tiny_qwen3_moe,
+    "mixtral": make_tiny_mixtral,
+    "glm4_moe": make_tiny_glm4_moe,
+    "deepseek_v3": make_tiny_deepseek_v3,  # multi-latent attention: the slot cache holds its compressed kv
+}
+MOE_LAYERS = {"qwen3_moe": 4, "mixtral": 4, "glm4_moe": 3, "deepseek_v3": 3}  # a dense first layer has no router
 
 
 @pytest.fixture(scope="module", params=sorted(MAKE))
