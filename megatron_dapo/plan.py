@@ -207,6 +207,7 @@ _KNOWN = [
     ("Qwen2.5-32B", 5120, 64, 40, 8, 27648, 152064, False, True),
     ("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, True, False),
 ]
+_V3_TAIL = (2048, False, 3, 512, 1536, 64, 128)  # DeepSeek-V3's shared expert .. value head (the fields in order)
 _KNOWN_MOE = [
     # ... + head_dim, qk_norm, routed experts, top-k, expert width (moe_intermediate_size; Mixtral's intermediate_size)
     ("Qwen3-30B-A3B", 2048, 48, 32, 4, 6144, 151936, False, False, 128, True, 128, 8, 768),
@@ -214,6 +215,9 @@ _KNOWN_MOE = [
     ("Mixtral-8x7B-Instruct-v0.1", 4096, 32, 32, 8, 14336, 32000, False, False, 0, False, 8, 2, 14336),
     # ... + shared expert width, its gate, dense first layers (GLM-4.5-Air: zai-org/GLM-4.5-Air's config.json)
     ("GLM-4.5-Air", 4096, 46, 96, 8, 10944, 151552, False, True, 128, False, 128, 8, 1408, 1408, False, 1),
+    # ... + multi-latent attention: kv rank, q rank, rotary key dims, value head (deepseek-ai/DeepSeek-V3's config.json;
+    # head_dim is the q/k head, 128 no-rope + 64 rope)
+    ("DeepSeek-V3", 7168, 61, 128, 128, 18432, 129280, False, False, 192, False, 256, 8, 2048, *_V3_TAIL),
 ]
 KNOWN_MODELS: dict[str, ModelShape] = {row[0].lower(): ModelShape(*row) for row in [*_KNOWN, *_KNOWN_MOE]}
 

@@ -23,6 +23,7 @@ from megatron_dapo.plan import KNOWN_MODELS
 from megatron_dapo.plan import Assumptions
 from megatron_dapo.plan import PlanError
 from megatron_dapo.plan import actor_stages
+from megatron_dapo.plan import kv_bytes_per_token
 from megatron_dapo.plan import make_plan
 from megatron_dapo.plan import padded_vocab
 from megatron_dapo.plan import parse_assumptions
@@ -128,6 +129,18 @@ def test_glm45_air_counts_are_the_published_ones():
     dense, moe = m.layer_params(0), m.layer_params(1)
     assert dense[1] == 0 and dense[2] == 2 * m.hidden and moe[1] == 128 * 3 * m.hidden * 1408
     assert moe[2] == 2 * m.hidden + 128 * m.hidden  # norms and the router, no gate
+
+
+def test_deepseek_v3_counts_are_the_published_ones():
+    """DeepSeek-V3 as deepseek-ai publishes it: 671 B parameters, 37 B active (its MTP module aside); multi-latent
+    attention's projections per layer (q 7168 -> 1536 -> 128 x 192, kv 7168 -> 512 + 64 -> 128 x 256, o 128 x 128 ->
+    7168) and its cache, the compressed latent: 61 x (512 + 64) x 2 bytes per token on every GPU of an engine."""
+    m = KNOWN_MODELS["deepseek-v3"]
+    assert round(m.num_params / 1e9) == 671 and int(m.active_params / 1e9) == 37
+    h = 7168
+    assert m.attention_shapes == [(1536, h), (128 * 192, 1536), (576, h), (128 * 256, 512), (h, 128 * 128)]
+    assert m.attention_norms == 1536 + 512 and m.moe_layers == 58
+    assert kv_bytes_per_token(m, 8, 2) == kv_bytes_per_token(m, 32, 2) == 61 * 576 * 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -608,6 +621,7 @@ def test_counts_match_megatron_core():
         "dapo_qwen3_30b_a3b.sbatch",
         "dapo_mixtral_8x7b.sbatch",
         "dapo_glm45_air.sbatch",
+        "dapo_deepseek_v3.sbatch",
     ],
 )
 def test_shipped_sbatch_layouts_fit(sbatch):

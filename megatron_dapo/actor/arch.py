@@ -265,6 +265,9 @@ def check_moe(hf_config: Any, actor_config: ActorConfig) -> MoeShape | None:
             f"{moe.topk} not supported: megatron ranks a group by its top num_experts_per_tok/topk_group scores, "
             "transformers by its top 2, so they agree only when that quotient is 2 (DeepSeek-V3: 8/4)"
         )
+    freq = getattr(hf_config, "moe_layer_freq", 1)
+    if freq != 1:
+        raise ValueError(f"hf config: moe_layer_freq {freq} not supported (every layer past the dense ones is MoE)")
     if moe.dense_layers >= hf_config.num_hidden_layers:
         raise ValueError(
             f"hf config: first_k_dense_replace {moe.dense_layers} leaves no MoE layer of {hf_config.num_hidden_layers}"

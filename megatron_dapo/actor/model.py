@@ -68,14 +68,20 @@ def padded_vocab_size(vocab: int, tp: int, divisible_by: int = 128) -> int:
     return int(math.ceil(vocab / multiple) * multiple)
 
 
-def _rope_params(hf_config: Any) -> dict[str, Any]:
-    """rope theta and scaling as GPTModel kwargs; unsupported rope types are a one-line error."""
+def _rope_parameters(hf_config: Any) -> tuple[dict[str, Any], float, str]:
+    """(rope parameters, theta, rope type) of an HF config (transformers 5's rope_parameters, or a legacy
+    rope_scaling)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     legacy = getattr(hf_config, "rope_scaling", None)
     if legacy and not params.get("rope_type"):
         params.update(legacy)
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    return params, theta, params.get("rope_type", params.get("type", "default")) or "default"
+
+
+def _rope_params(hf_config: Any) -> dict[str, Any]:
+    """rope theta and scaling as GPTModel kwargs; unsupported rope types are a one-line error."""
+    params, theta, rope_type = _rope_parameters(hf_config)
     out: dict[str, Any] = {"rotary_base": theta}
     if rope_type == "default":
         return out
@@ -290,25 +296,41 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
 def _mla_fields(hf_config: Any) -> dict[str, Any]:
     """MLATransformerConfig fields of a multi-latent-attention model ({} for the others): its ranks and head sizes,
     its RoPE (plain: megatron's "rope"; the q/k rotary halves of HF's interleaved layout are what megatron's MLA RoPE
-    de-interleaves), no query/key layer scaling. Other RoPE types are refused in one line."""
+    de-interleaves), no query/key layer scaling; or YaRN (DeepSeek-V3's: megatron's YarnRotaryEmbedding and its
+    softmax scale mscale(factor, mscale_all_dim)^2 / sqrt(q head), as transformers' yarn_apply_mscale). Other RoPE
+    types are refused in one line."""
     mla = mla_shape(hf_config)
     if mla is None:
         return {}
-    rope = _rope_params(hf_config)
-    if set(rope) != {"rotary_base"}:
-        raise ValueError("hf config: rope_parameters other than the default with multi-latent attention not supported")
+    params, theta, rope_type = _rope_parameters(hf_config)
+    rope: dict[str, Any] = dict(rope_type="rope", mscale=1.0, mscale_all_dim=0.0)
+    if rope_type == "yarn":
+        if params.get("attention_factor") is not None or not params.get("truncate", True):
+            raise ValueError("hf config: yarn attention_factor / truncate false not supported (megatron's YaRN)")
+        rope = dict(
+            rope_type="yarn",
+            rotary_scaling_factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=float(params.get("mscale") or 1.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        )
+    elif rope_type != "default":
+        raise ValueError(
+            f"hf config: rope_parameters.rope_type {rope_type!r} with multi-latent attention not supported (supported: "
+            "default, yarn)"
+        )
     return dict(
         q_lora_rank=mla.q_lora,
         kv_lora_rank=mla.kv_lora,
         qk_head_dim=mla.nope,
         qk_pos_emb_head_dim=mla.rope,
         v_head_dim=mla.v,
-        rope_type="rope",
-        rotary_base=rope["rotary_base"],
+        rotary_base=theta,
         rotary_percent=1.0,
-        mscale=1.0,
-        mscale_all_dim=0.0,
         kv_channels=mla.q_head,
+        **rope,
     )
 
 
@@ -542,7 +564,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_percent=rotary_fraction(hf_config),
-        **_rope_params(hf_config),
+        **({} if mla_shape(hf_config) else _rope_params(hf_config)),  # MLA: its attention builds its RoPE
     )
     return model.to(groups.device)
 

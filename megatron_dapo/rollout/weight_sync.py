@@ -35,25 +35,45 @@ def tensor_bytes(t: Tensor | WeightDelta) -> int:
     return payload_bytes(t)
 
 
+LOADED_TOGETHER = (("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa."),)
+"""Tensors an engine loads only in one call: SGLang 0.5.23's DeepSeek loader (deepseek_common/deepseek_weight_loader.py,
+do_load_weights) fuses a layer's q_a_proj and kv_a_proj_with_mqa (weights, and their FP8 scales) into
+fused_qkv_a_proj_with_mqa once both are in the same load_weights call, and drops one left alone when the call ends."""
+
+
+def _partner(name: str) -> str | None:
+    """The name that must share a bucket with `name` (LOADED_TOGETHER), when `name` is the first of a pair."""
+    for first, second in LOADED_TOGETHER:
+        if first in name:
+            return name.replace(first, second)
+    return None
+
+
 def bucket_named_tensors(
     named_tensors: Iterable[tuple[str, Tensor | WeightDelta]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, Tensor | WeightDelta]]]:
     """Group (name, tensor) pairs, in order, into lists of at most bucket_bytes bytes.
 
-    A tensor larger than bucket_bytes gets a bucket of its own. Consumes the input lazily, so at most one
-    bucket of tensors is alive at a time.
+    A tensor larger than bucket_bytes gets a bucket of its own; a pair of LOADED_TOGETHER is never split (the bucket
+    stays open past the bound until the second arrives). Consumes the input lazily, so at most one bucket of tensors
+    is alive at a time.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_named_tensors: bucket_bytes must be >= 1, got {bucket_bytes}")
     bucket: list[tuple[str, Tensor]] = []
     size = 0
+    waiting: set[str] = set()  # second halves of pairs whose first half is in the bucket
     for name, tensor in named_tensors:
         nbytes = tensor_bytes(tensor)
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not waiting:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
+        waiting.discard(name)
+        partner = _partner(name)
+        if partner is not None:
+            waiting.add(partner)
     if bucket:
         yield bucket
 

@@ -15,7 +15,8 @@
                           of each head
     make_tiny_deepseek_v3(dir)  DeepseekV3ForCausalLM: GLM-4.5's MoE (first layer dense, sigmoid router with a bias,
                           2 groups choosing 1, scaled, a shared expert) under multi-latent attention: q rank 24, kv
-                          rank 20, per head 8 no-rope + 4 rope dims for q/k, 10 for v (all split over TP=2)
+                          rank 20, per head 8 no-rope + 4 rope dims for q/k, 10 for v (all split over TP=2); YaRN
+                          RoPE as DeepSeek-V3's (factor 4 over 64 positions, mscale_all_dim 1)
 All: 2 layers (MoE: 4), hidden 64, head_dim 16, vocab 200 (not a multiple of 128 * TP, so padding is exercised),
 fp32 safetensors. Norm weights and biases are randomised too, so a missed or swapped tensor changes logits.
 """
@@ -192,8 +193,9 @@ def make_tiny_deepseek_v3(path: str | Path, *, seed: int = 7, num_layers: int = 
         qk_rope_head_dim=4,
         v_head_dim=10,
         tie_word_embeddings=False,
-        rope_theta=10000.0,
-    )
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )  # fmt: skip
     return _save(DeepseekV3ForCausalLM(config), seed, path)
 
 

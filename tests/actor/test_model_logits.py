@@ -144,6 +144,7 @@ def test_a_mixtral_window_past_the_context_is_no_window():
         ({**_GLM, "topk_group": 2}, {}, "n_group 2 / topk_group 2 with 8 experts top-2 not supported"),
         ({**_GLM, "norm_topk_prob": False}, {}, "norm_topk_prob false with a sigmoid router not supported"),
         ({**_GLM, "first_k_dense_replace": 4}, {}, "first_k_dense_replace 4 leaves no MoE layer of 4"),
+        ({**_GLM, "moe_layer_freq": 2}, {}, "moe_layer_freq 2 not supported"),
         (
             {**_GLM, "first_k_dense_replace": 2},
             {"pipeline_parallel": 2, "routing_replay": "r3"},

@@ -165,3 +165,42 @@ def test_every_glm4_moe_name_we_push_is_taken_by_sglangs_loader():
     dense = {k.split(".")[4] for k in names if ".layers.0.mlp." in k}  # stacked gate/up -> gate_up_proj, and down
     assert dense == {"gate_proj", "up_proj", "down_proj"}
     assert {"gate_up_proj", "down_proj"} <= _assigned(classes["Glm4MoeMLP"])
+
+
+@needs_sglang
+def test_every_deepseek_v3_name_we_push_is_taken_by_sglangs_loader():
+    """DeepSeek-V3 (issue 41): SGLang 0.5.23's deepseek_v2.py (DeepseekV3ForCausalLM; its loader in
+    deepseek_common/deepseek_weight_loader.py) maps the routed experts with make_expert_params_mapping (executed
+    from its source), fuses q_a_proj with kv_a_proj_with_mqa (only when both arrive in one call:
+    weight_sync.LOADED_TOGETHER), and loads the other attention projections, norms, the router's weight and
+    correction bias and the shared experts into modules its classes define; a layer is sparse from
+    first_k_dense_replace on (moe_layer_freq 1), as the actor's."""
+    from megatron_dapo.rollout.weight_sync import LOADED_TOGETHER
+
+    path = ROOT / "srt/models/deepseek_v2.py"
+    loader = ROOT / "srt/models/deepseek_common/deepseek_weight_loader.py"
+    hf_config = AutoConfig.from_pretrained(every_tiny_checkpoint()["deepseek_v3"])
+    fn = _function(loader, "do_load_weights")
+    call = next(n for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") ==
+                "make_expert_params_mapping")  # fmt: skip
+    mapping = _expert_mapping(num_experts(hf_config), call)
+    source = ast.unparse(fn)
+    for first, second in LOADED_TOGETHER:  # the pair its loader fuses, by the names it tests
+        assert f"'{first.split('.')[1]}' in name" in source and f"'{second.split('.')[1]}' in name" in source
+    names = hf_state_dict_keys(hf_config)
+    taken = 0
+    for key in names:
+        hits = [(p, e, s) for p, w, e, s in mapping if w in key]
+        assert len(hits) == (1 if ".mlp.experts." in key else 0), (key, hits)
+        taken += bool(hits)
+    assert taken == 3 * num_experts(hf_config) * (hf_config.num_hidden_layers - hf_config.first_k_dense_replace)
+    rule = ast.unparse(_function(path, "_is_layer_sparse"))
+    assert "layer_id >= config.first_k_dense_replace" in rule and "config.moe_layer_freq" in rule
+    classes = _classes([_parse(path)])
+    attn = {k.split(".")[4] for k in names if ".self_attn." in k} - {"q_a_proj", "kv_a_proj_with_mqa"}
+    assert attn == {"q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj"}
+    assert attn | {"fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa"} <= _assigned(classes["DeepseekV2AttentionMLA"])
+    moe = {k.split(".")[4] for k in names if ".mlp." in k and ".mlp.experts." not in k and ".layers.0." not in k}
+    assert moe == {"gate", "shared_experts"} and moe <= _assigned(classes["DeepseekV2MoE"])
+    router = {k.split(".")[5] for k in names if ".mlp.gate." in k}
+    assert router == {"weight", "e_score_correction_bias"} and router <= _assigned(classes["MoEGate"])

@@ -70,6 +70,17 @@ def test_buckets_are_bounded_and_ordered():
         assert len(b) == 1 or sum(t.numel() * 4 for _, t in b) <= 80
 
 
+def test_deepseeks_fused_a_projections_share_a_bucket():
+    """SGLang 0.5.23's DeepSeek loader loads q_a_proj and kv_a_proj_with_mqa (and their FP8 scales) only together in
+    one call (LOADED_TOGETHER): a bucket bound between them stretches the bucket; the next tensor starts a new one."""
+    attn = "model.layers.3.self_attn."
+    names = [f"{attn}q_a_proj.weight", f"{attn}q_a_proj.weight_scale_inv", f"{attn}q_a_layernorm.weight",
+             f"{attn}q_b_proj.weight", f"{attn}kv_a_proj_with_mqa.weight", f"{attn}kv_a_proj_with_mqa.weight_scale_inv",
+             f"{attn}kv_a_layernorm.weight", f"{attn}kv_b_proj.weight"]  # fmt: skip
+    buckets = list(bucket_named_tensors(((n, torch.zeros(10)) for n in names), bucket_bytes=40))
+    assert [[n for n, _ in b] for b in buckets] == [names[:6], names[6:7], names[7:]]
+
+
 def test_rank_without_engine_drains_the_export():
     seen = []
 
