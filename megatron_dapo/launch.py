@@ -230,7 +230,9 @@ def _check_resume(config: Any, text: dict[str, Any]) -> None:
 def _check_experts(text: dict[str, Any], actor: Any, config_file: Path) -> None:
     """The actor's mixture-of-experts settings against the model (actor.model.check_moe, the check the actor's build
     makes, here before any process starts): expert_parallel or routing_replay on a dense model, expert_parallel not
-    dividing the experts. An architecture the actor does not support is left to the build's own error."""
+    dividing the experts. An architecture the actor does not support is refused here (one line naming what is
+    missing for the families in arch.UNSUPPORTED_WHY); a config.json naming neither architectures nor model_type is
+    left to the build."""
     import types
 
     from megatron_dapo.actor.arch import check_moe
@@ -239,7 +241,9 @@ def _check_experts(text: dict[str, Any], actor: Any, config_file: Path) -> None:
     hf = types.SimpleNamespace(**text)
     try:
         model_arch(hf)
-    except ValueError:
+    except ValueError as err:
+        if text.get("architectures") or text.get("model_type"):
+            raise StartupError(f"{str(err).splitlines()[0]} ({config_file})") from None
         return
     try:
         check_moe(hf, actor)

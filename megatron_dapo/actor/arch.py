@@ -96,17 +96,34 @@ def moe_names(hf_config: Any) -> MoeNames:
     return MOE_NAMES.get(model_arch(hf_config), MoeNames())
 
 
+_GEMMA = (
+    "(1 + weight) RMSNorms, norms after attention and after the MLP (sandwich norms), embeddings scaled by "
+    "sqrt(hidden_size), GeGLU (gelu_pytorch_tanh)"
+)
+UNSUPPORTED_WHY = {
+    "gemma3_text": f"Gemma 3's {_GEMMA}, query_pre_attn_scalar and interleaved sliding-window layers with their own "
+    "RoPE base have no counterpart in megatron-core 0.16.1's GPT layer spec (nor in the embedded engine's "
+    "full-attention slot cache)",
+    "gemma2": f"Gemma 2's {_GEMMA}, attention and final-logit soft-capping and sliding-window layers have no "
+    "counterpart in megatron-core 0.16.1's GPT layer spec",
+}
+"""Families the actor is asked for and refuses, by model_type, with what is missing (the start-up error names it)."""
+UNSUPPORTED_WHY["gemma3"] = UNSUPPORTED_WHY["gemma3_text"]  # Gemma3ForConditionalGeneration: its text model
+
+
 def model_arch(hf_config: Any) -> str:
-    """The supported architecture family of an HF config: a value of SUPPORTED_ARCHITECTURES."""
+    """The supported architecture family of an HF config: a value of SUPPORTED_ARCHITECTURES. ValueError (one line)
+    otherwise, naming what is missing for a family of UNSUPPORTED_WHY."""
     for arch in getattr(hf_config, "architectures", None) or []:
         if arch in SUPPORTED_ARCHITECTURES:
             return SUPPORTED_ARCHITECTURES[arch]
     model_type = getattr(hf_config, "model_type", None)
     if model_type in _MODEL_TYPES:
         return _MODEL_TYPES[model_type]
+    why = f" ({UNSUPPORTED_WHY[model_type]})" if model_type in UNSUPPORTED_WHY else ""
     raise ValueError(
         f"hf config: architectures {getattr(hf_config, 'architectures', None)} / model_type {model_type!r} "
-        f"not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        f"not supported{why}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
     )
 
 

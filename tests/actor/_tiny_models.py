@@ -174,8 +174,11 @@ def make_tiny_glm4_moe(path: str | Path, *, seed: int = 6, num_layers: int = 4) 
     return _save(Glm4MoeForCausalLM(config), seed, path)
 
 
-def make_tiny_deepseek_v3(path: str | Path, *, seed: int = 7, num_layers: int = 4) -> Path:
-    """Save a DeepseekV3ForCausalLM (multi-latent attention, GLM-4.5's mixture of experts) to `path`."""
+def make_tiny_deepseek_v3(
+    path: str | Path, *, seed: int = 7, num_layers: int = 4, q_lora_rank: int | None = 24
+) -> Path:
+    """Save a DeepseekV3ForCausalLM (multi-latent attention, GLM-4.5's mixture of experts) to `path`; q_lora_rank None:
+    a full q projection (DeepSeek-V2-Lite's and Moonlight's form)."""
     config = DeepseekV3Config(
         **{**_COMMON, "num_hidden_layers": num_layers, "num_key_value_heads": 4},
         n_routed_experts=MOE_FIELDS["num_experts"],
@@ -187,7 +190,7 @@ def make_tiny_deepseek_v3(path: str | Path, *, seed: int = 7, num_layers: int = 
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
         first_k_dense_replace=1,
-        q_lora_rank=24,
+        q_lora_rank=q_lora_rank,
         kv_lora_rank=20,
         qk_nope_head_dim=8,
         qk_rope_head_dim=4,

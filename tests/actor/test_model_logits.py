@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +69,29 @@ def _hf_config(**kw):
         tie_word_embeddings=False,
     )
     return types.SimpleNamespace(**{**base, **kw})
+
+
+def _full_q_worker(hf_dir: str) -> dict:
+    from tests.actor._actor_checks import _check_model
+
+    groups = init_distributed(2, 1)
+    return _check_model(Path(hf_dir), tokens(), groups, 2, 1, 1)
+
+
+def test_multi_latent_attention_without_a_q_rank_matches_transformers(tmp_path):
+    """DeepSeek-V3's architecture with q_lora_rank null (a full q_proj, as DeepSeek-V2-Lite and Moonlight): megatron's
+    linear_q_proj split over TP=2; logits = transformers fp64 and the HF round trip bit for bit."""
+    from tests.actor._dist import run_distributed
+    from tests.actor._tiny_models import make_tiny_deepseek_v3
+
+    path = make_tiny_deepseek_v3(tmp_path / "full_q", q_lora_rank=None)
+    model = load_hf(path).double()
+    with torch.no_grad():
+        ref = model(tokens()).logits.float()
+    for res in run_distributed(_full_q_worker, 2, str(path), timeout_s=300):
+        assert (res["logits"] - ref).abs().max().item() <= ATOL
+        assert res["mismatched"] == [] and "model.layers.0.self_attn.q_proj.weight" in res["export_keys"]
+        assert res["source_keys"] == sorted(res["export_keys"])
 
 
 def test_padded_vocab_size():
