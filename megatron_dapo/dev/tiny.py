@@ -82,23 +82,21 @@ def make_tiny_model(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    sigmoid_moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
+                       n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                       first_k_dense_replace=1)  # GLM-4.5's and DeepSeek-V3's  # fmt: skip
     if moe and moe_family == "mixtral":
         common["intermediate_size"] = 48  # Mixtral's experts are intermediate_size wide
         config, cls = MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
                                     tie_word_embeddings=False), MixtralForCausalLM  # fmt: skip
     elif moe and moe_family == "glm4_moe":
-        config = Glm4MoeConfig(**common, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                               n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                               norm_topk_prob=True, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
-                               head_dim=hidden // 4, partial_rotary_factor=0.5, tie_word_embeddings=False)  # fmt: skip
+        config = Glm4MoeConfig(**common, **sigmoid_moe, attention_bias=True, use_qk_norm=True, head_dim=hidden // 4,
+                               partial_rotary_factor=0.5, tie_word_embeddings=False)  # fmt: skip
         cls = Glm4MoeForCausalLM
     elif moe and moe_family == "deepseek_v3":
         common["num_key_value_heads"] = common["num_attention_heads"]
-        config = DeepseekV3Config(**common, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                                  n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                                  norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=24,
-                                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
-                                  tie_word_embeddings=False)  # fmt: skip
+        config = DeepseekV3Config(**common, **sigmoid_moe, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=8,
+                                  qk_rope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)  # fmt: skip
         cls = DeepseekV3ForCausalLM
     elif moe:
         moe_fields = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)

@@ -151,19 +151,26 @@ def make_tiny_mixtral(path: str | Path, *, seed: int = 5, num_layers: int = 4) -
     return _save(MixtralForCausalLM(config), seed, path)
 
 
+SIGMOID_MOE_FIELDS = dict(
+    n_routed_experts=MOE_FIELDS["num_experts"],
+    num_experts_per_tok=MOE_FIELDS["num_experts_per_tok"],
+    moe_intermediate_size=MOE_FIELDS["moe_intermediate_size"],
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+)
+"""GLM-4.5's and DeepSeek-V3's mixture of experts in the tiny models: the first layer dense, then MOE_FIELDS' experts
+behind a sigmoid router in 2 groups choosing 1, scaled by 2.5, with one shared expert."""
+
+
 def make_tiny_glm4_moe(path: str | Path, *, seed: int = 6, num_layers: int = 4) -> Path:
     """Save a Glm4MoeForCausalLM (first layer dense, sigmoid group-limited router with a correction bias) to `path`."""
     config = Glm4MoeConfig(
         **{**_COMMON, "num_hidden_layers": num_layers},
-        n_routed_experts=MOE_FIELDS["num_experts"],
-        num_experts_per_tok=MOE_FIELDS["num_experts_per_tok"],
-        moe_intermediate_size=MOE_FIELDS["moe_intermediate_size"],
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        first_k_dense_replace=1,
+        **SIGMOID_MOE_FIELDS,
         attention_bias=True,
         use_qk_norm=True,
         head_dim=16,
@@ -181,15 +188,7 @@ def make_tiny_deepseek_v3(
     a full q projection (DeepSeek-V2-Lite's and Moonlight's form)."""
     config = DeepseekV3Config(
         **{**_COMMON, "num_hidden_layers": num_layers, "num_key_value_heads": 4},
-        n_routed_experts=MOE_FIELDS["num_experts"],
-        num_experts_per_tok=MOE_FIELDS["num_experts_per_tok"],
-        moe_intermediate_size=MOE_FIELDS["moe_intermediate_size"],
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        first_k_dense_replace=1,
+        **SIGMOID_MOE_FIELDS,
         q_lora_rank=q_lora_rank,
         kv_lora_rank=20,
         qk_nope_head_dim=8,
