@@ -289,4 +289,10 @@ def check_moe(hf_config: Any, actor_config: ActorConfig) -> MoeShape | None:
         raise ValueError(
             f"hf config: first_k_dense_replace {moe.dense_layers} leaves no MoE layer of {hf_config.num_hidden_layers}"
         )
+    pp, layers = actor_config.pipeline_parallel, hf_config.num_hidden_layers
+    if actor_config.routing_replay != "none" and moe.dense_layers >= layers // pp:
+        raise ValueError(
+            f"actor.pipeline_parallel: {pp} leaves the first stage only dense layers (first_k_dense_replace "
+            f"{moe.dense_layers} of {layers}); every stage needs an MoE layer for routing replay"
+        )
     return moe  # HF's router_aux_loss_coef is not read: actor.moe_aux_loss_coeff decides (0 for RL)

@@ -227,15 +227,6 @@ def to_transformer_config(hf_config: Any, actor_config: ActorConfig, *, on_cpu: 
     tp, pp = actor_config.tensor_parallel, actor_config.pipeline_parallel
     _check_hf_config(hf_config, arch, pp)
     moe = check_moe(hf_config, actor_config)
-    if (
-        moe is not None
-        and actor_config.routing_replay != "none"
-        and moe.dense_layers >= hf_config.num_hidden_layers // pp
-    ):
-        raise ValueError(
-            f"actor.pipeline_parallel: {pp} leaves the first stage only dense layers (first_k_dense_replace "
-            f"{moe.dense_layers} of {hf_config.num_hidden_layers}); every stage needs an MoE layer for routing replay"
-        )
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if kv_heads % tp != 0 and tp % kv_heads != 0:

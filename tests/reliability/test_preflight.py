@@ -83,6 +83,9 @@ def _model(tmp_path, **fields) -> str:
 DENSE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
        "moe_intermediate_size": 48}  # fmt: skip
+GLM = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "n_routed_experts": 8,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+       "first_k_dense_replace": 1}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -92,6 +95,8 @@ MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num
                                                   "dense"),
         (DENSE, ["--actor.routing_replay=r3"], 2, "actor.routing_replay: r3 needs a mixture-of-experts model"),
         (MOE, ["--actor.expert_parallel=3"], 3, "actor.expert_parallel: 3 must divide the model's num_experts 8"),
+        (GLM, ["--actor.pipeline_parallel=2", "--actor.routing_replay=r3"], 2, "actor.pipeline_parallel: 2 leaves "
+                                                                               "the first stage only dense layers"),
         (MOE, ["--actor.expert_parallel=2"], 3, "actor.tensor_parallel 1 x actor.expert_parallel 2 x "
                                                 "actor.pipeline_parallel 1 = 2 does not divide the actor's 3 ranks"),
         (MOE, ["--actor.expert_parallel=2", "--rollout.engine_ranks=1", "--trainer.max_staleness=0"], 4,
