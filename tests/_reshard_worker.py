@@ -27,7 +27,6 @@ BUCKET_BYTES = 4096
 
 
 def _actor(out: Path, placement, store, tp: int, pp: int, ep: int, models: dict[str, Path]) -> None:
-    import torch.distributed as dist
     from transformers import AutoConfig
 
     from megatron_dapo.actor import reshard
@@ -40,8 +39,7 @@ def _actor(out: Path, placement, store, tp: int, pp: int, ep: int, models: dict[
 
     groups = init_distributed(tp, pp, expert_parallel=ep)
     exchange = RolloutExchange(groups.world_size, timeout_s=120.0)
-    coords: list = [None] * groups.world_size
-    dist.all_gather_object(coords, (groups.tp_rank, groups.pp_rank, groups.ep_rank))
+    layout = reshard.Layout.gather(groups)
     channel = DirectChannel(placement, store, 120.0)
     version = 0
     for name, path in models.items():
@@ -49,7 +47,7 @@ def _actor(out: Path, placement, store, tp: int, pp: int, ep: int, models: dict[
         model = build_gpt_model(hf_config, ActorConfig(model_path=str(path), tensor_parallel=tp, pipeline_parallel=pp,
                                                        expert_parallel=ep, dtype="fp32"), groups)  # fmt: skip
         load_hf_into_model([model], path, hf_config, groups)
-        plan = reshard.transfer_plan(hf_config, reshard.Layout.of(groups, coords))
+        plan = reshard.transfer_plan(hf_config, layout)
         encoder = DeltaEncoder()
         for moved in (False, True, False):
             version += 1

@@ -189,12 +189,9 @@ class MegatronActor:
         return self.schedule.unwrapped()
 
     def pop_routing_agreement(self, prefix: str) -> dict[str, float]:
-        """Routing agreement of the replayed forwards since the last call (collective over all ranks;
-        `RoutingReplay.agreement_metrics`): {prefix}/routing_agreement, ..._min, ..._layer_{i}. {} without routing
-        replay or when nothing was replayed."""
-        if self.routing is None:
-            return {}
-        return self.routing.agreement_metrics(prefix, self.groups)
+        """Routing agreement of the replayed forwards since the last call (collective over all ranks): see
+        `RoutingReplay.agreement_metrics`; {} without routing replay."""
+        return {} if self.routing is None else self.routing.agreement_metrics(prefix, self.groups)
 
     def row_plan(self, batch: ActorBatch) -> RowPlan:
         """The placement of a full batch's rows over DP ranks (MicroBatcher.row_plan)."""
@@ -439,18 +436,13 @@ class MegatronActor:
         )
 
     def owned_shards(self) -> Iterator[tuple[str, Tensor]]:
-        """This rank's share of a direct weight sync (actor/reshard.py): (piece name, its local megatron shard in the
-        export dtype) for the pieces the transfer plan gives it. The plan is made on the first call, an all-gather of
-        every rank's (tp, pp, ep) coordinates over the actor's ranks (collective that once); later calls touch no
-        other rank."""
+        """This rank's share of a direct weight sync: (piece name, local megatron shard in the export dtype) per piece
+        of the transfer plan (actor/reshard.py), made on the first call (a collective: `Layout.gather`)."""
         from megatron_dapo.actor import reshard
 
         self._require_resident("owned_shards", ("params",))
         if self._transfer_plan is None:
-            coords: list[Any] = [None] * self.groups.world_size
-            mine = (self.groups.tp_rank, self.groups.pp_rank, self.groups.ep_rank)
-            dist.all_gather_object(coords, mine, group=self.groups.world_group)
-            self._transfer_plan = reshard.transfer_plan(self.hf_config, reshard.Layout.of(self.groups, coords))
+            self._transfer_plan = reshard.transfer_plan(self.hf_config, reshard.Layout.gather(self.groups))
         return reshard.owned_shards(self.model, self.hf_config, self.groups, self._transfer_plan)
 
     def save_hf(self, out_dir: str, tokenizer: Any = None) -> None:

@@ -59,6 +59,15 @@ class Layout:
     def of(cls, groups: ParallelGroups, coords: Iterable[tuple[int, int, int]]) -> Layout:
         return cls(groups.tp_size, groups.pp_size, groups.ep_size, tuple(tuple(c) for c in coords))
 
+    @classmethod
+    def gather(cls, groups: ParallelGroups) -> Layout:
+        """The layout of every actor rank: an all-gather of their coordinates over groups.world_group (collective)."""
+        import torch.distributed as dist
+
+        coords: list[Any] = [None] * groups.world_size
+        dist.all_gather_object(coords, (groups.tp_rank, groups.pp_rank, groups.ep_rank), group=groups.world_group)
+        return cls.of(groups, coords)
+
     def __post_init__(self) -> None:
         want = {(t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)}
         missing = sorted(want - set(self.coords))

@@ -21,6 +21,8 @@ that pass no 4D mask, so the model object stays usable for ordinary forwards.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -121,11 +123,45 @@ class SlotCache:
             self.keys[layer][slot, :, :n] = k
             self.values[layer][slot, :, :n] = v
 
+    def read(self, slot: int, length: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Copies of `slot`'s first `length` positions: per layer keys and values [Hkv, length, D]."""
+        return [k[slot, :, :length].clone() for k in self.keys], [v[slot, :, :length].clone() for v in self.values]
+
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src` into slot `dst` (compaction after a row finished)."""
         for k, v in zip(self.keys, self.values, strict=True):
             k[dst] = k[src]
             v[dst] = v[src]
+
+
+class KeptKV:
+    """Multi-turn: the KV of stopped rows, keyed by the tokens it covers (context + response but the last token),
+    until the next turn of the same trajectory takes it; at most `capacity`, the oldest dropped first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._kept: OrderedDict[tuple[int, ...], tuple[list[Tensor], list[Tensor]]] = OrderedDict()
+
+    def keep(self, tokens: tuple[int, ...], kv: tuple[list[Tensor], list[Tensor]]) -> None:
+        self._kept[tokens] = kv
+        self._kept.move_to_end(tokens)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def take(self, key: tuple[int, ...]) -> tuple[list[Tensor], list[Tensor]] | None:
+        """The kept KV of the longest kept token sequence that `key` extends (removed: a turn continues once)."""
+        best = max((t for t in self._kept if len(t) < len(key) and key[: len(t)] == t), key=len, default=None)
+        return None if best is None else self._kept.pop(best)
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        """The kept token sequences, oldest first."""
+        return iter(self._kept)
 
 
 class PrefillCache:

@@ -25,7 +25,6 @@ top-p truncation, in fp32 -- the quantity the actor recomputes (DESIGN.md).
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from megatron_dapo.rollout.base import request_result
 from megatron_dapo.rollout.param_writer import ParameterWriter
 from megatron_dapo.rollout.slot_cache import ATTENTION_NAME
 from megatron_dapo.rollout.slot_cache import ROW_BLOCK
+from megatron_dapo.rollout.slot_cache import KeptKV
 from megatron_dapo.rollout.slot_cache import PrefillCache
 from megatron_dapo.rollout.slot_cache import SlotCache
 from megatron_dapo.rollout.slot_cache import causal_mask
@@ -187,9 +187,8 @@ class TransformersEngine:
         self._waiting: deque[GenerationRequest] = deque()
         self._prefills: dict[tuple[int, ...], tuple[list[Tensor], list[Tensor], Tensor]] = {}
         self._prefill_refs: dict[tuple[int, ...], int] = {}
-        self._kept: OrderedDict[tuple[int, ...], tuple[list[Tensor], list[Tensor]]] = OrderedDict()
-        """Multi-turn: per stopped row, its tokens that have KV (context + response but the last token) -> per layer
-        keys and values [Hkv, P, D], until its next turn's prefill takes them."""
+        self._kept = KeptKV(self.max_running)
+        """Multi-turn: the stopped rows' KV until their next turn's prefill takes it."""
         self.prefilled_tokens = 0
         """Tokens run through prefill forwards so far (a kept turn's context counts only what was new)."""
         config = self.model.config
@@ -327,7 +326,7 @@ class TransformersEngine:
         hit = self._prefills.get(key)
         if hit is not None:
             return hit
-        past = self._take_kept(key)
+        past = self._kept.take(key)
         start = 0 if past is None else past[0][0].shape[1]
         n = len(key) - start
         self.prefilled_tokens += n
@@ -348,23 +347,6 @@ class TransformersEngine:
         out = ([k[0] for k in cache.keys], [v[0] for v in cache.values], logits, routing)
         self._prefills[key] = out
         return out
-
-    def _take_kept(self, key: tuple[int, ...]) -> tuple[list[Tensor], list[Tensor]] | None:
-        """The kept KV of the longest kept token sequence that `key` extends (removed: a turn continues once)."""
-        best = max((t for t in self._kept if len(t) < len(key) and key[: len(t)] == t), key=len, default=None)
-        return None if best is None else self._kept.pop(best)
-
-    def _keep(self, row: _Row, slot: int) -> None:
-        """Multi-turn: copy a stopped row's KV out of its slot, keyed by the tokens it covers."""
-        tokens = (self._context_key(row.request) + tuple(row.tokens))[: row.position]
-        cache = self._cache
-        self._kept[tokens] = (
-            [k[slot, :, : row.position].clone() for k in cache.keys],
-            [v[slot, :, : row.position].clone() for v in cache.values],
-        )
-        self._kept.move_to_end(tokens)
-        while len(self._kept) > self.max_running:
-            self._kept.popitem(last=False)
 
     def _admit(self, finished: list) -> None:
         """Move waiting requests into free slots: prefill (shared by the requests of one context), write the slot,
@@ -448,8 +430,9 @@ class TransformersEngine:
         keep = params.multi_turn and not params.return_routed_experts  # (a kept prefill would route part of a context)
         for slot, reason in sorted(leaving, reverse=True):
             row = self._live[slot]
-            if keep and reason is FinishReason.STOP:
-                self._keep(row, slot)
+            if keep and reason is FinishReason.STOP:  # its KV, keyed by the tokens it covers
+                tokens = (self._context_key(row.request) + tuple(row.tokens))[: row.position]
+                self._kept.keep(tokens, self._cache.read(slot, row.position))
             finished.append((row.request.key, self._result(row, reason)))
             last = len(self._live) - 1
             if slot != last:

@@ -49,7 +49,6 @@ def _checkpoint(path: Path) -> Path:
 
 def _worker(out: Path, engines: int, tp: int, hf_dir: Path, repeats: int) -> None:
     import torch
-    import torch.distributed as dist
     from transformers import AutoConfig
 
     from megatron_dapo.placement import DirectChannel
@@ -92,9 +91,7 @@ def _worker(out: Path, engines: int, tp: int, hf_dir: Path, repeats: int) -> Non
         )
         load_hf_into_model([model], hf_dir, hf_config, groups)
         exchange = RolloutExchange(groups.world_size, timeout_s=600.0)
-        coords: list = [None] * groups.world_size
-        dist.all_gather_object(coords, (groups.tp_rank, groups.pp_rank, groups.ep_rank))
-        plan = reshard.transfer_plan(hf_config, reshard.Layout.of(groups, coords))
+        plan = reshard.transfer_plan(hf_config, reshard.Layout.gather(groups))
         rank0 = WeightChannel(placement, store, 600.0) if groups.rank == 0 else None
         direct = DirectChannel(placement, store, 600.0)
         rows = []
