@@ -356,18 +356,21 @@ class RolloutConfig:
     weight_sync_delta: bool = False
     """Changed-weights sync: each step sends only the weight elements whose value (in the dtype sent) changed since
     the engine's last update, a tensor in full where that is no smaller (rollout/delta.py; exact). The trainer keeps
-    a host copy of the sent weights (on a split launch actor rank 0 and each engine rank do). Transformers engine,
-    colocated or on a split launch's engine ranks; not with weight_dtype "fp8" yet."""
+    a host copy of the sent weights (on a split launch each actor rank keeps its own share and each engine rank a
+    copy of the last push). Transformers engine, colocated or on a split launch's engine ranks (weight_dtype "fp8"
+    there only); SGLang servers on a split launch with weight_sync_route "direct" (their engine ranks decode)."""
     weight_sync_full_every: int = 0
     """With weight_sync_delta, every N-th sync sends every tensor in full (0: only the first one and those after an
     engine restart or a failed sync)."""
     weight_sync_route: str = "auto"
-    """How a split launch's (rollout.engine_ranks > 0) weights reach its engine ranks: "direct" (every actor rank
-    sends the shards it holds straight to the engine ranks, which rebuild the HF tensors; no gather, no rank carries
-    the whole model: actor/reshard.py, placement.DirectChannel) or "rank0" (the actor gathers the full HF tensors and
-    rank 0 broadcasts them: placement.WeightChannel), the engine's weights the same bit for bit; "auto": "direct" to
-    the embedded engines of engine ranks, "rank0" to SGLang servers (mode "server"; direct is not built for them:
-    docs/rollout.md, "Weight sync routes")."""
+    """How a split launch's (rollout.engine_ranks > 0) weights reach its engines: "direct" (every actor rank sends
+    the shards it holds straight to the engine ranks, which rebuild the HF tensors; no gather, no rank carries the
+    whole model: actor/reshard.py, placement.DirectChannel; with SGLang servers each engine rank then relays the
+    rebuilt tensors to the servers it drives over their weight-update group) or "rank0" (the actor gathers the full
+    HF tensors and rank 0 broadcasts them to the engine ranks, placement.WeightChannel, or to the servers,
+    placement.ServerPush), the engine's weights the same bit for bit; "auto": "direct" to the embedded engines of
+    engine ranks, "rank0" to SGLang servers (the relay pays off when each engine rank runs on its servers' node, or
+    with weight_sync_delta: docs/rollout.md, "Weight sync routes")."""
     compare_logprobs: bool = True
     """Ask the engine for its sampling log-probs and log the actor-vs-engine mismatch."""
     generation_timeout_minutes: float = 60.0
@@ -429,7 +432,8 @@ class RolloutConfig:
     @property
     def direct_weight_sync(self) -> bool:
         """A split launch's weights go by direct resharding (weight_sync_route, "auto" resolved)."""
-        return self.engine_ranks > 0 and self.mode != "server" and self.weight_sync_route in ("auto", "direct")
+        route = self.weight_sync_route
+        return self.engine_ranks > 0 and (route == "direct" or route == "auto" and self.mode != "server")
 
     def __post_init__(self) -> None:
         _check_numbers(self, "rollout")
@@ -450,12 +454,6 @@ class RolloutConfig:
         _one_of(self.weight_dtype, ("auto", "fp8"), "rollout.weight_dtype")
         _one_of(self.weight_sync_route, ("auto", "direct", "rank0"), "rollout.weight_sync_route")
         _check(
-            not (self.weight_sync_route == "direct" and self.mode == "server"),
-            "rollout.weight_sync_route",
-            '"direct" is not built for SGLang servers (mode "server"; docs/rollout.md, "Weight sync routes"); '
-            'use "auto" or "rank0"',
-        )
-        _check(
             self.weight_dtype == "auto" or self.mode in kind.fp8_modes,
             "rollout.weight_dtype",
             f'"fp8" is implemented for engines {with_capability("fp8")}, not {self.engine} {self.mode}',
@@ -463,11 +461,14 @@ class RolloutConfig:
         if self.weight_sync_delta:
             # FP8 payloads: the engine holds dequantized weights, so the FP8 base a delta applies to exists only on a
             # split launch's engine rank (its DeltaDecoder keeps the last push and hands the engine full tensors).
+            # SGLang servers take full tensors; the engine ranks relaying to them decode (the "direct" route).
             fp8_ok = self.weight_dtype == "auto" or self.engine_ranks > 0
+            relayed = self.mode == "server" and self.direct_weight_sync
             _check(
-                self.mode in kind.delta_modes and fp8_ok,
+                (self.mode in kind.delta_modes or relayed) and fp8_ok,
                 "rollout.weight_sync_delta",
-                f'implemented for engines {with_capability("delta")} (also split; weight_dtype "fp8" only split), '
+                f'implemented for engines {with_capability("delta")} (also split; weight_dtype "fp8" only split) and '
+                'for SGLang servers on a split launch with weight_sync_route "direct", '
                 f'not {self.engine} {self.mode} with weight_dtype "{self.weight_dtype}"'
                 + ("" if fp8_ok else " and rollout.engine_ranks 0"),
             )

@@ -47,8 +47,8 @@ class EngineRank:
 
     config: the RunConfig. ctx: RolloutContext over the engine ranks. engine: this rank's engine (or the SGLang
     servers it drives). receiver: placement.StagedReceiver (or ServerVersions): `apply(engine)`, `loaded`,
-    `received_s`, `close()`. mailbox / beat: placement.Mailbox and launch_watch on the launch's store. preempt: this
-    rank's PreemptionFlag (`flag`). rows: engine rank 0's row_channel.RowServer, or None.
+    `received_s`, `loaded_s`, `close()`. mailbox / beat: placement.Mailbox and launch_watch on the launch's store.
+    preempt: this rank's PreemptionFlag (`flag`). rows: engine rank 0's row_channel.RowServer, or None.
     """
 
     def __init__(
@@ -73,7 +73,6 @@ class EngineRank:
         """On an engine rank of a split launch: data, verifier, sampler, its engine (the embedded one, or its share of
         rollout.server_urls), the weight receiver, the stream over the engine ranks (their own default group)."""
         from megatron_dapo.placement import StagedReceiver
-        from megatron_dapo.placement import WeightChannel
         from megatron_dapo.placement import launch_watch
         from megatron_dapo.rollout import make_engine
 
@@ -89,12 +88,14 @@ class EngineRank:
         )
         routed = c.actor.routing_replay == "r3"
         if c.rollout.mode == "server":  # the servers: this rank drives its share of them over HTTP
-            from megatron_dapo.placement import ServerVersions
             from megatron_dapo.rollout.factory import server_stream
 
             urls = c.rollout.server_urls[rank::world]
-            engine = server_stream(c.rollout, c.actor.model_path, urls, routed_experts=routed)
-            receiver: Any = ServerVersions(store)
+            # The direct route: this rank relays the rebuilt tensors to its servers (it pushes their update group).
+            group: dict[str, Any] = {}
+            if c.rollout.direct_weight_sync:
+                group = relay_group(c.rollout, urls, rank, placement.world_size, local_rank(placement.rank))
+            engine = server_stream(c.rollout, c.actor.model_path, urls, routed_experts=routed, **group)
         else:
             max_context = max(inputs.longest_prompt, 1) + c.rollout.max_response_length
             gpu = local_rank(placement.rank)
@@ -102,23 +103,12 @@ class EngineRank:
                 c.rollout, c.actor.model_path, base_gpu_id=gpu, seed=c.trainer.seed,
                 max_context=-(-max_context // 64) * 64, routed_experts=routed,
             )  # fmt: skip
-            if c.rollout.direct_weight_sync:  # every actor rank sends its shards; the full tensors are rebuilt here
-                from transformers import AutoConfig
+        if c.rollout.mode == "server" and not c.rollout.direct_weight_sync:  # actor rank 0 pushes to the servers
+            from megatron_dapo.placement import ServerVersions
 
-                from megatron_dapo.placement import DirectChannel
-
-                channel: Any = DirectChannel(
-                    placement, store, c.distributed.timeout_s, hf_config=AutoConfig.from_pretrained(c.actor.model_path),
-                    actor_tp=c.actor.tensor_parallel, delta=c.rollout.weight_sync_delta,
-                    fp8=c.rollout.weight_dtype == "fp8",
-                )  # fmt: skip
-            else:
-                channel = WeightChannel(placement, store, c.distributed.timeout_s)
-            if c.rollout.weight_sync_delta and not c.rollout.direct_weight_sync:  # the full tensors are rebuilt here
-                from megatron_dapo.rollout.delta import DeltaDecoder
-
-                channel.decoder = DeltaDecoder()
-            receiver = StagedReceiver(channel)
+            receiver: Any = ServerVersions(store)
+        else:
+            receiver = StagedReceiver(_weight_channel(c, placement, store))
         rows = None
         if rank == 0:  # after the weight channel's group, as on actor rank 0 (each constructor waits for its members)
             from megatron_dapo.row_channel import RowServer
@@ -140,7 +130,8 @@ class EngineRank:
         self.inputs.train_data.load_state_dict(start["data"])
         self.carry, self.carry_rows = carry_entries(start["carry"], self.engine_ranks, self.rank)
         while self.step < c.trainer.total_steps:
-            step, waited, received = self.step + 1, time.perf_counter(), self.receiver.received_s
+            step, waited = self.step + 1, time.perf_counter()
+            received, loaded = self.receiver.received_s, self.receiver.loaded_s
             oldest = oldest_version(step, c.trainer.max_staleness)  # the oldest weights this step may come from
             while self._behind(oldest) and not self.stopping():
                 self.beat.check(f"the weights of step {step}")  # actor rank 0 stopped or dead: one line
@@ -159,7 +150,8 @@ class EngineRank:
             groups = dict(self.exchange.all_gather(list(result.groups.items()), "kept groups"))
             carry = carry_state(self.carry, self.carry_rows, self.exchange)
             received = self.receiver.received_s - received
-            local = {"time/engine_wait_for_weights": Stat.max(waited), "time/engine_weight_receive": Stat.max(received)}
+            local = {"time/engine_wait_for_weights": Stat.max(waited), "time/engine_weight_receive": Stat.max(received),
+                     "time/engine_weight_load": Stat.max(self.receiver.loaded_s - loaded)}  # fmt: skip
             metrics = {**result.metrics, **sampled_response_metrics(result.decided)}
             metrics.update(finalize(merge_stats(self.exchange.all_gather([local], "engine metrics"))))
             if self.rank == 0:
@@ -240,6 +232,50 @@ class EngineRank:
         """A one-line notice on engine rank 0's stderr."""
         if self.rank == 0:
             rank_notice(line)
+
+
+def _weight_channel(c: RunConfig, placement: Any, store: Any) -> Any:
+    """This engine rank's end of the actor's weight push: DirectChannel (every actor rank sends its shards; the full
+    tensors are rebuilt here, decoded against each sender's last push with weight_sync_delta) or WeightChannel (actor
+    rank 0 broadcasts the full tensors; a DeltaDecoder here with weight_sync_delta)."""
+    from megatron_dapo.placement import WeightChannel
+
+    if c.rollout.direct_weight_sync:
+        from transformers import AutoConfig
+
+        from megatron_dapo.placement import DirectChannel
+
+        return DirectChannel(
+            placement, store, c.distributed.timeout_s, hf_config=AutoConfig.from_pretrained(c.actor.model_path),
+            actor_tp=c.actor.tensor_parallel, delta=c.rollout.weight_sync_delta, fp8=c.rollout.weight_dtype == "fp8",
+        )  # fmt: skip
+    channel = WeightChannel(placement, store, c.distributed.timeout_s)
+    if c.rollout.weight_sync_delta:
+        from megatron_dapo.rollout.delta import DeltaDecoder
+
+        channel.decoder = DeltaDecoder()
+    return channel
+
+
+def relay_group(rollout: Any, urls: list[str], engine_rank: int, world_size: int, gpu: int) -> dict[str, Any]:
+    """SGLangServerEngine's weight-update-group arguments for an engine rank that relays the weights to the servers
+    it drives (rollout.weight_sync_route "direct" in mode "server"): it hosts the group's store on its own host, at
+    the address the servers route to (detected: rollout.weight_sync_master_address names actor rank 0's host, the
+    rank-0 route's pusher) and port rollout.weight_sync_master_port + engine_rank (engine ranks may share a host).
+    With GPUs the group is NCCL and this rank sends from GPU `gpu` (its local rank): one bucket at a time
+    (rollout.weight_sync_bucket_mb), beside whatever server shares that GPU."""
+    import torch
+
+    from megatron_dapo.launch_env import num_nodes
+    from megatron_dapo.launch_env import weight_sync_master_address
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(gpu % torch.cuda.device_count())
+    return {
+        "master_address": weight_sync_master_address("", urls, num_nodes(world_size)),
+        "master_port": rollout.weight_sync_master_port + engine_rank,
+        "backend": "nccl" if torch.cuda.is_available() else "gloo",
+    }
 
 
 class _Signalled(Exception):

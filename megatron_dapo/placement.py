@@ -28,6 +28,7 @@ NCCL weight-update group (rollout/sglang_engine.py); this module is the CPU form
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -513,11 +514,15 @@ def _transfer_error(version: int, err: BaseException) -> JobError:
 
 
 def load_buckets(engine: Any, version: int, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
-    """One full weight update of `engine` from received buckets; its tokens from now on carry `version`."""
-    engine.begin_weight_update()
-    for bucket in buckets:
-        engine.update_weights(bucket)
-    engine.end_weight_update(full=True)
+    """One full weight update of `engine` from received buckets; its tokens from now on carry `version`. SGLang
+    servers (the direct route's relay) have requests in flight between two engine steps: their update runs inside
+    SGLangServerEngine.paused_update (pause, update stamped with `version`, flush, continue), as ServerPush's does."""
+    paused = getattr(engine, "paused_update", None)
+    with paused(version) if paused is not None else contextlib.nullcontext():
+        engine.begin_weight_update()
+        for bucket in buckets:
+            engine.update_weights(bucket)
+        engine.end_weight_update(full=True)
     engine.weight_version = version
 
 
@@ -549,6 +554,8 @@ class StagedReceiver:
         """The version loaded into the engine last (None before the first)."""
         self.received_s = 0.0
         """Seconds the thread spent receiving (overlapped with generation)."""
+        self.loaded_s = 0.0
+        """Seconds `apply` spent loading into the engine (generation waits; with SGLang servers, the relay)."""
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -578,7 +585,9 @@ class StagedReceiver:
         staged, self._staged = self._staged, None
         if staged is None:
             return None
+        start = time.perf_counter()
         load_buckets(engine, *staged)
+        self.loaded_s += time.perf_counter() - start
         self.loaded = staged[0]
         self._applied.set()
         return self.loaded
@@ -629,7 +638,7 @@ class ServerVersions:
     def __init__(self, store: dist.Store) -> None:
         self.store = dist.PrefixStore(f"{PREFIX}server_version/", store)
         self.loaded: int | None = None
-        self.received_s = 0.0
+        self.received_s = self.loaded_s = 0.0
 
     def apply(self, engine: Any) -> int | None:
         if not self.store.check(["loaded"]):

@@ -926,9 +926,12 @@ class SyncLayout:
 
     placement: "colocated" (the engines share the actor's GPUs and read buckets through CUDA IPC), "split" (engines
     on GPUs of their own: NVLink within one node, the network between nodes) or "server" (SGLang servers elsewhere).
-    transport: "rank0" (what runs: the export is gathered over TP and broadcast over PP and EP to the stage's first
-    rank, which sends every bucket) or "direct" (every actor rank sends its own slices to the engine GPUs that hold
-    them, no gather; built for a split launch's embedded engine ranks, rollout.weight_sync_route, not into SGLang).
+    transport: "rank0" (the export is gathered over TP and broadcast over PP and EP to the stage's first rank, which
+    sends every bucket), "direct" (every actor rank sends its own slices to the engine GPUs that hold them, no
+    gather; built for a split launch's embedded engine ranks, rollout.weight_sync_route; into SGLang it would need a
+    server that takes shards) or "relay" (what rollout.weight_sync_route "direct" runs into SGLang servers: the
+    direct route to one engine rank per server node, which rebuilds the HF tensors in host memory and broadcasts
+    them to its node's servers over NVLink; split placements only).
     delta: rollout.weight_sync_delta's changed elements only (the sender compares the export with its host copy);
     fp8: rollout.weight_dtype fp8.
     """
@@ -976,6 +979,21 @@ def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, 
         )
         # each actor rank compares its own slices: the dense part split over TP x PP, the experts over TP x PP x EP
         compare = ((size - expert_bytes) / (s.tp * s.pp) + expert_bytes / (s.tp * s.pp * s.ep)) if s.delta else 0.0
+    elif s.transport == "relay":
+        if colocated:
+            raise ValueError('SyncLayout.transport: "relay" is for engines on GPUs of their own (split, server)')
+        actor_gpus, relays = s.tp * s.pp * s.dp, max(s.engine_gpus // s.gpus_per_node, 1)
+        per_relay, per_actor_gpu = sent, sent * relays / actor_gpus
+        terms["transfer"] = max(per_relay, per_actor_gpu) / (a.internode_gbps * 1e9)
+        terms["host to gpu"] = size / (a.offload_gbps * 1e9)  # the rebuilt tensors, bucket by bucket
+        terms["load"] = size / (a.nvlink_gbps * 1e9)  # the relay's broadcast to its node's servers: always full
+        buckets = math.ceil(size / (s.bucket_mb * 2**20))
+        formula = (
+            f"S {size / 1e9:.1f} GB{dtype}, relay: max(S' {per_relay / 1e9:.1f} GB per relay rank, S' x {relays} "
+            f"relays / {actor_gpus} actor GPUs {per_actor_gpu / 1e9:.1f} GB) / {a.internode_gbps:g} + host to GPU S/"
+            f"{a.offload_gbps:g} + broadcast S/{a.nvlink_gbps:g}"
+        )
+        compare = ((size - expert_bytes) / (s.tp * s.pp) + expert_bytes / (s.tp * s.pp * s.ep)) if s.delta else 0.0
     else:
         pp_link = a.internode_gbps if s.nodes > 1 and s.tp * s.dp >= s.gpus_per_node else a.nvlink_gbps
         terms["tp gather"] = size * (s.tp - 1) / s.tp / (a.nvlink_gbps * 1e9)
@@ -1022,14 +1040,15 @@ SYNC_TARGETS: list[tuple[str, str, SyncLayout, float, str]] = [
 
 
 def format_sync_targets(a: Assumptions | None = None) -> str:
-    """docs/planning.md's "Weight sync at scale" table: every SYNC_TARGETS case with each transport (rank0: what
-    runs into SGLang; direct: modelled there) full and delta, its seconds against the target and its largest terms."""
+    """docs/planning.md's "Weight sync at scale" table: every SYNC_TARGETS case with each transport (rank0 and, on
+    split placements, relay: what runs into SGLang; direct: modelled there) full and delta, its seconds against the
+    target and its largest terms."""
     from dataclasses import replace
 
     a = a or Assumptions()
     lines = ["| case | transport | delta | sync s | target s | largest terms (s) |", "|---|---|---|---|---|---|"]
     for case, key, layout, target, _ in SYNC_TARGETS:
-        for transport in ("rank0", "direct"):
+        for transport in ("rank0", "direct") + (() if layout.placement == "colocated" else ("relay",)):
             for delta in (False, True):
                 total, _, terms = sync_estimate(KNOWN_MODELS[key], replace(layout, transport=transport, delta=delta), a)
                 top = sorted(terms.items(), key=lambda kv: -kv[1])[:3]

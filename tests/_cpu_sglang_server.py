@@ -10,6 +10,7 @@ SGLangServerEngine calls, with SGLang's semantics as read in its source (names i
 /update_weights_from_distributed: receives each tensor by broadcast from rank 0 and loads it, weight_version stamps
 the tokens from then on), /begin_weight_update, /end_weight_update, /flush_cache (refused while requests run unpaused),
 /pause_generation (no row advances until /continue_generation; requests keep their tokens, as retract does).
+With --dump-dir DIR each /end_weight_update writes the engine's weights to DIR/v{weight_version}.pt.
 
 A continued (partial) request arrives as prompt + its tokens with max_new_tokens = cap - their number, as SGLang
 gets it; the engine continues it as a prefix of the job's cap (--max-new-tokens) and only the new tokens go back.
@@ -42,7 +43,7 @@ DEFAULT = -1
 
 
 class Server:
-    def __init__(self, model: str, cap: int, max_running: int) -> None:
+    def __init__(self, model: str, cap: int, max_running: int, dump_dir: str | None = None) -> None:
         self.engine = TransformersEngine(model, dtype=torch.float32, device="cpu", max_running=max_running,
                                          max_context=512)  # fmt: skip
         self.engine.weight_version = DEFAULT
@@ -50,6 +51,7 @@ class Server:
         self.lock = threading.Lock()  # the engine, between its steps
         self.paused = False
         self.group = None
+        self.dump_dir = dump_dir
         self.pending: dict[str, tuple[int, threading.Event, list]] = {}  # rid -> (prefix length, done, [result])
         threading.Thread(target=self._loop, daemon=True).start()
 
@@ -139,6 +141,13 @@ class Server:
                 print(f"update version={version} paused={self.paused} in_flight={self.engine.num_unfinished()}",
                       flush=True)  # fmt: skip
 
+    def dump(self) -> None:
+        """With --dump-dir: the engine's weights as loaded, v{weight_version}.pt (what tests compare with the actor's
+        export)."""
+        if self.dump_dir is not None:
+            state = {k: v.clone() for k, v in self.engine.model.state_dict().items()}
+            torch.save(state, Path(self.dump_dir) / f"v{self.engine.weight_version}.pt")
+
 
 def make_handler(server: Server) -> type:
     class Handler(BaseHTTPRequestHandler):
@@ -175,6 +184,7 @@ def make_handler(server: Server) -> type:
             elif self.path == "/end_weight_update":
                 with server.lock:
                     server.engine.end_weight_update(full=True)
+                    server.dump()
             elif self.path == "/flush_cache":
                 if not server.paused and server.engine.num_unfinished():
                     return self._reply({"success": False, "message": "requests are running"}, 400)
@@ -195,9 +205,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--port-file", required=True)
+    parser.add_argument("--dump-dir", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    server = Server(args.model, args.max_new_tokens, args.max_running)
+    server = Server(args.model, args.max_new_tokens, args.max_running, args.dump_dir)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server))
     Path(args.port_file).write_text(str(httpd.server_address[1]))
     httpd.serve_forever()

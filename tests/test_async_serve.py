@@ -92,7 +92,7 @@ class PushedWeights:
 
     def __init__(self) -> None:
         self.loaded: int | None = None
-        self.received_s = 0.0
+        self.received_s = self.loaded_s = 0.0
         self._staged: int | None = None
         self._applied = threading.Event()
         self._applied.set()
@@ -222,3 +222,52 @@ def test_serve_keeps_every_token_within_the_staleness_bound_under_random_latenci
     else:
         assert max(ages) >= 1  # generation ran ahead of the update: the bound is not vacuous
         assert engine.updated_in_flight > 0  # and weights were loaded under requests in flight
+
+
+class _PausingServers:
+    """SGLangServerEngine's update surface as the relay drives it (placement.load_buckets): a pause around the update,
+    the version stamped at its end, a failure in the `fail_at`-th bucket."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.calls: list[str] = []
+        self.weight_version, self.fail_at = 0, fail_at
+
+    def paused_update(self, version: int):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def paused():
+            self.calls.append("pause")
+            try:
+                yield
+            finally:
+                self.calls.append("continue")
+            self.weight_version = version
+
+        return paused()
+
+    def begin_weight_update(self) -> None:
+        self.calls.append("begin")
+
+    def update_weights(self, bucket) -> None:
+        if len([c for c in self.calls if c == "bucket"]) == self.fail_at:
+            raise RuntimeError("sglang server http://x/update_weights_from_distributed: HTTP 500")
+        self.calls.append("bucket")
+
+    def end_weight_update(self, *, full: bool = True) -> None:
+        self.calls.append("end")
+
+
+def test_the_relay_loads_servers_under_a_pause_and_a_failed_one_keeps_the_old_version():
+    """The direct route's relay into SGLang servers (placement.load_buckets with an engine that has paused_update):
+    the update runs inside the pause and stamps its version; a bucket the server refuses continues the servers, raises,
+    and leaves the version (the receiver's `loaded` with it) where it was: the job ends, and the next push after the
+    restart is full (a fresh DeltaDecoder holds no base)."""
+    servers = _PausingServers()
+    load_buckets(servers, 3, [["a"], ["b"]])
+    assert servers.calls == ["pause", "begin", "bucket", "bucket", "end", "continue"]
+    assert servers.weight_version == 3
+    failing = _PausingServers(fail_at=1)
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        load_buckets(failing, 4, [["a"], ["b"]])
+    assert failing.calls == ["pause", "begin", "bucket", "continue"] and failing.weight_version == 0

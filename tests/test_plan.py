@@ -863,6 +863,33 @@ def test_sync_estimate_delta_and_direct_terms_by_hand():
     assert direct["engine release/resume"] == 3.0
 
 
+def test_the_relay_into_sglang_servers_is_priced_from_its_hops():
+    """transport "relay" (rollout.weight_sync_route direct in mode server): the actor's pieces (or their deltas) to one
+    engine rank per server node over the network, then the whole model from host to GPU and broadcast to the servers
+    in full, bucket by bucket; refused colocated."""
+    from dataclasses import replace
+
+    from megatron_dapo.plan import KNOWN_MODELS
+    from megatron_dapo.plan import Assumptions
+    from megatron_dapo.plan import SyncLayout
+    from megatron_dapo.plan import engine_weight_bytes
+    from megatron_dapo.plan import sync_estimate
+
+    m, a = KNOWN_MODELS["qwen3-30b-a3b"], Assumptions()
+    S = engine_weight_bytes(m, 1, 2)
+    base = SyncLayout(1, 1, 8, 8, 2, 8, "split", engine_gpus=8, engine_tp=4, transport="relay", bucket_mb=1024)
+    _, _, full = sync_estimate(m, base, a)
+    _, _, delta = sync_estimate(m, replace(base, delta=True), a)
+    assert full["transfer"] == pytest.approx(S / (a.internode_gbps * 1e9))  # one relay rank receives everything
+    assert delta["transfer"] == pytest.approx(full["transfer"] * a.delta_bytes_fraction)
+    for terms in (full, delta):  # the servers always get the whole model
+        assert terms["host to gpu"] == pytest.approx(S / (a.offload_gbps * 1e9))
+        assert terms["load"] == pytest.approx(S / (a.nvlink_gbps * 1e9))
+        assert terms["buckets"] == math.ceil(S / 2**30) * a.bucket_overhead_s
+    with pytest.raises(ValueError, match="relay"):
+        sync_estimate(m, replace(base, placement="colocated"), a)
+
+
 def test_docs_show_the_sync_targets_at_scale():
     from megatron_dapo.plan import format_sync_targets
 

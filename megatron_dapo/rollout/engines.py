@@ -4,9 +4,12 @@ Torch-free: the config reads it on any import path. How each engine is built is 
 
     name           package   modes                  fp8 weights   split launch         routing (r3)   delta sync
     transformers   (ours)    colocated              colocated     colocated (embedded)  yes            colocated, split
-    sglang         sglang    colocated, server      colocated     server (drives them)  yes            no
+    sglang         sglang    colocated, server      colocated     server (drives them)  yes            split (relayed)
     vllm           vllm      colocated              no            no                    no             no
     (memory: every engine is planned with SGLang's rules)
+
+"split (relayed)": SGLang servers take full tensors; on a split launch with rollout.weight_sync_route "direct" the
+engine ranks driving them decode the deltas and relay the rebuilt tensors (config.RolloutConfig's check).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ class EngineKind:
         rollout/delta.py). SGLang 0.5.23 has the seam: update_weights_from_tensor(load_format=F) calls F(model,
         named_tensors) when F is listed in the server argument custom_weight_loader
         (model_runner_components/weight_updater.py); such a loader must map an HF-named delta into each TP rank's
-        shard of the fused parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, experts -> w13 / w2). Not written.
+        shard of the fused parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, experts -> w13 / w2). Not written:
+        servers get deltas through the engine ranks that relay to them instead (module docstring).
     label: its name in prose. planned_as: the engine whose memory rules the planner applies to it.
     """
 

@@ -542,10 +542,13 @@ class SGLangServerEngine(ServerStream):
         }
         if self._update_version is not None:  # an update while generating (paused_update): stamp its tokens
             body["weight_version"] = self._update_version
+        # NCCL sends from the GPU: an engine rank relaying the direct route's rebuilt tensors holds them in host
+        # memory, so one bucket at a time goes to its GPU (actor rank 0's export is already there).
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(self._post_all, "/update_weights_from_distributed", body)
             for _, t in bucket:
-                dist.broadcast(t.contiguous(), group_src=0, group=self._group)
+                dist.broadcast(t.to(device).contiguous() if device else t.contiguous(), group_src=0, group=self._group)
             for r in pending.result():
                 _ok(r, "update_weights_from_distributed")
 

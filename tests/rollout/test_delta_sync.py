@@ -32,6 +32,10 @@ def _update(named: dict[str, torch.Tensor], step: int, scale: float = 5e-4) -> d
     return out
 
 
+SERVERS = {"engine": "sglang", "mode": "server", "server_urls": "http://127.0.0.1:30000", "engine_ranks": 1}
+"""A split launch whose engine rank drives an SGLang server."""
+
+
 def _same_weights(a: TransformersEngine, b: TransformersEngine) -> bool:
     sa, sb = a.model.state_dict(), b.model.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -131,12 +135,22 @@ def test_a_restarted_engine_gets_a_full_sync_after_reset():
     [
         {"engine": "sglang"},
         {"engine": "transformers", "weight_dtype": "fp8"},  # colocated: the engine keeps no FP8 base
+        {**SERVERS, "weight_sync_route": "auto"},  # actor rank 0 pushes full tensors to the servers: nobody decodes
+        {**SERVERS, "weight_sync_route": "rank0"},
     ],
 )
 def test_delta_sync_where_it_is_not_implemented_is_one_config_line(overrides):
     with pytest.raises(ConfigError, match=r"rollout\.weight_sync_delta: implemented for engines \"transformers\"") as e:
         load_config(None, ["--rollout.weight_sync_delta=true", *(f"--rollout.{k}={v}" for k, v in overrides.items())])
     assert "\n" not in str(e.value)
+
+
+def test_delta_sync_to_sglang_servers_goes_through_the_relaying_engine_ranks():
+    """SGLang servers take full tensors: with the direct route the engine ranks decode the deltas and relay."""
+    overrides = [f"--rollout.{k}={v}" for k, v in SERVERS.items()]
+    overrides += ["--rollout.weight_sync_delta=true", "--rollout.weight_sync_route=direct", "--trainer.max_staleness=0"]
+    rollout = load_config(None, overrides).rollout
+    assert rollout.direct_weight_sync and rollout.weight_sync_delta
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
