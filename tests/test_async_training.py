@@ -220,44 +220,52 @@ def _same_as_checkpoint(dumped: Path, hf_dir: Path) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("route", ["rank0", "direct"])
-def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path, route):
-    """rollout.engine sglang, mode server: the engine rank drives the server over HTTP and the server is updated
-    while it generates (pause, update stamped with the version, flush, continue) over its weight-update group (gloo
-    here, NCCL on GPU), joined by actor rank 0 (route rank0: it broadcasts the full tensors) or by the engine rank
-    (route direct, with weight_sync_delta: the actor rank sends its shards' changes, the engine rank decodes them
-    against the last push, rebuilds the HF tensors and relays them). The server is tests/_cpu_sglang_server.py
-    (SGLang's routes and semantics over the embedded engine; SGLang has no CPU build). Every step trains, every token
-    is within the bound, the server's version stamps are the engine's (the fp32 log-probs of on-policy steps equal
-    the actor's), every push reached the server under a pause, stamped with its version, and the server's weights
-    are the checkpoint's at version 0 and the final export's at the last one, bit for bit."""
-    port_file, dumps = tmp_path / "port", tmp_path / "dumps"
-    dumps.mkdir()
-    log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tests._cpu_sglang_server", "--model", tiny["model"], "--max-new-tokens", "12",
-         "--port-file", str(port_file), "--dump-dir", str(dumps)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
+@pytest.mark.parametrize(("route", "engine_ranks"), [("rank0", 1), ("direct", 2)])
+def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path, route, engine_ranks):
+    """rollout.engine sglang, mode server, a server per engine rank: each engine rank drives its server over HTTP and
+    the server is updated while it generates (pause, update stamped with the version, flush, continue) over its
+    weight-update group (gloo here, NCCL on GPU), joined by actor rank 0 (route rank0: it broadcasts the full tensors)
+    or by the engine rank (route direct, with weight_sync_delta, two engine ranks: the actor rank sends its shards'
+    changes to both, each decodes them against the last push, rebuilds the HF tensors and relays them to its own
+    server, on its own port). The servers are tests/_cpu_sglang_server.py (SGLang's routes and semantics over the
+    embedded engine; SGLang has no CPU build). Every step trains, every token is within the bound, the servers'
+    version stamps are the engine's (the fp32 log-probs of on-policy steps equal the actor's), every push reached
+    every server under a pause, stamped with its version, and each server's weights are the checkpoint's at version
+    0 and the final export's at the last one, bit for bit."""
+    procs, logs, dumps = [], [], [tmp_path / f"dumps{i}" for i in range(engine_ranks)]
     try:
-        for _ in range(600):
-            if port_file.exists() and port_file.read_text():
-                break
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            time.sleep(0.1)
-        url = f"http://127.0.0.1:{port_file.read_text()}"
+        for i in range(engine_ranks):
+            dumps[i].mkdir()
+            logs.append(open(tmp_path / f"server{i}.log", "w"))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests._cpu_sglang_server", "--model", tiny["model"], "--max-new-tokens", "12",
+                 "--port-file", str(tmp_path / f"port{i}"), "--dump-dir", str(dumps[i])],
+                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, stdout=logs[i],
+                stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+        urls = []
+        for i, server in enumerate(procs):
+            port_file = tmp_path / f"port{i}"
+            for _ in range(600):
+                if port_file.exists() and port_file.read_text():
+                    break
+                assert server.poll() is None, (tmp_path / f"server{i}.log").read_text()[-3000:]
+                time.sleep(0.1)
+            urls.append(f"http://127.0.0.1:{port_file.read_text()}")
         run = tmp_path / "sglang"
-        servers = ("--rollout.engine=sglang", "--rollout.mode=server", f"--rollout.server_urls={url}",
+        servers = ("--rollout.engine=sglang", "--rollout.mode=server", f"--rollout.server_urls=[{', '.join(urls)}]",
                    "--trainer.max_staleness=1", "--algorithm.rollout_correction=tis",
-                   f"--rollout.weight_sync_route={route}",
+                   f"--rollout.engine_ranks={engine_ranks}", f"--rollout.weight_sync_route={route}",
                    f"--rollout.weight_sync_delta={route == 'direct'}")  # fmt: skip
-        proc = _c10d(tiny, run, "--trainer.total_steps=3", *servers)
-        assert proc.returncode == 0, _log(run)[-4000:] + (tmp_path / "server.log").read_text()[-2000:]
+        proc = _c10d(tiny, run, "--trainer.total_steps=3", *servers, nproc=1 + engine_ranks)
+        server_logs = "".join((tmp_path / f"server{i}.log").read_text()[-2000:] for i in range(engine_ranks))
+        assert proc.returncode == 0, _log(run)[-4000:] + server_logs
     finally:
-        server.kill()
-        server.wait()
-        log.close()
+        for server in procs:
+            server.kill()
+            server.wait()
+        for log in logs:
+            log.close()
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["train/responses"] > 0 and r["actor/skipped_steps"] == 0 for r in rows)
@@ -265,11 +273,13 @@ def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path
     fresh = [r for r in rows if r["stream/response_age_max"] == 0]
     assert fresh and all(r["rollout/logprob_mismatch_max"] < 1e-4 for r in fresh)
     assert all(r["weight_sync/bytes"] > 0 for r in rows)
-    updates = [x.split() for x in (tmp_path / "server.log").read_text().splitlines() if x.startswith("update ")]
-    assert [u[1] for u in updates] == ["version=0", "version=1", "version=2", "version=3"], updates
-    assert all(u[2] == "paused=True" for u in updates), updates
-    assert _same_as_checkpoint(dumps / "v0.pt", Path(tiny["model"]))
-    assert _same_as_checkpoint(dumps / "v3.pt", run / "hf_final")
-    if route == "direct":  # the pushes after the first are deltas, decoded on the engine rank
+    for i in range(engine_ranks):
+        lines = (tmp_path / f"server{i}.log").read_text().splitlines()
+        updates = [x.split() for x in lines if x.startswith("update ")]
+        assert [u[1] for u in updates] == ["version=0", "version=1", "version=2", "version=3"], updates
+        assert all(u[2] == "paused=True" for u in updates), updates
+        assert _same_as_checkpoint(dumps[i] / "v0.pt", Path(tiny["model"]))
+        assert _same_as_checkpoint(dumps[i] / "v3.pt", run / "hf_final")
+    if route == "direct":  # the pushes after the first are deltas, decoded on the engine ranks
         assert all(0.0 < r["weight_sync/changed_fraction"] < 1.0 for r in rows), rows
         assert any(r["time/engine_weight_load"] > 0 for r in rows)  # the relay (a step may load no new version)
