@@ -383,9 +383,11 @@ class RolloutConfig:
     weight_sync_master_address: str = ""
     """Mode "server": the address SGLang servers dial to join the weight-update group hosted by the trainer's rank 0
     ("" = detect: the local address that routes to the first server, else the host's name as resolved). A
-    loopback address is refused when a server URL is not local or the job spans nodes."""
+    loopback address is refused when a server URL is not local or the job spans nodes. On weight_sync_route
+    "direct" the engine ranks host the servers' groups and detect their own addresses."""
     weight_sync_master_port: int = 29600
-    """Mode "server": the TCP port of that group's store on the trainer's rank-0 host (must be free there)."""
+    """Mode "server": the TCP port of that group's store on the trainer's rank-0 host (must be free there); on
+    weight_sync_route "direct" engine rank r hosts its servers' group at this port + r."""
     max_running_requests: int = 0
     """Responses one engine decodes at once (SGLang's server argument of this name; the transformers engine's KV
     slots, rounded up to 4). 0: the engine's default (transformers: 32; SGLang: what its KV pool holds)."""
@@ -422,8 +424,8 @@ class RolloutConfig:
     weights are at most trainer.max_staleness versions behind s - 1, so it overlaps the actor's update of the steps
     before (megatron_dapo/placement.py, docs/rollout.md "Asynchronous training"). Engine "transformers" (the engine
     ranks hold the embedded engines), or "sglang" with mode "server" (the engine ranks drive rollout.server_urls,
-    round-robin; actor rank 0 updates the servers while they generate). 0: colocated, every rank both generates and
-    trains, in turn (the default)."""
+    round-robin; actor rank 0, or on weight_sync_route "direct" each engine rank, updates them while they generate).
+    0: colocated, every rank both generates and trains, in turn (the default)."""
     weight_dtype: str = "auto"
     """Dtype of the weights sent to the engine each step: "auto" (as the actor exports them) or "fp8" (q/k/v/o and
     gate/up/down projections quantized to float8_e4m3fn with one fp32 scale per 128 x 128 block, the block-FP8 layout

@@ -967,6 +967,8 @@ def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, 
     terms: dict[str, float] = {}
     dtype = " (FP8)" if s.fp8 else ""
     expert_bytes = size * m.moe_layers * m.layer_expert_params / max(m.num_params, 1)  # the experts' share of S
+    # what one actor rank holds, and compares on the direct routes: the dense part over TP x PP, experts over x EP
+    own_slices = (size - expert_bytes) / (s.tp * s.pp) + expert_bytes / (s.tp * s.pp * s.ep)
     if s.transport == "direct":
         actor_gpus = s.tp * s.pp * s.dp
         replicas = max(s.engine_gpus // s.engine_tp, 1)
@@ -977,8 +979,7 @@ def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, 
             f"S {size / 1e9:.1f} GB{dtype}, direct: max(S'/etp {per_engine_gpu / 1e9:.1f} GB per engine GPU, "
             f"S' x {replicas} engines / {actor_gpus} actor GPUs {per_actor_gpu / 1e9:.1f} GB) / {load_gbps:g}"
         )
-        # each actor rank compares its own slices: the dense part split over TP x PP, the experts over TP x PP x EP
-        compare = ((size - expert_bytes) / (s.tp * s.pp) + expert_bytes / (s.tp * s.pp * s.ep)) if s.delta else 0.0
+        compare = own_slices if s.delta else 0.0
     elif s.transport == "relay":
         if colocated:
             raise ValueError('SyncLayout.transport: "relay" is for engines on GPUs of their own (split, server)')
@@ -993,7 +994,7 @@ def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, 
             f"relays / {actor_gpus} actor GPUs {per_actor_gpu / 1e9:.1f} GB) / {a.internode_gbps:g} + host to GPU S/"
             f"{a.offload_gbps:g} + broadcast S/{a.nvlink_gbps:g}"
         )
-        compare = ((size - expert_bytes) / (s.tp * s.pp) + expert_bytes / (s.tp * s.pp * s.ep)) if s.delta else 0.0
+        compare = own_slices if s.delta else 0.0
     else:
         pp_link = a.internode_gbps if s.nodes > 1 and s.tp * s.dp >= s.gpus_per_node else a.nvlink_gbps
         terms["tp gather"] = size * (s.tp - 1) / s.tp / (a.nvlink_gbps * 1e9)

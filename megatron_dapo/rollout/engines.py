@@ -26,7 +26,8 @@ class EngineKind:
     modes: the rollout.mode values it runs in. fp8_modes: those where rollout.weight_dtype "fp8" is implemented.
     split_modes: those where a split launch (rollout.engine_ranks > 0) runs it: "colocated" (the engine ranks hold
         embedded engines and receive the weights over the weight channel) or "server" (the engine ranks drive
-        rollout.server_urls and actor rank 0 pushes the weights to the servers).
+        rollout.server_urls; actor rank 0 pushes the weights to the servers, or on the direct route the engine
+        ranks relay them).
     routing: returns every token's routed experts (actor.routing_replay r3).
     delta_modes: those where its weight update applies changed-weights entries (rollout.weight_sync_delta,
         rollout/delta.py). SGLang 0.5.23 has the seam: update_weights_from_tensor(load_format=F) calls F(model,

@@ -64,9 +64,9 @@ def server_stream(
     rollout: RolloutConfig, model_path: str, urls: list[str], *, routed_experts: bool = False, **group: Any
 ) -> RolloutEngine:
     """SGLang servers (rollout.mode server) over `urls`. group: SGLangServerEngine's weight-update-group arguments
-    (master_address, master_port, backend) for the process that pushes weights; without them, generation only (an
-    engine rank of a split launch drives its share of the servers; the weights reach them from actor rank 0,
-    placement.ServerPush)."""
+    (master_address, master_port, backend) for the process that pushes weights (actor rank 0, or on the direct
+    route the engine rank relaying to them: engine_rank.relay_group); without them, generation only (an engine rank
+    of a split launch driving its share of the servers while actor rank 0 pushes: placement.ServerPush)."""
     from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
 
     server = SGLangServerEngine(
