@@ -544,7 +544,8 @@ class SGLangServerEngine(ServerStream):
             body["weight_version"] = self._update_version
         # NCCL sends from the GPU: an engine rank relaying the direct route's rebuilt tensors holds them in host
         # memory, so one bucket at a time goes to its GPU (actor rank 0's export is already there).
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        nccl = dist.get_backend(self._group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(self._post_all, "/update_weights_from_distributed", body)
             for _, t in bucket:
