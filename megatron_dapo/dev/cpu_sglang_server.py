@@ -1,6 +1,6 @@
 """A stand-in for one SGLang 0.5.23 HTTP server on CPU (SGLang has no CPU build), for jobs whose engines are servers:
 
-    python -m tests._cpu_sglang_server --model DIR --max-new-tokens CAP --port-file FILE
+    python -m megatron_dapo.dev.cpu_sglang_server --model DIR --max-new-tokens CAP --port-file FILE
 
 It generates with megatron_dapo's embedded engine (TransformersEngine, fp32) and answers the routes the trainer's
 SGLangServerEngine calls, with SGLang's semantics as read in its source (names in rollout/sglang_api.SGLANG_API):
@@ -25,6 +25,7 @@ import time
 from http.server import BaseHTTPRequestHandler
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ class Server:
         self.cap, self.max_running = cap, max_running
         self.lock = threading.Lock()  # the engine, between its steps
         self.paused = False
-        self.group = None
+        self.groups: dict[str, Any] = {}  # by group_name, as SGLang keeps them
         self.dump_dir = dump_dir
         self.pending: dict[str, tuple[int, threading.Event, list]] = {}  # rid -> (prefix length, done, [result])
         threading.Thread(target=self._loop, daemon=True).start()
@@ -122,7 +123,7 @@ class Server:
             self._deliver(rid, rollout)
 
     def join_group(self, body: dict) -> None:
-        self.group = init_weight_update_group(
+        self.groups[body["group_name"]] = init_weight_update_group(
             body["master_address"], int(body["master_port"]), int(body["world_size"]), body["group_name"],
             rank=int(body["rank_offset"]), backend=body["backend"],
         )  # fmt: skip
@@ -131,7 +132,7 @@ class Server:
         bucket = []
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
             t = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(t, group_src=0, group=self.group)
+            dist.broadcast(t, group_src=0, group=self.groups[body["group_name"]])
             bucket.append((name, t))
         with self.lock:
             self.engine.update_weights(bucket)
