@@ -162,3 +162,16 @@ def tiny_overrides(paths: dict[str, str], run_dir: str | Path) -> list[str]:
         f"--trainer.run_dir={run_dir}",
         "--actor.tensor_parallel=1",
     ]
+
+
+def make_sync_bench_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The weight-sync benches' model (tools/bench/reshard.py, tools/bench/server_routes.py): a random Qwen2 of 43M
+    parameters (vocab 16384, hidden 512, 8 layers, GQA 8/4, untied), saved in `dtype` to `path`."""
+    from transformers import Qwen2Config
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+    Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
+    return Path(path)

@@ -35,18 +35,6 @@ CASES = [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 3, 1)]
 HEADING = "## Weight sync: direct vs rank 0"
 
 
-def _checkpoint(path: Path) -> Path:
-    import torch
-    from transformers import Qwen2Config
-    from transformers import Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
-    Qwen2ForCausalLM(config).float().save_pretrained(path)
-    return path
-
-
 def _worker(out: Path, engines: int, tp: int, hf_dir: Path, repeats: int) -> None:
     import torch
     from transformers import AutoConfig
@@ -143,6 +131,7 @@ def _launch(world: int, tp: int, engines: int, hf_dir: Path, repeats: int) -> di
 def main() -> None:
     from megatron_dapo.dev import REPO_ROOT
     from megatron_dapo.dev import replace_doc_section
+    from megatron_dapo.dev.tiny import make_sync_bench_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
@@ -152,7 +141,7 @@ def main() -> None:
         out, engines, tp, hf_dir, repeats = args.worker
         _worker(Path(out), int(engines), int(tp), Path(hf_dir), int(repeats))
         return
-    hf_dir = _checkpoint(Path(tempfile.mkdtemp(prefix="reshard_ckpt_")) / "qwen2")
+    hf_dir = make_sync_bench_model(Path(tempfile.mkdtemp(prefix="reshard_ckpt_")) / "qwen2")
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     table, raw = [], REPO_ROOT / "results" / "reshard.csv"
     raw.parent.mkdir(exist_ok=True)

@@ -5,7 +5,7 @@ Example:
     OMP_NUM_THREADS=1 python tools/bench/server_routes.py      # actor TP 2 + 1 engine rank + 1 stand-in server
 
 One `torchrun --rdzv-backend c10d` launch split as the trainer splits it (placement.init_role): 2 actor ranks hold a
-Megatron actor at TP 2 of a Qwen2-shaped checkpoint (tools/bench/reshard.py's shape, 43M parameters, exported in
+Megatron actor at TP 2 of a Qwen2-shaped checkpoint (dev/tiny.make_sync_bench_model, 43M parameters, exported in
 bf16), 1 engine rank drives one stand-in SGLang server (megatron_dapo/dev/cpu_sglang_server.py: SGLang's
 weight-update routes and pause over the embedded engine). Before every push each actor rank moves every weight by a
 relative step of --step (seeded: replicated weights move alike on every rank). In turn, --repeats pushes each:
@@ -39,18 +39,6 @@ from pathlib import Path
 HEADING = "## Weight sync into SGLang servers: rank 0 vs relay"
 ROUTES = ("rank0", "relay", "relay+delta")
 BUCKET = 64 << 20
-
-
-def _checkpoint(path: Path) -> Path:
-    import torch
-    from transformers import Qwen2Config
-    from transformers import Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return path
 
 
 def _move(model, version: int, step: float) -> None:
@@ -208,8 +196,11 @@ def _run(hf_dir: Path, repeats: int, step: float) -> tuple[dict, bool]:
 
 
 def main() -> None:
+    import torch
+
     from megatron_dapo.dev import REPO_ROOT
     from megatron_dapo.dev import replace_doc_section
+    from megatron_dapo.dev.tiny import make_sync_bench_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
@@ -220,7 +211,7 @@ def main() -> None:
         out, tp, hf_dir, url, repeats, step = args.worker
         _worker(Path(out), int(tp), Path(hf_dir), url, int(repeats), float(step))
         return
-    hf_dir = _checkpoint(Path(tempfile.mkdtemp(prefix="server_routes_ckpt_")) / "qwen2")
+    hf_dir = make_sync_bench_model(Path(tempfile.mkdtemp(prefix="server_routes_ckpt_")) / "qwen2", torch.bfloat16)
     result, same = _run(hf_dir, args.repeats, args.step)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     raw = REPO_ROOT / "results" / "server_routes.csv"
