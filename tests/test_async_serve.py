@@ -261,8 +261,8 @@ class _PausingServers:
 def test_the_relay_loads_servers_under_a_pause_and_a_failed_one_keeps_the_old_version():
     """The direct route's relay into SGLang servers (placement.load_buckets with an engine that has paused_update):
     the update runs inside the pause and stamps its version; a bucket the server refuses continues the servers, raises,
-    and leaves the version (the receiver's `loaded` with it) where it was: the job ends, and the next push after the
-    restart is full (a fresh DeltaDecoder holds no base)."""
+    and leaves the version where it was (StagedReceiver.apply sets `loaded` only once load_buckets returns): the job
+    ends, and the next push after the restart is full (a fresh DeltaDecoder holds no base)."""
     servers = _PausingServers()
     load_buckets(servers, 3, [["a"], ["b"]])
     assert servers.calls == ["pause", "begin", "bucket", "bucket", "end", "continue"]
