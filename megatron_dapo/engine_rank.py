@@ -192,6 +192,8 @@ class EngineRank:
             self.rows.close()
         self.receiver.close()
         self.stream.close()
+        if self.cfg.rollout.mode == "server":  # the relay's group on its SGLang servers (none on the rank-0 route)
+            self.engine.shutdown()
         self.beat.close()
         return {}
 

@@ -330,6 +330,8 @@ class LocalGeneration(_StepInFlight):
 
     def close(self) -> None:
         self.stream.close()
+        if self.engine is not None and self.ctx.config.rollout.mode == "server":  # its group on the SGLang servers
+            self.engine.shutdown()
 
     # ------------------------------------------------------------------------------------------- engine failures
     def _restart_engine(self) -> Any:
@@ -562,6 +564,8 @@ class RemoteGeneration(_StepInFlight):
     def close(self) -> None:
         if self.ctx.rank == 0:
             self.mailbox.post("stop", True)  # the engine ranks exit
+        if hasattr(self.channel, "close"):  # ServerPush: its group on the SGLang servers
+            self.channel.close()
         self.beat.close()
 
 

@@ -629,6 +629,10 @@ class ServerPush:
         self.version = version
         return _push_metrics(total, buckets, tensors)
 
+    def close(self) -> None:
+        """The run is over: the servers' weight-update group is destroyed on both sides (the servers keep running)."""
+        self.updater.shutdown()
+
 
 class ServerVersions:
     """An engine rank's view of the servers' weights (ServerPush): StagedReceiver's contract with nothing to load,

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -220,6 +223,40 @@ def _same_as_checkpoint(dumped: Path, hf_dir: Path) -> bool:
     return bool(expected) and all(torch.equal(engine[k], v.to(engine[k].dtype)) for k, v in expected.items())
 
 
+@contextmanager
+def _stand_in_servers(tiny, tmp_path: Path, count: int) -> Iterator[list[str]]:
+    """`count` stand-in SGLang servers (megatron_dapo/dev/cpu_sglang_server.py) over the tiny model, their URLs; each
+    logs to tmp_path/server{i}.log and dumps its weights at every update's end into tmp_path/dumps{i}/."""
+    procs, logs = [], []
+    try:
+        for i in range(count):
+            (tmp_path / f"dumps{i}").mkdir()
+            logs.append(open(tmp_path / f"server{i}.log", "w"))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "megatron_dapo.dev.cpu_sglang_server", "--model", tiny["model"],
+                 "--max-new-tokens", "12", "--port-file", str(tmp_path / f"port{i}"), "--dump-dir",
+                 str(tmp_path / f"dumps{i}")],
+                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, stdout=logs[i],
+                stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+        urls = []
+        for i, server in enumerate(procs):
+            port_file = tmp_path / f"port{i}"
+            for _ in range(600):
+                if port_file.exists() and port_file.read_text():
+                    break
+                assert server.poll() is None, (tmp_path / f"server{i}.log").read_text()[-3000:]
+                time.sleep(0.1)
+            urls.append(f"http://127.0.0.1:{port_file.read_text()}")
+        yield urls
+    finally:
+        for server in procs:
+            server.kill()
+            server.wait()
+        for log in logs:
+            log.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("route", "engine_ranks"), [("rank0", 1), ("direct", 2)])
 def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path, route, engine_ranks):
@@ -233,26 +270,8 @@ def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path
     version stamps are the engine's (the fp32 log-probs of on-policy steps equal the actor's), every push reached
     every server under a pause, stamped with its version, and each server's weights are the checkpoint's at version
     0 and the final export's at the last one, bit for bit."""
-    procs, logs, dumps = [], [], [tmp_path / f"dumps{i}" for i in range(engine_ranks)]
-    try:
-        for i in range(engine_ranks):
-            dumps[i].mkdir()
-            logs.append(open(tmp_path / f"server{i}.log", "w"))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "megatron_dapo.dev.cpu_sglang_server", "--model", tiny["model"],
-                 "--max-new-tokens", "12", "--port-file", str(tmp_path / f"port{i}"), "--dump-dir", str(dumps[i])],
-                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, stdout=logs[i],
-                stderr=subprocess.STDOUT,
-            ))  # fmt: skip
-        urls = []
-        for i, server in enumerate(procs):
-            port_file = tmp_path / f"port{i}"
-            for _ in range(600):
-                if port_file.exists() and port_file.read_text():
-                    break
-                assert server.poll() is None, (tmp_path / f"server{i}.log").read_text()[-3000:]
-                time.sleep(0.1)
-            urls.append(f"http://127.0.0.1:{port_file.read_text()}")
+    dumps = [tmp_path / f"dumps{i}" for i in range(engine_ranks)]
+    with _stand_in_servers(tiny, tmp_path, engine_ranks) as urls:
         run = tmp_path / "sglang"
         servers = ("--rollout.engine=sglang", "--rollout.mode=server", f"--rollout.server_urls=[{', '.join(urls)}]",
                    "--trainer.max_staleness=1", "--algorithm.rollout_correction=tis",
@@ -261,12 +280,17 @@ def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path
         proc = _c10d(tiny, run, "--trainer.total_steps=3", *servers, nproc=1 + engine_ranks)
         server_logs = "".join((tmp_path / f"server{i}.log").read_text()[-2000:] for i in range(engine_ranks))
         assert proc.returncode == 0, _log(run)[-4000:] + server_logs
-    finally:
-        for server in procs:
-            server.kill()
-            server.wait()
-        for log in logs:
-            log.close()
+        for i in range(engine_ranks):
+            assert _same_as_checkpoint(dumps[i] / "v0.pt", Path(tiny["model"]))
+            assert _same_as_checkpoint(dumps[i] / "v3.pt", run / "hf_final")
+        # The servers outlive the job: a resumed attempt (what a kill after step 2 leaves) joins them again with a
+        # weight-update group of its own and loads step 2's weights in full before generating.
+        resumed = run.with_name("resumed")
+        shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("step_00000003", "hf_final", ".lock"))
+        again = _c10d(tiny, resumed, "--trainer.total_steps=3", *servers, nproc=1 + engine_ranks)
+        server_logs = "".join((tmp_path / f"server{i}.log").read_text()[-2000:] for i in range(engine_ranks))
+        assert again.returncode == 0, _log(resumed)[-4000:] + server_logs
+        assert "(step 2 of 3)" in _log(resumed)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["train/responses"] > 0 and r["actor/skipped_steps"] == 0 for r in rows)
@@ -277,10 +301,27 @@ def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path
     for i in range(engine_ranks):
         lines = (tmp_path / f"server{i}.log").read_text().splitlines()
         updates = [x.split() for x in lines if x.startswith("update ")]
-        assert [u[1] for u in updates] == ["version=0", "version=1", "version=2", "version=3"], updates
+        versions = ["version=0", "version=1", "version=2", "version=3", "version=2", "version=3"]
+        assert [u[1] for u in updates] == versions, updates  # the resumed attempt: step 2's weights, then step 3's
         assert all(u[2] == "paused=True" for u in updates), updates
-        assert _same_as_checkpoint(dumps[i] / "v0.pt", Path(tiny["model"]))
-        assert _same_as_checkpoint(dumps[i] / "v3.pt", run / "hf_final")
+        assert _same_as_checkpoint(dumps[i] / "v3.pt", resumed / "hf_final")
+        assert sum(x.startswith("destroyed group ") for x in lines) == 2  # each attempt left the server as it found it
     if route == "direct":  # the pushes after the first are deltas, decoded on the engine ranks
         assert all(0.0 < r["weight_sync/changed_fraction"] < 1.0 for r in rows), rows
         assert any(r["time/engine_weight_load"] > 0 for r in rows)  # the relay (a step may load no new version)
+
+
+@pytest.mark.slow
+def test_a_colocated_launch_over_an_sglang_server_trains_and_leaves_the_server_as_it_found_it(tiny, tmp_path):
+    """rollout.mode server without engine ranks: rank 0 drives the server and pushes the weights before each step's
+    generation (its weight-update group, gloo here); at the end of the run it asks the server to destroy that group
+    (servers outlive jobs: docs/reliability.md row 142)."""
+    with _stand_in_servers(tiny, tmp_path, 1) as urls:
+        run = tmp_path / "colocated"
+        _train(tiny, run, "--trainer.total_steps=2", "--trainer.eval_every=0", "--rollout.engine=sglang",
+               "--rollout.mode=server", f"--rollout.server_urls=[{urls[0]}]", nproc=1)  # fmt: skip
+    rows = _metrics(run)
+    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2]
+    assert all(r["weight_sync/bytes"] > 0 for r in rows if r["step"] >= 1)
+    lines = (tmp_path / "server0.log").read_text().splitlines()
+    assert sum(x.startswith("destroyed group megatron_dapo_weights_") for x in lines) == 1, lines[-20:]

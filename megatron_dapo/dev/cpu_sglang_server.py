@@ -6,7 +6,8 @@ It generates with megatron_dapo's embedded engine (TransformersEngine, fp32) and
 SGLangServerEngine calls, with SGLang's semantics as read in its source (names in rollout/sglang_api.SGLANG_API):
 /generate (a batch of rows; meta_info with output_token_logprobs, finish_reason, weight_versions spans),
 /abort_request (abort_all: every call in flight returns its tokens so far), /get_server_info, the weight-update group
-(/init_weights_update_group: joins the trainer's group as SGLang's receiver does, rank rank_offset;
+(/init_weights_update_group: joins the trainer's group as SGLang's receiver does, rank rank_offset, refusing a name it
+already holds with HTTP 400 as torch makes SGLang do; /destroy_weights_update_group;
 /update_weights_from_distributed: receives each tensor by broadcast from rank 0 and loads it, weight_version stamps
 the tokens from then on), /begin_weight_update, /end_weight_update, /flush_cache (refused while requests run unpaused),
 /pause_generation (no row advances until /continue_generation; requests keep their tokens, as retract does).
@@ -176,7 +177,17 @@ def make_handler(server: Server) -> type:
                 server.abort_all()
                 return self._reply(None)
             if self.path == "/init_weights_update_group":
-                server.join_group(body)
+                try:  # as SGLang: a group it cannot make (a name it already holds) is HTTP 400 with the reason
+                    server.join_group(body)
+                except Exception as err:
+                    return self._reply({"success": False, "message": f"Failed to initialize custom process group: "
+                                                                     f"{err}."}, 400)  # fmt: skip
+            elif self.path == "/destroy_weights_update_group":
+                group = server.groups.pop(body["group_name"], None)
+                if group is None:
+                    return self._reply({"success": False, "message": "The group to be destroyed does not exist."}, 400)
+                dist.destroy_process_group(group)
+                print(f"destroyed group {body['group_name']}", flush=True)
             elif self.path == "/update_weights_from_distributed":
                 server.update(body)
             elif self.path == "/begin_weight_update":

@@ -128,6 +128,7 @@ SGLANG_API: tuple[ApiUse, ...] = (
         "InitWeightsUpdateGroupReqInput",
         ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
     ),
+    ApiUse("fields", IO_STRUCT, "DestroyWeightsUpdateGroupReqInput", ("group_name",)),
     ApiUse(
         "fields",
         IO_STRUCT,
@@ -144,6 +145,7 @@ SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse("route", HTTP, "/abort_request", ("AbortReq",)),
     ApiUse("route", HTTP, "/get_server_info", ()),
     ApiUse("route", HTTP, "/init_weights_update_group", ("InitWeightsUpdateGroupReqInput",)),
+    ApiUse("route", HTTP, "/destroy_weights_update_group", ("DestroyWeightsUpdateGroupReqInput",)),
     ApiUse("route", HTTP, "/update_weights_from_distributed", ("UpdateWeightsFromDistributedReqInput",)),
     ApiUse("route", HTTP, "/flush_cache", ()),
     ApiUse("route", HTTP, "/pause_generation", ("PauseGenerationReqInput",)),

@@ -21,6 +21,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -404,6 +405,10 @@ def init_weight_update_group(
     return pg
 
 
+GROUP_PREFIX = "megatron_dapo_weights_"
+"""The start of every weight-update group name this package creates on SGLang servers (a unique suffix follows)."""
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -415,7 +420,10 @@ class SGLangServerEngine(ServerStream):
     master_address / master_port: this rank's address reachable from the servers (make_engine resolves it with
     launch_env.weight_sync_master_address: loopback is refused for remote servers), and a free port.
     timeout_s: HTTP request timeout; group_timeout_s: rendezvous and collective timeout of the update group;
-    backend: its torch backend ("nccl"; "gloo" for CPU tests).
+    backend: its torch backend ("nccl"; "gloo" for CPU tests). group_name: None (the default) names the group
+    uniquely per instance: servers outlive a job, and a server keeps the groups it joined, so a restarted job (a
+    requeue, distributed.max_restarts) joining under a name the server already holds would be refused by torch
+    ("The specified group name has already been created"); `shutdown` asks the servers to destroy the group.
     """
 
     def __init__(
@@ -425,7 +433,7 @@ class SGLangServerEngine(ServerStream):
         server_tp: int = 1,
         master_address: str = "127.0.0.1",
         master_port: int = 29600,
-        group_name: str = "megatron_dapo_weights",
+        group_name: str | None = None,
         timeout_s: float = 3600.0,
         group_timeout_s: float = 600.0,
         backend: str = "nccl",
@@ -435,7 +443,8 @@ class SGLangServerEngine(ServerStream):
             raise ValueError("SGLangServerEngine: server_urls is empty")
         self.urls = [u.rstrip("/") for u in server_urls]
         self.server_tp = server_tp
-        self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
+        self.master_address, self.master_port = master_address, master_port
+        self.group_name = group_name or f"{GROUP_PREFIX}{uuid.uuid4().hex[:12]}"
         self.timeout_s = timeout_s
         self.group_timeout = timedelta(seconds=group_timeout_s)
         self.backend = backend
@@ -486,41 +495,7 @@ class SGLangServerEngine(ServerStream):
     def begin_weight_update(self) -> None:
         """Create the NCCL update group on first use (servers join concurrently), then open server sessions."""
         if self._group is None:
-            world = 1 + self.server_tp * len(self.urls)
-            results: list[Any] = []
-            threads = [
-                threading.Thread(
-                    target=lambda j=j, u=u: results.append(
-                        self._post(
-                            u,
-                            "/init_weights_update_group",
-                            {
-                                "master_address": self.master_address,
-                                "master_port": self.master_port,
-                                "rank_offset": 1 + j * self.server_tp,
-                                "world_size": world,
-                                "group_name": self.group_name,
-                                "backend": self.backend,
-                            },
-                        )
-                    )
-                )
-                for j, u in enumerate(self.urls)
-            ]
-            for t in threads:
-                t.start()
-            self._group = init_weight_update_group(
-                self.master_address,
-                self.master_port,
-                world,
-                self.group_name,
-                backend=self.backend,
-                timeout=self.group_timeout,
-            )
-            for t in threads:
-                t.join()
-            for r in results:
-                _ok(r, "init_weights_update_group")
+            self._group = self._join_group()
         if self._session_routes:
             try:
                 self._post_all("/begin_weight_update", {})
@@ -528,6 +503,48 @@ class SGLangServerEngine(ServerStream):
                 if "HTTP 404" not in str(err):
                     raise
                 self._session_routes = False
+
+    def _join_group(self) -> Any:
+        """This process as rank 0 of the servers' weight-update group, the servers' TP ranks after it. Each server
+        answers its /init_weights_update_group once the group stands, or at once with its refusal: a refusal is one
+        line naming the server and its message, not a wait for the rendezvous to time out (this side's rendezvous,
+        on a daemon thread, is left to its timeout; the job ends)."""
+        world = 1 + self.server_tp * len(self.urls)
+        answers: dict[int, Any] = {}
+
+        def join(j: int, url: str) -> None:
+            body = {"master_address": self.master_address, "master_port": self.master_port,
+                    "rank_offset": 1 + j * self.server_tp, "world_size": world, "group_name": self.group_name,
+                    "backend": self.backend}  # fmt: skip
+            try:
+                answers[j] = self._post(url, "/init_weights_update_group", body)
+            except Exception as err:  # an HTTP 400 carries SGLang's message
+                answers[j] = err
+
+        made: list[Any] = []
+
+        def make() -> None:
+            try:
+                made.append(init_weight_update_group(self.master_address, self.master_port, world, self.group_name,
+                                                     backend=self.backend, timeout=self.group_timeout))  # fmt: skip
+            except BaseException as err:  # raised below
+                made.append(err)
+
+        threads = [threading.Thread(target=join, args=(j, u), daemon=True) for j, u in enumerate(self.urls)]
+        threads.append(threading.Thread(target=make, daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads[:-1]:
+            t.join()
+        for j in sorted(answers):
+            if isinstance(answers[j], Exception):
+                raise RuntimeError(f"sglang server {self.urls[j]} did not join weight-update group "
+                                   f"{self.group_name}: {answers[j]}")  # fmt: skip
+            _ok(answers[j], "init_weights_update_group")
+        threads[-1].join()
+        if isinstance(made[0], BaseException):
+            raise made[0]
+        return made[0]
 
     def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
         """Announce the bucket to every server over HTTP, then broadcast each tensor from rank 0 (NCCL)."""
@@ -585,9 +602,16 @@ class SGLangServerEngine(ServerStream):
         """No-op: the servers own their GPUs."""
 
     def shutdown(self) -> None:
-        """Destroy the update group; the servers keep running."""
+        """Destroy the update group on this side and ask every server to destroy its side (best effort: a server gone
+        is no error; a job killed outright leaves its group on the servers, under its own name); the servers keep
+        running."""
         if self._group is not None:
             import torch.distributed as dist
 
+            for url in self.urls:
+                try:
+                    self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name})
+                except Exception:  # the server may be gone or already restarted
+                    pass
             dist.destroy_process_group(self._group)
             self._group = None

@@ -469,3 +469,45 @@ def test_multi_turn_trajectories_go_to_sglang_as_token_ids(mode, request):
         ids = body["input_ids"][0]
         assert ids[:3] == [1, 2, 3] and body["sampling_params"][0]["max_new_tokens"] == 30 - (len(ids) - 3)
         assert ids[6:9] == [61, 61, 62] and (len(ids) == 9 or ids[12:15] == [62, 61, 62])
+
+
+class RefusingHandler(BaseHTTPRequestHandler):
+    """A server that already holds the group name it is asked to join: SGLang answers HTTP 400 with torch's reason."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/init_weights_update_group", self.path
+        reason = "The specified group name has already been created, please use a different group name"
+        data = json.dumps({"success": False, "message": f"Failed to initialize custom process group: {reason}."})
+        data = data.encode()
+        self.send_response(400)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_a_server_refusing_the_weight_group_is_one_line_at_once_and_group_names_are_unique():
+    """Servers outlive a job and keep the groups they joined: every engine instance names its group anew (a restarted
+    job would otherwise ask for a name the server holds), and a server that refuses to join is one line naming it and
+    its reason at once, not a wait for the rendezvous timeout (10 min by default)."""
+    from megatron_dapo.net import free_port
+    from megatron_dapo.rollout.sglang_engine import GROUP_PREFIX
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), RefusingHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        engines = [SGLangServerEngine([url], master_port=free_port(), backend="gloo", timeout_s=30, group_timeout_s=5)
+                   for _ in range(2)]  # fmt: skip
+        assert engines[0].group_name != engines[1].group_name
+        assert all(e.group_name.startswith(GROUP_PREFIX) for e in engines)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"sglang server {url} did not join weight-update group "
+                           rf"{engines[0].group_name}: .*HTTP 400.*already been created") as err:  # fmt: skip
+            engines[0].begin_weight_update()
+        assert time.monotonic() - start < 10 and "\n" not in str(err.value)
+    finally:
+        httpd.shutdown()

@@ -61,7 +61,7 @@ def _engine(placement, store, hf_config, tp: int, url: str, versions: list[int],
     from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
 
     channel = DirectChannel(placement, store, 600.0, hf_config=hf_config, actor_tp=tp, delta=True)
-    server = SGLangServerEngine([url], master_port=free_port(), group_name="relay", backend="gloo")
+    server = SGLangServerEngine([url], master_port=free_port(), backend="gloo")
     for version in versions:
         while channel.pending() != version:
             time.sleep(0.001)
@@ -108,7 +108,7 @@ def _worker(out: Path, tp: int, hf_dir: Path, url: str, repeats: int, step: floa
     direct = DirectChannel(placement, store, 600.0)
     pusher = None
     if groups.rank == 0:
-        server = SGLangServerEngine([url], master_port=free_port(), group_name="rank0", backend="gloo")
+        server = SGLangServerEngine([url], master_port=free_port(), backend="gloo")
         pusher = ServerPush(server, store)
     encoder, rows = DeltaEncoder(), []
     for version, (route, timed) in enumerate(schedule, start=1):
