@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -534,8 +535,12 @@ class SGLangServerEngine(ServerStream):
         threads.append(threading.Thread(target=make, daemon=True))
         for t in threads:
             t.start()
-        for t in threads[:-1]:
-            t.join()
+        # Whichever side fails first ends the wait: a refusing server, or this side (its port taken), whose servers
+        # would otherwise answer only at their own rendezvous timeout.
+        while any(t.is_alive() for t in threads[:-1]) and not any(isinstance(a, Exception) for a in answers.values()):
+            if made and isinstance(made[0], BaseException):
+                raise made[0]
+            time.sleep(0.05)
         for j in sorted(answers):
             if isinstance(answers[j], Exception):
                 raise RuntimeError(f"sglang server {self.urls[j]} did not join weight-update group "

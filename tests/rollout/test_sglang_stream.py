@@ -511,3 +511,37 @@ def test_a_server_refusing_the_weight_group_is_one_line_at_once_and_group_names_
         assert time.monotonic() - start < 10 and "\n" not in str(err.value)
     finally:
         httpd.shutdown()
+
+
+class SilentHandler(BaseHTTPRequestHandler):
+    """A server whose /init_weights_update_group waits for the trainer's side of the rendezvous (as SGLang's does)."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        time.sleep(30)
+
+
+def test_the_trainers_side_failing_to_host_the_weight_group_ends_the_wait_at_once():
+    """The trainer's side of the group cannot host its store (the port is taken): its error is raised at once, not
+    after the servers' own rendezvous gives up."""
+    import socket
+
+    from megatron_dapo.net import free_port
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), SilentHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", free_port()))
+    taken.listen()
+    try:
+        engine = SGLangServerEngine([f"http://127.0.0.1:{httpd.server_address[1]}"], backend="gloo", timeout_s=60,
+                                    master_port=taken.getsockname()[1], group_timeout_s=5)  # fmt: skip
+        start = time.monotonic()
+        with pytest.raises(OSError, match="Address already in use"):
+            engine.begin_weight_update()
+        assert time.monotonic() - start < 20
+    finally:
+        taken.close()
+        httpd.shutdown()
