@@ -30,11 +30,9 @@ class EngineKind:
         ranks relay them).
     routing: returns every token's routed experts (actor.routing_replay r3).
     delta_modes: those where its weight update applies changed-weights entries (rollout.weight_sync_delta,
-        rollout/delta.py). SGLang 0.5.23 has the seam: update_weights_from_tensor(load_format=F) calls F(model,
-        named_tensors) when F is listed in the server argument custom_weight_loader
-        (model_runner_components/weight_updater.py); such a loader must map an HF-named delta into each TP rank's
-        shard of the fused parameters (q/k/v -> qkv_proj, gate/up -> gate_up_proj, experts -> w13 / w2). Not written:
-        servers get deltas through the engine ranks that relay to them instead (module docstring).
+        rollout/delta.py). SGLang servers get deltas as far as the engine ranks that relay to them; the loader that
+        applies them inside SGLang (rollout/sglang_loader.py, through its custom-weight-loader seam) is checked
+        against SGLang's own models but no route sends through it yet.
     label: its name in prose. planned_as: the engine whose memory rules the planner applies to it.
     """
 
