@@ -358,7 +358,10 @@ class RolloutConfig:
     the engine's last update, a tensor in full where that is no smaller (rollout/delta.py; exact). The trainer keeps
     a host copy of the sent weights (on a split launch each actor rank keeps its own share and each engine rank a
     copy of the last push). Transformers engine, colocated or on a split launch's engine ranks (weight_dtype "fp8"
-    there only); SGLang servers on a split launch with weight_sync_route "direct" (their engine ranks decode)."""
+    there only); SGLang servers: with weight_sync_route "direct" on a split launch the engine ranks decode and relay
+    full tensors, otherwise the servers apply the changes themselves (each server started with
+    --custom-weight-loader megatron_dapo.rollout.sglang_loader.load_weights, megatron_dapo importable there:
+    rollout/sglang_loader.py)."""
     weight_sync_full_every: int = 0
     """With weight_sync_delta, every N-th sync sends every tensor in full (0: only the first one and those after an
     engine restart or a failed sync)."""
@@ -465,12 +468,10 @@ class RolloutConfig:
             # split launch's engine rank (its DeltaDecoder keeps the last push and hands the engine full tensors).
             # SGLang servers take full tensors; the engine ranks relaying to them decode (the "direct" route).
             fp8_ok = self.weight_dtype == "auto" or self.engine_ranks > 0
-            relayed = self.mode == "server" and self.direct_weight_sync
             _check(
-                (self.mode in kind.delta_modes or relayed) and fp8_ok,
+                self.mode in kind.delta_modes and fp8_ok,
                 "rollout.weight_sync_delta",
-                f'implemented for engines {with_capability("delta")} (also split; weight_dtype "fp8" only split) and '
-                'for SGLang servers on a split launch with weight_sync_route "direct", '
+                f'implemented for engines {with_capability("delta")} (also split; weight_dtype "fp8" only split), '
                 f'not {self.engine} {self.mode} with weight_dtype "{self.weight_dtype}"'
                 + ("" if fp8_ok else " and rollout.engine_ranks 0"),
             )

@@ -48,6 +48,7 @@ from megatron_dapo.errors import first_line
 from megatron_dapo.rollout.delta import DeltaDecoder
 from megatron_dapo.rollout.delta import DeltaEncoder
 from megatron_dapo.rollout.delta import as_plain_tensors
+from megatron_dapo.rollout.delta import payload_bytes
 from megatron_dapo.rollout.stream import PeerWatch
 from megatron_dapo.rollout.types import GroupSummary
 from megatron_dapo.rollout.types import RolloutGroup
@@ -607,27 +608,48 @@ class ServerPush:
     """Actor rank 0's side of a split launch whose engines are SGLang servers (rollout.engine sglang, mode server):
     the weights go straight to the servers over their weight-update group (NCCL on GPU), while the engine ranks'
     requests are in flight (SGLangServerEngine.paused_update: pause, update stamped with the version, flush,
-    continue); then the version is posted on the store for the engine ranks (ServerVersions)."""
+    continue); then the version is posted on the store for the engine ranks (ServerVersions). With delta
+    (rollout.weight_sync_delta) each tensor goes as its changes against the last push (rollout/delta.py), applied by
+    the servers' delta loader (rollout/sglang_loader.py); a push that fails makes the next one full."""
 
     def __init__(self, updater: Any, store: dist.Store) -> None:
         self.updater = updater
         self.store = dist.PrefixStore(f"{PREFIX}server_version/", store)
         self.version: int | None = None
 
-    def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> dict:
-        """As WeightChannel.push: every (hf_name, full tensor) as weight `version`; the same metrics."""
+    def push(
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+        encoder: DeltaEncoder | None = None,
+    ) -> dict:
+        """As WeightChannel.push: every (hf_name, full tensor) as weight `version`; the same metrics. encoder: the
+        WeightDelta entries go to the servers as they are (SGLangServerEngine.update_weights)."""
         _check_next_version("ServerPush.push", version, self.version)
         total = buckets = tensors = 0
-        with self.updater.paused_update(version):
-            self.updater.begin_weight_update()
-            for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
-                self.updater.update_weights(bucket)
-                total += sum(t.numel() * t.element_size() for _, t in bucket)
-                buckets, tensors = buckets + 1, tensors + len(bucket)
-            self.updater.end_weight_update()
+        if encoder is not None:
+            encoder.start()
+            named_tensors = ((n, encoder.encode(n, t, version)) for n, t in named_tensors)
+        try:
+            with self.updater.paused_update(version):
+                self.updater.begin_weight_update()
+                for bucket in bucket_named_tensors(named_tensors, bucket_bytes):
+                    self.updater.update_weights(bucket)
+                    total += sum(payload_bytes(t) for _, t in bucket)
+                    buckets, tensors = buckets + 1, tensors + len(bucket)
+                self.updater.end_weight_update()
+        except BaseException:
+            if encoder is not None:
+                encoder.reset()  # the servers may hold a mix: the next push is full
+            raise
         self.store.set("loaded", str(version))
         self.version = version
-        return _push_metrics(total, buckets, tensors)
+        metrics = _push_metrics(total, buckets, tensors)
+        if encoder is not None:
+            encoder.version = version
+            metrics["weight_sync/changed_fraction"] = encoder.pop_fraction()
+        return metrics
 
     def close(self) -> None:
         """The run is over: the servers' weight-update group is destroyed on both sides (the servers keep running)."""

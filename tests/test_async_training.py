@@ -31,6 +31,8 @@ import psutil
 import pytest
 import torch
 
+from megatron_dapo.dev.cpu_sglang_server import DEFAULT as DEFAULT_VERSION
+from megatron_dapo.rollout.sglang_loader import LOADER
 from tests.reliability.test_run_faults import _wait_for
 from tests.test_trainer_e2e import ROOT
 from tests.test_trainer_e2e import _metrics
@@ -223,10 +225,17 @@ def _same_as_checkpoint(dumped: Path, hf_dir: Path) -> bool:
     return bool(expected) and all(torch.equal(engine[k], v.to(engine[k].dtype)) for k, v in expected.items())
 
 
+SMALL_UPDATES = ("--actor.lr=1e-10",)
+"""An lr at which most elements of the CPU job's fp32 export keep their bits from one step to the next, so pushes go
+as deltas (on GPU the bf16 export rounds the paper's lr updates away likewise: docs/benchmarks.md)."""
+
+
 @contextmanager
-def _stand_in_servers(tiny, tmp_path: Path, count: int) -> Iterator[list[str]]:
+def _stand_in_servers(tiny, tmp_path: Path, count: int, loader: bool = True) -> Iterator[list[str]]:
     """`count` stand-in SGLang servers (megatron_dapo/dev/cpu_sglang_server.py) over the tiny model, their URLs; each
-    logs to tmp_path/server{i}.log and dumps its weights at every update's end into tmp_path/dumps{i}/."""
+    logs to tmp_path/server{i}.log and dumps its weights at every update's end into tmp_path/dumps{i}/; each is
+    started with the delta loader (rollout/sglang_loader.py), as weight_sync_delta asks of the servers (unless
+    `loader` is False)."""
     procs, logs = [], []
     try:
         for i in range(count):
@@ -235,7 +244,7 @@ def _stand_in_servers(tiny, tmp_path: Path, count: int) -> Iterator[list[str]]:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "megatron_dapo.dev.cpu_sglang_server", "--model", tiny["model"],
                  "--max-new-tokens", "12", "--port-file", str(tmp_path / f"port{i}"), "--dump-dir",
-                 str(tmp_path / f"dumps{i}")],
+                 str(tmp_path / f"dumps{i}"), *(["--custom-weight-loader", LOADER] if loader else [])],
                 cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, stdout=logs[i],
                 stderr=subprocess.STDOUT,
             ))  # fmt: skip
@@ -262,10 +271,11 @@ def _stand_in_servers(tiny, tmp_path: Path, count: int) -> Iterator[list[str]]:
 def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path, route, engine_ranks):
     """rollout.engine sglang, mode server, a server per engine rank: each engine rank drives its server over HTTP and
     the server is updated while it generates (pause, update stamped with the version, flush, continue) over its
-    weight-update group (gloo here, NCCL on GPU), joined by actor rank 0 (route rank0: it broadcasts the full tensors)
-    or by the engine rank (route direct, with weight_sync_delta, two engine ranks: the actor rank sends its shards'
-    changes to both, each decodes them against the last push, rebuilds the HF tensors and relays them to its own
-    server, on its own port). The servers are megatron_dapo/dev/cpu_sglang_server.py (SGLang's routes and semantics
+    weight-update group (gloo here, NCCL on GPU), joined by actor rank 0 (route rank0: it broadcasts the tensors that
+    go in full and posts the others' changed elements to the server's delta loader, rollout/sglang_loader.py) or by
+    the engine rank (route direct, two engine ranks: the actor rank sends its shards' changes to both, each decodes
+    them against the last push, rebuilds the HF tensors and relays them to its own server, on its own port); both
+    with weight_sync_delta. The servers are megatron_dapo/dev/cpu_sglang_server.py (SGLang's routes and semantics
     over the embedded engine; SGLang has no CPU build). Every step trains, every token is within the bound, the servers'
     version stamps are the engine's (the fp32 log-probs of on-policy steps equal the actor's), every push reached
     every server under a pause, stamped with its version, and each server's weights are the checkpoint's at version
@@ -276,7 +286,7 @@ def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path
         servers = ("--rollout.engine=sglang", "--rollout.mode=server", f"--rollout.server_urls=[{', '.join(urls)}]",
                    "--trainer.max_staleness=1", "--algorithm.rollout_correction=tis",
                    f"--rollout.engine_ranks={engine_ranks}", f"--rollout.weight_sync_route={route}",
-                   f"--rollout.weight_sync_delta={route == 'direct'}")  # fmt: skip
+                   "--rollout.weight_sync_delta=true", *SMALL_UPDATES)  # fmt: skip
         proc = _c10d(tiny, run, "--trainer.total_steps=3", *servers, nproc=1 + engine_ranks)
         server_logs = "".join((tmp_path / f"server{i}.log").read_text()[-2000:] for i in range(engine_ranks))
         assert proc.returncode == 0, _log(run)[-4000:] + server_logs
@@ -306,22 +316,31 @@ def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path
         assert all(u[2] == "paused=True" for u in updates), updates
         assert _same_as_checkpoint(dumps[i] / "v3.pt", resumed / "hf_final")
         assert sum(x.startswith("destroyed group ") for x in lines) == 2  # each attempt left the server as it found it
-    if route == "direct":  # the pushes after the first are deltas, decoded on the engine ranks
-        assert all(0.0 < r["weight_sync/changed_fraction"] < 1.0 for r in rows), rows
+    assert all(0.0 < r["weight_sync/changed_fraction"] < 1.0 for r in rows), rows  # the pushes after the first
+    if route == "direct":  # decoded on the engine ranks
         assert any(r["time/engine_weight_load"] > 0 for r in rows)  # the relay (a step may load no new version)
+    loader_calls = sum(x.startswith("loader call: ") for x in (tmp_path / "server0.log").read_text().splitlines())
+    # rank0: the changes of pushes 1-3, and of the resumed attempt's second push, went to the server's loader
+    assert loader_calls >= 4 if route == "rank0" else loader_calls == 0
 
 
 @pytest.mark.slow
 def test_a_colocated_launch_over_an_sglang_server_trains_and_leaves_the_server_as_it_found_it(tiny, tmp_path):
     """rollout.mode server without engine ranks: rank 0 drives the server and pushes the weights before each step's
-    generation (its weight-update group, gloo here); at the end of the run it asks the server to destroy that group
-    (servers outlive jobs: docs/reliability.md row 142)."""
+    generation (its weight-update group, gloo here; with weight_sync_delta, the second push as changed elements
+    through the server's delta loader); at the end of the run it asks the server to destroy that group (servers
+    outlive jobs: docs/reliability.md row 142). The final evaluation's push leaves the server holding the final
+    export, bit for bit."""
     with _stand_in_servers(tiny, tmp_path, 1) as urls:
         run = tmp_path / "colocated"
-        _train(tiny, run, "--trainer.total_steps=2", "--trainer.eval_every=0", "--rollout.engine=sglang",
-               "--rollout.mode=server", f"--rollout.server_urls=[{urls[0]}]", nproc=1)  # fmt: skip
-    rows = _metrics(run)
-    assert [r["step"] for r in rows if r["step"] >= 1] == [1, 2]
-    assert all(r["weight_sync/bytes"] > 0 for r in rows if r["step"] >= 1)
+        _train(tiny, run, "--trainer.total_steps=2", "--trainer.eval_every=2", "--rollout.engine=sglang",
+               "--rollout.mode=server", f"--rollout.server_urls=[{urls[0]}]", "--rollout.weight_sync_delta=true",
+               *SMALL_UPDATES, nproc=1)  # fmt: skip
+    rows = [r for r in _metrics(run) if r["step"] >= 1]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["weight_sync/bytes"] > 0 for r in rows)
+    assert rows[0]["weight_sync/changed_fraction"] == 1.0 and 0.0 < rows[1]["weight_sync/changed_fraction"] < 1.0
+    assert _same_as_checkpoint(tmp_path / "dumps0" / f"v{DEFAULT_VERSION}.pt", run / "hf_final")
+    assert any(x.startswith("loader call: ") for x in (tmp_path / "server0.log").read_text().splitlines())
     lines = (tmp_path / "server0.log").read_text().splitlines()
     assert sum(x.startswith("destroyed group megatron_dapo_weights_") for x in lines) == 1, lines[-20:]

@@ -10,7 +10,10 @@ SGLangServerEngine calls, with SGLang's semantics as read in its source (names i
 already holds with HTTP 400 as torch makes SGLang do; /destroy_weights_update_group;
 /update_weights_from_distributed: receives each tensor by broadcast from rank 0 and loads it, weight_version stamps
 the tokens from then on), /begin_weight_update, /end_weight_update, /flush_cache (refused while requests run unpaused),
-/pause_generation (no row advances until /continue_generation; requests keep their tokens, as retract does).
+/pause_generation (no row advances until /continue_generation; requests keep their tokens, as retract does),
+/update_weights_from_tensor with a load_format listed in --custom-weight-loader (imported and called as
+`loader(model, named_tensors)`, `model.load_weights` copying HF-named tensors into the parameters; an exception there
+ends the server, as SGLang's scheduler does; /get_server_info lists the loaders).
 With --dump-dir DIR each /end_weight_update writes the engine's weights to DIR/v{weight_version}.pt.
 
 A continued (partial) request arrives as prompt + its tokens with max_new_tokens = cap - their number, as SGLang
@@ -20,7 +23,11 @@ gets it; the engine continues it as a prefix of the job's cap (--max-new-tokens)
 from __future__ import annotations
 
 import argparse
+import base64
+import importlib
 import json
+import os
+import pickle
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
@@ -38,14 +45,30 @@ from megatron_dapo.rollout import SamplingParams
 from megatron_dapo.rollout.sglang_api import MAX_RUNNING_KEY
 from megatron_dapo.rollout.sglang_api import WEIGHT_VERSIONS_KEY
 from megatron_dapo.rollout.sglang_engine import init_weight_update_group
+from megatron_dapo.rollout.sglang_loader import carried_names
 from megatron_dapo.rollout.transformers_engine import TransformersEngine
 
 DEFAULT = -1
 """The engine's weight_version before any update of ours (SGLang's "default")."""
 
 
+class _LoaderModel:
+    """What SGLang hands a custom weight loader: the model, whose load_weights copies HF-named tensors into its
+    parameters (here through the embedded engine's writer)."""
+
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.engine = engine
+
+    def named_parameters(self) -> Any:
+        return self.engine.model.named_parameters()
+
+    def load_weights(self, weights: list) -> None:
+        self.engine.update_weights(list(weights))
+
+
 class Server:
-    def __init__(self, model: str, cap: int, max_running: int, dump_dir: str | None = None) -> None:
+    def __init__(self, model: str, cap: int, max_running: int, dump_dir: str | None = None,
+                 custom_weight_loader: list[str] | None = None) -> None:  # fmt: skip
         self.engine = TransformersEngine(model, dtype=torch.float32, device="cpu", max_running=max_running,
                                          max_context=512)  # fmt: skip
         self.engine.weight_version = DEFAULT
@@ -54,6 +77,8 @@ class Server:
         self.paused = False
         self.groups: dict[str, Any] = {}  # by group_name, as SGLang keeps them
         self.dump_dir = dump_dir
+        self.custom_weight_loader = list(custom_weight_loader or [])
+        self.loader_model = _LoaderModel(self.engine)
         self.pending: dict[str, tuple[int, threading.Event, list]] = {}  # rid -> (prefix length, done, [result])
         threading.Thread(target=self._loop, daemon=True).start()
 
@@ -137,11 +162,29 @@ class Server:
             bucket.append((name, t))
         with self.lock:
             self.engine.update_weights(bucket)
-            version = body.get("weight_version")
-            if version is not None and int(version) != self.engine.weight_version:
-                self.engine.weight_version = int(version)
-                print(f"update version={version} paused={self.paused} in_flight={self.engine.num_unfinished()}",
-                      flush=True)  # fmt: skip
+            self._stamp(body.get("weight_version"))
+
+    def update_from_tensor(self, body: dict) -> None:
+        """SGLang's update_weights_from_tensor on TP rank 0: its payload entry unpickled, a listed custom loader called
+        on the model (SGLang raises NotImplementedError for any other load_format)."""
+        load_format = body.get("load_format")
+        if load_format not in self.custom_weight_loader:
+            raise NotImplementedError(f"Unknown load_format={load_format}")
+        named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
+        module, _, fn = load_format.rpartition(".")
+        with self.lock:
+            getattr(importlib.import_module(module), fn)(self.loader_model, named)
+            carried = carried_names(named)
+            self.engine.weights.note_written(carried)
+            if carried:
+                print(f"loader call: {len(carried)} tensors", flush=True)
+            self._stamp(body.get("weight_version"))
+
+    def _stamp(self, version: str | None) -> None:
+        if version is not None and int(version) != self.engine.weight_version:
+            self.engine.weight_version = int(version)
+            print(f"update version={version} paused={self.paused} in_flight={self.engine.num_unfinished()}",
+                  flush=True)  # fmt: skip
 
     def dump(self) -> None:
         """With --dump-dir: the engine's weights as loaded, v{weight_version}.pt (what tests compare with the actor's
@@ -166,7 +209,8 @@ def make_handler(server: Server) -> type:
 
         def do_GET(self) -> None:
             assert self.path == "/get_server_info", self.path
-            self._reply({"internal_states": [{MAX_RUNNING_KEY: server.max_running}]})
+            self._reply({"internal_states": [{MAX_RUNNING_KEY: server.max_running}],
+                         "custom_weight_loader": server.custom_weight_loader})  # fmt: skip
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
@@ -190,6 +234,13 @@ def make_handler(server: Server) -> type:
                 print(f"destroyed group {body['group_name']}", flush=True)
             elif self.path == "/update_weights_from_distributed":
                 server.update(body)
+            elif self.path == "/update_weights_from_tensor":
+                try:
+                    server.update_from_tensor(body)
+                except Exception as err:  # SGLang's scheduler does not catch it: the server ends
+                    print(f"scheduler exception: {err}", flush=True)
+                    self._reply({"success": False, "message": str(err)}, 500)
+                    os._exit(1)
             elif self.path == "/begin_weight_update":
                 with server.lock:
                     server.engine.begin_weight_update()
@@ -218,9 +269,10 @@ def main() -> None:
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--port-file", required=True)
     parser.add_argument("--dump-dir", default=None)
+    parser.add_argument("--custom-weight-loader", nargs="*", default=[])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    server = Server(args.model, args.max_new_tokens, args.max_running, args.dump_dir)
+    server = Server(args.model, args.max_new_tokens, args.max_running, args.dump_dir, args.custom_weight_loader)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server))
     Path(args.port_file).write_text(str(httpd.server_address[1]))
     httpd.serve_forever()

@@ -36,12 +36,14 @@ class WeightDelta:
     base: the version the engine must hold for `index` / `values` to apply; None: `values` is the full tensor.
     index: [k] int32 or int64 flat (row-major) positions of the changed elements; None with base None.
     values: [k] their new values (the export dtype), or the full tensor.
+    shape: the tensor's shape (what a receiver that places elements itself needs: rollout/sglang_loader.py).
     """
 
     version: int
     base: int | None
     index: Tensor | None
     values: Tensor
+    shape: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +104,7 @@ class DeltaEncoder:
         old[changed] = values  # the copy becomes `new` in place: every other element already has its bits
         self.changed += changed.numel()
         index = changed.to(torch.int32) if new.numel() < 2**31 else changed
-        delta = WeightDelta(version, self.version, index, values)
+        delta = WeightDelta(version, self.version, index, values, tuple(new.shape))
         return delta if delta.nbytes < new.numel() * new.element_size() else WeightDelta(version, None, None, new)
 
     def pop_fraction(self) -> float:

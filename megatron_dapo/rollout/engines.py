@@ -30,9 +30,8 @@ class EngineKind:
         ranks relay them).
     routing: returns every token's routed experts (actor.routing_replay r3).
     delta_modes: those where its weight update applies changed-weights entries (rollout.weight_sync_delta,
-        rollout/delta.py). SGLang servers get deltas as far as the engine ranks that relay to them; the loader that
-        applies them inside SGLang (rollout/sglang_loader.py, through its custom-weight-loader seam) is checked
-        against SGLang's own models but no route sends through it yet.
+        rollout/delta.py). SGLang servers apply them with rollout/sglang_loader.py (its custom-weight-loader seam;
+        whose servers need it), or get them as far as the engine ranks that relay to them (which decode).
     label: its name in prose. planned_as: the engine whose memory rules the planner applies to it.
     """
 
@@ -64,7 +63,16 @@ ENGINES: dict[str, EngineKind] = {
             routing=True,
             delta_modes=("colocated",),
         ),  # fmt: skip
-        EngineKind("sglang", "SGLang", "sglang", ("colocated", "server"), ("colocated",), ("server",), routing=True),
+        EngineKind(
+            "sglang",
+            "SGLang",
+            "sglang",
+            ("colocated", "server"),
+            ("colocated",),
+            ("server",),
+            routing=True,
+            delta_modes=("server",),
+        ),  # fmt: skip
         EngineKind("vllm", "vLLM", "vllm", ("colocated",), (), (), routing=False),
     )
 }

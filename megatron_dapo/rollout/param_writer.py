@@ -168,6 +168,12 @@ class ParameterWriter:
         apply_delta(target, delta)
         self._received.add(self._canonical.get(name, name))
 
+    def note_written(self, names: Sequence[str]) -> None:
+        """HF names written into the parameters by other means during this session (a custom loader writing changed
+        elements in place: the CPU SGLang stand-in's delta loader): `end` counts them as received."""
+        if self._received is not None:
+            self._received.update(self._canonical.get(n, n) for n in names)
+
     def _copy_in(self, name: str, tensor: Tensor) -> None:
         self.target(name).copy_(tensor)
         if self._received is not None:

@@ -65,6 +65,8 @@ paused in that mode ignores its queue when asked whether it is idle) and they ar
 weights on /continue_generation. "in_place" would keep their KV, and the old weights' radix cache, which the next
 requests of the same prompts would reuse: computed by weights no version stamp records."""
 
+WEIGHT_UPDATER = "srt/model_executor/model_runner_components/weight_updater.py"
+
 SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse(
         "params",
@@ -101,6 +103,7 @@ SGLANG_API: tuple[ApiUse, ...] = (
             "max_running_requests",
             "custom_sigquit_handler",
             "enable_return_routed_experts",
+            "custom_weight_loader",
         ),
     ),
     # The running phase's SIGQUIT handler: TokenizerManager builds it from this class attribute (sglang_engine.py).
@@ -135,6 +138,12 @@ SGLANG_API: tuple[ApiUse, ...] = (
         "UpdateWeightsFromDistributedReqInput",
         ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format", "weight_version"),
     ),
+    ApiUse(
+        "fields",
+        IO_STRUCT,
+        "UpdateWeightsFromTensorReqInput",
+        ("serialized_named_tensors", "load_format", "flush_cache", "weight_version"),
+    ),
     ApiUse("fields", IO_STRUCT, "PauseGenerationReqInput", ("mode",)),
     ApiUse("fields", IO_STRUCT, "ContinueGenerationReqInput", ("torch_empty_cache",)),
     ApiUse("literals", IO_STRUCT, "*", (PAUSE_MODE,)),
@@ -147,6 +156,7 @@ SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse("route", HTTP, "/init_weights_update_group", ("InitWeightsUpdateGroupReqInput",)),
     ApiUse("route", HTTP, "/destroy_weights_update_group", ("DestroyWeightsUpdateGroupReqInput",)),
     ApiUse("route", HTTP, "/update_weights_from_distributed", ("UpdateWeightsFromDistributedReqInput",)),
+    ApiUse("route", HTTP, "/update_weights_from_tensor", ("UpdateWeightsFromTensorReqInput",)),
     ApiUse("route", HTTP, "/flush_cache", ()),
     ApiUse("route", HTTP, "/pause_generation", ("PauseGenerationReqInput",)),
     ApiUse("route", HTTP, "/continue_generation", ("ContinueGenerationReqInput",)),
@@ -167,8 +177,15 @@ SGLANG_API: tuple[ApiUse, ...] = (
         "*",
         ("flattened_bucket", "flattened_tensor", "metadata"),
     ),
-    # SGLang's restricted unpickler must admit our FlattenedTensorMetadata objects.
+    # SGLang's restricted unpickler must admit our FlattenedTensorMetadata objects, and the delta loader's payload:
+    # plainly pickled CPU tensors (rollout/sglang_loader.py).
     ApiUse("literals", ("srt/utils/common.py",), "*", ("sglang.srt.weight_sync.tensor_bucket",)),
+    ApiUse("literals", ("srt/utils/common.py",), "*", ("_rebuild_tensor_v2", "_load_from_bytes")),
+    # The custom-loader seam the delta loader plugs into: each TP rank its own payload entry, then the loader.
+    ApiUse("fields", (WEIGHT_UPDATER,), "WeightUpdater", ("custom_weight_loaders",)),
+    ApiUse(
+        "params", ("srt/managers/tp_worker.py",), "BaseTpWorker.deserialize_own_rank", ("serialized_named_tensors",)
+    ),
 )
 
 _ALLOWED: dict[str, frozenset[str]] = {use.owner: frozenset(use.names) for use in SGLANG_API if use.owner != "*"}

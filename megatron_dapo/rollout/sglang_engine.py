@@ -9,6 +9,8 @@
     server:     generate --HTTP POST /generate (input_ids, sampling_params, return_logprob)--> servers
                 WeightSync --bucket--> POST /update_weights_from_distributed (names, dtypes, shapes)
                                        + NCCL broadcast from the trainer (rank 0 of the update group)
+                with rollout.weight_sync_delta (rank-0 route): a bucket's changed elements instead go by
+                POST /update_weights_from_tensor to the servers' delta loader (rollout/sglang_loader.py)
 
 Every SGLang name this module uses is listed once in sglang_api.SGLANG_API and every call goes through
 sglang_api.checked (checked against SGLang's source by tests/rollout/test_sglang_adapter.py). sglang is imported
@@ -42,6 +44,7 @@ from megatron_dapo.rollout.base import EngineLaunch
 from megatron_dapo.rollout.base import SamplingParams
 from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.base import generate_blocking
+from megatron_dapo.rollout.delta import WeightDelta
 from megatron_dapo.rollout.sglang_api import ROUTE_BODY
 from megatron_dapo.rollout.sglang_api import checked
 from megatron_dapo.rollout.sglang_api import effective_max_running
@@ -425,6 +428,9 @@ class SGLangServerEngine(ServerStream):
     uniquely per instance: servers outlive a job, and a server keeps the groups it joined, so a restarted job (a
     requeue, distributed.max_restarts) joining under a name the server already holds would be refused by torch
     ("The specified group name has already been created"); `shutdown` asks the servers to destroy the group.
+    delta_loader: the updates may carry changed elements (WeightDelta entries, rollout.weight_sync_delta), loaded by
+    rollout/sglang_loader.py inside the servers, which must be started with `--custom-weight-loader` naming it
+    (checked at the first update, one line).
     """
 
     def __init__(
@@ -439,6 +445,7 @@ class SGLangServerEngine(ServerStream):
         group_timeout_s: float = 600.0,
         backend: str = "nccl",
         max_running_requests: int = 0,
+        delta_loader: bool = False,
     ) -> None:
         if not server_urls:
             raise ValueError("SGLangServerEngine: server_urls is empty")
@@ -452,6 +459,9 @@ class SGLangServerEngine(ServerStream):
         self._group = None
         self._session_routes = True
         self._update_version: str | None = None
+        self.delta_loader = delta_loader
+        self._loader_checked = False
+        self._delta_version: int | None = None  # the delta-mode version this update writes (None: plain tensors)
         self._init_stream(max_running_requests)
 
     def _query_max_running(self) -> int:
@@ -495,8 +505,11 @@ class SGLangServerEngine(ServerStream):
 
     def begin_weight_update(self) -> None:
         """Create the NCCL update group on first use (servers join concurrently), then open server sessions."""
+        if self.delta_loader and not self._loader_checked:
+            self._check_loader()
         if self._group is None:
             self._group = self._join_group()
+        self._delta_version = None
         if self._session_routes:
             try:
                 self._post_all("/begin_weight_update", {})
@@ -551,8 +564,57 @@ class SGLangServerEngine(ServerStream):
             raise made[0]
         return made[0]
 
-    def update_weights(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
-        """Announce the bucket to every server over HTTP, then broadcast each tensor from rank 0 (NCCL)."""
+    def _check_loader(self) -> None:
+        """Every server lists the delta loader among its custom weight loaders (SGLang would end the server on a
+        load_format it does not know: a NotImplementedError in its scheduler)."""
+        from megatron_dapo.rollout.sglang_loader import LOADER
+
+        for url in self.urls:
+            if LOADER not in (self._get(url, "/get_server_info").get("custom_weight_loader") or []):
+                why = "which rollout.weight_sync_delta needs to apply changed weights inside it"
+                raise WeightUpdateError(f"sglang server {url}: started without --custom-weight-loader {LOADER}, {why}")
+        self._loader_checked = True
+
+    def update_weights(self, bucket: Sequence[tuple[str, Tensor | WeightDelta]]) -> None:
+        """Announce the bucket to every server over HTTP, then broadcast each tensor from rank 0 (NCCL). WeightDelta
+        entries (delta_loader): full ones go the same way, changed elements by POST /update_weights_from_tensor."""
+        full, changed = [], []
+        for name, t in bucket:
+            if isinstance(t, WeightDelta):
+                self._delta_version = t.version
+                (full if t.index is None else changed).append((name, t.values if t.index is None else t))
+            else:
+                full.append((name, t))
+        if changed:
+            self._post_changed(changed)
+        if full:
+            self._broadcast(full)
+
+    def _post_changed(self, changed: list[tuple[str, WeightDelta]]) -> None:
+        """One /update_weights_from_tensor call per server carrying these deltas to its loader (every TP rank gets the
+        same payload and keeps what it holds)."""
+        from megatron_dapo.rollout.delta import as_plain_tensors
+        from megatron_dapo.rollout.sglang_loader import SHAPE_SUFFIX
+
+        if not self.delta_loader:
+            raise WeightUpdateError(f"sglang servers: tensor {changed[0][0]!r} is a delta but this engine was not "
+                                    "built with delta_loader")  # fmt: skip
+        entries: list[tuple[str, Tensor]] = []
+        for name, delta in changed:
+            entries.append((name + SHAPE_SUFFIX, torch.tensor(delta.shape, dtype=torch.int64)))
+            entries.extend(as_plain_tensors([(name, delta)]))
+        self._post_loader(entries, changed[0][1].version, changed[0][1].base, end=False)
+
+    def _post_loader(self, entries: list[tuple[str, Tensor]], version: int, base: int | None, *, end: bool) -> None:
+        from megatron_dapo.rollout.sglang_loader import request_body
+
+        body = request_body(entries, version=version, base=base, end=end, server_tp=self.server_tp)
+        if self._update_version is not None:  # stamp the tokens, as the broadcast's announcement does
+            body["weight_version"] = self._update_version
+        for r in self._post_all("/update_weights_from_tensor", body):
+            _ok(r, "update_weights_from_tensor")
+
+    def _broadcast(self, bucket: Sequence[tuple[str, Tensor]]) -> None:
         import torch.distributed as dist
 
         body = {
@@ -576,7 +638,11 @@ class SGLangServerEngine(ServerStream):
                 _ok(r, "update_weights_from_distributed")
 
     def end_weight_update(self, *, full: bool = True) -> None:
-        """Close the server sessions (if any) and flush their radix caches."""
+        """Close the server sessions (if any) and flush their radix caches. After a delta-mode update (WeightDelta
+        entries) the loaders first learn it completed: the version the next deltas may build on."""
+        if self._delta_version is not None:
+            self._post_loader([], self._delta_version, None, end=True)
+            self._delta_version = None
         if self._session_routes:
             self._post_all("/end_weight_update", {})
         self._post_all("/flush_cache")

@@ -261,6 +261,16 @@ def load_weights(model: Any, named_tensors: list[tuple[str, Tensor]]) -> None:
         state.held, state.pushing = version, None
 
 
+def carried_names(named_tensors: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """The HF names a loader call writes (its full tensors and deltas; not PUSH, not the shapes)."""
+    out = []
+    for name, _ in named_tensors:
+        if name == PUSH or name.endswith((SHAPE_SUFFIX, INDEX_SUFFIX)):
+            continue
+        out.append(name[: -len(VALUES_SUFFIX)] if name.endswith(VALUES_SUFFIX) else name)
+    return out
+
+
 def request_body(entries: Sequence[tuple[str, Tensor]], *, version: int, base: int | None, end: bool,
                  server_tp: int) -> dict:  # fmt: skip
     """The JSON body of one /update_weights_from_tensor call carrying `entries` to every TP rank of a server: the

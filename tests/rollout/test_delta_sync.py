@@ -135,8 +135,6 @@ def test_a_restarted_engine_gets_a_full_sync_after_reset():
     [
         {"engine": "sglang"},
         {"engine": "transformers", "weight_dtype": "fp8"},  # colocated: the engine keeps no FP8 base
-        {**SERVERS, "weight_sync_route": "auto"},  # actor rank 0 pushes full tensors to the servers: nobody decodes
-        {**SERVERS, "weight_sync_route": "rank0"},
     ],
 )
 def test_delta_sync_where_it_is_not_implemented_is_one_config_line(overrides):
@@ -145,12 +143,20 @@ def test_delta_sync_where_it_is_not_implemented_is_one_config_line(overrides):
     assert "\n" not in str(e.value)
 
 
-def test_delta_sync_to_sglang_servers_goes_through_the_relaying_engine_ranks():
-    """SGLang servers take full tensors: with the direct route the engine ranks decode the deltas and relay."""
+@pytest.mark.parametrize("route", ["direct", "rank0", "auto"])
+def test_delta_sync_to_sglang_servers_is_relayed_on_the_direct_route_and_loaded_by_the_servers_otherwise(route):
+    """With the direct route the engine ranks decode the deltas and relay full tensors; on the rank-0 route (and in
+    a colocated launch) the servers' delta loader applies them: SGLangServerEngine is built to send them."""
+    from megatron_dapo.rollout.factory import server_stream
+
     overrides = [f"--rollout.{k}={v}" for k, v in SERVERS.items()]
-    overrides += ["--rollout.weight_sync_delta=true", "--rollout.weight_sync_route=direct", "--trainer.max_staleness=0"]
-    rollout = load_config(None, overrides).rollout
-    assert rollout.direct_weight_sync and rollout.weight_sync_delta
+    overrides += ["--rollout.weight_sync_delta=true", f"--rollout.weight_sync_route={route}"]
+    rollout = load_config(None, [*overrides, "--trainer.max_staleness=0"]).rollout
+    assert rollout.weight_sync_delta and rollout.direct_weight_sync == (route == "direct")
+    assert server_stream(rollout, "unused", ["http://h:1"]).delta_loader == (route != "direct")
+    colocated = load_config(None, ["--rollout.engine=sglang", "--rollout.mode=server", "--rollout.server_urls=[http://h:1]",
+                                   "--rollout.weight_sync_delta=true"]).rollout  # fmt: skip
+    assert server_stream(colocated, "unused", ["http://h:1"]).delta_loader
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -3,8 +3,9 @@
 Oracle: SGLang 0.5.23's own Qwen2ForCausalLM and its weight path (tools/sglang_cpu/sglang_loader_check.py, in the
 environment tools/sglang_cpu/setup_sglang_cpu.sh makes; tools/setup/install.sh makes it, so CI runs these) at TP 1
 (tied embeddings) and TP 2 under torchrun --rdzv-backend c10d: deltas through the loader equal full loads bit for
-bit. The unit tests below use a small model of our own for what SGLang's models do not show: refusals and the probe's
-limits.
+bit. The unit tests below use a small model of our own for what SGLang's models do not show (refusals, the probe's
+limits), and check the sender's side: SGLangServerEngine's check of the servers' loaders, ServerPush's deltas. The
+whole jobs that send through the loader (CPU stand-in servers): tests/test_async_training.py.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_dapo.net import free_port
+from megatron_dapo.rollout.base import WeightUpdateError
 from megatron_dapo.rollout.delta import WeightDelta
 from megatron_dapo.rollout.delta import as_plain_tensors
 from megatron_dapo.rollout.sglang_loader import LOADER
@@ -156,3 +162,84 @@ def test_deltas_into_sglangs_own_qwen2_equal_its_full_load(tp):
         assert r["refused"] == "sglang loader: push 4 is a delta against version 2 but this server holds version 3"
         assert r["unchanged_after_refusal"] is True
         assert "model.layers.1.self_attn.q_proj.weight" in r["placements"]
+
+
+class _InfoHandler(BaseHTTPRequestHandler):
+    """A server's /get_server_info without the delta loader among its custom weight loaders."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        assert self.path == "/get_server_info", self.path
+        data = json.dumps({"internal_states": [{}], "custom_weight_loader": []}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_a_server_without_the_delta_loader_is_one_line_before_anything_is_sent():
+    """SGLang ends a server asked for a load_format it does not list (a NotImplementedError in its scheduler): the
+    sender checks the servers' custom_weight_loader at its first update."""
+    from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _InfoHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        engine = SGLangServerEngine([url], master_port=free_port(), backend="gloo", timeout_s=30, delta_loader=True)
+        with pytest.raises(WeightUpdateError, match=rf"^sglang server {url}: started without --custom-weight-loader "
+                           rf"{LOADER}, which rollout.weight_sync_delta needs") as err:  # fmt: skip
+            engine.begin_weight_update()
+        assert "\n" not in str(err.value) and engine._group is None  # refused before joining the weight group
+        plain = SGLangServerEngine([url], master_port=free_port(), backend="gloo", timeout_s=30)
+        delta = WeightDelta(2, 1, torch.tensor([0], dtype=torch.int32), torch.ones(1), (3,))
+        with pytest.raises(WeightUpdateError, match=r"tensor 'w' is a delta but this engine was not built"):
+            plain.update_weights([("w", delta)])
+    finally:
+        httpd.shutdown()
+
+
+class _Servers:
+    """ServerPush's updater: records the buckets; fails the update of version `fail`."""
+
+    def __init__(self, fail: int) -> None:
+        self.fail, self.pushes = fail, []
+
+    @contextmanager
+    def paused_update(self, version: int):
+        self.version = version
+        yield
+
+    def begin_weight_update(self) -> None:
+        self.pushes.append([])
+
+    def update_weights(self, bucket) -> None:
+        if self.version == self.fail:
+            raise WeightUpdateError("sglang update_weights_from_tensor failed: boom")
+        self.pushes[-1] += bucket
+
+    def end_weight_update(self) -> None:
+        pass
+
+
+def test_server_push_sends_deltas_as_they_are_and_a_failed_push_makes_the_next_one_full():
+    from megatron_dapo.placement import ServerPush
+    from megatron_dapo.rollout.delta import DeltaEncoder
+
+    store = torch.distributed.HashStore()
+    servers, encoder = _Servers(fail=2), DeltaEncoder()
+    push = ServerPush(servers, store)
+    w = {"a": torch.zeros(64, dtype=torch.bfloat16), "b": torch.ones(8, 8, dtype=torch.bfloat16)}
+    push.push(0, iter(w.items()), 1 << 20, encoder=encoder)
+    w["a"] = w["a"].clone()
+    w["a"][3] = 1.0
+    metrics = push.push(1, iter(w.items()), 1 << 20, encoder=encoder)
+    (name, d), (_, b) = servers.pushes[-1]
+    assert (name, d.base, d.index.tolist(), d.shape) == ("a", 0, [3], (64,)) and b.index is not None
+    assert metrics["weight_sync/changed_fraction"] == 1 / 128
+    with pytest.raises(WeightUpdateError, match="boom"):
+        push.push(2, iter(w.items()), 1 << 20, encoder=encoder)
+    push.push(3, iter(w.items()), 1 << 20, encoder=encoder)  # the servers may hold a mix of 1 and 2: all full
+    assert all(d.index is None and d.version == 3 for _, d in servers.pushes[-1])
