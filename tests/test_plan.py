@@ -890,6 +890,28 @@ def test_the_relay_into_sglang_servers_is_priced_from_its_hops():
         sync_estimate(m, replace(base, placement="colocated"), a)
 
 
+def test_deltas_into_sglang_servers_on_the_rank0_route_are_priced_as_their_http_bodies():
+    """rollout.weight_sync_delta into servers on the rank-0 route: the changed elements S' go base64 (x 4/3) in one
+    /update_weights_from_tensor body per server, the same payload once per server TP rank, all encoded by actor rank
+    0 at http_gbps; the full route's NCCL load is S over the network."""
+    from dataclasses import replace
+
+    from megatron_dapo.plan import KNOWN_MODELS
+    from megatron_dapo.plan import Assumptions
+    from megatron_dapo.plan import SyncLayout
+    from megatron_dapo.plan import engine_weight_bytes
+    from megatron_dapo.plan import sync_estimate
+
+    m, a = KNOWN_MODELS["qwen3-30b-a3b"], Assumptions()
+    S = engine_weight_bytes(m, 1, 2)
+    base = SyncLayout(1, 1, 8, 8, 2, 8, "split", engine_gpus=8, engine_tp=4, bucket_mb=1024)
+    _, _, full = sync_estimate(m, base, a)
+    _, formula, delta = sync_estimate(m, replace(base, delta=True), a)
+    assert full["load"] == pytest.approx(S / (a.internode_gbps * 1e9))
+    assert delta["load"] == pytest.approx(S * a.delta_bytes_fraction * 4 / 3 * 4 * 2 / (a.http_gbps * 1e9))
+    assert "HTTP S' x 4/3 x etp 4 x 2 servers/0.15" in formula
+
+
 def test_docs_show_the_sync_targets_at_scale():
     from megatron_dapo.plan import format_sync_targets
 

@@ -10,7 +10,7 @@ torch.load(weights_only=True)): the values travel in the HTTP body, so this work
 CUDA-IPC handles only work on the server's host). `update_weights_from_distributed` (the NCCL broadcast) always
 calls `model.load_weights` with full tensors; it cannot take a delta.
 
-    sender (request_body)                                 each server TP rank (load_weights here)
+    sender (SGLangServerEngine, request_body)              each server TP rank (load_weights here)
     [PUSH: (version, base, end)] + delta pairs             PUSH first: a delta against a version this rank does not
       (rollout/delta.as_plain_tensors) and full tensors      hold is refused (one line); the first call of a push
                                                              forgets the version held, the call with `end` sets it
@@ -31,10 +31,12 @@ costs two float64 copies of the tensor in host memory, once per name.
 
 A refusal is an exception in the server's scheduler, which SGLang 0.5.23 does not catch (the request dispatch in
 managers/scheduler.py has no handler; a custom loader's return value is ignored): the server exits rather than serve a
-mix. A sender must therefore send a delta only against the version the server reports (`weight_version`, set only by
-a push's last call) so that the loader's own check is the last line, not the protocol. Not yet wired: no route of the
-training path sends through this loader (SGLang servers take full tensors, or deltas as far as the relaying engine
-ranks: docs/rollout.md).
+mix. So the sender must not rely on it: our encoder sends a delta only after a push it completed with these servers (a
+failed push, a new job, a resume: the next push is full), and the loader's check is reached only by a server
+restarted under a running job, which on the rank-0 route is lost anyway (its weight-update group is gone).
+
+Used by rollout.weight_sync_delta with SGLang servers on the rank-0 route and in a colocated launch (the relaying
+engine ranks of the direct route decode and push full tensors instead): docs/rollout.md, "Weight sync routes".
 
 Exactness: an element is written with `values.to(param.dtype)`, what `copy_` writes in a full load; an element a
 delta leaves out already holds that value (rollout/delta.py).

@@ -1,5 +1,6 @@
-"""A split launch's weight push into an SGLang server: actor rank 0's broadcast against the direct route's relay
-through the engine rank (full, then with deltas), side by side in one run on this CPU.
+"""A split launch's weight push into an SGLang server: actor rank 0's broadcast (full, then with deltas through the
+server's delta loader) against the direct route's relay through the engine rank (full, then with deltas), side by
+side in one run on this CPU.
 
 Example:
     OMP_NUM_THREADS=1 python tools/bench/server_routes.py      # actor TP 2 + 1 engine rank + 1 stand-in server
@@ -15,6 +16,9 @@ relative step of --step (seeded: replicated weights move alike on every rank). I
                   tensors and broadcasts them into the server under its pause (placement.load_buckets)
     relay+delta:  the same with rollout.weight_sync_delta: each actor rank sends its shards' changed elements, the
                   engine rank decodes them against the last push (after one full push, not timed)
+    rank0+delta:  rank0 with rollout.weight_sync_delta: actor rank 0 posts the changed elements to the server's
+                  /update_weights_from_tensor, where rollout/sglang_loader.py writes them in place (the server is
+                  started with --custom-weight-loader; after one full push, not timed)
 Seconds, median of the repeats: "actor" from the push's start (the actor ranks leave a barrier) until every actor rank
 is free to train again; "server" until the server holds the version. After each route the server's weights are
 compared with the actor's export (bit for bit, in the engine's fp32). Rows go to results/server_routes.csv, a table
@@ -36,8 +40,10 @@ from datetime import datetime
 from datetime import timezone
 from pathlib import Path
 
+from megatron_dapo.rollout.sglang_loader import LOADER
+
 HEADING = "## Weight sync into SGLang servers: rank 0 vs relay"
-ROUTES = ("rank0", "relay", "relay+delta")
+ROUTES = ("rank0", "relay", "relay+delta", "rank0+delta")
 BUCKET = 64 << 20
 
 
@@ -84,7 +90,8 @@ def _worker(out: Path, tp: int, hf_dir: Path, url: str, repeats: int, step: floa
     hf_config = AutoConfig.from_pretrained(hf_dir)
     schedule = [("rank0", True)] * repeats + [("relay", True)] * repeats
     schedule += [("relay+delta", False)] + [("relay+delta", True)] * repeats  # the first delta-mode push is full
-    relayed = [v for v, (route, _) in enumerate(schedule, start=1) if route != "rank0"]
+    schedule += [("rank0+delta", False)] + [("rank0+delta", True)] * repeats
+    relayed = [v for v, (route, _) in enumerate(schedule, start=1) if route.startswith("relay")]
     if placement.is_engine:
         _engine(placement, store, hf_config, tp, url, relayed, out)
         os._exit(0)
@@ -108,17 +115,17 @@ def _worker(out: Path, tp: int, hf_dir: Path, url: str, repeats: int, step: floa
     direct = DirectChannel(placement, store, 600.0)
     pusher = None
     if groups.rank == 0:
-        server = SGLangServerEngine([url], master_port=free_port(), backend="gloo")
+        server = SGLangServerEngine([url], master_port=free_port(), backend="gloo", delta_loader=True)
         pusher = ServerPush(server, store)
-    encoder, rows = DeltaEncoder(), []
+    encoder, server_encoder, rows = DeltaEncoder(), DeltaEncoder(), []
     for version, (route, timed) in enumerate(schedule, start=1):
         _move(model, version, step)
         exchange.barrier()
         start = time.time()
-        if route == "rank0":
+        if route.startswith("rank0"):
             named = export_hf_weights([model], hf_config, groups)
             if pusher is not None:
-                metrics = pusher.push(version, named, BUCKET)
+                metrics = pusher.push(version, named, BUCKET, encoder=server_encoder if route != "rank0" else None)
             else:
                 for _ in named:
                     pass
@@ -131,7 +138,7 @@ def _worker(out: Path, tp: int, hf_dir: Path, url: str, repeats: int, step: floa
         last = schedule[version % len(schedule)][0] != route or version == len(schedule)
         export = {n: t for n, t in export_hf_weights([model], hf_config, groups)} if last else None
         if groups.rank == 0:
-            held = free if route == "rank0" else float(store.get(f"bench/done/{version}"))  # waits for the relay
+            held = free if route.startswith("rank0") else float(store.get(f"bench/done/{version}"))  # the relay's
             if timed:
                 rows.append({"route": route, "actor_s": free - start, "server_s": held - start,
                              "mb": metrics["weight_sync/bytes"] / 1e6,
@@ -148,7 +155,7 @@ def _server(model: Path, dumps: Path, log) -> tuple[subprocess.Popen, str]:
     port_file = dumps / "port"
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_dapo.dev.cpu_sglang_server", "--model", str(model), "--max-new-tokens", "8",
-         "--port-file", str(port_file), "--dump-dir", str(dumps)],
+         "--port-file", str(port_file), "--dump-dir", str(dumps), "--custom-weight-loader", LOADER],
         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     for _ in range(1200):
@@ -238,7 +245,7 @@ def main() -> None:
         "from a Megatron actor at TP 2 into the server, every weight moved by a relative step of "
         f'{args.step:g} before each push, median of {args.repeats}. "actor s": until every actor rank is free to '
         'train again; "server s": until the server holds the version; sent MB: what the actor ranks sent (rank0: '
-        "into the server; relay: to the engine rank, which sends the server the full tensors).\n\n"
+        "into the server, before base64; relay: to the engine rank, which sends the server the full tensors).\n\n"
         "| route | actor s | rank0 actor s / this | server s | sent MB | changed fraction |\n"
         "|---|---|---|---|---|---|\n"
         + "\n".join(table)
@@ -246,8 +253,10 @@ def main() -> None:
         "What the relay changes is who waits: on the rank-0 route actor rank 0 is busy until the server has loaded "
         "every tensor, on the relay the actor ranks are free once the engine rank holds their shards, and the server "
         "is loaded by the engine rank while the actor trains (between two engine steps in a run). With deltas the "
-        "actor ranks send only the changed elements. The server still receives every tensor in full on both routes; "
-        "on a GPU cluster the relay pays when the engine rank runs on its servers' node (docs/rollout.md, \"Weight "
+        "actor ranks send only the changed elements; on the relay the server still receives every tensor in full, on "
+        "rank0+delta it receives the changed elements (base64 in the HTTP body, once per TP rank) and its delta "
+        "loader writes them in place. On a GPU cluster the relay pays when the engine rank runs on its servers' node, "
+        'the loader where the changed fraction is small against a full NCCL broadcast (docs/rollout.md, "Weight '
         'sync routes"; modelled in docs/planning.md, "Weight sync at scale"). Raw rows: `results/server_routes.csv`.\n'
     )
     replace_doc_section(REPO_ROOT / "docs" / "benchmarks.md", HEADING, section)
