@@ -337,12 +337,12 @@ class Assumptions:
     delta_bytes_fraction: float = 0.069
     """rollout.weight_sync_delta: the bytes a delta sync sends as a share of a full one. Measured on CPU at the main
     job's lr (5e-6, bf16 export, SmolLM2-135M; docs/benchmarks.md "Delta weight sync": 0.065-0.069)."""
-    http_gbps: float = 0.15
-    """rollout.weight_sync_delta into SGLang servers on the rank-0 route: one /update_weights_from_tensor body (the
-    changed elements pickled, base64 in JSON: 4/3 of their bytes, once per server TP rank) encoded by actor rank 0 and
-    decoded by the server. Measured on this 2-core CPU for 300 MB of changed elements: 0.15 GB/s to encode, 0.19 GB/s
-    to decode (docs/planning.md "Weight sync at scale"); SGLang's own decode path (msgspec, pybase64, ZMQ to every TP
-    scheduler) on a GPU node's CPU is not measured."""
+    http_gbps: float = 0.38
+    """rollout.weight_sync_delta into SGLang servers on the rank-0 route: the changed elements' bytes per second
+    through one /update_weights_from_tensor body (pickled, base64 in JSON: 4/3 of their bytes; TP rank 0's payload
+    only), encoded once by actor rank 0 for every server (sglang_loader.request_body + body_bytes: 0.38 GB/s measured
+    on this 2-core CPU for 300 MB) and decoded by each server, taken at the same rate (SGLang's own decode path,
+    pybase64, msgspec and the TP group's broadcast, is not measured)."""
     preempt_margin_s: float = 120.0
     """Added to the preemption lead time: start-up of the last save, file-system stalls, the signal's path."""
     checkpoint_gbps_per_node: float = 2.0
@@ -1011,9 +1011,9 @@ def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, 
         buckets = math.ceil(sent / (s.bucket_mb * 2**20))
         if s.delta and not colocated:  # SGLang servers: the changed elements go by HTTP to their delta loader
             servers = max(s.engine_gpus // s.engine_tp, 1)
-            body = sent * 4 / 3 * s.engine_tp  # base64, the same payload once per TP rank
-            terms["load"] = body * servers / (a.http_gbps * 1e9)  # actor rank 0 encodes every server's body
-            load = f"HTTP S' x 4/3 x etp {s.engine_tp} x {servers} servers/{a.http_gbps:g}"
+            # encoded once, sent to every server from actor rank 0's link, decoded by each server
+            terms["load"] = 2 * sent / (a.http_gbps * 1e9) + sent * 4 / 3 * servers / (a.internode_gbps * 1e9)
+            load = f"HTTP 2 x S'/{a.http_gbps:g} + S' x 4/3 x {servers} servers/{a.internode_gbps:g}"
         else:
             terms["load"] = sent / (load_gbps * 1e9)
             load = f"load S{chr(39) if s.delta else ''}/{load_gbps:g}"

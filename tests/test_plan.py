@@ -891,9 +891,9 @@ def test_the_relay_into_sglang_servers_is_priced_from_its_hops():
 
 
 def test_deltas_into_sglang_servers_on_the_rank0_route_are_priced_as_their_http_bodies():
-    """rollout.weight_sync_delta into servers on the rank-0 route: the changed elements S' go base64 (x 4/3) in one
-    /update_weights_from_tensor body per server, the same payload once per server TP rank, all encoded by actor rank
-    0 at http_gbps; the full route's NCCL load is S over the network."""
+    """rollout.weight_sync_delta into servers on the rank-0 route: the changed elements S' are encoded once by actor
+    rank 0 and decoded by each server at http_gbps, and go base64 (x 4/3) to every server over rank 0's link; the
+    full route's NCCL load is S over the network."""
     from dataclasses import replace
 
     from megatron_dapo.plan import KNOWN_MODELS
@@ -908,8 +908,9 @@ def test_deltas_into_sglang_servers_on_the_rank0_route_are_priced_as_their_http_
     _, _, full = sync_estimate(m, base, a)
     _, formula, delta = sync_estimate(m, replace(base, delta=True), a)
     assert full["load"] == pytest.approx(S / (a.internode_gbps * 1e9))
-    assert delta["load"] == pytest.approx(S * a.delta_bytes_fraction * 4 / 3 * 4 * 2 / (a.http_gbps * 1e9))
-    assert "HTTP S' x 4/3 x etp 4 x 2 servers/0.15" in formula
+    sent = S * a.delta_bytes_fraction
+    assert delta["load"] == pytest.approx(2 * sent / (a.http_gbps * 1e9) + sent * 4 / 3 * 2 / (a.internode_gbps * 1e9))
+    assert "HTTP 2 x S'/0.38 + S' x 4/3 x 2 servers/40" in formula
 
 
 def test_docs_show_the_sync_targets_at_scale():

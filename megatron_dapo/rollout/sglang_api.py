@@ -66,6 +66,7 @@ weights on /continue_generation. "in_place" would keep their KV, and the old wei
 requests of the same prompts would reuse: computed by weights no version stamp records."""
 
 WEIGHT_UPDATER = "srt/model_executor/model_runner_components/weight_updater.py"
+PARALLEL_STATE = "srt/distributed/parallel_state.py"
 
 SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse(
@@ -183,6 +184,9 @@ SGLANG_API: tuple[ApiUse, ...] = (
     ApiUse("literals", ("srt/utils/common.py",), "*", ("_rebuild_tensor_v2", "_load_from_bytes")),
     # The custom-loader seam the delta loader plugs into: each TP rank its own payload entry, then the loader.
     ApiUse("fields", (WEIGHT_UPDATER,), "WeightUpdater", ("custom_weight_loaders",)),
+    # The loader hands TP rank 0's entries to the other ranks over the server's TP group.
+    ApiUse("params", (PARALLEL_STATE,), "get_tp_group", ()),
+    ApiUse("params", (PARALLEL_STATE,), "GroupCoordinator.broadcast_tensor_dict", ("tensor_dict", "src")),
     ApiUse(
         "params", ("srt/managers/tp_worker.py",), "BaseTpWorker.deserialize_own_rank", ("serialized_named_tensors",)
     ),

@@ -477,13 +477,14 @@ class SGLangServerEngine(ServerStream):
         except urllib.error.HTTPError as err:
             raise RuntimeError(f"sglang server {url}{route}: HTTP {err.code} {err.read()[:300]!r}") from None
 
-    def _post(self, url: str, route: str, body: dict | None = None) -> Any:
+    def _post(self, url: str, route: str, body: dict | None = None, data: bytes | None = None) -> Any:
+        """POST `body` (its JSON: `data` when given, already encoded) to a server's route; its JSON answer."""
         body_cls = ROUTE_BODY.get(route, "")
         if body_cls == "":
             raise KeyError(f"sglang_engine: route {route} is not listed in SGLANG_API")
         if body_cls is not None and body:
             checked(body_cls, body)
-        data = json.dumps(body or {}).encode()
+        data = data if data is not None else json.dumps(body or {}).encode()
         req = urllib.request.Request(url + route, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
@@ -495,9 +496,9 @@ class SGLangServerEngine(ServerStream):
         except ValueError:  # /flush_cache answers with plain text
             return raw.decode(errors="replace")
 
-    def _post_all(self, route: str, body: dict | None = None) -> list[Any]:
+    def _post_all(self, route: str, body: dict | None = None, data: bytes | None = None) -> list[Any]:
         with ThreadPoolExecutor(len(self.urls)) as pool:
-            return list(pool.map(lambda u: self._post(u, route, body), self.urls))
+            return list(pool.map(lambda u: self._post(u, route, body, data), self.urls))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         """len(prompts) * params.n Rollouts, grouped by prompt (the stream's calls, blocking)."""
@@ -606,12 +607,14 @@ class SGLangServerEngine(ServerStream):
         self._post_loader(entries, changed[0][1].version, changed[0][1].base, end=False)
 
     def _post_loader(self, entries: list[tuple[str, Tensor]], version: int, base: int | None, *, end: bool) -> None:
+        """One call of the delta loader on every server: the body encoded once, the same bytes to each."""
+        from megatron_dapo.rollout.sglang_loader import body_bytes
         from megatron_dapo.rollout.sglang_loader import request_body
 
         body = request_body(entries, version=version, base=base, end=end, server_tp=self.server_tp)
         if self._update_version is not None:  # stamp the tokens, as the broadcast's announcement does
             body["weight_version"] = self._update_version
-        for r in self._post_all("/update_weights_from_tensor", body):
+        for r in self._post_all("/update_weights_from_tensor", body, body_bytes(body)):
             _ok(r, "update_weights_from_tensor")
 
     def _broadcast(self, bucket: Sequence[tuple[str, Tensor]]) -> None:

@@ -45,6 +45,7 @@ delta leaves out already holds that value (rollout/delta.py).
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,7 +63,10 @@ LOADER = f"{__name__}.load_weights"
 """The dotted path SGLang imports: its `--custom-weight-loader` value and the request's `load_format`."""
 
 PUSH = "__megatron_dapo_push__"
-"""The first entry of every call: int64 [version, base (-1: none), end (0/1)]."""
+"""The first entry of every call: int64 [version, base (-1: none), end (0/1), leader_only (0/1)]. leader_only: the
+request carries the entries for TP rank 0 only (the other ranks' payloads are this entry alone) and rank 0 hands
+them to the others over SGLang's TP group (GroupCoordinator.broadcast_tensor_dict: NCCL on GPU), so the HTTP body
+holds them once instead of once per TP rank."""
 
 SHAPE_SUFFIX = ".__delta_shape__"
 """`name + SHAPE_SUFFIX`: int64 [ndim], `name`'s HF shape, sent before each delta pair of `name`: the placement is
@@ -230,7 +234,9 @@ def load_weights(model: Any, named_tensors: list[tuple[str, Tensor]]) -> None:
     rank does not hold, a malformed call, or a name whose placement cannot be traced."""
     if not named_tensors or named_tensors[0][0] != PUSH:
         raise ValueError(f"sglang loader: the call does not start with {PUSH}")
-    version, base, end = (int(v) for v in named_tensors[0][1].tolist())
+    version, base, end, leader_only = (int(v) for v in named_tensors[0][1].tolist())
+    if leader_only:
+        named_tensors = _from_tp_leader(named_tensors)
     state = _state(model)
     if state.pushing != version:
         if base >= 0 and state.held != base:
@@ -263,6 +269,17 @@ def load_weights(model: Any, named_tensors: list[tuple[str, Tensor]]) -> None:
         state.held, state.pushing = version, None
 
 
+def _from_tp_leader(named_tensors: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """A leader_only call on every TP rank: rank 0's entries, broadcast over SGLang's TP group (every rank of the
+    server runs the same request, so all of them are here)."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    mine = dict(named_tensors[1:]) if group.rank_in_group == 0 else None
+    got = group.broadcast_tensor_dict(mine, src=0)
+    return [named_tensors[0], *got.items()]
+
+
 def carried_names(named_tensors: Sequence[tuple[str, Tensor]]) -> list[str]:
     """The HF names a loader call writes (its full tensors and deltas; not PUSH, not the shapes)."""
     out = []
@@ -275,14 +292,31 @@ def carried_names(named_tensors: Sequence[tuple[str, Tensor]]) -> list[str]:
 
 def request_body(entries: Sequence[tuple[str, Tensor]], *, version: int, base: int | None, end: bool,
                  server_tp: int) -> dict:  # fmt: skip
-    """The JSON body of one /update_weights_from_tensor call carrying `entries` to every TP rank of a server: the
-    same payload for each (a rank keeps the elements it holds), the CPU tensors pickled by value (base64)."""
-    push = torch.tensor([version, -1 if base is None else base, int(end)], dtype=torch.int64)
+    """The body of one /update_weights_from_tensor call carrying `entries` to every TP rank of a server (body_bytes
+    makes its JSON: the payloads are base64 bytes), the CPU tensors pickled by value: in TP rank 0's payload only,
+    the others' hold the PUSH entry (leader_only), so the body carries the entries once (each rank keeps the
+    elements it holds)."""
+    leader_only = server_tp > 1 and bool(entries)
+    push = torch.tensor([version, -1 if base is None else base, int(end), int(leader_only)], dtype=torch.int64)
     payload = [(PUSH, push)]
     for name, t in entries:
         t = t.detach().to("cpu").contiguous()
         if t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone()  # pickle carries the whole storage: a view would send its base
         payload.append((name, t))
-    blob = base64.b64encode(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)).decode()
-    return {"serialized_named_tensors": [blob] * server_tp, "load_format": LOADER, "flush_cache": False}
+    leader = base64.b64encode(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    others = base64.b64encode(pickle.dumps(payload[:1], protocol=pickle.HIGHEST_PROTOCOL))
+    blobs = [leader] + [others if leader_only else leader] * (server_tp - 1)
+    return {"serialized_named_tensors": blobs, "load_format": LOADER, "flush_cache": False}
+
+
+def body_bytes(body: dict) -> bytes:
+    """A request_body as JSON bytes, the base64 payloads joined in as they are (they need no escaping; json.dumps
+    would scan every character of them: most of the sender's time for a large delta)."""
+    parts = [b'{"serialized_named_tensors": ["']
+    for i, blob in enumerate(body["serialized_named_tensors"]):
+        parts += [b'", "'] if i else []
+        parts.append(blob if isinstance(blob, bytes) else blob.encode())
+    rest = json.dumps({k: v for k, v in body.items() if k != "serialized_named_tensors"}).encode()
+    parts.append(b'"], ' + rest[1:] if rest != b"{}" else b'"]}')
+    return b"".join(parts)

@@ -33,6 +33,7 @@ from megatron_dapo.rollout.sglang_loader import LOADER
 from megatron_dapo.rollout.sglang_loader import PUSH
 from megatron_dapo.rollout.sglang_loader import SHAPE_SUFFIX
 from megatron_dapo.rollout.sglang_loader import UntraceableLoad
+from megatron_dapo.rollout.sglang_loader import body_bytes
 from megatron_dapo.rollout.sglang_loader import load_weights
 from megatron_dapo.rollout.sglang_loader import request_body
 from megatron_dapo.rollout.sglang_loader import trace_placements
@@ -87,9 +88,9 @@ def test_deltas_through_the_loader_equal_a_full_load_on_each_rank(rank):
     w0, w1 = _weights(0), _weights(1)
     w1["k"] = w0["k"].clone()  # an unchanged tensor: an empty delta
     live, want = Merged(rank), Merged(rank)
-    load_weights(live, [(PUSH, torch.tensor([0, -1, 1])), *w0.items()])  # full tensors through the loader
+    load_weights(live, [(PUSH, torch.tensor([0, -1, 1, 0])), *w0.items()])  # full tensors through the loader
     emb_before = live.emb.clone()
-    load_weights(live, [(PUSH, torch.tensor([1, 0, 1])), *_delta_entries(w0, w1, 1, 0)])
+    load_weights(live, [(PUSH, torch.tensor([1, 0, 1, 0])), *_delta_entries(w0, w1, 1, 0)])
     want.load_weights(list(w1.items()))
     for (n, p), q in zip(live.named_parameters(), want.parameters()):
         assert torch.equal(p, q), n
@@ -116,45 +117,52 @@ def test_a_delta_against_a_version_the_rank_does_not_hold_is_refused_and_writes_
     w0, w1 = _weights(0), _weights(1)
     live = Merged()
     with pytest.raises(ValueError, match=r"push 1 is a delta against version 0 but this server holds no version"):
-        load_weights(live, [(PUSH, torch.tensor([1, 0, 1])), *_delta_entries(w0, w1, 1, 0)])
-    load_weights(live, [(PUSH, torch.tensor([0, -1, 0])), *w0.items()])  # a push that never ended
+        load_weights(live, [(PUSH, torch.tensor([1, 0, 1, 0])), *_delta_entries(w0, w1, 1, 0)])
+    load_weights(live, [(PUSH, torch.tensor([0, -1, 0, 0])), *w0.items()])  # a push that never ended
     snapshot = [p.clone() for p in live.parameters()]
     with pytest.raises(ValueError, match=r"push 1 is a delta against version 0 but this server holds no version"):
-        load_weights(live, [(PUSH, torch.tensor([1, 0, 1])), *_delta_entries(w0, w1, 1, 0)])
+        load_weights(live, [(PUSH, torch.tensor([1, 0, 1, 0])), *_delta_entries(w0, w1, 1, 0)])
     assert all(torch.equal(p, s) for p, s in zip(live.parameters(), snapshot))
     with pytest.raises(ValueError, match=f"does not start with {PUSH}"):
         load_weights(live, list(w0.items()))
 
 
-def test_request_body_pickles_each_tensor_by_value_once_per_tp_rank():
+def test_request_body_pickles_the_tensors_by_value_once_for_tp_rank_0():
+    """TP rank 0's payload holds the entries (rank 0 broadcasts them to the others over SGLang's TP group: the check
+    against SGLang's own model at TP 2 below runs that); the other ranks' hold the PUSH entry alone."""
     big = torch.arange(1000, dtype=torch.float32)
     body = request_body([("w", big[10:14])], version=3, base=2, end=True, server_tp=2)
     assert body["load_format"] == LOADER and len(body["serialized_named_tensors"]) == 2
-    raw = base64.b64decode(body["serialized_named_tensors"][1])
-    assert len(raw) < 2000  # the view's 4 elements, not its 1000-element base
-    (push_name, push), (name, t) = pickle.loads(raw)
-    assert (push_name, push.tolist(), name, t.tolist()) == (PUSH, [3, 2, 1], "w", [10.0, 11.0, 12.0, 13.0])
+    leader, other = (pickle.loads(base64.b64decode(b)) for b in body["serialized_named_tensors"])
+    assert len(base64.b64decode(body["serialized_named_tensors"][0])) < 2000  # the view's 4 elements, not its base
+    (push_name, push), (name, t) = leader
+    assert (push_name, push.tolist(), name, t.tolist()) == (PUSH, [3, 2, 1, 1], "w", [10.0, 11.0, 12.0, 13.0])
+    assert [(n, p.tolist()) for n, p in other] == [(PUSH, [3, 2, 1, 1])]
+    blobs = [b.decode() for b in body["serialized_named_tensors"]]
+    assert json.loads(body_bytes(body)) == {**body, "serialized_named_tensors": blobs}
+    assert json.loads(body_bytes({"serialized_named_tensors": [b"QQ=="]})) == {"serialized_named_tensors": ["QQ=="]}
+    alone = request_body([("w", big[:2])], version=3, base=2, end=False, server_tp=1)
+    assert pickle.loads(base64.b64decode(alone["serialized_named_tensors"][0]))[0][1].tolist() == [3, 2, 0, 0]
 
 
-def _run_check(cmd: list[str]) -> list[dict]:
+def _run_check(cmd: list[str], out: Path) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SGLANG_CPU), str(CHECK.parent / "stubs"), str(REPO)])}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return lines
+    done = subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
 @pytest.mark.skipif(not SGLANG_CPU.is_dir(), reason=f"{SGLANG_CPU} missing: bash tools/sglang_cpu/setup_sglang_cpu.sh")
 @pytest.mark.parametrize("tp", [1, 2])
-def test_deltas_into_sglangs_own_qwen2_equal_its_full_load(tp):
+def test_deltas_into_sglangs_own_qwen2_equal_its_full_load(tp, tmp_path):
     if tp == 1:
         cmd = [sys.executable, str(CHECK), "--tied"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(CHECK)]  # fmt: skip
-    reports = _run_check(cmd)
+    reports = _run_check(cmd, tmp_path)
     assert sorted(r["rank"] for r in reports) == list(range(tp))
     for r in reports:
         assert r["tp"] == tp and r["steps"] == 3 and r["equal"] is True

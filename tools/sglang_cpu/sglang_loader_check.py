@@ -9,7 +9,8 @@ WeightUpdater.update_weights_from_tensor(load_format=LOADER) with LOADER as a cu
 version in full through SGLang's load_weights; every parameter of `live` must equal it bit for bit. Then a delta
 against a version the rank does not hold must be refused, leaving the weights as they were.
 
-Prints one JSON line per rank: {"rank", "tp", "steps", "changed_fraction", "equal", "refused", "placements"}.
+Writes one JSON file per rank, OUT/rank{r}.json (--out; ranks printing at once would interleave their lines):
+{"rank", "tp", "steps", "changed_fraction", "equal", "refused", "unchanged_after_refusal", "placements"}.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import base64
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--fraction", type=float, default=0.15, help="elements changed per step")
+    ap.add_argument("--out", default=".", help="folder for the per-rank reports")
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -114,9 +117,10 @@ def main() -> None:
     except ValueError as err:
         refused = str(err)
     unchanged = all(torch.equal(p, before[n]) for n, p in live.named_parameters())
-    print(json.dumps({"rank": rank, "tp": world, "steps": args.steps, "changed_fraction": fractions, "equal": equal,
-                      "refused": refused, "unchanged_after_refusal": unchanged,
-                      "placements": {n: len(p) for n, p in _state(live).placements.items()}}), flush=True)  # fmt: skip
+    report = {"rank": rank, "tp": world, "steps": args.steps, "changed_fraction": fractions, "equal": equal,
+              "refused": refused, "unchanged_after_refusal": unchanged,
+              "placements": {n: len(p) for n, p in _state(live).placements.items()}}  # fmt: skip
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(report))
 
 
 def _one_delta(t: torch.Tensor, version: int):
