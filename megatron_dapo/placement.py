@@ -215,11 +215,7 @@ class WeightChannel:
                 raise _transfer_error(version, err) from None
             raise
         self.version = version
-        metrics = _push_metrics(total, buckets, tensors)
-        if encoder is not None:
-            encoder.version = version
-            metrics["weight_sync/changed_fraction"] = encoder.pop_fraction()
-        return metrics
+        return _push_metrics(total, buckets, tensors, encoder, version)
 
     def _await_joins(self, version: int, poll: Callable[[], None] | None, timeout_s: float) -> None:
         """Wait on the store until every engine rank has joined push `version` (poll() between looks)."""
@@ -439,14 +435,16 @@ class DirectChannel(WeightChannel):
 
 
 def _encoded(
-    encoder: DeltaEncoder | None, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-) -> tuple[int | None, Iterable[tuple[str, torch.Tensor]]]:
+    encoder: DeltaEncoder | None, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, plain: bool = True
+) -> tuple[int | None, Iterable[tuple[str, Any]]]:
     """(the base version the push is a delta against, or None; the pairs as they go on the wire): with an encoder,
-    each tensor as its changed elements against the previous push (as_plain_tensors), lazily."""
+    each tensor as its changed elements against the previous push, lazily: as plain pairs (as_plain_tensors), or
+    the WeightDelta entries themselves (plain False)."""
     if encoder is None:
         return None, named_tensors
     encoder.start()
-    return encoder.version, as_plain_tensors((n, encoder.encode(n, t, version)) for n, t in named_tensors)
+    entries = ((n, encoder.encode(n, t, version)) for n, t in named_tensors)
+    return encoder.version, as_plain_tensors(entries) if plain else entries
 
 
 class _Wire:
@@ -532,10 +530,17 @@ def _check_next_version(who: str, version: int, last: int | None) -> None:
         raise ValueError(f"{who}: version {version} after {last}; versions must increase")
 
 
-def _push_metrics(total_bytes: int, buckets: int, tensors: int) -> dict[str, float]:
-    """The metrics of one push (WeightChannel's and ServerPush's)."""
-    return {"weight_sync/bytes": float(total_bytes), "weight_sync/num_buckets": float(buckets),
-            "weight_sync/num_tensors": float(tensors)}  # fmt: skip
+def _push_metrics(
+    total_bytes: int, buckets: int, tensors: int, encoder: DeltaEncoder | None = None, version: int = 0
+) -> dict[str, float]:
+    """The metrics of one completed push (WeightChannel's and ServerPush's); with an encoder the push becomes the base
+    of the next one's deltas, and its changed fraction is added."""
+    metrics = {"weight_sync/bytes": float(total_bytes), "weight_sync/num_buckets": float(buckets),
+               "weight_sync/num_tensors": float(tensors)}  # fmt: skip
+    if encoder is not None:
+        encoder.version = version
+        metrics["weight_sync/changed_fraction"] = encoder.pop_fraction()
+    return metrics
 
 
 class StagedReceiver:
@@ -628,9 +633,7 @@ class ServerPush:
         WeightDelta entries go to the servers as they are (SGLangServerEngine.update_weights)."""
         _check_next_version("ServerPush.push", version, self.version)
         total = buckets = tensors = 0
-        if encoder is not None:
-            encoder.start()
-            named_tensors = ((n, encoder.encode(n, t, version)) for n, t in named_tensors)
+        _, named_tensors = _encoded(encoder, named_tensors, version, plain=False)
         try:
             with self.updater.paused_update(version):
                 self.updater.begin_weight_update()
@@ -645,11 +648,7 @@ class ServerPush:
             raise
         self.store.set("loaded", str(version))
         self.version = version
-        metrics = _push_metrics(total, buckets, tensors)
-        if encoder is not None:
-            encoder.version = version
-            metrics["weight_sync/changed_fraction"] = encoder.pop_fraction()
-        return metrics
+        return _push_metrics(total, buckets, tensors, encoder, version)
 
     def close(self) -> None:
         """The run is over: the servers' weight-update group is destroyed on both sides (the servers keep running)."""
