@@ -466,7 +466,7 @@ class RolloutConfig:
         if self.weight_sync_delta:
             # FP8 payloads: the engine holds dequantized weights, so the FP8 base a delta applies to exists only on a
             # split launch's engine rank (its DeltaDecoder keeps the last push and hands the engine full tensors).
-            # SGLang servers take full tensors; the engine ranks relaying to them decode (the "direct" route).
+            # SGLang servers apply deltas with their loader, or the engine ranks relaying to them decode them.
             fp8_ok = self.weight_dtype == "auto" or self.engine_ranks > 0
             _check(
                 self.mode in kind.delta_modes and fp8_ok,

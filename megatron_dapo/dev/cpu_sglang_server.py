@@ -13,7 +13,8 @@ the tokens from then on), /begin_weight_update, /end_weight_update, /flush_cache
 /pause_generation (no row advances until /continue_generation; requests keep their tokens, as retract does),
 /update_weights_from_tensor with a load_format listed in --custom-weight-loader (imported and called as
 `loader(model, named_tensors)`, `model.load_weights` copying HF-named tensors into the parameters; an exception there
-ends the server, as SGLang's scheduler does; /get_server_info lists the loaders).
+ends the server, as SGLang's scheduler does; /get_server_info lists the loaders; a call that carries tensors prints
+`loader call: N tensors`).
 With --dump-dir DIR each /end_weight_update writes the engine's weights to DIR/v{weight_version}.pt.
 
 A continued (partial) request arrives as prompt + its tokens with max_new_tokens = cap - their number, as SGLang

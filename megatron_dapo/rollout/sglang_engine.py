@@ -592,8 +592,8 @@ class SGLangServerEngine(ServerStream):
             self._broadcast(full)
 
     def _post_changed(self, changed: list[tuple[str, WeightDelta]]) -> None:
-        """One /update_weights_from_tensor call per server carrying these deltas to its loader (every TP rank gets the
-        same payload and keeps what it holds)."""
+        """One /update_weights_from_tensor call per server carrying these deltas, with each tensor's shape (the
+        loader traces where a name's elements land the first time), to its loader."""
         from megatron_dapo.rollout.delta import as_plain_tensors
         from megatron_dapo.rollout.sglang_loader import SHAPE_SUFFIX
 
