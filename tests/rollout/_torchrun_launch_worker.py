@@ -113,7 +113,7 @@ def server_group_check() -> dict:
     expected = [1.5, -2.0, 3.25]
     procs = []
 
-    def fake_post(url: str, route: str, body: dict | None = None):
+    def fake_post(url: str, route: str, body: dict | None = None, data: bytes | None = None):
         if route == "/init_weights_update_group":
             # Not scrubbed: this runs on an HTTP thread beside the main thread's rendezvous, and os.environ is
             # process-wide. The receiver is a store client (rank >= 1) whatever its environment says.
