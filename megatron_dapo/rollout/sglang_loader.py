@@ -129,7 +129,9 @@ class _Trace(TorchFunctionMode):
         if fname == "copy_":
             self._record(owners, target, args[1])
             return target
-        if fname in ("fill_", "zero_"):  # a constant (padding): the same in every load
+        # A constant (padding): the same in every load. SGLang's default loader also fills a one-element parameter
+        # from the tensor's value, but such a tensor never goes as a delta (its index would outweigh it).
+        if fname in ("fill_", "zero_"):
             return target
         if (fname.endswith("_") and not fname.startswith("__")) or fname == "__set__":
             raise UntraceableLoad(f"sglang loader: {self.name}: written by {fname}, not a copy")
