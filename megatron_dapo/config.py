@@ -435,6 +435,10 @@ class RolloutConfig:
     SGLang loads; embeddings, norms and lm_head stay as they are). Engines "transformers" and colocated "sglang"."""
 
     @property
+    def weight_sync_bucket_bytes(self) -> int:
+        return self.weight_sync_bucket_mb * 2**20
+
+    @property
     def direct_weight_sync(self) -> bool:
         """A split launch's weights go by direct resharding (weight_sync_route, "auto" resolved)."""
         route = self.weight_sync_route

@@ -46,7 +46,8 @@ class EngineRank:
     constructor takes the parts (tests give it a fake engine and receiver).
 
     config: the RunConfig. ctx: RolloutContext over the engine ranks. engine: this rank's engine (or the SGLang
-    servers it drives). receiver: placement.StagedReceiver (or ServerVersions): `apply(engine)`, `loaded`,
+    servers it drives). receiver: placement.StagedReceiver (RelayReceiver with SGLang servers on the direct route,
+    ServerVersions on the rank-0 route): `apply(engine)`, `loaded`,
     `received_s`, `loaded_s`, `close()`. mailbox / beat: placement.Mailbox and launch_watch on the launch's store.
     preempt: this rank's PreemptionFlag (`flag`). rows: engine rank 0's row_channel.RowServer, or None.
     """
@@ -72,6 +73,7 @@ class EngineRank:
     def launch(cls, config: RunConfig, placement: Any, store: Any) -> EngineRank:
         """On an engine rank of a split launch: data, verifier, sampler, its engine (the embedded one, or its share of
         rollout.server_urls), the weight receiver, the stream over the engine ranks (their own default group)."""
+        from megatron_dapo.placement import RelayReceiver
         from megatron_dapo.placement import StagedReceiver
         from megatron_dapo.placement import launch_watch
         from megatron_dapo.rollout import make_engine
@@ -91,7 +93,7 @@ class EngineRank:
             from megatron_dapo.rollout.factory import server_stream
 
             urls = c.rollout.server_urls[rank::world]
-            # The direct route: this rank relays the rebuilt tensors to its servers (it pushes their update group).
+            # The direct route: this rank streams the rebuilt tensors into its servers (it pushes their update group).
             group: dict[str, Any] = {}
             if c.rollout.direct_weight_sync:
                 group = relay_group(c.rollout, urls, rank, placement.world_size, local_rank(placement.rank))
@@ -107,6 +109,8 @@ class EngineRank:
             from megatron_dapo.placement import ServerVersions
 
             receiver: Any = ServerVersions(store)
+        elif c.rollout.mode == "server":  # the direct route: this rank streams each push into its servers
+            receiver = RelayReceiver(_weight_channel(c, placement, store), engine, c.rollout.weight_sync_bucket_bytes)
         else:
             receiver = StagedReceiver(_weight_channel(c, placement, store))
         rows = None
@@ -264,19 +268,22 @@ def relay_group(rollout: Any, urls: list[str], engine_rank: int, world_size: int
     it drives (rollout.weight_sync_route "direct" in mode "server"): it hosts the group's store on its own host, at
     the address the servers route to (detected: rollout.weight_sync_master_address names actor rank 0's host, the
     rank-0 route's pusher) and port rollout.weight_sync_master_port + engine_rank (engine ranks may share a host).
-    With GPUs the group is NCCL and this rank sends from GPU `gpu` (its local rank): one bucket at a time
-    (rollout.weight_sync_bucket_mb), beside whatever server shares that GPU."""
+    With GPUs the group is NCCL and this rank sends from GPU `gpu` (its local rank; the receiving thread that
+    streams the push, placement.RelayReceiver, names it): one bucket at a time (rollout.weight_sync_bucket_mb),
+    beside whatever server shares that GPU."""
     import torch
 
     from megatron_dapo.launch_env import num_nodes
     from megatron_dapo.launch_env import weight_sync_master_address
 
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.set_device(gpu % torch.cuda.device_count())
     return {
         "master_address": weight_sync_master_address("", urls, num_nodes(world_size)),
         "master_port": rollout.weight_sync_master_port + engine_rank,
-        "backend": "nccl" if torch.cuda.is_available() else "gloo",
+        "backend": "nccl" if cuda else "gloo",
+        "gpu": gpu % torch.cuda.device_count() if cuda else None,
     }
 
 

@@ -273,7 +273,7 @@ class LocalGeneration(_StepInFlight):
         target = weight_update_target(c.rollout, self.engine, ctx.rank, ctx.world)
         r = c.rollout
         self.weight_sync = WeightSync(
-            target, bucket_bytes=r.weight_sync_bucket_mb * 2**20, weight_dtype=r.weight_dtype,
+            target, bucket_bytes=r.weight_sync_bucket_bytes, weight_dtype=r.weight_dtype,
             delta=r.weight_sync_delta, full_every=r.weight_sync_full_every,
         )  # fmt: skip
 
@@ -520,7 +520,7 @@ class RemoteGeneration(_StepInFlight):
         if direct:
             extra["gather"] = lambda x: self.ctx.exchange.all_gather([x], f"the weight push of step {version}")
         try:
-            metrics = self.channel.push(version, named, c.rollout.weight_sync_bucket_mb * 2**20, **extra)
+            metrics = self.channel.push(version, named, c.rollout.weight_sync_bucket_bytes, **extra)
         except PushAbandoned:  # rank 0's (the rank-0 route), every rank's (direct)
             if not direct:
                 for _ in exported:  # the other actor ranks walk the export's collectives to its end

@@ -12,9 +12,9 @@
                      polling the peers' liveness and the preemption flag -> broadcast the buckets (header, payload),
                      then an end marker
       engine ranks:  a thread (StagedReceiver) joins each announced push (posting joined/<rank> = version) and holds
-                     its buckets; the main thread
-                     loads them between engine steps (apply); requests in flight go on and stamp later tokens with
-                     the new version
+                     its buckets; the main thread loads them between engine steps (apply); requests in flight go on
+                     and stamp later tokens with the new version. An engine rank relaying to SGLang servers
+                     (RelayReceiver) streams each push into them on that thread instead, holding a few buckets
     messages (Mailbox, wire.py's data-only encoding on the store): "start" (actor -> engines: step, data position,
       carry), "gen/<s>" (engine rank 0 -> actor ranks: StepGeneration, without the rows: row_channel.py sends each
       actor rank its own), "eval/<version>/<engine rank>" (scores), "stop" (actor -> engines); launch_watch: every
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -278,8 +280,9 @@ class DirectChannel(WeightChannel):
     plan gives it (actor/reshard.py) straight to every engine rank, each on a gloo group of its own (the actor rank
     and the engine ranks), all at once; no actor rank gathers or holds more than its own shards and one bucket. The
     announcement and the joins on the store are WeightChannel's; actor rank 0 waits for the joins and tells the other
-    actor ranks (`gather`, an all-gather over the actor ranks) to send or not. An engine rank receives from every
-    sender on a thread each and rebuilds the full HF tensors (reshard.Assembler), bit for bit the rank-0 export's.
+    actor ranks (`gather`, an all-gather over the actor ranks) to send or not. An engine rank receives a bucket from
+    each sender in turn and rebuilds each full HF tensor once its pieces are in (reshard.Assembler), bit for bit the
+    rank-0 export's: all of them at once (receive_buckets) or as they complete (stream).
 
     Build it on every rank of the split launch: actor ranks with hf_config None, engine ranks with the model's HF
     config and the actor's TP size. delta: each sender keeps a DeltaEncoder of its own pieces and each engine rank a
@@ -377,61 +380,113 @@ class DirectChannel(WeightChannel):
 
     # ----------------------------------------------------------------------------------------------- engine ranks
     def receive_buckets(self) -> tuple[int, list[list[tuple[str, torch.Tensor]]]]:
-        """Join the announced push and receive every sender's pieces (a thread per sender); returns (version, one
-        bucket of the rebuilt full HF tensors, export order)."""
+        """Join the announced push and receive every sender's pieces; returns (version, one bucket of the rebuilt
+        full HF tensors, export order). The whole model is held: the embedded engine loads between engine steps."""
         from megatron_dapo.actor.reshard import Assembler
 
+        version = self._join()
+        assembler = Assembler(self.hf_config, self.actor_tp)
+        full = sorted(self._rebuilt(version, assembler), key=lambda pair: assembler.order[pair[0]])
+        return version, [list(self._quantized(full))]
+
+    def stream(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+        """Join the announced push; returns (version, its rebuilt full HF tensors, each as soon as its last piece is
+        in). Held meanwhile: the pieces of parameters not yet complete and RECEIVE_AHEAD buckets' worth of rebuilt
+        tensors, not the model: the receiving thread waits while the consumer is behind, and the senders wait on it
+        (the relay to SGLang servers, RelayReceiver). Closing the iterator early lets every sender finish unread."""
+        from megatron_dapo.actor.reshard import Assembler
+
+        version = self._join()
+        return version, self._quantized(self._rebuilt(version, Assembler(self.hf_config, self.actor_tp)))
+
+    def _join(self) -> int:
         version = self.pending()
         if version is None:
-            raise RuntimeError("DirectChannel.receive_buckets: no push was announced")
+            raise RuntimeError("DirectChannel: no push was announced")
         self.store.set(f"joined/{self.placement.channel_rank}", str(version))  # the actor ranks' push waits for this
-        assembler, lock = Assembler(self.hf_config, self.actor_tp), threading.Lock()
-        errors: list[BaseException] = []
+        return version
 
-        def take(sender: int) -> None:
-            try:
-                wire_ = self.wires[sender]
-                (sent_version, base), _ = wire_.recv_header()
-                if sent_version != version:
-                    raise JobError(f"weight push: actor rank {sender} sent version {sent_version} while version "
-                                   f"{version} was announced")  # fmt: skip
-                decoder = self.decoders[sender] if self.decoders is not None else None
-                if decoder is not None:
+    def _quantized(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        if not self.fp8:
+            return tensors
+        from megatron_dapo.rollout.fp8 import quantize_named_tensors
+
+        return quantize_named_tensors(tensors)
+
+    def _rebuilt(self, version: int, assembler: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """Push `version`'s full HF tensors, rebuilt by a receiving thread that takes one bucket from each sender in
+        turn (every engine rank in the same order: the senders' groups cannot deadlock whatever their buffering)
+        and hands what each bucket completed over a queue of RECEIVE_AHEAD."""
+        handoff: queue.Queue = queue.Queue(maxsize=RECEIVE_AHEAD)
+        stop = threading.Event()
+
+        def hand(item: tuple[str, Any]) -> None:
+            while not stop.is_set():
+                with contextlib.suppress(queue.Full):
+                    return handoff.put(item, timeout=POLL_S)
+
+        def receive() -> None:
+            error: BaseException | None = None  # the first; the failing sender's stream is left unread (its push
+            decoders, streams = {}, {}  # fails), the others are drained, so they finish theirs
+            for a, wire_ in enumerate(self.wires):
+                try:
+                    decoders[a], streams[a] = self._open(a, version, wire_), wire_.receive()
+                except BaseException as err:
+                    error = error or err
+            while streams:
+                for a in list(streams):
                     try:
-                        decoder.begin(version, base)
-                    except ValueError as err:
-                        raise JobError(f"{err} (actor rank {sender}'s shards)") from None
-                elif base is not None:
-                    raise JobError(
-                        f"weight push of version {version}: actor rank {sender} sent a delta against "
-                        f"version {base} but this engine rank keeps no base (rollout.weight_sync_delta)"
-                    )
-                for bucket in wire_.receive():
-                    with lock:
-                        for name, tensor in decoder.decode(bucket) if decoder is not None else bucket:
-                            assembler.add(name, tensor)
-                if decoder is not None:
-                    decoder.end()
-            except BaseException as err:  # raised on the receiving thread below
-                errors.append(err)
+                        bucket = next(streams[a], None)
+                        if bucket is None:
+                            del streams[a]
+                            if decoders[a] is not None and error is None and not stop.is_set():
+                                decoders[a].end()
+                        elif error is None and not stop.is_set():  # else drained
+                            decoded = decoders[a].decode(bucket) if decoders[a] is not None else bucket
+                            hand(("tensors", [pair for n, t in decoded for pair in assembler.add(n, t)]))
+                    except BaseException as err:
+                        error = error or err
+                        del streams[a]
+            hand(("end", None) if error is None else ("error", error))
 
-        threads = [threading.Thread(target=take, args=(a,), name=f"direct-{a}") for a in range(len(self.wires))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        thread = threading.Thread(target=receive, name="direct-receive", daemon=True)
+        thread.start()
         try:
-            if errors:
-                raise errors[0]
-            full = list(assembler.full_tensors())
+            while (item := handoff.get())[0] == "tensors":
+                yield from item[1]
+            if item[0] == "error":
+                raise item[1]
+            assembler.finish()
         except ValueError as err:
             raise JobError(str(err)) from None
-        if self.fp8:
-            from megatron_dapo.rollout.fp8 import quantize_named_tensors
-
-            full = list(quantize_named_tensors(full))
+        finally:
+            stop.set()
+            thread.join()
         self.version = version
-        return version, [full]
+
+    def _open(self, sender: int, version: int, wire_: _Wire) -> DeltaDecoder | None:
+        """Read a sender's header: its version and delta base, checked (JobError); the sender's decoder, begun."""
+        (sent_version, base), _ = wire_.recv_header()
+        if sent_version != version:
+            raise JobError(f"weight push: actor rank {sender} sent version {sent_version} while version "
+                           f"{version} was announced")  # fmt: skip
+        decoder = self.decoders[sender] if self.decoders is not None else None
+        if decoder is not None:
+            try:
+                decoder.begin(version, base)
+            except ValueError as err:
+                raise JobError(f"{err} (actor rank {sender}'s shards)") from None
+        elif base is not None:
+            raise JobError(
+                f"weight push of version {version}: actor rank {sender} sent a delta against "
+                f"version {base} but this engine rank keeps no base (rollout.weight_sync_delta)"
+            )
+        return decoder
+
+
+RECEIVE_AHEAD = 2
+"""Buckets' worth of rebuilt tensors a direct push's receiving thread may hold for its consumer (DirectChannel.stream):
+what an engine rank holds is then bounded by a bucket per sender, these, and the parameters not yet complete."""
 
 
 def _encoded(
@@ -513,15 +568,11 @@ def _transfer_error(version: int, err: BaseException) -> JobError:
 
 
 def load_buckets(engine: Any, version: int, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
-    """One full weight update of `engine` from received buckets; its tokens from now on carry `version`. SGLang
-    servers (the direct route's relay) have requests in flight between two engine steps: their update runs inside
-    SGLangServerEngine.paused_update (pause, update stamped with `version`, flush, continue), as ServerPush's does."""
-    paused = getattr(engine, "paused_update", None)
-    with paused(version) if paused is not None else contextlib.nullcontext():
-        engine.begin_weight_update()
-        for bucket in buckets:
-            engine.update_weights(bucket)
-        engine.end_weight_update(full=True)
+    """One full weight update of `engine` from received buckets; its tokens from now on carry `version`."""
+    engine.begin_weight_update()
+    for bucket in buckets:
+        engine.update_weights(bucket)
+    engine.end_weight_update(full=True)
     engine.weight_version = version
 
 
@@ -573,7 +624,7 @@ class StagedReceiver:
                     time.sleep(POLL_S)
                     continue
                 start = time.perf_counter()
-                staged = self.channel.receive_buckets()
+                staged = self._receive()
                 self.received_s += time.perf_counter() - start
                 self._applied.clear()
                 self._staged = staged
@@ -583,6 +634,16 @@ class StagedReceiver:
         except BaseException as err:  # surfaced on the main thread by apply()
             self._error = err
 
+    def _receive(self) -> tuple[int, Any]:
+        """On the thread: join the announced push; (its version, what `_load` needs)."""
+        return self.channel.receive_buckets()
+
+    def _load(self, engine: Any, staged: tuple[int, Any]) -> None:
+        """On the main thread, between engine steps: load what `_receive` staged into `engine`."""
+        start = time.perf_counter()
+        load_buckets(engine, *staged)
+        self.loaded_s += time.perf_counter() - start
+
     def apply(self, engine: Any) -> int | None:
         """Load the staged weights into `engine` (main thread, between engine steps); returns their version, or
         None when nothing is staged."""
@@ -591,9 +652,7 @@ class StagedReceiver:
         staged, self._staged = self._staged, None
         if staged is None:
             return None
-        start = time.perf_counter()
-        load_buckets(engine, *staged)
-        self.loaded_s += time.perf_counter() - start
+        self._load(engine, staged)
         self.loaded = staged[0]
         self._applied.set()
         return self.loaded
@@ -607,6 +666,45 @@ class StagedReceiver:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(JOIN_S)
         atexit.unregister(self.close)
+
+
+class RelayReceiver(StagedReceiver):
+    """An engine rank's end of the direct route into the SGLang servers it drives (rollout.weight_sync_route
+    "direct", mode "server"): its thread streams each push into them as the pieces arrive (relay_push) while the main
+    thread generates, so no rank holds the model (the pieces of parameters not yet complete and a few buckets:
+    DirectChannel.stream); `apply` takes the version it loaded (the staleness bound, evaluation). The next push
+    waits for that, as StagedReceiver's. loaded_s: seconds the servers were paused for the updates."""
+
+    def __init__(self, channel: DirectChannel, engine: Any, bucket_bytes: int) -> None:
+        self.engine, self.bucket_bytes = engine, bucket_bytes
+        super().__init__(channel)
+
+    def _receive(self) -> tuple[int, Any]:
+        version, paused = relay_push(self.channel, self.engine, self.bucket_bytes)
+        self.loaded_s += paused
+        return version, None
+
+    def _load(self, engine: Any, staged: tuple[int, Any]) -> None:
+        """Loaded already, on the thread."""
+
+
+def relay_push(channel: DirectChannel, engine: Any, bucket_bytes: int) -> tuple[int, float]:
+    """Join the announced direct push and stream it into SGLang servers (`engine`, a SGLangServerEngine whose weight
+    update group this rank leads) in buckets of bucket_bytes as its tensors are rebuilt: the servers pause when the
+    first one is ready and continue after the flush (paused_update: requests in flight wait, then go on stamped with
+    the new version). Returns (version, seconds the servers were paused). A failure in between leaves the servers
+    continued on a mix of the two versions and raises: the engine rank ends the job (retryable), whose restart
+    pushes in full."""
+    version, tensors = channel.stream()
+    with contextlib.closing(iter(tensors)) as rebuilt:
+        first = next(rebuilt)  # the servers pause once there is something to load
+        start = time.perf_counter()
+        with engine.paused_update(version):
+            engine.begin_weight_update()
+            for bucket in bucket_named_tensors(itertools.chain([first], rebuilt), bucket_bytes):
+                engine.update_weights(bucket)
+            engine.end_weight_update(full=True)
+    return version, time.perf_counter() - start
 
 
 class ServerPush:

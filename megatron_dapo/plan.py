@@ -756,7 +756,7 @@ def _stage_phases(s: _Setup, st: _Stage) -> list[Phase]:
             terms.append(Term(f"LM head ({act.logprob_impl})", _gib(lm), formula))
     buckets = Term(
         "sync buffers",
-        _gib(2 * ro.weight_sync_bucket_mb * 2**20),
+        _gib(2 * ro.weight_sync_bucket_bytes),
         f"2 x bucket {ro.weight_sync_bucket_mb} MiB (gathered + flattened)",
     )
     out = [
@@ -936,8 +936,8 @@ class SyncLayout:
     sends every bucket), "direct" (every actor rank sends its own slices to the engine GPUs that hold them, no
     gather; built for a split launch's embedded engine ranks, rollout.weight_sync_route; into SGLang it would need a
     server that takes shards) or "relay" (what rollout.weight_sync_route "direct" runs into SGLang servers: the
-    direct route to one engine rank per server node, which rebuilds the HF tensors in host memory and broadcasts
-    them to its node's servers over NVLink; split placements only).
+    direct route to one engine rank per server node, which streams the HF tensors it rebuilds to its node's servers
+    over NVLink as they complete; split placements only).
     delta: rollout.weight_sync_delta's changed elements only (the sender compares the export with its host copy);
     fp8: rollout.weight_dtype fp8.
     """
@@ -991,14 +991,19 @@ def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, 
             raise ValueError('SyncLayout.transport: "relay" is for engines on GPUs of their own (split, server)')
         actor_gpus, relays = s.tp * s.pp * s.dp, max(s.engine_gpus // s.gpus_per_node, 1)
         per_relay, per_actor_gpu = sent, sent * relays / actor_gpus
-        terms["transfer"] = max(per_relay, per_actor_gpu) / (a.internode_gbps * 1e9)
+        transfer = max(per_relay, per_actor_gpu) / (a.internode_gbps * 1e9)
         terms["host to gpu"] = size / (a.offload_gbps * 1e9)  # the rebuilt tensors, bucket by bucket
         terms["load"] = size / (a.nvlink_gbps * 1e9)  # the relay's broadcast to its node's servers: always full
         buckets = math.ceil(size / (s.bucket_mb * 2**20))
+        # Streamed (placement.RelayReceiver): the transfer overlaps the relay's own serial chain (host to GPU, the
+        # broadcast, the servers' per-bucket cost); only what it takes beyond that chain, and its first bucket, add.
+        chain = terms["host to gpu"] + terms["load"] + buckets * a.bucket_overhead_s
+        terms["transfer"] = max(transfer - chain, 0.0) + transfer / max(buckets, 1)
         formula = (
-            f"S {size / 1e9:.1f} GB{dtype}, relay: max(S' {per_relay / 1e9:.1f} GB per relay rank, S' x {relays} "
-            f"relays / {actor_gpus} actor GPUs {per_actor_gpu / 1e9:.1f} GB) / {a.internode_gbps:g} + host to GPU S/"
-            f"{a.offload_gbps:g} + broadcast S/{a.nvlink_gbps:g}"
+            f"S {size / 1e9:.1f} GB{dtype}, relay, streamed: max(transfer T = max(S' {per_relay / 1e9:.1f} GB per "
+            f"relay rank, S' x {relays} relays / {actor_gpus} actor GPUs {per_actor_gpu / 1e9:.1f} GB) / "
+            f"{a.internode_gbps:g}, chain = host to GPU S/{a.offload_gbps:g} + broadcast S/{a.nvlink_gbps:g} + "
+            f"buckets) + T / buckets (the first)"
         )
         compare = own_slices if s.delta else 0.0
     else:

@@ -16,6 +16,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_dapo.algorithms import DynamicSampler
@@ -25,6 +26,7 @@ from megatron_dapo.generation import RolloutContext
 from megatron_dapo.placement import Mailbox
 from megatron_dapo.placement import StepGeneration
 from megatron_dapo.placement import load_buckets
+from megatron_dapo.placement import relay_push
 from megatron_dapo.rollout import FinishReason
 from megatron_dapo.rollout.base import request_result
 from tests.rollout.test_stream import FakeEngine
@@ -225,11 +227,11 @@ def test_serve_keeps_every_token_within_the_staleness_bound_under_random_latenci
 
 
 class _PausingServers:
-    """SGLangServerEngine's update surface as the relay drives it (placement.load_buckets): a pause around the update,
-    the version stamped at its end, a failure in the `fail_at`-th bucket."""
+    """SGLangServerEngine's update surface as the relay drives it (placement.relay_push): a pause around the update,
+    the version stamped at its end, a failure in the `fail_at`-th bucket; `calls` is shared with the stream's log."""
 
-    def __init__(self, fail_at: int | None = None) -> None:
-        self.calls: list[str] = []
+    def __init__(self, calls: list[str], fail_at: int | None = None) -> None:
+        self.calls, self.buckets = calls, []
         self.weight_version, self.fail_at = 0, fail_at
 
     def paused_update(self, version: int):
@@ -250,24 +252,49 @@ class _PausingServers:
         self.calls.append("begin")
 
     def update_weights(self, bucket) -> None:
-        if len([c for c in self.calls if c == "bucket"]) == self.fail_at:
+        if len(self.buckets) == self.fail_at:
             raise RuntimeError("sglang server http://x/update_weights_from_distributed: HTTP 500")
         self.calls.append("bucket")
+        self.buckets.append([name for name, _ in bucket])
 
     def end_weight_update(self, *, full: bool = True) -> None:
         self.calls.append("end")
 
 
-def test_the_relay_loads_servers_under_a_pause_and_a_failed_one_keeps_the_old_version():
-    """The direct route's relay into SGLang servers (placement.load_buckets with an engine that has paused_update):
-    the update runs inside the pause and stamps its version; a bucket the server refuses continues the servers, raises,
-    and leaves the version where it was (StagedReceiver.apply sets `loaded` only once load_buckets returns): the job
-    ends, and the next push after the restart is full (a fresh DeltaDecoder holds no base)."""
-    servers = _PausingServers()
-    load_buckets(servers, 3, [["a"], ["b"]])
-    assert servers.calls == ["pause", "begin", "bucket", "bucket", "end", "continue"]
-    assert servers.weight_version == 3
-    failing = _PausingServers(fail_at=1)
+class _Streamed:
+    """DirectChannel.stream's surface: version 3's tensors (4 bytes each), logged as each is rebuilt and when the
+    stream is closed (the receiving thread stops)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def stream(self):
+        def rebuilt():
+            try:
+                for name in "abcde":
+                    self.calls.append(f"rebuilt {name}")
+                    yield name, torch.zeros(1)
+            finally:
+                self.calls.append("closed")
+
+        return 3, rebuilt()
+
+
+def test_the_relay_streams_into_servers_under_a_pause_and_a_failed_one_keeps_the_old_version():
+    """The direct route's relay into SGLang servers (placement.relay_push): the servers pause only once the first
+    tensor is rebuilt, each bucket goes as soon as its tensors are (never the whole push at once), the update stamps
+    its version inside the pause; a bucket the server refuses continues the servers, closes the stream and raises,
+    the version where it was (RelayReceiver's thread raises it on the main thread: the job ends, and the next push
+    after the restart is full, a fresh DeltaDecoder holding no base)."""
+    calls: list[str] = []
+    servers = _PausingServers(calls)
+    assert relay_push(_Streamed(calls), servers, bucket_bytes=8)[0] == 3
+    assert calls[:3] == ["rebuilt a", "pause", "begin"]
+    assert calls[3:] == ["rebuilt b", "rebuilt c", "bucket", "rebuilt d", "rebuilt e", "bucket", "closed", "bucket",
+                         "end", "continue"]  # fmt: skip
+    assert servers.buckets == [["a", "b"], ["c", "d"], ["e"]] and servers.weight_version == 3
+    calls.clear()
+    failing = _PausingServers(calls, fail_at=1)
     with pytest.raises(RuntimeError, match="HTTP 500"):
-        load_buckets(failing, 4, [["a"], ["b"]])
-    assert failing.calls == ["pause", "begin", "bucket", "continue"] and failing.weight_version == 0
+        relay_push(_Streamed(calls), failing, bucket_bytes=8)
+    assert calls.count("bucket") == 1 and calls[-2:] == ["continue", "closed"] and failing.weight_version == 0

@@ -865,8 +865,9 @@ def test_sync_estimate_delta_and_direct_terms_by_hand():
 
 def test_the_relay_into_sglang_servers_is_priced_from_its_hops():
     """transport "relay" (rollout.weight_sync_route direct in mode server): the actor's pieces (or their deltas) to one
-    engine rank per server node over the network, then the whole model from host to GPU and broadcast to the servers
-    in full, bucket by bucket; refused colocated."""
+    engine rank per server node over the network, streamed (placement.RelayReceiver): the whole model from host to
+    GPU and broadcast to the servers in full, bucket by bucket, while the transfer goes on, so the transfer adds only
+    its first bucket and whatever it takes beyond that chain; refused colocated."""
     from dataclasses import replace
 
     from megatron_dapo.plan import KNOWN_MODELS
@@ -880,12 +881,19 @@ def test_the_relay_into_sglang_servers_is_priced_from_its_hops():
     base = SyncLayout(1, 1, 8, 8, 2, 8, "split", engine_gpus=8, engine_tp=4, transport="relay", bucket_mb=1024)
     _, _, full = sync_estimate(m, base, a)
     _, _, delta = sync_estimate(m, replace(base, delta=True), a)
-    assert full["transfer"] == pytest.approx(S / (a.internode_gbps * 1e9))  # one relay rank receives everything
-    assert delta["transfer"] == pytest.approx(full["transfer"] * a.delta_bytes_fraction)
-    for terms in (full, delta):  # the servers always get the whole model
+    buckets = math.ceil(S / 2**30)
+    for terms, sent in ((full, S), (delta, S * a.delta_bytes_fraction)):  # the servers always get the whole model
         assert terms["host to gpu"] == pytest.approx(S / (a.offload_gbps * 1e9))
         assert terms["load"] == pytest.approx(S / (a.nvlink_gbps * 1e9))
-        assert terms["buckets"] == math.ceil(S / 2**30) * a.bucket_overhead_s
+        assert terms["buckets"] == buckets * a.bucket_overhead_s
+        transfer = sent / (a.internode_gbps * 1e9)  # one relay rank receives everything
+        chain = terms["host to gpu"] + terms["load"] + terms["buckets"]
+        assert transfer < chain  # here the chain hides it: the first bucket's share is what adds
+        assert terms["transfer"] == pytest.approx(transfer / buckets)
+    slow = replace(a, internode_gbps=1.0)  # a link slow enough to outlast the chain: the excess adds too
+    _, _, terms = sync_estimate(m, base, slow)
+    chain = terms["host to gpu"] + terms["load"] + terms["buckets"]
+    assert terms["transfer"] == pytest.approx(S / 1e9 - chain + S / 1e9 / buckets)
     with pytest.raises(ValueError, match="relay"):
         sync_estimate(m, replace(base, placement="colocated"), a)
 

@@ -77,9 +77,13 @@ def test_the_engine_side_rebuilds_every_familys_tensors_bit_for_bit(model, tp):
             pieces.append((reshard.piece_name(unit, shard), _shard(unit.kind, hf, d, tp, shard)))
     random.Random(0).shuffle(pieces)
     assembler = reshard.Assembler(config, tp)
+    rebuilt = {}
     for name, piece in pieces:
-        assembler.add(name, piece)
-    rebuilt = dict(assembler.full_tensors())
+        for hf_name, tensor in assembler.add(name, piece):  # each parameter as soon as its last piece is in
+            assert hf_name not in rebuilt
+            rebuilt[hf_name] = tensor
+        assert not any(key in assembler.done for key, _ in assembler.pieces)  # no piece of a complete one is held
+    assembler.finish()
     expected = {k: v for k, v in tensors.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     assert rebuilt.keys() == expected.keys()
     assert all(torch.equal(rebuilt[k], expected[k]) for k in expected)
@@ -95,8 +99,9 @@ def test_a_missing_an_unknown_or_a_repeated_piece_is_one_line():
     assembler.add("model.norm.weight@0", torch.zeros(1))
     with pytest.raises(ValueError, match="received twice"):
         assembler.add("model.norm.weight@0", torch.zeros(1))
+    assembler.add("model.embed_tokens.weight@1", torch.zeros(1))
     with pytest.raises(ValueError, match=r"no actor rank sent model.embed_tokens.weight@0 \(of 2\)"):
-        list(assembler.full_tensors())
+        assembler.finish()
 
 
 def test_a_layout_that_misses_a_coordinate_is_one_line():
@@ -261,3 +266,85 @@ def test_direct_pushes_check_versions_on_both_sides_and_a_refused_one_leaves_the
     assert engine["version"] == 2  # the refused push left the engine on its old weights
     assert actor1[5].startswith("weight push of version 5: an engine rank stopped answering in the transfer")
     assert actor0[5] == "weight push of version 5: actor rank 1 failed to send its shards (see its log)"
+
+
+def _stream_worker(hf_dir: str) -> dict:
+    """Two actor ranks (TP 2, shards cut by the loader's `_shard`, 4 KiB buckets) and one engine rank consuming with
+    DirectChannel.stream (the relay into SGLang servers). Push 1 (full): the engine takes the first rebuilt tensor,
+    then stops reading for 1 s; push 2 (a delta): the engine closes the stream after the first tensor."""
+    from datetime import timedelta
+
+    from megatron_dapo.launch_env import launch_store
+    from megatron_dapo.placement import DirectChannel
+    from megatron_dapo.placement import Placement
+    from megatron_dapo.rollout.delta import DeltaEncoder
+    from megatron_dapo.rollout.exchange import RolloutExchange
+
+    rank = int(os.environ["RANK"])
+    store = launch_store("127.0.0.1", int(os.environ["MASTER_PORT"]), rank, 3, timedelta(seconds=60), env={})
+    placement = Placement(rank, 3, 1)
+    config = AutoConfig.from_pretrained(hf_dir)
+    full = load_file(str(Path(hf_dir) / "model.safetensors"))
+    if placement.is_engine:
+        channel = DirectChannel(placement, store, 30.0, hf_config=config, actor_tp=2, delta=True)
+        out: dict = {}
+        while channel.pending() != 1:
+            time.sleep(0.01)
+        version, tensors = channel.stream()
+        first = next(tensors)
+        time.sleep(1.0)
+        out["pushed_while_held"] = store.check(["pushed/1"])  # the actor ranks finished while nothing was read
+        rebuilt = dict([first, *tensors])
+        expected = {k: v for k, v in full.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+        out["exact"] = rebuilt.keys() == expected.keys() and all(torch.equal(rebuilt[k], full[k]) for k in expected)
+        out[1] = (version, channel.version)
+        while channel.pending() != 2:
+            time.sleep(0.01)
+        version, tensors = channel.stream()
+        next(tensors)
+        tensors.close()  # what relay_push does when a server fails: the senders still finish
+        out[2] = (version, channel.version)
+        store.wait(["pushed/2"])
+        store.set("engine/done", "1")  # rank 0 hosts the store: it leaves after this
+        return out
+    from megatron_dapo.actor.hf_weights import _dims
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore("actors/", store), rank=rank,
+                                         world_size=2)  # fmt: skip
+    exchange = RolloutExchange(2, timeout_s=60.0)
+    channel = DirectChannel(placement, store, 30.0)
+    plan = reshard.transfer_plan(config, reshard.Layout(2, 1, 1, ((0, 0, 0), (1, 0, 0))))
+    encoder, d, out = DeltaEncoder(), _dims(config), {}
+    for version in (1, 2):
+        weights = _moved(full, version)
+        pieces = (
+            (reshard.piece_name(plan.units[i], s), _shard(plan.units[i].kind,
+                                                          [weights[n] for n in plan.units[i].hf_names], d, 2, s))
+            for i, s in plan.pieces[rank]
+        )  # fmt: skip
+        metrics = channel.push(version, pieces, 4096, encoder, gather=lambda x: exchange.all_gather([x], "test"))
+        out[version] = metrics["weight_sync/num_buckets"]
+        exchange.barrier()
+        if rank == 0:
+            store.set(f"pushed/{version}", "1")
+    if rank == 0:
+        store.wait(["engine/done"])
+    return out
+
+
+def test_a_streamed_direct_push_holds_the_senders_to_the_consumers_pace_and_an_early_close_lets_them_finish():
+    """DirectChannel.stream (what RelayReceiver streams into SGLang servers): the first tensor reaches the consumer
+    while the senders are still sending, and a consumer that stops reading stops them (the receiving thread holds a
+    few buckets, not the push: no model on the engine rank); the rebuilt tensors are the checkpoint's, bit for bit.
+    A stream closed after one tensor (a failed relay) is drained, so the senders' push completes, and the engine rank
+    stays on its old version (its decoders were not advanced: the next delta would be refused, never loaded on a
+    mix)."""
+    from tests.actor._dist import run_distributed
+
+    hf_dir = str(every_tiny_checkpoint()["llama"])
+    actor0, actor1, engine = run_distributed(_stream_worker, 3, hf_dir, timeout_s=180)
+    assert actor0[1] + actor1[1] > 20  # many buckets: far more than the receiving thread may hold
+    assert engine["pushed_while_held"] is False
+    assert engine["exact"] is True
+    assert engine[1] == (1, 1)
+    assert engine[2] == (2, 1)

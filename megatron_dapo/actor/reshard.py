@@ -2,7 +2,8 @@
 
     transfer_plan(hf_config, layout) -> Plan           which actor rank sends which shard of which parameter
     owned_shards(model_chunks, hf_config, groups, pieces, dtype) -> Iterator[(piece name, shard)]    (actor side)
-    Assembler(hf_config, tp).add(name, shard) ... .full_tensors() -> Iterator[(hf name, full tensor)] (engine side)
+    Assembler(hf_config, tp).add(name, shard) -> [(hf name, full tensor)] of the unit it completes, .finish()
+                                                                                                     (engine side)
 
 The rank-0 route (actor.hf_weights.export_hf_weights + placement.WeightChannel) gathers every tensor over TP,
 broadcasts it over PP and sends the whole model from actor rank 0: one rank's link carries every byte and the other
@@ -149,7 +150,8 @@ def owned_shards(
 
 
 class Assembler:
-    """An engine rank's side: collects the pieces of one sync from every sender and rebuilds the full HF tensors.
+    """An engine rank's side: collects the pieces of one sync from every sender and rebuilds each full HF tensor as
+    soon as its last piece arrives (only the pieces of parameters not yet complete are held).
 
     hf_config: the model's; tp: the actor's tensor-parallel size (the shard count of a split parameter)."""
 
@@ -157,28 +159,34 @@ class Assembler:
         self.d = _dims(hf_config)
         self.tp = tp
         self.units = {unit.hf_names[0]: unit for unit in _plan(self.d, 1)}  # HF names and kinds do not depend on PP/EP
+        self.order = {name: i for i, name in enumerate(n for unit in self.units.values() for n in unit.hf_names)}
+        """The export's order of the HF names (a sort key for what `add` returned)."""
         self.pieces: dict[tuple[str, int], Tensor] = {}
+        self.done: set[str] = set()
 
-    def add(self, name: str, shard: Tensor) -> None:
-        """One received piece (its name as `piece_name` gave it); ValueError (one line) for a name no parameter has or
-        a piece received twice."""
+    def add(self, name: str, shard: Tensor) -> list[tuple[str, Tensor]]:
+        """One received piece (its name as `piece_name` gave it); returns the (hf_name, full tensor) pairs of its
+        parameter when this was its last piece (the pieces are dropped), else []. ValueError (one line) for a name no
+        parameter has or a piece received twice."""
         key, sep, rank = name.rpartition(SHARD_SEP)
         unit = self.units.get(key)
         if not sep or unit is None or not rank.isdigit() or int(rank) >= _shard_count(unit, self.tp):
             raise ValueError(f"direct weight sync: received a piece {name!r} that no parameter of this model has "
                              f"at actor TP {self.tp}")  # fmt: skip
-        if (key, int(rank)) in self.pieces:
+        if (key, int(rank)) in self.pieces or key in self.done:
             raise ValueError(f"direct weight sync: piece {name!r} received twice")
         self.pieces[key, int(rank)] = shard
+        count = _shard_count(unit, self.tp)
+        if any((key, r) not in self.pieces for r in range(count)):
+            return []
+        self.done.add(key)
+        shards = [self.pieces.pop((key, r)) for r in range(count)]
+        return list(zip(unit.hf_names, _unshard(unit.kind, shards, self.d), strict=True))
 
-    def full_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """Every (hf_name, full tensor) in the export's order; ValueError (one line) naming the first missing piece.
-        Consumes the pieces."""
+    def finish(self) -> None:
+        """The sync is over: ValueError (one line) naming the first piece no sender sent."""
         for key, unit in self.units.items():
-            count = _shard_count(unit, self.tp)
-            missing = [r for r in range(count) if (key, r) not in self.pieces]
-            if missing:
-                raise ValueError(f"direct weight sync: no actor rank sent {key}{SHARD_SEP}{missing[0]} (of {count})")
-            shards = [self.pieces.pop((key, r)) for r in range(count)]
-            yield from zip(unit.hf_names, _unshard(unit.kind, shards, self.d), strict=True)
-        self.pieces.clear()
+            if key not in self.done:
+                count = _shard_count(unit, self.tp)
+                missing = next(r for r in range(count) if (key, r) not in self.pieces)
+                raise ValueError(f"direct weight sync: no actor rank sent {key}{SHARD_SEP}{missing} (of {count})")

@@ -428,9 +428,10 @@ class SGLangServerEngine(ServerStream):
     uniquely per instance: servers outlive a job, and a server keeps the groups it joined, so a restarted job (a
     requeue, distributed.max_restarts) joining under a name the server already holds would be refused by torch
     ("The specified group name has already been created"); `shutdown` asks the servers to destroy the group.
-    delta_loader: the updates may carry changed elements (WeightDelta entries, rollout.weight_sync_delta), loaded by
-    rollout/sglang_loader.py inside the servers, which must be started with `--custom-weight-loader` naming it
-    (checked at the first update, one line).
+    gpu: the CUDA device NCCL sends from (None: the calling thread's current one; an engine rank's relay thread
+    sends from its local GPU, engine_rank.relay_group). delta_loader: the updates may carry changed elements
+    (WeightDelta entries, rollout.weight_sync_delta), loaded by rollout/sglang_loader.py inside the servers, which
+    must be started with `--custom-weight-loader` naming it (checked at the first update, one line).
     """
 
     def __init__(
@@ -446,6 +447,7 @@ class SGLangServerEngine(ServerStream):
         backend: str = "nccl",
         max_running_requests: int = 0,
         delta_loader: bool = False,
+        gpu: int | None = None,
     ) -> None:
         if not server_urls:
             raise ValueError("SGLangServerEngine: server_urls is empty")
@@ -456,6 +458,7 @@ class SGLangServerEngine(ServerStream):
         self.timeout_s = timeout_s
         self.group_timeout = timedelta(seconds=group_timeout_s)
         self.backend = backend
+        self.gpu = gpu
         self._group = None
         self._session_routes = True
         self._update_version: str | None = None
@@ -632,7 +635,7 @@ class SGLangServerEngine(ServerStream):
         # NCCL sends from the GPU: an engine rank relaying the direct route's rebuilt tensors holds them in host
         # memory, so one bucket at a time goes to its GPU (actor rank 0's export is already there).
         nccl = dist.get_backend(self._group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        device = torch.device("cuda", torch.cuda.current_device() if self.gpu is None else self.gpu) if nccl else None
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(self._post_all, "/update_weights_from_distributed", body)
             for _, t in bucket:

@@ -12,8 +12,8 @@ weight-update routes and pause over the embedded engine). Before every push each
 relative step of --step (seeded: replicated weights move alike on every rank). In turn, --repeats pushes each:
     rank0:        every actor rank walks export_hf_weights (TP gathers) and actor rank 0 broadcasts the full tensors
                   into the server's weight-update group under its pause (placement.ServerPush)
-    relay:        every actor rank sends its shards to the engine rank (placement.DirectChannel), which rebuilds the
-                  tensors and broadcasts them into the server under its pause (placement.load_buckets)
+    relay:        every actor rank sends its shards to the engine rank (placement.DirectChannel), which streams the
+                  tensors into the server under its pause as they are rebuilt (placement.relay_push: RelayReceiver's)
     relay+delta:  the same with rollout.weight_sync_delta: each actor rank sends its shards' changed elements, the
                   engine rank decodes them against the last push (after one full push, not timed)
     rank0+delta:  rank0 with rollout.weight_sync_delta: actor rank 0 posts the changed elements to the server's
@@ -63,7 +63,7 @@ def _move(model, version: int, step: float) -> None:
 def _engine(placement, store, hf_config, tp: int, url: str, versions: list[int], out: Path) -> None:
     from megatron_dapo.net import free_port
     from megatron_dapo.placement import DirectChannel
-    from megatron_dapo.placement import load_buckets
+    from megatron_dapo.placement import relay_push
     from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
 
     channel = DirectChannel(placement, store, 600.0, hf_config=hf_config, actor_tp=tp, delta=True)
@@ -71,8 +71,7 @@ def _engine(placement, store, hf_config, tp: int, url: str, versions: list[int],
     for version in versions:
         while channel.pending() != version:
             time.sleep(0.001)
-        _, buckets = channel.receive_buckets()
-        load_buckets(server, version, buckets)
+        relay_push(channel, server, BUCKET)
         store.set(f"bench/done/{version}", repr(time.time()))
     server.shutdown()
     (out / "engine.json").write_text(json.dumps({"ok": True}))
