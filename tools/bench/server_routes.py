@@ -244,17 +244,21 @@ def main() -> None:
         "from a Megatron actor at TP 2 into the server, every weight moved by a relative step of "
         f'{args.step:g} before each push, median of {args.repeats}. "actor s": until every actor rank is free to '
         'train again; "server s": until the server holds the version; sent MB: what the actor ranks sent (rank0: '
-        "into the server, before base64; relay: to the engine rank, which sends the server the full tensors).\n\n"
+        "into the server, before base64; relay: to the engine rank, which streams the full tensors into the server)."
+        "\n\n"
         "| route | actor s | rank0 actor s / this | server s | sent MB | changed fraction |\n"
         "|---|---|---|---|---|---|\n"
         + "\n".join(table)
         + f"\n\nThe server's weights equal the actor's export after each route: {'yes' if same else 'NO'}. "
         "What the relay changes is who waits: on the rank-0 route actor rank 0 is busy until the server has loaded "
-        "every tensor, on the relay the actor ranks are free once the engine rank holds their shards, and the server "
-        "is loaded by the engine rank while the actor trains (between two engine steps in a run). With deltas the "
-        "actor ranks send only the changed elements; on the relay the server still receives every tensor in full, on "
-        "rank0+delta it receives the changed elements (base64 in the HTTP body, once per TP rank) and its delta "
-        "loader writes them in place. On a GPU cluster the relay pays when the engine rank runs on its servers' node, "
+        "every tensor; on the relay the engine rank streams the tensors into the server as it rebuilds them, holding "
+        "a bucket per sender and RECEIVE_AHEAD buckets of rebuilt tensors (placement.DirectChannel.stream), so the "
+        "actor ranks are free once the server has taken all but that window: here, with 64 MiB buckets, that window "
+        "is most of this small model; for a model many buckets large the actor ranks keep the server's pace. With "
+        "deltas the actor ranks send only the changed elements; on the relay the server still receives every tensor "
+        "in full, on rank0+delta it receives the changed elements (base64 in the HTTP body, once per server: its TP "
+        "rank 0 hands them on) and its delta loader writes them in place. On a GPU cluster the relay pays when the "
+        "engine rank runs on its servers' node, "
         'the loader where the changed fraction is small against a full NCCL broadcast (docs/rollout.md, "Weight '
         'sync routes"; modelled in docs/planning.md, "Weight sync at scale"). Raw rows: `results/server_routes.csv`.\n'
     )
