@@ -356,12 +356,12 @@ class RolloutConfig:
     weight_sync_delta: bool = False
     """Changed-weights sync: each step sends only the weight elements whose value (in the dtype sent) changed since
     the engine's last update, a tensor in full where that is no smaller (rollout/delta.py; exact). The trainer keeps
-    a host copy of the sent weights (on a split launch each actor rank keeps its own share and each engine rank a
-    copy of the last push). Transformers engine, colocated or on a split launch's engine ranks (weight_dtype "fp8"
-    there only); SGLang servers: with weight_sync_route "direct" on a split launch the engine ranks decode and relay
-    full tensors, otherwise the servers apply the changes themselves (each server started with
-    --custom-weight-loader megatron_dapo.rollout.sglang_loader.load_weights, megatron_dapo importable there:
-    rollout/sglang_loader.py)."""
+    a host copy of the sent weights (on a split launch each actor rank keeps its own share and each engine rank of
+    embedded engines a copy of the last push). Transformers engine, colocated or on a split launch's engine ranks
+    (weight_dtype "fp8" there only); SGLang servers apply the changes themselves, sent by actor rank 0 or
+    (weight_sync_route "direct" on a split launch) forwarded by the engine ranks, which keep no copy (each server
+    started with --custom-weight-loader megatron_dapo.rollout.sglang_loader.load_weights, megatron_dapo importable
+    there: rollout/sglang_loader.py)."""
     weight_sync_full_every: int = 0
     """With weight_sync_delta, every N-th sync sends every tensor in full (0: only the first one and those after an
     engine restart or a failed sync)."""
@@ -470,7 +470,7 @@ class RolloutConfig:
         if self.weight_sync_delta:
             # FP8 payloads: the engine holds dequantized weights, so the FP8 base a delta applies to exists only on a
             # split launch's engine rank (its DeltaDecoder keeps the last push and hands the engine full tensors).
-            # SGLang servers apply deltas with their loader, or the engine ranks relaying to them decode them.
+            # SGLang servers apply deltas with their loader, whoever sends them.
             fp8_ok = self.weight_dtype == "auto" or self.engine_ranks > 0
             _check(
                 self.mode in kind.delta_modes and fp8_ok,

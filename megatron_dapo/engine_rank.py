@@ -242,8 +242,9 @@ class EngineRank:
 
 def _weight_channel(c: RunConfig, placement: Any, store: Any) -> Any:
     """This engine rank's end of the actor's weight push: DirectChannel (every actor rank sends its shards; the full
-    tensors are rebuilt here, decoded against each sender's last push with weight_sync_delta) or WeightChannel (actor
-    rank 0 broadcasts the full tensors; a DeltaDecoder here with weight_sync_delta)."""
+    tensors are rebuilt here, decoded against each sender's last push with weight_sync_delta, or with SGLang servers
+    forwarded as changed elements to their delta loader) or WeightChannel (actor rank 0 broadcasts the full tensors;
+    a DeltaDecoder here with weight_sync_delta)."""
     from megatron_dapo.placement import WeightChannel
 
     if c.rollout.direct_weight_sync:
@@ -254,6 +255,7 @@ def _weight_channel(c: RunConfig, placement: Any, store: Any) -> Any:
         return DirectChannel(
             placement, store, c.distributed.timeout_s, hf_config=AutoConfig.from_pretrained(c.actor.model_path),
             actor_tp=c.actor.tensor_parallel, delta=c.rollout.weight_sync_delta, fp8=c.rollout.weight_dtype == "fp8",
+            forward=c.rollout.mode == "server",  # the servers' delta loader holds the base (rollout/sglang_loader.py)
         )  # fmt: skip
     channel = WeightChannel(placement, store, c.distributed.timeout_s)
     if c.rollout.weight_sync_delta:

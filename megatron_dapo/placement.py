@@ -49,6 +49,7 @@ from megatron_dapo.errors import JobError
 from megatron_dapo.errors import first_line
 from megatron_dapo.rollout.delta import DeltaDecoder
 from megatron_dapo.rollout.delta import DeltaEncoder
+from megatron_dapo.rollout.delta import DeltaReader
 from megatron_dapo.rollout.delta import as_plain_tensors
 from megatron_dapo.rollout.delta import payload_bytes
 from megatron_dapo.rollout.stream import PeerWatch
@@ -286,12 +287,15 @@ class DirectChannel(WeightChannel):
 
     Build it on every rank of the split launch: actor ranks with hf_config None, engine ranks with the model's HF
     config and the actor's TP size. delta: each sender keeps a DeltaEncoder of its own pieces and each engine rank a
-    DeltaDecoder per sender (the base version travels with each sender's stream and is checked there); fp8: the
-    engine ranks quantize the rebuilt tensors (rollout.weight_dtype "fp8"; the same tensors as a rank-0 FP8 push)."""
+    DeltaDecoder per sender (the base version travels with each sender's stream and is checked there); forward
+    (with delta, an engine rank relaying to SGLang servers): a DeltaReader per sender instead, holding no base: the
+    rebuilt entries are WeightDelta, each HF tensor's changed elements for the servers' delta loader, or the full
+    tensor (reshard.Assembler); fp8: the engine ranks quantize the rebuilt tensors (rollout.weight_dtype "fp8";
+    the same tensors as a rank-0 FP8 push)."""
 
     def __init__(
         self, placement: Placement, store: dist.Store, timeout_s: float, *, hf_config: Any = None, actor_tp: int = 1,
-        delta: bool = False, fp8: bool = False,
+        delta: bool = False, fp8: bool = False, forward: bool = False,
     ) -> None:  # fmt: skip
         self.placement = placement
         self.store = dist.PrefixStore(f"{PREFIX}weights/", store)
@@ -304,7 +308,10 @@ class DirectChannel(WeightChannel):
         else:
             self.wires = [_Wire(_gloo_group(store, f"direct/{placement.rank}/", 0, 1 + engines, timeout_s))]
         self.hf_config, self.actor_tp, self.fp8 = hf_config, actor_tp, fp8
-        self.decoders = [DeltaDecoder() for _ in self.wires] if delta and placement.is_engine else None
+        if forward and fp8:
+            raise ValueError("DirectChannel: forwarded deltas go to SGLang servers, which take no FP8 pushes")
+        kind = DeltaReader if forward else DeltaDecoder
+        self.decoders = [kind() for _ in self.wires] if delta and placement.is_engine else None
         self.version: int | None = None
         self.decoder = None
 

@@ -937,7 +937,8 @@ class SyncLayout:
     gather; built for a split launch's embedded engine ranks, rollout.weight_sync_route; into SGLang it would need a
     server that takes shards) or "relay" (what rollout.weight_sync_route "direct" runs into SGLang servers: the
     direct route to one engine rank per server node, which streams the HF tensors it rebuilds to its node's servers
-    over NVLink as they complete; split placements only).
+    over NVLink as they complete, or with delta forwards the changed elements to their delta loader over HTTP;
+    split placements only).
     delta: rollout.weight_sync_delta's changed elements only (the sender compares the export with its host copy);
     fp8: rollout.weight_dtype fp8.
     """
@@ -992,18 +993,22 @@ def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, 
         actor_gpus, relays = s.tp * s.pp * s.dp, max(s.engine_gpus // s.gpus_per_node, 1)
         per_relay, per_actor_gpu = sent, sent * relays / actor_gpus
         transfer = max(per_relay, per_actor_gpu) / (a.internode_gbps * 1e9)
-        terms["host to gpu"] = size / (a.offload_gbps * 1e9)  # the rebuilt tensors, bucket by bucket
-        terms["load"] = size / (a.nvlink_gbps * 1e9)  # the relay's broadcast to its node's servers: always full
-        buckets = math.ceil(size / (s.bucket_mb * 2**20))
-        # Streamed (placement.RelayReceiver): the transfer overlaps the relay's own serial chain (host to GPU, the
-        # broadcast, the servers' per-bucket cost); only what it takes beyond that chain, and its first bucket, add.
-        chain = terms["host to gpu"] + terms["load"] + buckets * a.bucket_overhead_s
+        if s.delta:  # forwarded to the servers' delta loader over HTTP on the node: encoded once, decoded by each
+            terms["load"] = 2 * sent / (a.http_gbps * 1e9)
+            load = f"HTTP 2 x S'/{a.http_gbps:g}"
+        else:  # the rebuilt tensors to the GPU bucket by bucket and broadcast to the node's servers
+            terms["host to gpu"] = size / (a.offload_gbps * 1e9)
+            terms["load"] = size / (a.nvlink_gbps * 1e9)
+            load = f"host to GPU S/{a.offload_gbps:g} + broadcast S/{a.nvlink_gbps:g}"
+        buckets = math.ceil(sent / (s.bucket_mb * 2**20))
+        # Streamed (placement.RelayReceiver): the transfer overlaps the relay's own serial chain (its load, the
+        # servers' per-bucket cost); only what it takes beyond that chain, and its first bucket, add.
+        chain = terms.get("host to gpu", 0.0) + terms["load"] + buckets * a.bucket_overhead_s
         terms["transfer"] = max(transfer - chain, 0.0) + transfer / max(buckets, 1)
         formula = (
             f"S {size / 1e9:.1f} GB{dtype}, relay, streamed: max(transfer T = max(S' {per_relay / 1e9:.1f} GB per "
             f"relay rank, S' x {relays} relays / {actor_gpus} actor GPUs {per_actor_gpu / 1e9:.1f} GB) / "
-            f"{a.internode_gbps:g}, chain = host to GPU S/{a.offload_gbps:g} + broadcast S/{a.nvlink_gbps:g} + "
-            f"buckets) + T / buckets (the first)"
+            f"{a.internode_gbps:g}, chain = {load} + buckets) + T / buckets (the first)"
         )
         compare = own_slices if s.delta else 0.0
     else:

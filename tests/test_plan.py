@@ -866,8 +866,9 @@ def test_sync_estimate_delta_and_direct_terms_by_hand():
 def test_the_relay_into_sglang_servers_is_priced_from_its_hops():
     """transport "relay" (rollout.weight_sync_route direct in mode server): the actor's pieces (or their deltas) to one
     engine rank per server node over the network, streamed (placement.RelayReceiver): the whole model from host to
-    GPU and broadcast to the servers in full, bucket by bucket, while the transfer goes on, so the transfer adds only
-    its first bucket and whatever it takes beyond that chain; refused colocated."""
+    GPU and broadcast to the servers in full, bucket by bucket, or with delta the changed elements forwarded to the
+    servers' loader over HTTP, while the transfer goes on, so the transfer adds only its first bucket and whatever
+    it takes beyond that chain; refused colocated."""
     from dataclasses import replace
 
     from megatron_dapo.plan import KNOWN_MODELS
@@ -882,14 +883,17 @@ def test_the_relay_into_sglang_servers_is_priced_from_its_hops():
     _, _, full = sync_estimate(m, base, a)
     _, _, delta = sync_estimate(m, replace(base, delta=True), a)
     buckets = math.ceil(S / 2**30)
-    for terms, sent in ((full, S), (delta, S * a.delta_bytes_fraction)):  # the servers always get the whole model
-        assert terms["host to gpu"] == pytest.approx(S / (a.offload_gbps * 1e9))
-        assert terms["load"] == pytest.approx(S / (a.nvlink_gbps * 1e9))
-        assert terms["buckets"] == buckets * a.bucket_overhead_s
-        transfer = sent / (a.internode_gbps * 1e9)  # one relay rank receives everything
-        chain = terms["host to gpu"] + terms["load"] + terms["buckets"]
+    assert full["host to gpu"] == pytest.approx(S / (a.offload_gbps * 1e9))
+    assert full["load"] == pytest.approx(S / (a.nvlink_gbps * 1e9))  # full tensors: the whole model to the servers
+    assert full["buckets"] == buckets * a.bucket_overhead_s
+    sent = S * a.delta_bytes_fraction  # forwarded to the servers' loader: HTTP on the node, encoded and decoded
+    assert "host to gpu" not in delta and delta["load"] == pytest.approx(2 * sent / (a.http_gbps * 1e9))
+    assert delta["buckets"] == math.ceil(sent / 2**30) * a.bucket_overhead_s
+    for terms, moved in ((full, S), (delta, sent)):
+        transfer = moved / (a.internode_gbps * 1e9)  # one relay rank receives everything
+        chain = terms.get("host to gpu", 0.0) + terms["load"] + terms["buckets"]
         assert transfer < chain  # here the chain hides it: the first bucket's share is what adds
-        assert terms["transfer"] == pytest.approx(transfer / buckets)
+        assert terms["transfer"] == pytest.approx(transfer / (terms["buckets"] / a.bucket_overhead_s))
     slow = replace(a, internode_gbps=1.0)  # a link slow enough to outlast the chain: the excess adds too
     _, _, terms = sync_estimate(m, base, slow)
     chain = terms["host to gpu"] + terms["load"] + terms["buckets"]

@@ -89,6 +89,79 @@ def test_the_engine_side_rebuilds_every_familys_tensors_bit_for_bit(model, tp):
     assert all(torch.equal(rebuilt[k], expected[k]) for k in expected)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("model", sorted(every_tiny_checkpoint()))
+def test_every_element_of_every_piece_maps_to_its_own_hf_position(model, tp):
+    """Assembler.hf_positions against the converter: HF tensors of distinct values cut by `_shard` (what a TP rank
+    holds); every element of every piece maps to the HF position holding its value, and the pieces' elements cover
+    each HF tensor exactly once (the vocabulary's padding maps nowhere)."""
+    config = AutoConfig.from_pretrained(every_tiny_checkpoint()[model])
+    assembler = reshard.Assembler(config, tp)
+    d = assembler.d
+    for unit in assembler.units.values():
+        start, hf = 1, []
+        for shape in unit.hf_shapes:
+            numel = int(torch.Size(shape).numel())
+            hf.append(torch.arange(start, start + numel, dtype=torch.float64).reshape(shape))
+            start += numel
+        covered = [torch.zeros(t.numel(), dtype=torch.int64) for t in hf]
+        for rank in range(1 if unit.kind == "replicated" else tp):
+            piece = _shard(unit.kind, hf, d, tp, rank).reshape(-1)
+            index = torch.arange(piece.numel())
+            mapped = assembler.hf_positions(unit, rank, index)
+            assert sum(int(keep.sum()) for keep, _ in mapped) == int((piece != 0).sum())  # all but the padding
+            for j, (keep, positions) in enumerate(mapped):
+                assert torch.equal(hf[j].reshape(-1)[positions], piece[keep]), (unit.hf_names[j], rank)
+                covered[j].index_add_(0, positions, torch.ones_like(positions))
+        assert all(bool((c == 1).all()) for c in covered), unit.hf_names
+
+
+def test_forwarded_pieces_give_each_hf_tensors_changed_elements():
+    """Pieces forwarded as WeightDelta entries (a relay to SGLang servers' delta loader keeps no base): a parameter
+    whose TP-rank-0 piece went full and rank-1 piece as changed elements comes out as each HF tensor's changed
+    elements at its own positions (the full piece as all of its elements); written into the old HF tensors they
+    give the new ones bit for bit. All pieces full: the full tensors; nothing changed: an empty entry (the servers'
+    update names every tensor)."""
+    from megatron_dapo.rollout.delta import WeightDelta
+    from megatron_dapo.rollout.delta import apply_delta
+
+    path = every_tiny_checkpoint()["qwen2"]
+    config = AutoConfig.from_pretrained(path)
+    old = load_file(str(path / "model.safetensors"))
+    new = {n: t.clone() for n, t in old.items()}
+    for t in new.values():
+        t.view(-1)[::7] += 1.0
+    assembler = reshard.Assembler(config, 2)
+    d = assembler.d
+    out = {}
+    for unit in assembler.units.values():
+        for rank in range(1 if unit.kind == "replicated" else 2):
+            before = _shard(unit.kind, [old[n] for n in unit.hf_names], d, 2, rank)
+            after = _shard(unit.kind, [new[n] for n in unit.hf_names], d, 2, rank)
+            changed = torch.nonzero(before.reshape(-1) != after.reshape(-1)).reshape(-1).to(torch.int32)
+            piece = (
+                WeightDelta(5, None, None, after)
+                if rank == 0 and unit.kind != "replicated"
+                else WeightDelta(5, 4, changed, after.reshape(-1)[changed.long()])
+            )
+            out.update(assembler.add(reshard.piece_name(unit, rank), piece))
+    assembler.finish()
+    expected = [n for n in new if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    assert sorted(out) == sorted(expected)
+    for name, delta in out.items():
+        assert isinstance(delta, WeightDelta) and delta.version == 5 and delta.shape == tuple(new[name].shape)
+        rebuilt = old[name].clone()
+        apply_delta(rebuilt, delta)
+        assert torch.equal(rebuilt, new[name]), name
+    full = reshard.Assembler(config, 1)
+    unit = full.units["model.norm.weight"]
+    entry = full.add(reshard.piece_name(unit, 0), WeightDelta(6, None, None, new["model.norm.weight"]))
+    assert entry[0][1].index is None and torch.equal(entry[0][1].values, new["model.norm.weight"])
+    empty = WeightDelta(6, 5, torch.zeros(0, dtype=torch.int32), torch.zeros(0))
+    [(name, entry)] = full.add(reshard.piece_name(full.units["model.embed_tokens.weight"], 0), empty)
+    assert name == "model.embed_tokens.weight" and entry.base == 5 and entry.index.numel() == 0
+
+
 def test_a_missing_an_unknown_or_a_repeated_piece_is_one_line():
     config = AutoConfig.from_pretrained(every_tiny_checkpoint()["llama"])
     assembler = reshard.Assembler(config, 2)

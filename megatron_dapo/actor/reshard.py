@@ -34,11 +34,13 @@ from megatron_dapo.actor.hf_weights import _dims
 from megatron_dapo.actor.hf_weights import _export_dtype
 from megatron_dapo.actor.hf_weights import _find_param
 from megatron_dapo.actor.hf_weights import _plan
+from megatron_dapo.actor.hf_weights import _shard
 from megatron_dapo.actor.hf_weights import _stage_model
 from megatron_dapo.actor.hf_weights import _Unit
 from megatron_dapo.actor.hf_weights import _unshard
 from megatron_dapo.actor.hf_weights import model_tensors
 from megatron_dapo.actor.model import padded_vocab_size
+from megatron_dapo.rollout.delta import WeightDelta
 
 if TYPE_CHECKING:
     from megatron_dapo.actor.distributed import ParallelGroups
@@ -161,13 +163,15 @@ class Assembler:
         self.units = {unit.hf_names[0]: unit for unit in _plan(self.d, 1)}  # HF names and kinds do not depend on PP/EP
         self.order = {name: i for i, name in enumerate(n for unit in self.units.values() for n in unit.hf_names)}
         """The export's order of the HF names (a sort key for what `add` returned)."""
-        self.pieces: dict[tuple[str, int], Tensor] = {}
+        self.pieces: dict[tuple[str, int], Tensor | WeightDelta] = {}
         self.done: set[str] = set()
 
-    def add(self, name: str, shard: Tensor) -> list[tuple[str, Tensor]]:
+    def add(self, name: str, shard: Tensor | WeightDelta) -> list[tuple[str, Any]]:
         """One received piece (its name as `piece_name` gave it); returns the (hf_name, full tensor) pairs of its
-        parameter when this was its last piece (the pieces are dropped), else []. ValueError (one line) for a name no
-        parameter has or a piece received twice."""
+        parameter when this was its last piece (the pieces are dropped), else []. Pieces forwarded as WeightDelta
+        entries (DeltaReader) give WeightDelta entries: the full tensors, or each HF tensor's changed elements at
+        its own positions (`_deltas`). ValueError (one line) for a name no parameter has or a piece received
+        twice."""
         key, sep, rank = name.rpartition(SHARD_SEP)
         unit = self.units.get(key)
         if not sep or unit is None or not rank.isdigit() or int(rank) >= _shard_count(unit, self.tp):
@@ -181,7 +185,61 @@ class Assembler:
             return []
         self.done.add(key)
         shards = [self.pieces.pop((key, r)) for r in range(count)]
-        return list(zip(unit.hf_names, _unshard(unit.kind, shards, self.d), strict=True))
+        if not any(isinstance(x, WeightDelta) for x in shards):
+            return list(zip(unit.hf_names, _unshard(unit.kind, shards, self.d), strict=True))
+        if all(x.index is None for x in shards):  # forwarded, all full: the full tensors, as WeightDelta entries
+            version = shards[0].version
+            full = _unshard(unit.kind, [x.values for x in shards], self.d)
+            return [(n, WeightDelta(version, None, None, t, tuple(t.shape))) for n, t in zip(unit.hf_names, full)]
+        return self._deltas(unit, shards)
+
+    def _deltas(self, unit: _Unit, shards: list[WeightDelta]) -> list[tuple[str, WeightDelta]]:
+        """A parameter whose pieces came as changed elements (DeltaReader: forwarded to a delta loader, no base held
+        here): each HF tensor's changed elements at its own flat positions (a full piece counts as every element
+        changed; a tensor with none still gets its empty entry: the servers' update names every tensor, as a push
+        from actor rank 0 does)."""
+        delta = next(x for x in shards if x.index is not None)
+        per_name: list[tuple[list[Tensor], list[Tensor]]] = [([], []) for _ in unit.hf_names]
+        for rank, x in enumerate(shards):
+            values = x.values.reshape(-1)
+            index = torch.arange(values.numel()) if x.index is None else x.index.long()
+            for j, (keep, positions) in enumerate(self.hf_positions(unit, rank, index)):
+                per_name[j][0].append(positions)
+                per_name[j][1].append(values[keep])
+        out = []
+        for name, shape, (positions, values) in zip(unit.hf_names, unit.hf_shapes, per_name, strict=True):
+            index = torch.cat(positions)
+            index = index.to(torch.int32) if torch.Size(shape).numel() < 2**31 else index  # as DeltaEncoder's
+            out.append((name, WeightDelta(delta.version, delta.base, index, torch.cat(values), tuple(shape))))
+        return out
+
+    def hf_positions(self, unit: _Unit, rank: int, index: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Flat positions `index` (int64) in TP rank `rank`'s piece of `unit` -> per HF tensor of the unit (in
+        hf_names order): (which of `index` land in it, as a mask, their flat positions there). Worked out by cutting
+        HF tensors of row (column, for a row-parallel weight) numbers with the converter's own `_shard`, so the map
+        is its inverse by construction; the vocabulary's padding rows land nowhere."""
+        shapes = unit.hf_shapes
+        if unit.kind == "replicated":
+            return [(torch.ones_like(index, dtype=torch.bool), index)]
+        if unit.kind == "row":  # split along the columns: [rows, cols / tp] pieces
+            cols = shapes[0][1]
+            local = cols // self.tp
+            return [(torch.ones_like(index, dtype=torch.bool), index // local * cols + rank * local + index % local)]
+        width = int(torch.Size(shapes[0][1:]).numel())  # elements per row, alike for every HF tensor of the unit
+        starts = [0]
+        for shape in shapes:
+            starts.append(starts[-1] + shape[0])
+        codes = [  # row numbers from 1 (0: the padding _shard adds), as [rows, 1] (or [rows]) like the real tensors
+            torch.arange(starts[j] + 1, starts[j + 1] + 1, dtype=torch.float64).reshape(-1, *([1] * (len(shape) > 1)))
+            for j, shape in enumerate(shapes)
+        ]
+        piece_rows = _shard(unit.kind, codes, self.d, self.tp, rank).reshape(-1).long()
+        row = piece_rows[index // width]
+        out = []
+        for j in range(len(shapes)):
+            keep = (row > starts[j]) & (row <= starts[j + 1])
+            out.append((keep, (row[keep] - 1 - starts[j]) * width + index[keep] % width))
+        return out
 
     def finish(self) -> None:
         """The sync is over: ValueError (one line) naming the first piece no sender sent."""

@@ -147,6 +147,7 @@ class DeltaDecoder:
         self.version: int | None = None
         """The push whose tensors `held` are; None before the first (or after a push that did not complete)."""
         self._pushing: int | None = None
+        self._base: int | None = None
         self._index: tuple[str, Tensor] | None = None
 
     def begin(self, version: int, base: int | None) -> None:
@@ -157,7 +158,7 @@ class DeltaDecoder:
             held = "no version" if self.version is None else f"version {self.version}"
             raise ValueError(f"weight channel: push {version} is a delta against version {base} but this rank holds "
                              f"{held}")  # fmt: skip
-        self.version, self._pushing, self._index = None, version, None
+        self.version, self._pushing, self._base, self._index = None, version, base, None
 
     def decode(self, bucket: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
         """One received bucket of the push in progress -> its full tensors."""
@@ -182,3 +183,29 @@ class DeltaDecoder:
     def end(self) -> None:
         """The push completed: the held tensors are its version."""
         self.version = self._pushing
+
+
+class DeltaReader(DeltaDecoder):
+    """The receiving side of a delta wire that forwards instead of loading (an engine rank relaying to SGLang servers,
+    whose delta loader holds the base: rollout/sglang_loader.py): the pairs of `as_plain_tensors` back into
+    WeightDelta entries of the push in progress, a full tensor with index None. No tensor is held; `begin` checks
+    the base against the last complete push as DeltaDecoder's does (so a wrong base is refused here, before it
+    reaches a server, whose loader would refuse it too)."""
+
+    def decode(self, bucket: list[tuple[str, Tensor]]) -> list[tuple[str, WeightDelta]]:  # type: ignore[override]
+        if self._pushing is None:
+            raise ValueError("weight channel: delta entries outside a push")
+        out = []
+        for name, tensor in bucket:
+            if name.endswith(INDEX_SUFFIX):
+                self._index = (name[: -len(INDEX_SUFFIX)], tensor)
+                continue
+            if name.endswith(VALUES_SUFFIX):
+                name = name[: -len(VALUES_SUFFIX)]
+                if self._index is None or self._index[0] != name or self._base is None:
+                    raise ValueError(f"weight channel: delta values of {name!r} without its index or a base version")
+                out.append((name, WeightDelta(self._pushing, self._base, self._index[1], tensor)))
+                self._index = None
+                continue
+            out.append((name, WeightDelta(self._pushing, None, None, tensor)))
+        return out

@@ -4,12 +4,13 @@ Torch-free: the config reads it on any import path. How each engine is built is 
 
     name           package   modes                  fp8 weights   split launch         routing (r3)   delta sync
     transformers   (ours)    colocated              colocated     colocated (embedded)  yes            colocated, split
-    sglang         sglang    colocated, server      colocated     server (drives them)  yes            split (relayed)
+    sglang         sglang    colocated, server      colocated     server (drives them)  yes            server (loader)
     vllm           vllm      colocated              no            no                    no             no
     (memory: every engine is planned with SGLang's rules)
 
-"split (relayed)": SGLang servers take full tensors; on a split launch with rollout.weight_sync_route "direct" the
-engine ranks driving them decode the deltas and relay the rebuilt tensors (config.RolloutConfig's check).
+"server (loader)": SGLang servers apply the changed elements with rollout/sglang_loader.py, from actor rank 0 or, on a
+split launch with rollout.weight_sync_route "direct", from the engine ranks relaying them (config.RolloutConfig's
+check).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class EngineKind:
         ranks relay them).
     routing: returns every token's routed experts (actor.routing_replay r3).
     delta_modes: those where its weight update applies changed-weights entries (rollout.weight_sync_delta,
-        rollout/delta.py). SGLang servers apply them with rollout/sglang_loader.py (its custom-weight-loader seam;
-        whose servers need it), or get them as far as the engine ranks that relay to them (which decode).
+        rollout/delta.py). SGLang servers apply them with rollout/sglang_loader.py (its custom-weight-loader seam),
+        whoever sends them (actor rank 0, or the engine ranks relaying them).
     label: its name in prose. planned_as: the engine whose memory rules the planner applies to it.
     """
 

@@ -69,12 +69,10 @@ def server_stream(
     of a split launch driving its share of the servers while actor rank 0 pushes: placement.ServerPush)."""
     from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
 
-    # Deltas reach the servers' own loader on the rank-0 route and in a colocated launch; relaying engine ranks decode
-    # them and push full tensors.
-    loader = rollout.weight_sync_delta and not rollout.direct_weight_sync
+    # Deltas reach the servers' own loader on every route: from actor rank 0, or from the engine ranks relaying them.
     server = SGLangServerEngine(
         urls, server_tp=rollout.tensor_parallel, max_running_requests=rollout.max_running_requests,
-        delta_loader=loader, **group,
+        delta_loader=rollout.weight_sync_delta, **group,
     )  # fmt: skip
     server.routed_shape = routing_shape(model_path) if routed_experts else None
     return server

@@ -204,8 +204,9 @@ def trace_placements(model: Any, name: str, shape: Sequence[int]) -> list[_Place
 
 
 def apply_placed(params: dict[str, Tensor], placements: list[_Placement], index: Tensor, values: Tensor) -> int:
-    """Write `values` ([k], any dtype) at HF flat positions `index` ([k], sorted ascending: torch.nonzero's order)
-    into the parameters the placements name; returns how many elements this rank holds."""
+    """Write `values` ([k], any dtype) at HF flat positions `index` ([k], any order: an engine rank forwarding the
+    pieces' changes sends them piece by piece) into the parameters the placements name; returns how many elements
+    this rank holds."""
     index = index.to("cpu", torch.int64)
     written = 0
     for pl in placements:

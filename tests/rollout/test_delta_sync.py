@@ -144,16 +144,17 @@ def test_delta_sync_where_it_is_not_implemented_is_one_config_line(overrides):
 
 
 @pytest.mark.parametrize("route", ["direct", "rank0", "auto"])
-def test_delta_sync_to_sglang_servers_is_relayed_on_the_direct_route_and_loaded_by_the_servers_otherwise(route):
-    """With the direct route the engine ranks decode the deltas and relay full tensors; on the rank-0 route (and in
-    a colocated launch) the servers' delta loader applies them: SGLangServerEngine is built to send them."""
+def test_delta_sync_to_sglang_servers_is_loaded_by_the_servers_on_every_route(route):
+    """On the direct route the engine ranks forward the deltas (placement.DirectChannel's forward), on the rank-0
+    route actor rank 0 sends them, in a colocated launch rank 0: in every case the servers' delta loader applies
+    them, so SGLangServerEngine is built to send them (and checks the servers' loader at its first update)."""
     from megatron_dapo.rollout.factory import server_stream
 
     overrides = [f"--rollout.{k}={v}" for k, v in SERVERS.items()]
     overrides += ["--rollout.weight_sync_delta=true", f"--rollout.weight_sync_route={route}"]
     rollout = load_config(None, [*overrides, "--trainer.max_staleness=0"]).rollout
     assert rollout.weight_sync_delta and rollout.direct_weight_sync == (route == "direct")
-    assert server_stream(rollout, "unused", ["http://h:1"]).delta_loader == (route != "direct")
+    assert server_stream(rollout, "unused", ["http://h:1"]).delta_loader
     colocated = load_config(None, ["--rollout.engine=sglang", "--rollout.mode=server", "--rollout.server_urls=[http://h:1]",
                                    "--rollout.weight_sync_delta=true"]).rollout  # fmt: skip
     assert server_stream(colocated, "unused", ["http://h:1"]).delta_loader

@@ -74,23 +74,28 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
 
 
-def _delta_entries(old: dict, new: dict, version: int, base: int) -> list[tuple[str, torch.Tensor]]:
+def _delta_entries(old: dict, new: dict, version: int, base: int, shuffled: bool = False) -> list:
+    """The changed elements as a push carries them: sorted (DeltaEncoder's nonzero order) or in any order (an engine
+    rank forwarding the pieces' changes, each piece's positions in turn: reshard.Assembler._deltas)."""
     entries = []
     for name, t in new.items():
         index = torch.nonzero(t.view(-1).view(torch.int16) != old[name].view(-1).view(torch.int16)).view(-1)
+        if shuffled:
+            index = index[torch.randperm(index.numel(), generator=torch.Generator().manual_seed(7))]
         delta = WeightDelta(version, base, index.to(torch.int32), t.view(-1)[index])
         entries += [(name + SHAPE_SUFFIX, torch.tensor(list(t.shape))), *as_plain_tensors([(name, delta)])]
     return entries
 
 
+@pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_deltas_through_the_loader_equal_a_full_load_on_each_rank(rank):
+def test_deltas_through_the_loader_equal_a_full_load_on_each_rank(rank, shuffled):
     w0, w1 = _weights(0), _weights(1)
     w1["k"] = w0["k"].clone()  # an unchanged tensor: an empty delta
     live, want = Merged(rank), Merged(rank)
     load_weights(live, [(PUSH, torch.tensor([0, -1, 1, 0])), *w0.items()])  # full tensors through the loader
     emb_before = live.emb.clone()
-    load_weights(live, [(PUSH, torch.tensor([1, 0, 1, 0])), *_delta_entries(w0, w1, 1, 0)])
+    load_weights(live, [(PUSH, torch.tensor([1, 0, 1, 0])), *_delta_entries(w0, w1, 1, 0, shuffled)])
     want.load_weights(list(w1.items()))
     for (n, p), q in zip(live.named_parameters(), want.parameters()):
         assert torch.equal(p, q), n
@@ -117,11 +122,11 @@ def test_a_delta_against_a_version_the_rank_does_not_hold_is_refused_and_writes_
     w0, w1 = _weights(0), _weights(1)
     live = Merged()
     with pytest.raises(ValueError, match=r"push 1 is a delta against version 0 but this server holds no version"):
-        load_weights(live, [(PUSH, torch.tensor([1, 0, 1, 0])), *_delta_entries(w0, w1, 1, 0)])
+        load_weights(live, [(PUSH, torch.tensor([1, 0, 1, 0])), *_delta_entries(w0, w1, 1, 0, shuffled)])
     load_weights(live, [(PUSH, torch.tensor([0, -1, 0, 0])), *w0.items()])  # a push that never ended
     snapshot = [p.clone() for p in live.parameters()]
     with pytest.raises(ValueError, match=r"push 1 is a delta against version 0 but this server holds no version"):
-        load_weights(live, [(PUSH, torch.tensor([1, 0, 1, 0])), *_delta_entries(w0, w1, 1, 0)])
+        load_weights(live, [(PUSH, torch.tensor([1, 0, 1, 0])), *_delta_entries(w0, w1, 1, 0, shuffled)])
     assert all(torch.equal(p, s) for p, s in zip(live.parameters(), snapshot))
     with pytest.raises(ValueError, match=f"does not start with {PUSH}"):
         load_weights(live, list(w0.items()))

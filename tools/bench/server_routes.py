@@ -15,7 +15,8 @@ relative step of --step (seeded: replicated weights move alike on every rank). I
     relay:        every actor rank sends its shards to the engine rank (placement.DirectChannel), which streams the
                   tensors into the server under its pause as they are rebuilt (placement.relay_push: RelayReceiver's)
     relay+delta:  the same with rollout.weight_sync_delta: each actor rank sends its shards' changed elements, the
-                  engine rank decodes them against the last push (after one full push, not timed)
+                  engine rank forwards them to the server's delta loader at the HF tensors' positions (it keeps no
+                  base; after one full push, not timed)
     rank0+delta:  rank0 with rollout.weight_sync_delta: actor rank 0 posts the changed elements to the server's
                   /update_weights_from_tensor, where rollout/sglang_loader.py writes them in place (the server is
                   started with --custom-weight-loader; after one full push, not timed)
@@ -66,8 +67,8 @@ def _engine(placement, store, hf_config, tp: int, url: str, versions: list[int],
     from megatron_dapo.placement import relay_push
     from megatron_dapo.rollout.sglang_engine import SGLangServerEngine
 
-    channel = DirectChannel(placement, store, 600.0, hf_config=hf_config, actor_tp=tp, delta=True)
-    server = SGLangServerEngine([url], master_port=free_port(), backend="gloo")
+    channel = DirectChannel(placement, store, 600.0, hf_config=hf_config, actor_tp=tp, delta=True, forward=True)
+    server = SGLangServerEngine([url], master_port=free_port(), backend="gloo", delta_loader=True)
     for version in versions:
         while channel.pending() != version:
             time.sleep(0.001)
@@ -255,9 +256,9 @@ def main() -> None:
         "a bucket per sender and RECEIVE_AHEAD buckets of rebuilt tensors (placement.DirectChannel.stream), so the "
         "actor ranks are free once the server has taken all but that window: here, with 64 MiB buckets, that window "
         "is most of this small model; for a model many buckets large the actor ranks keep the server's pace. With "
-        "deltas the actor ranks send only the changed elements; on the relay the server still receives every tensor "
-        "in full, on rank0+delta it receives the changed elements (base64 in the HTTP body, once per server: its TP "
-        "rank 0 hands them on) and its delta loader writes them in place. On a GPU cluster the relay pays when the "
+        "deltas the actor ranks send only the changed elements and the server receives only those, from actor rank 0 "
+        "or forwarded by the engine rank (base64 in the HTTP body, once per server: its TP rank 0 hands them on), "
+        "and its delta loader writes them in place. On a GPU cluster the relay pays when the "
         "engine rank runs on its servers' node, "
         'the loader where the changed fraction is small against a full NCCL broadcast (docs/rollout.md, "Weight '
         'sync routes"; modelled in docs/planning.md, "Weight sync at scale"). Raw rows: `results/server_routes.csv`.\n'
