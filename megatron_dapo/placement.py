@@ -281,9 +281,10 @@ class DirectChannel(WeightChannel):
     plan gives it (actor/reshard.py) straight to every engine rank, each on a gloo group of its own (the actor rank
     and the engine ranks), all at once; no actor rank gathers or holds more than its own shards and one bucket. The
     announcement and the joins on the store are WeightChannel's; actor rank 0 waits for the joins and tells the other
-    actor ranks (`gather`, an all-gather over the actor ranks) to send or not. An engine rank receives a bucket from
-    each sender in turn and rebuilds each full HF tensor once its pieces are in (reshard.Assembler), bit for bit the
-    rank-0 export's: all of them at once (receive_buckets) or as they complete (stream).
+    actor ranks (`gather`, an all-gather over the actor ranks) to send or not. An engine rank rebuilds each full HF
+    tensor once its pieces are in (reshard.Assembler), bit for bit the rank-0 export's: all of them at once, from a
+    thread per sender (receive_buckets: the senders' links overlap), or as they complete, taking a bucket from each
+    sender in turn (stream: what it holds stays bounded).
 
     Build it on every rank of the split launch: actor ranks with hf_config None, engine ranks with the model's HF
     config and the actor's TP size. delta: each sender keeps a DeltaEncoder of its own pieces and each engine rank a
@@ -387,13 +388,41 @@ class DirectChannel(WeightChannel):
 
     # ----------------------------------------------------------------------------------------------- engine ranks
     def receive_buckets(self) -> tuple[int, list[list[tuple[str, torch.Tensor]]]]:
-        """Join the announced push and receive every sender's pieces; returns (version, one bucket of the rebuilt
-        full HF tensors, export order). The whole model is held: the embedded engine loads between engine steps."""
+        """Join the announced push and receive every sender's pieces, a thread per sender, all at once (the whole
+        model is held anyway: the embedded engine loads between engine steps); returns (version, one bucket of the
+        rebuilt full HF tensors, export order)."""
         from megatron_dapo.actor.reshard import Assembler
 
         version = self._join()
+        pieces: list[tuple[str, torch.Tensor]] = []  # appended to by every thread; rebuilt once all are in, so the
+        errors: list[BaseException] = []  # threads only receive (a rebuild between receives would hold up the links)
+
+        def take(sender: int) -> None:
+            try:
+                wire_ = self.wires[sender]
+                decoder = self._open(sender, version, wire_)
+                for bucket in wire_.receive():
+                    pieces.extend(decoder.decode(bucket) if decoder is not None else bucket)
+                if decoder is not None:
+                    decoder.end()
+            except BaseException as err:  # raised on the receiving thread below
+                errors.append(err)
+
+        threads = [threading.Thread(target=take, args=(a,), name=f"direct-{a}") for a in range(len(self.wires))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         assembler = Assembler(self.hf_config, self.actor_tp)
-        full = sorted(self._rebuilt(version, assembler), key=lambda pair: assembler.order[pair[0]])
+        try:
+            if errors:
+                raise errors[0]
+            full = [pair for name, piece in pieces for pair in assembler.add(name, piece)]
+            assembler.finish()
+        except ValueError as err:
+            raise JobError(str(err)) from None
+        self.version = version
+        full.sort(key=lambda pair: assembler.order[pair[0]])
         return version, [list(self._quantized(full))]
 
     def stream(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
