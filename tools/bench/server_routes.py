@@ -245,7 +245,7 @@ def main() -> None:
         "from a Megatron actor at TP 2 into the server, every weight moved by a relative step of "
         f'{args.step:g} before each push, median of {args.repeats}. "actor s": until every actor rank is free to '
         'train again; "server s": until the server holds the version; sent MB: what the actor ranks sent (rank0: '
-        "into the server, before base64; relay: to the engine rank, which streams the full tensors into the server)."
+        "into the server, before base64; relay: to the engine rank, which streams them into the server)."
         "\n\n"
         "| route | actor s | rank0 actor s / this | server s | sent MB | changed fraction |\n"
         "|---|---|---|---|---|---|\n"
