@@ -230,6 +230,21 @@ def test_engine_ranks_hold_the_rank0_export_bit_for_bit_full_and_as_deltas(
                 assert fraction == 0.0 and metrics["weight_sync/bytes"] == 0.0
 
 
+def _tp2_actor(placement, store, config, timeout_s: float) -> tuple:
+    """An actor rank of the two-actor, one-engine launches below (TP 2 without Megatron: the shards are cut from the
+    checkpoint): its group over the actor ranks, its DirectChannel, the transfer plan and the model's dims."""
+    from megatron_dapo.actor.hf_weights import _dims
+    from megatron_dapo.placement import DirectChannel
+    from megatron_dapo.rollout.exchange import RolloutExchange
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore("actors/", store),
+                                         rank=placement.rank, world_size=2)  # fmt: skip
+    exchange = RolloutExchange(2, timeout_s=60.0)
+    channel = DirectChannel(placement, store, timeout_s)
+    plan = reshard.transfer_plan(config, reshard.Layout(2, 1, 1, ((0, 0, 0), (1, 0, 0))))
+    return exchange, channel, plan, _dims(config)
+
+
 def _direct_faults_worker(hf_dir: str) -> dict:
     """Two actor ranks (TP 2, no Megatron: the shards are cut from the checkpoint by the loader's `_shard`) and one
     engine rank over a real DirectChannel (gloo groups on the launch's store, 8 s timeouts). Pushes: 1 full, 2 a
@@ -244,7 +259,6 @@ def _direct_faults_worker(hf_dir: str) -> dict:
     from megatron_dapo.placement import Placement
     from megatron_dapo.placement import PushAbandoned
     from megatron_dapo.rollout.delta import DeltaEncoder
-    from megatron_dapo.rollout.exchange import RolloutExchange
 
     rank = int(os.environ["RANK"])
     store = launch_store("127.0.0.1", int(os.environ["MASTER_PORT"]), rank, 3, timedelta(seconds=60), env={})
@@ -267,14 +281,8 @@ def _direct_faults_worker(hf_dir: str) -> dict:
         store.wait(["actor/done"])
         store.set("engine/done", "1")  # rank 0 hosts the store: it leaves after this
         return out
-    from megatron_dapo.actor.hf_weights import _dims
-
-    torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore("actors/", store), rank=rank,
-                                         world_size=2)  # fmt: skip
-    exchange = RolloutExchange(2, timeout_s=60.0)
-    channel = DirectChannel(placement, store, 8.0)
-    plan = reshard.transfer_plan(config, reshard.Layout(2, 1, 1, ((0, 0, 0), (1, 0, 0))))
-    encoder, d, out = DeltaEncoder(), _dims(config), {}
+    exchange, channel, plan, d = _tp2_actor(placement, store, config, 8.0)
+    encoder, out = DeltaEncoder(), {}
 
     def pieces(version: int):
         weights = _moved(full, version)
@@ -351,7 +359,6 @@ def _stream_worker(hf_dir: str) -> dict:
     from megatron_dapo.placement import DirectChannel
     from megatron_dapo.placement import Placement
     from megatron_dapo.rollout.delta import DeltaEncoder
-    from megatron_dapo.rollout.exchange import RolloutExchange
 
     rank = int(os.environ["RANK"])
     store = launch_store("127.0.0.1", int(os.environ["MASTER_PORT"]), rank, 3, timedelta(seconds=60), env={})
@@ -380,14 +387,8 @@ def _stream_worker(hf_dir: str) -> dict:
         store.wait(["pushed/2"])
         store.set("engine/done", "1")  # rank 0 hosts the store: it leaves after this
         return out
-    from megatron_dapo.actor.hf_weights import _dims
-
-    torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore("actors/", store), rank=rank,
-                                         world_size=2)  # fmt: skip
-    exchange = RolloutExchange(2, timeout_s=60.0)
-    channel = DirectChannel(placement, store, 30.0)
-    plan = reshard.transfer_plan(config, reshard.Layout(2, 1, 1, ((0, 0, 0), (1, 0, 0))))
-    encoder, d, out = DeltaEncoder(), _dims(config), {}
+    exchange, channel, plan, d = _tp2_actor(placement, store, config, 30.0)
+    encoder, out = DeltaEncoder(), {}
     for version in (1, 2):
         weights = _moved(full, version)
         pieces = (

@@ -163,22 +163,30 @@ class DeltaDecoder:
     def decode(self, bucket: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
         """One received bucket of the push in progress -> its full tensors."""
         out = []
+        for name, index, tensor in self._entries(bucket):
+            if index is None:
+                self.held[name] = tensor.detach().to("cpu").clone()
+            elif name not in self.held:
+                raise ValueError(f"weight channel: delta values of {name!r} without its base tensor")
+            else:
+                self.held[name].view(-1)[index.long()] = tensor.to(self.held[name].dtype)
+            out.append((name, self.held[name]))
+        return out
+
+    def _entries(self, bucket: list[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor | None, Tensor]]:
+        """The pairs of `as_plain_tensors` as (name, index or None for a full tensor, values); an index waits for
+        its values, which may come in the next bucket."""
         for name, tensor in bucket:
             if name.endswith(INDEX_SUFFIX):
                 self._index = (name[: -len(INDEX_SUFFIX)], tensor)
-                continue
-            if name.endswith(VALUES_SUFFIX):
+            elif name.endswith(VALUES_SUFFIX):
                 name = name[: -len(VALUES_SUFFIX)]
-                if self._index is None or self._index[0] != name or name not in self.held:
-                    raise ValueError(f"weight channel: delta values of {name!r} without its index or its base tensor")
-                target = self.held[name]
-                target.view(-1)[self._index[1].long()] = tensor.to(target.dtype)
-                self._index = None
-                out.append((name, target))
-                continue
-            self.held[name] = tensor.detach().to("cpu").clone()
-            out.append((name, self.held[name]))
-        return out
+                if self._index is None or self._index[0] != name:
+                    raise ValueError(f"weight channel: delta values of {name!r} without its index")
+                index, self._index = self._index[1], None
+                yield name, index, tensor
+            else:
+                yield name, None, tensor
 
     def end(self) -> None:
         """The push completed: the held tensors are its version."""
@@ -196,16 +204,8 @@ class DeltaReader(DeltaDecoder):
         if self._pushing is None:
             raise ValueError("weight channel: delta entries outside a push")
         out = []
-        for name, tensor in bucket:
-            if name.endswith(INDEX_SUFFIX):
-                self._index = (name[: -len(INDEX_SUFFIX)], tensor)
-                continue
-            if name.endswith(VALUES_SUFFIX):
-                name = name[: -len(VALUES_SUFFIX)]
-                if self._index is None or self._index[0] != name or self._base is None:
-                    raise ValueError(f"weight channel: delta values of {name!r} without its index or a base version")
-                out.append((name, WeightDelta(self._pushing, self._base, self._index[1], tensor)))
-                self._index = None
-                continue
-            out.append((name, WeightDelta(self._pushing, None, None, tensor)))
+        for name, index, tensor in self._entries(bucket):
+            if index is not None and self._base is None:
+                raise ValueError(f"weight channel: delta values of {name!r} in a push with no base version")
+            out.append((name, WeightDelta(self._pushing, None if index is None else self._base, index, tensor)))
         return out
