@@ -230,6 +230,20 @@ def test_engine_ranks_hold_the_rank0_export_bit_for_bit_full_and_as_deltas(
                 assert fraction == 0.0 and metrics["weight_sync/bytes"] == 0.0
 
 
+def _two_actors_one_engine(hf_dir: str) -> tuple:
+    """This process's rank in the three-rank launches below (actor ranks 0-1, engine rank 2), the launch's store and
+    placement, the checkpoint's config and tensors."""
+    from datetime import timedelta
+
+    from megatron_dapo.launch_env import launch_store
+    from megatron_dapo.placement import Placement
+
+    rank = int(os.environ["RANK"])
+    store = launch_store("127.0.0.1", int(os.environ["MASTER_PORT"]), rank, 3, timedelta(seconds=60), env={})
+    config = AutoConfig.from_pretrained(hf_dir)
+    return rank, store, Placement(rank, 3, 1), config, load_file(str(Path(hf_dir) / "model.safetensors"))
+
+
 def _tp2_actor(placement, store, config, timeout_s: float) -> tuple:
     """An actor rank of the two-actor, one-engine launches below (TP 2 without Megatron: the shards are cut from the
     checkpoint): its group over the actor ranks, its DirectChannel, the transfer plan and the model's dims."""
@@ -251,20 +265,13 @@ def _direct_faults_worker(hf_dir: str) -> dict:
     delta; 3 and 4 never joined, rank 0's wait given up for a preemption (every actor rank: PushAbandoned) and failed
     (rank 1: one line naming actor rank 0); 5 a delta whose sender 1 claims a base the engine does not hold (refused;
     the engine stays on version 2, the sender times out, the other sender is told which rank failed)."""
-    from datetime import timedelta
 
     from megatron_dapo.errors import JobError
-    from megatron_dapo.launch_env import launch_store
     from megatron_dapo.placement import DirectChannel
-    from megatron_dapo.placement import Placement
     from megatron_dapo.placement import PushAbandoned
     from megatron_dapo.rollout.delta import DeltaEncoder
 
-    rank = int(os.environ["RANK"])
-    store = launch_store("127.0.0.1", int(os.environ["MASTER_PORT"]), rank, 3, timedelta(seconds=60), env={})
-    placement = Placement(rank, 3, 1)
-    config = AutoConfig.from_pretrained(hf_dir)
-    full = load_file(str(Path(hf_dir) / "model.safetensors"))
+    rank, store, placement, config, full = _two_actors_one_engine(hf_dir)
     if placement.is_engine:
         channel = DirectChannel(placement, store, 8.0, hf_config=config, actor_tp=2, delta=True)
         out: dict = {}
@@ -353,18 +360,11 @@ def _stream_worker(hf_dir: str) -> dict:
     """Two actor ranks (TP 2, shards cut by the loader's `_shard`, 4 KiB buckets) and one engine rank consuming with
     DirectChannel.stream (the relay into SGLang servers). Push 1 (full): the engine takes the first rebuilt tensor,
     then stops reading for 1 s; push 2 (a delta): the engine closes the stream after the first tensor."""
-    from datetime import timedelta
 
-    from megatron_dapo.launch_env import launch_store
     from megatron_dapo.placement import DirectChannel
-    from megatron_dapo.placement import Placement
     from megatron_dapo.rollout.delta import DeltaEncoder
 
-    rank = int(os.environ["RANK"])
-    store = launch_store("127.0.0.1", int(os.environ["MASTER_PORT"]), rank, 3, timedelta(seconds=60), env={})
-    placement = Placement(rank, 3, 1)
-    config = AutoConfig.from_pretrained(hf_dir)
-    full = load_file(str(Path(hf_dir) / "model.safetensors"))
+    rank, store, placement, config, full = _two_actors_one_engine(hf_dir)
     if placement.is_engine:
         channel = DirectChannel(placement, store, 30.0, hf_config=config, actor_tp=2, delta=True)
         out: dict = {}
