@@ -51,6 +51,7 @@ from megatron_dapo.rollout.delta import DeltaDecoder
 from megatron_dapo.rollout.delta import DeltaEncoder
 from megatron_dapo.rollout.delta import DeltaReader
 from megatron_dapo.rollout.delta import as_plain_tensors
+from megatron_dapo.rollout.delta import forward_unit
 from megatron_dapo.rollout.delta import payload_bytes
 from megatron_dapo.rollout.stream import PeerWatch
 from megatron_dapo.rollout.types import GroupSummary
@@ -313,6 +314,7 @@ class DirectChannel(WeightChannel):
             raise ValueError("DirectChannel: forwarded deltas go to SGLang servers, which take no FP8 pushes")
         kind = DeltaReader if forward else DeltaDecoder
         self.decoders = [kind() for _ in self.wires] if delta and placement.is_engine else None
+        self.combine = forward_unit if forward and delta else None  # what reshard.Assembler returns per parameter
         self.version: int | None = None
         self.decoder = None
 
@@ -413,7 +415,7 @@ class DirectChannel(WeightChannel):
             thread.start()
         for thread in threads:
             thread.join()
-        assembler = Assembler(self.hf_config, self.actor_tp)
+        assembler = Assembler(self.hf_config, self.actor_tp, self.combine)
         try:
             if errors:
                 raise errors[0]
@@ -433,7 +435,8 @@ class DirectChannel(WeightChannel):
         from megatron_dapo.actor.reshard import Assembler
 
         version = self._join()
-        return version, self._quantized(self._rebuilt(version, Assembler(self.hf_config, self.actor_tp)))
+        assembler = Assembler(self.hf_config, self.actor_tp, self.combine)
+        return version, self._quantized(self._rebuilt(version, assembler))
 
     def _join(self) -> int:
         version = self.pending()

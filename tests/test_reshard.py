@@ -117,13 +117,15 @@ def test_every_element_of_every_piece_maps_to_its_own_hf_position(model, tp):
 
 
 def test_forwarded_pieces_give_each_hf_tensors_changed_elements():
-    """Pieces forwarded as WeightDelta entries (a relay to SGLang servers' delta loader keeps no base): a parameter
+    """Pieces forwarded as WeightDelta entries (a relay to SGLang servers' delta loader keeps no base; reshard.Assembler
+    with rollout.delta.forward_unit, as DirectChannel(forward=True) builds it): a parameter
     whose TP-rank-0 piece went full and rank-1 piece as changed elements comes out as each HF tensor's changed
     elements at its own positions (the full piece as all of its elements); written into the old HF tensors they
     give the new ones bit for bit. All pieces full: the full tensors; nothing changed: an empty entry (the servers'
     update names every tensor)."""
     from megatron_dapo.rollout.delta import WeightDelta
     from megatron_dapo.rollout.delta import apply_delta
+    from megatron_dapo.rollout.delta import forward_unit
 
     path = every_tiny_checkpoint()["qwen2"]
     config = AutoConfig.from_pretrained(path)
@@ -131,7 +133,7 @@ def test_forwarded_pieces_give_each_hf_tensors_changed_elements():
     new = {n: t.clone() for n, t in old.items()}
     for t in new.values():
         t.view(-1)[::7] += 1.0
-    assembler = reshard.Assembler(config, 2)
+    assembler = reshard.Assembler(config, 2, combine=forward_unit)
     d = assembler.d
     out = {}
     for unit in assembler.units.values():
@@ -153,7 +155,7 @@ def test_forwarded_pieces_give_each_hf_tensors_changed_elements():
         rebuilt = old[name].clone()
         apply_delta(rebuilt, delta)
         assert torch.equal(rebuilt, new[name]), name
-    full = reshard.Assembler(config, 1)
+    full = reshard.Assembler(config, 1, combine=forward_unit)
     unit = full.units["model.norm.weight"]
     entry = full.add(reshard.piece_name(unit, 0), WeightDelta(6, None, None, new["model.norm.weight"]))
     assert entry[0][1].index is None and torch.equal(entry[0][1].values, new["model.norm.weight"])

@@ -21,6 +21,7 @@ side needs only the HF config and the actor's TP size (how many shards a split p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +41,6 @@ from megatron_dapo.actor.hf_weights import _Unit
 from megatron_dapo.actor.hf_weights import _unshard
 from megatron_dapo.actor.hf_weights import model_tensors
 from megatron_dapo.actor.model import padded_vocab_size
-from megatron_dapo.rollout.delta import WeightDelta
 
 if TYPE_CHECKING:
     from megatron_dapo.actor.distributed import ParallelGroups
@@ -157,21 +157,22 @@ class Assembler:
 
     hf_config: the model's; tp: the actor's tensor-parallel size (the shard count of a split parameter)."""
 
-    def __init__(self, hf_config: Any, tp: int) -> None:
+    def __init__(self, hf_config: Any, tp: int, combine: Callable[[Assembler, _Unit, list], list] | None = None):
         self.d = _dims(hf_config)
         self.tp = tp
+        self.combine = combine
+        """How a complete parameter's pieces become what `add` returns: combine(self, unit, pieces in TP rank order);
+        None: `unshard` (full tensors). The relay's forwarded deltas: rollout.delta.forward_unit."""
         self.units = {unit.hf_names[0]: unit for unit in _plan(self.d, 1)}  # HF names and kinds do not depend on PP/EP
         self.order = {name: i for i, name in enumerate(n for unit in self.units.values() for n in unit.hf_names)}
         """The export's order of the HF names (a sort key for what `add` returned)."""
-        self.pieces: dict[tuple[str, int], Tensor | WeightDelta] = {}
+        self.pieces: dict[tuple[str, int], Any] = {}
         self.done: set[str] = set()
 
-    def add(self, name: str, shard: Tensor | WeightDelta) -> list[tuple[str, Any]]:
+    def add(self, name: str, shard: Any) -> list[tuple[str, Any]]:
         """One received piece (its name as `piece_name` gave it); returns the (hf_name, full tensor) pairs of its
-        parameter when this was its last piece (the pieces are dropped), else []. Pieces forwarded as WeightDelta
-        entries (DeltaReader) give WeightDelta entries: the full tensors, or each HF tensor's changed elements at
-        its own positions (`_deltas`). ValueError (one line) for a name no parameter has or a piece received
-        twice."""
+        parameter when this was its last piece (the pieces are dropped; `combine` decides what is returned), else [].
+        ValueError (one line) for a name no parameter has or a piece received twice."""
         key, sep, rank = name.rpartition(SHARD_SEP)
         unit = self.units.get(key)
         if not sep or unit is None or not rank.isdigit() or int(rank) >= _shard_count(unit, self.tp):
@@ -185,33 +186,13 @@ class Assembler:
             return []
         self.done.add(key)
         shards = [self.pieces.pop((key, r)) for r in range(count)]
-        if not any(isinstance(x, WeightDelta) for x in shards):
-            return list(zip(unit.hf_names, _unshard(unit.kind, shards, self.d), strict=True))
-        if all(x.index is None for x in shards):  # forwarded, all full: the full tensors, as WeightDelta entries
-            version = shards[0].version
-            full = _unshard(unit.kind, [x.values for x in shards], self.d)
-            return [(n, WeightDelta(version, None, None, t, tuple(t.shape))) for n, t in zip(unit.hf_names, full)]
-        return self._deltas(unit, shards)
+        if self.combine is not None:
+            return self.combine(self, unit, shards)
+        return self.unshard(unit, shards)
 
-    def _deltas(self, unit: _Unit, shards: list[WeightDelta]) -> list[tuple[str, WeightDelta]]:
-        """A parameter whose pieces came as changed elements (DeltaReader: forwarded to a delta loader, no base held
-        here): each HF tensor's changed elements at its own flat positions (a full piece counts as every element
-        changed; a tensor with none still gets its empty entry: the servers' update names every tensor, as a push
-        from actor rank 0 does)."""
-        delta = next(x for x in shards if x.index is not None)
-        per_name: list[tuple[list[Tensor], list[Tensor]]] = [([], []) for _ in unit.hf_names]
-        for rank, x in enumerate(shards):
-            values = x.values.reshape(-1)
-            index = torch.arange(values.numel()) if x.index is None else x.index.long()
-            for j, (keep, positions) in enumerate(self.hf_positions(unit, rank, index)):
-                per_name[j][0].append(positions)
-                per_name[j][1].append(values[keep])
-        out = []
-        for name, shape, (positions, values) in zip(unit.hf_names, unit.hf_shapes, per_name, strict=True):
-            index = torch.cat(positions)
-            index = index.to(torch.int32) if torch.Size(shape).numel() < 2**31 else index  # as DeltaEncoder's
-            out.append((name, WeightDelta(delta.version, delta.base, index, torch.cat(values), tuple(shape))))
-        return out
+    def unshard(self, unit: _Unit, shards: list[Tensor]) -> list[tuple[str, Tensor]]:
+        """A parameter's (hf_name, full tensor) pairs from its pieces in TP rank order."""
+        return list(zip(unit.hf_names, _unshard(unit.kind, shards, self.d), strict=True))
 
     def hf_positions(self, unit: _Unit, rank: int, index: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Flat positions `index` (int64) in TP rank `rank`'s piece of `unit` -> per HF tensor of the unit (in

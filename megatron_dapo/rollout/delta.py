@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -209,3 +210,28 @@ class DeltaReader(DeltaDecoder):
                 raise ValueError(f"weight channel: delta values of {name!r} in a push with no base version")
             out.append((name, WeightDelta(self._pushing, None if index is None else self._base, index, tensor)))
         return out
+
+
+def forward_unit(assembler: Any, unit: Any, pieces: list[WeightDelta]) -> list[tuple[str, WeightDelta]]:
+    """reshard.Assembler's `combine` for pieces forwarded as WeightDelta entries (DeltaReader: an engine rank relaying
+    to SGLang servers' delta loader, no base held): all pieces full -> the full HF tensors (still WeightDelta entries,
+    so the loader learns the version); else each HF tensor's changed elements at its own flat positions
+    (assembler.hf_positions), a full piece counting as every element changed, and a tensor with none still getting
+    its empty entry (the servers' update names every tensor, as a push from actor rank 0 does)."""
+    if all(x.index is None for x in pieces):
+        full = assembler.unshard(unit, [x.values for x in pieces])
+        return [(n, WeightDelta(pieces[0].version, None, None, t, tuple(t.shape))) for n, t in full]
+    delta = next(x for x in pieces if x.index is not None)
+    per_name: list[tuple[list[Tensor], list[Tensor]]] = [([], []) for _ in unit.hf_names]
+    for rank, x in enumerate(pieces):
+        values = x.values.reshape(-1)
+        index = torch.arange(values.numel()) if x.index is None else x.index.long()
+        for j, (keep, positions) in enumerate(assembler.hf_positions(unit, rank, index)):
+            per_name[j][0].append(positions)
+            per_name[j][1].append(values[keep])
+    out = []
+    for name, shape, (positions, values) in zip(unit.hf_names, unit.hf_shapes, per_name, strict=True):
+        index = torch.cat(positions)
+        index = index.to(torch.int32) if torch.Size(shape).numel() < 2**31 else index  # as DeltaEncoder's
+        out.append((name, WeightDelta(delta.version, delta.base, index, torch.cat(values), tuple(shape))))
+    return out

@@ -76,7 +76,7 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 
 def _delta_entries(old: dict, new: dict, version: int, base: int, shuffled: bool = False) -> list:
     """The changed elements as a push carries them: sorted (DeltaEncoder's nonzero order) or in any order (an engine
-    rank forwarding the pieces' changes, each piece's positions in turn: reshard.Assembler._deltas)."""
+    rank forwarding the pieces' changes, each piece's positions in turn: rollout.delta.forward_unit)."""
     entries = []
     for name, t in new.items():
         index = torch.nonzero(t.view(-1).view(torch.int16) != old[name].view(-1).view(torch.int16)).view(-1)
