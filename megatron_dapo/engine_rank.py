@@ -278,14 +278,14 @@ def relay_group(rollout: Any, urls: list[str], engine_rank: int, world_size: int
     from megatron_dapo.launch_env import num_nodes
     from megatron_dapo.launch_env import weight_sync_master_address
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(gpu % torch.cuda.device_count())
+    device = gpu % torch.cuda.device_count() if torch.cuda.is_available() else None
+    if device is not None:
+        torch.cuda.set_device(device)
     return {
         "master_address": weight_sync_master_address("", urls, num_nodes(world_size)),
         "master_port": rollout.weight_sync_master_port + engine_rank,
-        "backend": "nccl" if cuda else "gloo",
-        "gpu": gpu % torch.cuda.device_count() if cuda else None,
+        "backend": "gloo" if device is None else "nccl",
+        "gpu": device,
     }
 
 
