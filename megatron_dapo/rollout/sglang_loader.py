@@ -68,6 +68,12 @@ request carries the entries for TP rank 0 only (the other ranks' payloads are th
 them to the others over SGLang's TP group (GroupCoordinator.broadcast_tensor_dict: NCCL on GPU), so the HTTP body
 holds them once instead of once per TP rank."""
 
+FP8_BITS_SUFFIX = ".__e4m3fn_bits__"
+"""`name + FP8_BITS_SUFFIX`: a float8_e4m3fn tensor (rollout.weight_dtype "fp8": the weights and their delta values)
+as its uint8 bits. SGLang's SafeUnpickler reads a pickled tensor's storage with torch.load(weights_only=True), whose
+legacy format has no storage type for float8 (torch 2.13: "UntypedStorage has no attribute dtype"), so float8 values
+travel as their bytes and are viewed back on the server (bit for bit)."""
+
 SHAPE_SUFFIX = ".__delta_shape__"
 """`name + SHAPE_SUFFIX`: int64 [ndim], `name`'s HF shape, sent before each delta pair of `name`: the placement is
 traced on it the first time."""
@@ -240,6 +246,7 @@ def load_weights(model: Any, named_tensors: list[tuple[str, Tensor]]) -> None:
     version, base, end, leader_only = (int(v) for v in named_tensors[0][1].tolist())
     if leader_only:
         named_tensors = _from_tp_leader(named_tensors)
+    named_tensors = [_from_wire(name, t) for name, t in named_tensors]
     state = _state(model)
     if state.pushing != version:
         if base >= 0 and state.held != base:
@@ -283,10 +290,23 @@ def _from_tp_leader(named_tensors: list[tuple[str, Tensor]]) -> list[tuple[str, 
     return [named_tensors[0], *got.items()]
 
 
+def _to_wire(name: str, t: Tensor) -> tuple[str, Tensor]:
+    """One entry as request_body pickles it: a float8_e4m3fn tensor as its uint8 bits under FP8_BITS_SUFFIX."""
+    return (name + FP8_BITS_SUFFIX, t.view(torch.uint8)) if t.dtype == torch.float8_e4m3fn else (name, t)
+
+
+def _from_wire(name: str, t: Tensor) -> tuple[str, Tensor]:
+    """_to_wire undone on the server: FP8_BITS_SUFFIX entries viewed back as float8_e4m3fn."""
+    if name.endswith(FP8_BITS_SUFFIX):
+        return name[: -len(FP8_BITS_SUFFIX)], t.view(torch.float8_e4m3fn)
+    return name, t
+
+
 def carried_names(named_tensors: Sequence[tuple[str, Tensor]]) -> list[str]:
     """The HF names a loader call writes (its full tensors and deltas; not PUSH, not the shapes)."""
     out = []
-    for name, _ in named_tensors:
+    for name, t in named_tensors:
+        name, _ = _from_wire(name, t)
         if name == PUSH or name.endswith((SHAPE_SUFFIX, INDEX_SUFFIX)):
             continue
         out.append(name[: -len(VALUES_SUFFIX)] if name.endswith(VALUES_SUFFIX) else name)
@@ -306,7 +326,7 @@ def request_body(entries: Sequence[tuple[str, Tensor]], *, version: int, base: i
         t = t.detach().to("cpu").contiguous()
         if t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone()  # pickle carries the whole storage: a view would send its base
-        payload.append((name, t))
+        payload.append(_to_wire(name, t))
     leader = base64.b64encode(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
     others = base64.b64encode(pickle.dumps(payload[:1], protocol=pickle.HIGHEST_PROTOCOL))
     blobs = [leader] + [others if leader_only else leader] * (server_tp - 1)

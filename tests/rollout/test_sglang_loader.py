@@ -160,18 +160,25 @@ def _run_check(cmd: list[str], out: Path) -> list[dict]:
 
 
 @pytest.mark.skipif(not SGLANG_CPU.is_dir(), reason=f"{SGLANG_CPU} missing: bash tools/sglang_cpu/setup_sglang_cpu.sh")
-@pytest.mark.parametrize("tp", [1, 2])
-def test_deltas_into_sglangs_own_qwen2_equal_its_full_load(tp, tmp_path):
+@pytest.mark.parametrize(("tp", "fp8"), [(1, False), (2, False), (2, True)], ids=["tp1-tied", "tp2", "tp2-fp8"])
+def test_deltas_into_sglangs_own_qwen2_equal_its_full_load(tp, fp8, tmp_path):
+    """fp8: SGLang's Qwen2 built with the block-FP8 quantization config rollout.weight_dtype "fp8" serves (its
+    Fp8LinearMethod's float8_e4m3fn weights and fp32 weight_scale_inv, sharded per TP rank in whole blocks), fed
+    rollout/fp8.py's quantized stream: the deltas of the FP8 weights and of their scales."""
     if tp == 1:
         cmd = [sys.executable, str(CHECK), "--tied"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(CHECK)]  # fmt: skip
-    reports = _run_check(cmd, tmp_path)
+    reports = _run_check(cmd + (["--fp8", "--fraction", "0.05"] if fp8 else []), tmp_path)
     assert sorted(r["rank"] for r in reports) == list(range(tp))
     for r in reports:
         assert r["tp"] == tp and r["steps"] == 3 and r["equal"] is True
         assert all(0.1 < f < 0.6 for f in r["changed_fraction"])  # deltas, and a sizeable share of elements
+        assert ("float8_e4m3fn" in r["dtypes"]) == fp8
+        if fp8:  # every FP8 weight and scale took a delta through the loader
+            projections = [n for n in r["placements"] if n.endswith("proj.weight")]
+            assert len(projections) == 14 and all(n + "_scale_inv" in r["placements"] for n in projections)
         assert r["refused"] == "sglang loader: push 4 is a delta against version 2 but this server holds version 3"
         assert r["unchanged_after_refusal"] is True
         assert "model.layers.1.self_attn.q_proj.weight" in r["placements"]

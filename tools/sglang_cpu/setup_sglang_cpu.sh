@@ -16,6 +16,7 @@ python -m pip install --disable-pip-version-check -q --no-deps --upgrade --targe
 PYTHONPATH="$TARGET:$REPO/tools/sglang_cpu/stubs" python - <<'PY'
 import torch
 import sglang.srt.models.qwen2  # noqa: F401
+import sglang.srt.layers.quantization.fp8  # noqa: F401  (its FusedMoE import needs einops)
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print(f"sglang model code importable on torch {torch.__version__}")
 PY
