@@ -359,9 +359,9 @@ class RolloutConfig:
     a host copy of the sent weights (on a split launch each actor rank keeps its own share and each engine rank of
     embedded engines a copy of the last push). Transformers engine, colocated or on a split launch's engine ranks
     (weight_dtype "fp8" there only); SGLang servers apply the changes themselves, sent by actor rank 0 or
-    (weight_sync_route "direct" on a split launch) forwarded by the engine ranks, which keep no copy (each server
-    started with --custom-weight-loader megatron_dapo.rollout.sglang_loader.load_weights, megatron_dapo importable
-    there: rollout/sglang_loader.py)."""
+    (weight_sync_route "direct" on a split launch, not with weight_dtype "fp8") forwarded by the engine ranks, which
+    keep no copy (each server started with --custom-weight-loader megatron_dapo.rollout.sglang_loader.load_weights,
+    megatron_dapo importable there: rollout/sglang_loader.py)."""
     weight_sync_full_every: int = 0
     """With weight_sync_delta, every N-th sync sends every tensor in full (0: only the first one and those after an
     engine restart or a failed sync)."""
@@ -432,7 +432,8 @@ class RolloutConfig:
     weight_dtype: str = "auto"
     """Dtype of the weights sent to the engine each step: "auto" (as the actor exports them) or "fp8" (q/k/v/o and
     gate/up/down projections quantized to float8_e4m3fn with one fp32 scale per 128 x 128 block, the block-FP8 layout
-    SGLang loads; embeddings, norms and lm_head stay as they are). Engines "transformers" and colocated "sglang"."""
+    SGLang loads; embeddings, norms and lm_head stay as they are). Engines "transformers" and "sglang" (colocated, or
+    servers started to serve that layout: rollout/fp8.SGLANG_FP8_QUANTIZATION_CONFIG, checked at the first update)."""
 
     @property
     def weight_sync_bucket_bytes(self) -> int:
@@ -468,16 +469,19 @@ class RolloutConfig:
             f'"fp8" is implemented for engines {with_capability("fp8")}, not {self.engine} {self.mode}',
         )
         if self.weight_sync_delta:
-            # FP8 payloads: the engine holds dequantized weights, so the FP8 base a delta applies to exists only on a
-            # split launch's engine rank (its DeltaDecoder keeps the last push and hands the engine full tensors).
-            # SGLang servers apply deltas with their loader, whoever sends them.
-            fp8_ok = self.weight_dtype == "auto" or self.engine_ranks > 0
+            # FP8 payloads: the embedded engine holds dequantized weights, so the FP8 base a delta applies to exists
+            # only on a split launch's engine rank (its DeltaDecoder keeps the last push and hands the engine full
+            # tensors). SGLang servers hold the FP8 weights and apply deltas with their loader, from actor rank 0; an
+            # engine rank relaying to them keeps no base, so it cannot quantize a change (placement.DirectChannel).
+            relay = self.mode == "server" and self.direct_weight_sync
+            fp8_ok = self.weight_dtype == "auto" or (self.engine_ranks > 0 or self.mode == "server") and not relay
+            where = "weight_sync_route direct" if relay else "rollout.engine_ranks 0"
             _check(
                 self.mode in kind.delta_modes and fp8_ok,
                 "rollout.weight_sync_delta",
-                f'implemented for engines {with_capability("delta")} (also split; weight_dtype "fp8" only split), '
-                f'not {self.engine} {self.mode} with weight_dtype "{self.weight_dtype}"'
-                + ("" if fp8_ok else " and rollout.engine_ranks 0"),
+                f'implemented for engines {with_capability("delta")} (also split; weight_dtype "fp8" split or into '
+                f"SGLang servers from actor rank 0), not {self.engine} {self.mode} with weight_dtype "
+                f'"{self.weight_dtype}"' + ("" if fp8_ok else f" and {where}"),
             )
 
 

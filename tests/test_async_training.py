@@ -16,6 +16,7 @@ tiny job, the last rank an engine rank (the embedded engine), the others a Megat
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -214,14 +215,21 @@ def test_generation_runs_ahead_within_the_staleness_bound_and_resumes_after_pree
     )
 
 
-def _same_as_checkpoint(dumped: Path, hf_dir: Path) -> bool:
+def _same_as_checkpoint(dumped: Path, hf_dir: Path, fp8: bool = False) -> bool:
     """The stand-in server's weights (a --dump-dir file) equal an HF checkpoint's tensors bit for bit (cast to the
-    engine's dtype, fp32 here)."""
+    engine's dtype, fp32 here); fp8: its projections as their block-FP8 quantization dequantizes (rollout/fp8.py)."""
     from safetensors.torch import load_file
+
+    from megatron_dapo.rollout.fp8 import dequantize_block_fp8
+    from megatron_dapo.rollout.fp8 import is_fp8_linear
+    from megatron_dapo.rollout.fp8 import quantize_block_fp8
 
     engine = torch.load(dumped, weights_only=True)
     files = sorted(hf_dir.glob("*.safetensors"))
     expected = {k: v for f in files for k, v in load_file(f).items()}
+    if fp8:
+        expected = {k: dequantize_block_fp8(*quantize_block_fp8(v), engine[k].dtype) if is_fp8_linear(k, v) else v
+                    for k, v in expected.items()}  # fmt: skip
     return bool(expected) and all(torch.equal(engine[k], v.to(engine[k].dtype)) for k, v in expected.items())
 
 
@@ -231,11 +239,14 @@ as deltas (on GPU the bf16 export rounds the paper's lr updates away likewise: d
 
 
 @contextmanager
-def _stand_in_servers(tiny, tmp_path: Path, count: int, loader: bool = True) -> Iterator[list[str]]:
+def _stand_in_servers(tiny, tmp_path: Path, count: int, loader: bool = True, fp8: bool = False) -> Iterator[list[str]]:
     """`count` stand-in SGLang servers (megatron_dapo/dev/cpu_sglang_server.py) over the tiny model, their URLs; each
     logs to tmp_path/server{i}.log and dumps its weights at every update's end into tmp_path/dumps{i}/; each is
     started with the delta loader (rollout/sglang_loader.py), as weight_sync_delta asks of the servers (unless
-    `loader` is False)."""
+    `loader` is False), and with fp8 serving block FP8 (the override rollout.weight_dtype fp8 asks of them)."""
+    from megatron_dapo.rollout.fp8 import SGLANG_FP8_QUANTIZATION_CONFIG
+
+    override = ["--json-model-override-args", json.dumps({"quantization_config": SGLANG_FP8_QUANTIZATION_CONFIG})]
     procs, logs = [], []
     try:
         for i in range(count):
@@ -244,7 +255,8 @@ def _stand_in_servers(tiny, tmp_path: Path, count: int, loader: bool = True) -> 
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "megatron_dapo.dev.cpu_sglang_server", "--model", tiny["model"],
                  "--max-new-tokens", "12", "--port-file", str(tmp_path / f"port{i}"), "--dump-dir",
-                 str(tmp_path / f"dumps{i}"), *(["--custom-weight-loader", LOADER] if loader else [])],
+                 str(tmp_path / f"dumps{i}"), *(["--custom-weight-loader", LOADER] if loader else []),
+                 *(override if fp8 else [])],
                 cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, stdout=logs[i],
                 stderr=subprocess.STDOUT,
             ))  # fmt: skip
@@ -328,22 +340,31 @@ def test_split_launch_over_sglang_servers_trains_within_the_bound(tiny, tmp_path
 
 
 @pytest.mark.slow
-def test_a_colocated_launch_over_an_sglang_server_trains_and_leaves_the_server_as_it_found_it(tiny, tmp_path):
+@pytest.mark.parametrize("weight_dtype", ["auto", "fp8"])
+def test_a_colocated_launch_over_an_sglang_server_trains_and_leaves_the_server_as_it_found_it(
+    tiny, tmp_path, weight_dtype
+):
     """rollout.mode server without engine ranks: rank 0 drives the server and pushes the weights before each step's
     generation (its weight-update group, gloo here; with weight_sync_delta, the second push as changed elements
     through the server's delta loader); at the end of the run it asks the server to destroy that group (servers
     outlive jobs: docs/reliability.md row 142). The final evaluation's push leaves the server holding the final
-    export, bit for bit."""
-    with _stand_in_servers(tiny, tmp_path, 1) as urls:
+    export, bit for bit. fp8 (rollout.weight_dtype): the server serves block FP8; the changed elements of the
+    float8 weights and of their scales go to its loader (at an lr that moves some FP8 values and not others); its
+    first push comes before step 1's (an FP8 server starts from dummy weights), so step 1's is a delta already."""
+    fp8 = weight_dtype == "fp8"
+    with _stand_in_servers(tiny, tmp_path, 1, fp8=fp8) as urls:
         run = tmp_path / "colocated"
         _train(tiny, run, "--trainer.total_steps=2", "--trainer.eval_every=2", "--rollout.engine=sglang",
                "--rollout.mode=server", f"--rollout.server_urls=[{urls[0]}]", "--rollout.weight_sync_delta=true",
-               *SMALL_UPDATES, nproc=1)  # fmt: skip
+               f"--rollout.weight_dtype={weight_dtype}", *(["--actor.lr=1e-5"] if fp8 else SMALL_UPDATES),
+               nproc=1)  # fmt: skip
     rows = [r for r in _metrics(run) if r["step"] >= 1]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["weight_sync/bytes"] > 0 for r in rows)
-    assert rows[0]["weight_sync/changed_fraction"] == 1.0 and 0.0 < rows[1]["weight_sync/changed_fraction"] < 1.0
-    assert _same_as_checkpoint(tmp_path / "dumps0" / f"v{DEFAULT_VERSION}.pt", run / "hf_final")
-    assert any(x.startswith("loader call: ") for x in (tmp_path / "server0.log").read_text().splitlines())
+    fractions = [r["weight_sync/changed_fraction"] for r in rows]
+    assert (fractions[0] == 1.0) != fp8 and 0.0 < fractions[1] < 1.0
+    assert _same_as_checkpoint(tmp_path / "dumps0" / f"v{DEFAULT_VERSION}.pt", run / "hf_final", fp8=fp8)
     lines = (tmp_path / "server0.log").read_text().splitlines()
+    calls = [x for x in lines if x.startswith("loader call: ")]
+    assert calls and (not fp8 or any(not x.endswith(" 0 fp8 halves") for x in calls)), calls
     assert sum(x.startswith("destroyed group megatron_dapo_weights_") for x in lines) == 1, lines[-20:]

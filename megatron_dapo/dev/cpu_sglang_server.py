@@ -16,6 +16,10 @@ the tokens from then on), /begin_weight_update, /end_weight_update, /flush_cache
 ends the server, as SGLang's scheduler does; /get_server_info lists the loaders; a call that carries tensors prints
 `loader call: N tensors`).
 With --dump-dir DIR each /end_weight_update writes the engine's weights to DIR/v{weight_version}.pt.
+With --json-model-override-args carrying a quantization_config (reported by /get_server_info, as SGLang's server args
+are) it serves block FP8 as SGLang does with rollout/fp8.SGLANG_FP8_QUANTIZATION_CONFIG: the projections are held as
+float8_e4m3fn weights and fp32 `_scale_inv` blocks, which updates and the delta loader write (a float8 broadcast
+arrives as its bytes: gloo has no float8 type), and the engine generates from their dequantization.
 
 A continued (partial) request arrives as prompt + its tokens with max_new_tokens = cap - their number, as SGLang
 gets it; the engine continues it as a prefix of the job's cap (--max-new-tokens) and only the new tokens go back.
@@ -39,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.fp8_format import SCALE_SUFFIX
 from megatron_dapo.rollout import FinishReason
 from megatron_dapo.rollout import GenerationRequest
 from megatron_dapo.rollout import Rollout
@@ -55,21 +60,41 @@ DEFAULT = -1
 
 class _LoaderModel:
     """What SGLang hands a custom weight loader: the model, whose load_weights copies HF-named tensors into its
-    parameters (here through the embedded engine's writer)."""
+    parameters (here through the embedded engine's writer). fp8: the projections' FP8 halves (float8_e4m3fn weight,
+    fp32 `_scale_inv`) are parameters of their own, as in SGLang's Fp8LinearMethod; `refresh` dequantizes the named
+    ones into the engine."""
 
-    def __init__(self, engine: TransformersEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: TransformersEngine, fp8: bool = False) -> None:
+        self.engine, self.fp8 = engine, fp8
+        self.halves: dict[str, torch.Tensor] = {}
 
     def named_parameters(self) -> Any:
-        return self.engine.model.named_parameters()
+        yield from self.engine.model.named_parameters()
+        yield from ((f"fp8:{name}", t) for name, t in self.halves.items())
 
     def load_weights(self, weights: list) -> None:
-        self.engine.update_weights(list(weights))
+        rest = []
+        for name, t in weights:
+            if self.fp8 and (name in self.halves or t.dtype == torch.float8_e4m3fn or name.endswith(SCALE_SUFFIX)):
+                if name in self.halves:
+                    self.halves[name].copy_(t)
+                else:
+                    self.halves[name] = t.clone()
+            else:
+                rest.append((name, t))
+        self.engine.update_weights(rest)
+
+    def refresh(self, names: list[str]) -> None:
+        """The engine's projections for these HF names (either FP8 half) dequantized from the halves held."""
+        bases = dict.fromkeys(n.removesuffix(SCALE_SUFFIX) for n in names if self.fp8)
+        self.engine.update_weights([(x, self.halves[x]) for b in bases if b + SCALE_SUFFIX in self.halves
+                                    for x in (b, b + SCALE_SUFFIX)])  # fmt: skip
 
 
 class Server:
     def __init__(self, model: str, cap: int, max_running: int, dump_dir: str | None = None,
-                 custom_weight_loader: list[str] | None = None) -> None:  # fmt: skip
+                 custom_weight_loader: list[str] | None = None,
+                 json_model_override_args: str = "{}") -> None:  # fmt: skip
         self.engine = TransformersEngine(model, dtype=torch.float32, device="cpu", max_running=max_running,
                                          max_context=512)  # fmt: skip
         self.engine.weight_version = DEFAULT
@@ -79,7 +104,9 @@ class Server:
         self.groups: dict[str, Any] = {}  # by group_name, as SGLang keeps them
         self.dump_dir = dump_dir
         self.custom_weight_loader = list(custom_weight_loader or [])
-        self.loader_model = _LoaderModel(self.engine)
+        self.json_model_override_args = json_model_override_args
+        fp8 = "quantization_config" in json.loads(json_model_override_args)
+        self.loader_model = _LoaderModel(self.engine, fp8)
         self.pending: dict[str, tuple[int, threading.Event, list]] = {}  # rid -> (prefix length, done, [result])
         threading.Thread(target=self._loop, daemon=True).start()
 
@@ -159,10 +186,12 @@ class Server:
         bucket = []
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
             t = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(t, group_src=0, group=self.groups[body["group_name"]])
+            wire = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            dist.broadcast(wire, group_src=0, group=self.groups[body["group_name"]])
             bucket.append((name, t))
         with self.lock:
-            self.engine.update_weights(bucket)
+            self.loader_model.load_weights(bucket)
+            self.loader_model.refresh([n for n, _ in bucket])
             self._stamp(body.get("weight_version"))
 
     def update_from_tensor(self, body: dict) -> None:
@@ -176,9 +205,11 @@ class Server:
         with self.lock:
             getattr(importlib.import_module(module), fn)(self.loader_model, named)
             carried = carried_names(named)
+            self.loader_model.refresh(carried)
             self.engine.weights.note_written(carried)
             if carried:
-                print(f"loader call: {len(carried)} tensors", flush=True)
+                fp8 = sum(n in self.loader_model.halves for n in carried)
+                print(f"loader call: {len(carried)} tensors, {fp8} fp8 halves", flush=True)
             self._stamp(body.get("weight_version"))
 
     def _stamp(self, version: str | None) -> None:
@@ -211,7 +242,8 @@ def make_handler(server: Server) -> type:
         def do_GET(self) -> None:
             assert self.path == "/get_server_info", self.path
             self._reply({"internal_states": [{MAX_RUNNING_KEY: server.max_running}],
-                         "custom_weight_loader": server.custom_weight_loader})  # fmt: skip
+                         "custom_weight_loader": server.custom_weight_loader,
+                         "json_model_override_args": server.json_model_override_args})  # fmt: skip
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
@@ -271,9 +303,11 @@ def main() -> None:
     parser.add_argument("--port-file", required=True)
     parser.add_argument("--dump-dir", default=None)
     parser.add_argument("--custom-weight-loader", nargs="*", default=[])
+    parser.add_argument("--json-model-override-args", default="{}")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    server = Server(args.model, args.max_new_tokens, args.max_running, args.dump_dir, args.custom_weight_loader)
+    server = Server(args.model, args.max_new_tokens, args.max_running, args.dump_dir, args.custom_weight_loader,
+                    args.json_model_override_args)  # fmt: skip
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(server))
     Path(args.port_file).write_text(str(httpd.server_address[1]))
     httpd.serve_forever()

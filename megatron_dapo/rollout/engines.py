@@ -4,13 +4,14 @@ Torch-free: the config reads it on any import path. How each engine is built is 
 
     name           package   modes                  fp8 weights   split launch         routing (r3)   delta sync
     transformers   (ours)    colocated              colocated     colocated (embedded)  yes            colocated, split
-    sglang         sglang    colocated, server      colocated     server (drives them)  yes            server (loader)
+    sglang         sglang    colocated, server      both          server (drives them)  yes            server (loader)
     vllm           vllm      colocated              no            no                    no             no
     (memory: every engine is planned with SGLang's rules)
 
 "server (loader)": SGLang servers apply the changed elements with rollout/sglang_loader.py, from actor rank 0 or, on a
 split launch with rollout.weight_sync_route "direct", from the engine ranks relaying them (config.RolloutConfig's
-check).
+check); FP8 ones too (the float8 weights and their block scales), except those relayed: an engine rank keeps no base
+to quantize a change against. FP8 servers serve rollout/fp8.SGLANG_FP8_QUANTIZATION_CONFIG (docs/rollout.md).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ ENGINES: dict[str, EngineKind] = {
             "SGLang",
             "sglang",
             ("colocated", "server"),
-            ("colocated",),
+            ("colocated", "server"),
             ("server",),
             routing=True,
             delta_modes=("server",),

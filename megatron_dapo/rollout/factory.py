@@ -72,7 +72,7 @@ def server_stream(
     # Deltas reach the servers' own loader on every route: from actor rank 0, or from the engine ranks relaying them.
     server = SGLangServerEngine(
         urls, server_tp=rollout.tensor_parallel, max_running_requests=rollout.max_running_requests,
-        delta_loader=rollout.weight_sync_delta, **group,
+        delta_loader=rollout.weight_sync_delta, fp8=rollout.weight_dtype == "fp8", **group,
     )  # fmt: skip
     server.routed_shape = routing_shape(model_path) if routed_experts else None
     return server

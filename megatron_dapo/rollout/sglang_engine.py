@@ -431,7 +431,11 @@ class SGLangServerEngine(ServerStream):
     gpu: the CUDA device NCCL sends from (None: the calling thread's current one; an engine rank's relay thread
     sends from its local GPU, engine_rank.relay_group). delta_loader: the updates may carry changed elements
     (WeightDelta entries, rollout.weight_sync_delta), loaded by rollout/sglang_loader.py inside the servers, which
-    must be started with `--custom-weight-loader` naming it (checked at the first update, one line).
+    must be started with `--custom-weight-loader` naming it (checked at the first update, one line). fp8: the
+    updates are rollout.weight_dtype "fp8"'s stream (float8_e4m3fn weights and their fp32 block scales), which the
+    servers must serve as block FP8 (`--json-model-override-args` carrying rollout/fp8.SGLANG_FP8_QUANTIZATION_CONFIG:
+    checked at the first update, one line; a server holding bf16 projections would load the FP8 values without
+    their scales).
     """
 
     def __init__(
@@ -447,6 +451,7 @@ class SGLangServerEngine(ServerStream):
         backend: str = "nccl",
         max_running_requests: int = 0,
         delta_loader: bool = False,
+        fp8: bool = False,
         gpu: int | None = None,
     ) -> None:
         if not server_urls:
@@ -462,8 +467,8 @@ class SGLangServerEngine(ServerStream):
         self._group = None
         self._session_routes = True
         self._update_version: str | None = None
-        self.delta_loader = delta_loader
-        self._loader_checked = False
+        self.delta_loader, self.fp8 = delta_loader, fp8
+        self._servers_checked = False
         self._delta_version: int | None = None  # the delta-mode version this update writes (None: plain tensors)
         self._init_stream(max_running_requests)
 
@@ -509,8 +514,8 @@ class SGLangServerEngine(ServerStream):
 
     def begin_weight_update(self) -> None:
         """Create the NCCL update group on first use (servers join concurrently), then open server sessions."""
-        if self.delta_loader and not self._loader_checked:
-            self._check_loader()
+        if not self._servers_checked:
+            self._check_servers()
         if self._group is None:
             self._group = self._join_group()
         self._delta_version = None
@@ -568,16 +573,27 @@ class SGLangServerEngine(ServerStream):
             raise made[0]
         return made[0]
 
-    def _check_loader(self) -> None:
-        """Every server lists the delta loader among its custom weight loaders (SGLang would end the server on a
-        load_format it does not know: a NotImplementedError in its scheduler)."""
+    def _check_servers(self) -> None:
+        """With delta_loader, every server lists the delta loader among its custom weight loaders (SGLang would end
+        the server on a load_format it does not know: a NotImplementedError in its scheduler); with fp8, every server
+        serves the block-FP8 layout the updates carry."""
+        from megatron_dapo.rollout.fp8 import SGLANG_FP8_QUANTIZATION_CONFIG
         from megatron_dapo.rollout.sglang_loader import LOADER
 
-        for url in self.urls:
-            if LOADER not in (self._get(url, "/get_server_info").get("custom_weight_loader") or []):
+        for url in self.urls if self.delta_loader or self.fp8 else []:
+            info = self._get(url, "/get_server_info")
+            if self.delta_loader and LOADER not in (info.get("custom_weight_loader") or []):
                 why = "which rollout.weight_sync_delta needs to apply changed weights inside it"
                 raise WeightUpdateError(f"sglang server {url}: started without --custom-weight-loader {LOADER}, {why}")
-        self._loader_checked = True
+            if self.fp8:
+                served = json.loads(info.get("json_model_override_args") or "{}").get("quantization_config") or {}
+                wanted = {k: SGLANG_FP8_QUANTIZATION_CONFIG[k] for k in ("quant_method", "weight_block_size")}
+                if {k: served.get(k) for k in wanted} != wanted:
+                    override = json.dumps({"quantization_config": SGLANG_FP8_QUANTIZATION_CONFIG})
+                    raise WeightUpdateError(f"sglang server {url}: serves quantization_config {served or 'none'}, "
+                                            f"but rollout.weight_dtype fp8 sends block-FP8 weights; start it with "
+                                            f"--json-model-override-args '{override}' --load-format dummy")  # fmt: skip
+        self._servers_checked = True
 
     def update_weights(self, bucket: Sequence[tuple[str, Tensor | WeightDelta]]) -> None:
         """Announce the bucket to every server over HTTP, then broadcast each tensor from rank 0 (NCCL). WeightDelta
@@ -639,7 +655,11 @@ class SGLangServerEngine(ServerStream):
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(self._post_all, "/update_weights_from_distributed", body)
             for _, t in bucket:
-                dist.broadcast(t.to(device).contiguous() if device else t.contiguous(), group_src=0, group=self._group)
+                t = t.to(device).contiguous() if device else t.contiguous()
+                # NCCL broadcasts float8 (torch maps it to ncclFloat8e4m3 or ncclUint8); gloo has no float8 type, so
+                # on CPU both ends send the bytes (dev/cpu_sglang_server.py receives them the same way).
+                wire = t.view(torch.uint8) if not nccl and t.dtype == torch.float8_e4m3fn else t
+                dist.broadcast(wire, group_src=0, group=self._group)
             for r in pending.result():
                 _ok(r, "update_weights_from_distributed")
 

@@ -143,6 +143,25 @@ def test_delta_sync_where_it_is_not_implemented_is_one_config_line(overrides):
     assert "\n" not in str(e.value)
 
 
+def test_fp8_deltas_go_into_sglang_servers_from_actor_rank_0_and_not_by_the_relay():
+    """The servers' loader applies FP8 changes (their float8 weights and scales are what a delta's base is), so actor
+    rank 0 sends them, colocated or on the split launch's rank-0 route; an engine rank relaying keeps no base to
+    quantize a change against (placement.DirectChannel refuses forward with fp8): one config line."""
+    from megatron_dapo.rollout.factory import server_stream
+
+    fp8 = ["--rollout.weight_sync_delta=true", "--rollout.weight_dtype=fp8", "--trainer.max_staleness=0"]
+    split = [f"--rollout.{k}={v}" for k, v in SERVERS.items()]
+    colocated = ["--rollout.engine=sglang", "--rollout.mode=server", "--rollout.server_urls=[http://h:1]"]
+    for overrides in (colocated, [*split, "--rollout.weight_sync_route=rank0"]):
+        engine = server_stream(load_config(None, [*overrides, *fp8]).rollout, "unused", ["http://h:1"])
+        assert engine.fp8 and engine.delta_loader
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*split, "--rollout.weight_sync_route=direct", *fp8])
+    assert str(e.value).endswith('not sglang server with weight_dtype "fp8" and weight_sync_route direct')
+    relay = load_config(None, [*split, "--rollout.weight_sync_route=direct", *fp8[1:]]).rollout  # full: quantized
+    assert relay.direct_weight_sync and server_stream(relay, "unused", ["http://h:1"]).fp8  # by the engine rank
+
+
 @pytest.mark.parametrize("route", ["direct", "rank0", "auto"])
 def test_delta_sync_to_sglang_servers_is_loaded_by_the_servers_on_every_route(route):
     """On the direct route the engine ranks forward the deltas (placement.DirectChannel's forward), on the rank-0

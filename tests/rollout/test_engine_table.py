@@ -49,8 +49,8 @@ def test_no_file_outside_rollout_branches_on_an_engine_name():
         (["--rollout.engine=vllm", "--rollout.mode=server", "--rollout.server_urls=http://127.0.0.1:1"],
          'rollout.mode: "server" is not implemented for engine "vllm"'),
         (["--rollout.engine=vllm", "--rollout.weight_dtype=fp8"],
-         'rollout.weight_dtype: "fp8" is implemented for engines "transformers", "colocated sglang", not vllm '
-         "colocated"),
+         'rollout.weight_dtype: "fp8" is implemented for engines "transformers", "colocated sglang", "server sglang", '
+         "not vllm colocated"),
         (["--rollout.engine=vllm", "--actor.routing_replay=r3"],
          "actor.routing_replay: r3 needs every token's experts from the rollout engine; rollout.engine 'vllm' does "
          'not return them ("transformers", "colocated sglang", "server sglang" do); use r2'),

@@ -185,14 +185,16 @@ def test_deltas_into_sglangs_own_qwen2_equal_its_full_load(tp, fp8, tmp_path):
 
 
 class _InfoHandler(BaseHTTPRequestHandler):
-    """A server's /get_server_info without the delta loader among its custom weight loaders."""
+    """A server's /get_server_info without the delta loader among its custom weight loaders, serving bf16 (SGLang's
+    default json_model_override_args)."""
 
     def log_message(self, *args) -> None:
         pass
 
     def do_GET(self) -> None:
         assert self.path == "/get_server_info", self.path
-        data = json.dumps({"internal_states": [{}], "custom_weight_loader": []}).encode()
+        info = {"internal_states": [{}], "custom_weight_loader": [], "json_model_override_args": "{}"}
+        data = json.dumps(info).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -217,6 +219,17 @@ def test_a_server_without_the_delta_loader_is_one_line_before_anything_is_sent()
         delta = WeightDelta(2, 1, torch.tensor([0], dtype=torch.int32), torch.ones(1), (3,))
         with pytest.raises(WeightUpdateError, match=r"tensor 'w' is a delta but this engine was not built"):
             plain.update_weights([("w", delta)])
+        # rollout.weight_dtype fp8 into a server serving bf16: its projections would take the float8 values without
+        # their scales; refused before anything is sent, naming the override that makes it serve block FP8.
+        fp8 = SGLangServerEngine([url], master_port=free_port(), backend="gloo", timeout_s=30, fp8=True)
+        with pytest.raises(WeightUpdateError) as err:
+            fp8.begin_weight_update()
+        assert str(err.value).startswith(
+            f"sglang server {url}: serves quantization_config none, but "
+            "rollout.weight_dtype fp8 sends block-FP8 weights; start it with "
+            '--json-model-override-args \'{"quantization_config": {"quant_method": "fp8"'
+        )
+        assert "\n" not in str(err.value) and fp8._group is None
     finally:
         httpd.shutdown()
 
