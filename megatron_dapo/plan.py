@@ -337,6 +337,9 @@ class Assumptions:
     delta_bytes_fraction: float = 0.069
     """rollout.weight_sync_delta: the bytes a delta sync sends as a share of a full one. Measured on CPU at the main
     job's lr (5e-6, bf16 export, SmolLM2-135M; docs/benchmarks.md "Delta weight sync": 0.065-0.069)."""
+    delta_bytes_fraction_fp8: float = 0.037
+    """The same with rollout.weight_dtype "fp8" (a delta of the block-FP8 stream: e4m3 projections change about a
+    tenth as often as bf16 ones; the same run: 0.023-0.037, the bf16 embeddings most of it)."""
     http_gbps: float = 0.38
     """rollout.weight_sync_delta into SGLang servers on the rank-0 route: the changed elements' bytes per second
     through one /update_weights_from_tensor body (pickled, base64 in JSON: 4/3 of their bytes; TP rank 0's payload
@@ -960,12 +963,14 @@ class SyncLayout:
 
 def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, str, dict[str, float]]:
     """Seconds of one weight sync, its formula and its terms (seconds by name). S is the HF-layout export in the
-    engine's dtype; a delta sends S x delta_bytes_fraction after comparing all of S with the sender's host copy (at
-    offload_gbps: device to host); direct resharding replaces the gather and the one sender by every actor GPU
-    sending its share, bounded by what each engine GPU receives and each actor GPU sends."""
+    engine's dtype; a delta sends S x delta_bytes_fraction (delta_bytes_fraction_fp8 with FP8 weights) after
+    comparing all of S with the sender's host copy (at offload_gbps: device to host); direct resharding replaces the
+    gather and the one sender by every actor GPU sending its share, bounded by what each engine GPU receives and each
+    actor GPU sends."""
     size = engine_weight_bytes(m, 1, a.dtype_bytes, s.fp8)  # what one sync sends (the whole model, HF layout)
     colocated = s.placement == "colocated"
-    sent = size * a.delta_bytes_fraction if s.delta else size
+    fraction = a.delta_bytes_fraction_fp8 if s.fp8 else a.delta_bytes_fraction
+    sent = size * fraction if s.delta else size
     # Colocated: the engine reads the buckets through CUDA IPC. Otherwise a broadcast to GPUs the actor does not own:
     # NVLink when a disaggregated split stays inside one node, the network between nodes.
     load_gbps = a.ipc_gbps if colocated else a.nvlink_gbps if s.placement == "split" and s.nodes == 1 else (
@@ -1037,7 +1042,7 @@ def sync_estimate(m: ModelShape, s: SyncLayout, a: Assumptions) -> tuple[float, 
     if s.delta:
         terms["delta compare"] = compare / (a.offload_gbps * 1e9)
         formula += (
-            f" + delta compare {compare / 1e9:.1f} GB/{a.offload_gbps:g} (S' = S x {a.delta_bytes_fraction:g} = "
+            f" + delta compare {compare / 1e9:.1f} GB/{a.offload_gbps:g} (S' = S x {fraction:g} = "
             f"{sent / 1e9:.1f} GB sent)"
         )
     terms["buckets"] = buckets * a.bucket_overhead_s

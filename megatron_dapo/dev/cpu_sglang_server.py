@@ -14,7 +14,7 @@ the tokens from then on), /begin_weight_update, /end_weight_update, /flush_cache
 /update_weights_from_tensor with a load_format listed in --custom-weight-loader (imported and called as
 `loader(model, named_tensors)`, `model.load_weights` copying HF-named tensors into the parameters; an exception there
 ends the server, as SGLang's scheduler does; /get_server_info lists the loaders; a call that carries tensors prints
-`loader call: N tensors`).
+`loader call: N tensors, F fp8 halves`).
 With --dump-dir DIR each /end_weight_update writes the engine's weights to DIR/v{weight_version}.pt.
 With --json-model-override-args carrying a quantization_config (reported by /get_server_info, as SGLang's server args
 are) it serves block FP8 as SGLang does with rollout/fp8.SGLANG_FP8_QUANTIZATION_CONFIG: the projections are held as
@@ -86,7 +86,9 @@ class _LoaderModel:
 
     def refresh(self, names: list[str]) -> None:
         """The engine's projections for these HF names (either FP8 half) dequantized from the halves held."""
-        bases = dict.fromkeys(n.removesuffix(SCALE_SUFFIX) for n in names if self.fp8)
+        if not self.fp8:
+            return
+        bases = dict.fromkeys(n.removesuffix(SCALE_SUFFIX) for n in names)
         self.engine.update_weights([(x, self.halves[x]) for b in bases if b + SCALE_SUFFIX in self.halves
                                     for x in (b, b + SCALE_SUFFIX)])  # fmt: skip
 

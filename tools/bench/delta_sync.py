@@ -1,6 +1,7 @@
 """Changed-weights (delta) vs full weight sync on the main job's model, side by side in one run (issue 39 item 4).
 
-    python tools/bench/delta_sync.py [--steps 10] [--moe]     # CPU, ~2 min dense; --moe adds the upcycled MoE
+    python tools/bench/delta_sync.py [--steps 10] [--moe] [--fp8]   # CPU, ~2 min dense; --moe adds the upcycled
+                                                                    # MoE, --fp8 each model's block-FP8 stream
 
 The main job's model (SmolLM2-135M-Instruct from the offline cache; with --moe also its sparse upcycle, 4 experts
 top-2, dev/upcycle.py) takes --steps AdamW steps at the main job's optimizer settings (examples/smollm2_arith_cpu.yaml:
@@ -9,8 +10,12 @@ element is about lr whatever the loss, so the changed fraction is the one the DA
 each step the weights are exported in bf16 (what a bf16 actor exports; the CPU actor is fp32) and pushed twice:
 a full WeightSync into one TransformersEngine, a delta one (rollout.weight_sync_delta) into another. Per step:
 bytes and seconds of each, the changed fraction overall and per tensor kind; the two engines are checked equal bit
-for bit after every step. Rows go to results/delta_sync.csv, the summary to docs/benchmarks.md "## Delta weight
-sync" (only that section is replaced).
+for bit after every step. With --fp8 each model also runs with rollout.weight_dtype "fp8" (the rows "... fp8"): the
+export is quantized to block FP8 (rollout/fp8.py) and the delta is of the float8 weights and their fp32 scales, what an
+FP8 SGLang server's loader or a split launch's engine rank receives; here the engine rank's path: a DeltaDecoder
+rebuilds the FP8 tensors and the engine dequantizes them, checked against a full FP8 sync after every step (a
+projection's kind counts its weight's elements; its scales' changes, 1/16384 as many, are counted with them). Rows go
+to results/delta_sync.csv, the summary to docs/benchmarks.md "## Delta weight sync" (only that section is replaced).
 """
 
 from __future__ import annotations
@@ -84,20 +89,50 @@ def _counting(items, encoder, per_kind: dict[str, list[int]]):
         per_kind[kind_of(name)][0] += encoder.changed - seen
 
 
-def run_model(label: str, hf_dir: Path, optim: dict, data: Path, steps: int, rows: list[dict]) -> None:
+class _EngineRank:
+    """A split launch's engine rank in one process: each bucket of WeightDelta entries goes through the wire's plain
+    pairs (rollout/delta.as_plain_tensors) and a DeltaDecoder, and the engine loads the full tensors it rebuilds."""
+
+    def __init__(self, engine) -> None:
+        from megatron_dapo.rollout.delta import DeltaDecoder
+
+        self.engine, self.decoder, self.version = engine, DeltaDecoder(), None
+
+    def begin_weight_update(self) -> None:
+        self.version = None
+        self.engine.begin_weight_update()
+
+    def update_weights(self, bucket) -> None:
+        from megatron_dapo.rollout.delta import as_plain_tensors
+
+        if self.version is None:
+            self.version = bucket[0][1].version
+            self.decoder.begin(self.version, next((d.base for _, d in bucket if d.base is not None), None))
+        self.engine.update_weights(self.decoder.decode(list(as_plain_tensors(bucket))))
+
+    def end_weight_update(self, *, full: bool = True) -> None:
+        self.decoder.end()
+        self.engine.end_weight_update(full=full)
+
+
+def run_model(label: str, hf_dir: Path, optim: dict, data: Path, steps: int, rows: list[dict],
+              weight_dtype: str = "auto") -> None:  # fmt: skip
     from transformers import AutoModelForCausalLM
     from transformers import AutoTokenizer
 
     from megatron_dapo.rollout import TransformersEngine
     from megatron_dapo.rollout import WeightSync
 
+    torch.manual_seed(0)  # the same updates for a model's bf16 and fp8 runs
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     moe = {"experts_implementation": "eager"} if "moe" in label else {}
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **moe)
     full_engine, delta_engine = TransformersEngine(hf_dir), TransformersEngine(hf_dir)
     names = full_engine.weights.parameter_names
-    full, delta = WeightSync(full_engine), WeightSync(delta_engine, delta=True)
+    fp8 = weight_dtype == "fp8"
+    full = WeightSync(full_engine, weight_dtype=weight_dtype)
+    delta = WeightSync(_EngineRank(delta_engine) if fp8 else delta_engine, weight_dtype=weight_dtype, delta=True)
     opt = torch.optim.AdamW(model.parameters(), lr=optim["lr"], betas=(optim["adam_beta1"], optim["adam_beta2"]),
                             weight_decay=optim["weight_decay"])  # fmt: skip
     warmup = optim["lr_warmup_steps"]
@@ -134,7 +169,9 @@ def summary(rows: list[dict], csv_path: Path, optim: dict) -> str:
         "",
         f"Written by `tools/bench/delta_sync.py` ({time.strftime('%Y-%m-%d')}): the main job's model, AdamW at its "
         f"settings (lr {optim['lr']}, warm-up {optim['lr_warmup_steps']}), bf16 exports pushed by a full and a delta "
-        "WeightSync into two transformers engines on this CPU; the engines were equal bit for bit after every step.",
+        'WeightSync into two transformers engines on this CPU (rows "fp8": the exports\' block-FP8 quantization, the '
+        "delta of the float8 weights and their scales rebuilt by a split launch's DeltaDecoder); the engines were "
+        "equal bit for bit after every step.",
         "",
         "| model | steps | changed fraction (median, steps 1..) | delta bytes / full bytes | delta s / full s |",
         "|---|---|---|---|---|",
@@ -168,6 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--moe", action="store_true", help="also the sparse upcycle of the model (4 experts, top-2)")
+    parser.add_argument("--fp8", action="store_true", help='also each model with rollout.weight_dtype "fp8"')
     parser.add_argument("--model", default=str(default_cache_dir()))
     parser.add_argument("--data", default=str(REPO_ROOT / "runs/data/chain_sum_2x2d/train.jsonl"))
     parser.add_argument("--config", default=str(REPO_ROOT / "examples/smollm2_arith_cpu.yaml"))
@@ -180,15 +218,21 @@ def main() -> None:
     actor = yaml.safe_load(Path(args.config).read_text())["actor"]
     optim = {"lr": 1e-6, "lr_warmup_steps": 0, "adam_beta1": 0.9, "adam_beta2": 0.999, "weight_decay": 0.0}
     optim.update({k: actor[k] for k in optim if k in actor})
-    torch.manual_seed(0)
     rows: list[dict] = []
-    run_model("smollm2-135m", Path(args.model), optim, data, args.steps, rows)
+    dtypes = ("auto", "fp8") if args.fp8 else ("auto",)
+
+    def run(label: str, hf_dir: Path) -> None:
+        for dtype in dtypes:
+            run_model(label + (" fp8" if dtype == "fp8" else ""), hf_dir, optim, data, args.steps, rows, dtype)
+
+    run("smollm2-135m", Path(args.model))
     if args.moe:
         from megatron_dapo.dev.upcycle import upcycle_llama_to_moe
 
         with tempfile.TemporaryDirectory() as tmp:
+            torch.manual_seed(0)
             moe_dir = upcycle_llama_to_moe(args.model, Path(tmp) / "moe", num_experts=4, top_k=2, noise=0.01)
-            run_model("smollm2-135m upcycled moe", moe_dir, optim, data, args.steps, rows)
+            run("smollm2-135m upcycled moe", moe_dir)
     csv_path = Path(args.csv)
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
