@@ -12,14 +12,16 @@ engine receives, so only the elements whose bits changed since the engine's last
 
 Exactness: an element left out has the same bits in the new export as in the one the engine last received, so the
 engine's element (that value cast to its dtype) is what a full sync would write; the elements sent are written as a
-full sync writes them. Bytes: a changed element costs an index (int32; int64 past 2^31 elements) and its value, a
-full tensor its values: the delta is sent when k * (index + value bytes) < n * value bytes, the encoding with the
-fewest bytes, so no fraction needs tuning. The sender holds one copy of the exported weights in host memory (the
-export dtype: 2 bytes per parameter in bf16).
+full sync writes them. Bytes: a delta's positions travel as indices (int32; int64 past 2^31 elements: k x 4 bytes)
+or as a bitmap of the tensor (n / 8 bytes, smaller above 1/32 of the elements changed), whichever is smaller, with
+its k values; a full tensor is its n values. Each tensor goes in the encoding with the fewest bytes, so no fraction
+needs tuning (chosen by measurement: docs/benchmarks.md "Delta weight sync", where per-block encodings lose too).
+The sender holds one copy of the exported weights in host memory (the export dtype: 2 bytes per parameter in bf16).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,10 +49,37 @@ class WeightDelta:
     shape: tuple[int, ...] = ()
 
     @property
+    def as_mask(self) -> bool:
+        """A delta whose positions travel as a bitmap (as_plain_tensors): smaller than its indices."""
+        return self.index is not None and self.shape != () and mask_bytes(self.shape) < self.index.nbytes
+
+    @property
     def nbytes(self) -> int:
-        """What travels: values, and the index of a delta."""
+        """What travels: values, and a delta's positions (its indices or its bitmap, the smaller)."""
         size = self.values.numel() * self.values.element_size()
-        return size + (self.index.numel() * self.index.element_size() if self.index is not None else 0)
+        if self.index is None:
+            return size
+        return size + (mask_bytes(self.shape) if self.as_mask else self.index.nbytes)
+
+
+def mask_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of the bitmap of a tensor of `shape` (one bit per element)."""
+    return (math.prod(shape) + 7) // 8
+
+
+def pack_mask(index: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Flat positions `index` ([k], any order, distinct) -> uint8 [mask_bytes(shape)]: bit j of byte i (least
+    significant first) set where element 8 i + j is in `index`."""
+    bits = torch.zeros(mask_bytes(shape) * 8, dtype=torch.uint8)
+    bits[index.long()] = 1
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
+    return (bits.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+
+
+def unpack_mask(mask: Tensor) -> Tensor:
+    """pack_mask undone: the set positions, int64 [k] ascending."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return torch.nonzero(((mask.reshape(-1, 1) >> shifts) & 1).reshape(-1)).reshape(-1)
 
 
 def payload_bytes(x: Tensor | WeightDelta) -> int:
@@ -122,20 +151,36 @@ def apply_delta(target: Tensor, delta: WeightDelta) -> None:
 
 
 INDEX_SUFFIX = ".__delta_index__"
+MASK_SUFFIX = ".__delta_mask__"
 VALUES_SUFFIX = ".__delta_values__"
-"""On a wire that carries plain (name, tensor) pairs (the split launch's weight channel), a delta of `name` travels
-as `name + INDEX_SUFFIX` (its int32 / int64 indices) followed by `name + VALUES_SUFFIX` (its values)."""
+"""On a wire that carries plain (name, tensor) pairs (the split launch's weight channel, the SGLang loader's body), a
+delta of `name` travels as `name + INDEX_SUFFIX` (its int32 / int64 indices) or `name + MASK_SUFFIX` (its bitmap,
+pack_mask, where smaller: WeightDelta.as_mask) followed by `name + VALUES_SUFFIX` (its values, in position order
+after a bitmap)."""
 
 
 def as_plain_tensors(entries: Iterable[tuple[str, WeightDelta]]) -> Iterator[tuple[str, Tensor]]:
     """WeightDelta entries as plain (name, tensor) pairs for such a wire: a full tensor as itself, a delta as its
-    index and values under the suffixed names."""
+    positions (indices or bitmap) and values under the suffixed names."""
     for name, delta in entries:
         if delta.index is None:
             yield name, delta.values
+        elif delta.as_mask:
+            index, order = torch.sort(delta.index.long())  # a forwarded delta's positions come in any order
+            yield name + MASK_SUFFIX, pack_mask(index, delta.shape)
+            yield name + VALUES_SUFFIX, delta.values.reshape(-1)[order]
         else:
             yield name + INDEX_SUFFIX, delta.index
             yield name + VALUES_SUFFIX, delta.values
+
+
+def wire_positions(name: str, tensor: Tensor) -> tuple[str, Tensor] | None:
+    """A wire entry that carries a delta's positions -> (the tensor's name, its flat positions); None otherwise."""
+    if name.endswith(INDEX_SUFFIX):
+        return name[: -len(INDEX_SUFFIX)], tensor
+    if name.endswith(MASK_SUFFIX):
+        return name[: -len(MASK_SUFFIX)], unpack_mask(tensor)
+    return None
 
 
 class DeltaDecoder:
@@ -178,8 +223,9 @@ class DeltaDecoder:
         """The pairs of `as_plain_tensors` as (name, index or None for a full tensor, values); an index waits for
         its values, which may come in the next bucket."""
         for name, tensor in bucket:
-            if name.endswith(INDEX_SUFFIX):
-                self._index = (name[: -len(INDEX_SUFFIX)], tensor)
+            positions = wire_positions(name, tensor)
+            if positions is not None:
+                self._index = positions
             elif name.endswith(VALUES_SUFFIX):
                 name = name[: -len(VALUES_SUFFIX)]
                 if self._index is None or self._index[0] != name:

@@ -57,7 +57,9 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from megatron_dapo.rollout.delta import INDEX_SUFFIX
+from megatron_dapo.rollout.delta import MASK_SUFFIX
 from megatron_dapo.rollout.delta import VALUES_SUFFIX
+from megatron_dapo.rollout.delta import wire_positions
 
 LOADER = f"{__name__}.load_weights"
 """The dotted path SGLang imports: its `--custom-weight-loader` value and the request's `load_format`."""
@@ -238,7 +240,8 @@ def _state(model: Any) -> _State:
 
 def load_weights(model: Any, named_tensors: list[tuple[str, Tensor]]) -> None:
     """SGLang's custom-loader call on one TP rank (`--custom-weight-loader` LOADER): named_tensors = [(PUSH, int64
-    [version, base, end])] + delta pairs (name + INDEX_SUFFIX: int32/int64 [k], name + VALUES_SUFFIX: [k]) and full
+    [version, base, end])] + delta pairs (name + INDEX_SUFFIX: int32/int64 [k] or name + MASK_SUFFIX: its bitmap,
+    then name + VALUES_SUFFIX: [k]) and full
     tensors, in any mix. ValueError (one line; SGLang answers the request with it) on a push against a version this
     rank does not hold, a malformed call, or a name whose placement cannot be traced."""
     if not named_tensors or named_tensors[0][0] != PUSH:
@@ -258,8 +261,9 @@ def load_weights(model: Any, named_tensors: list[tuple[str, Tensor]]) -> None:
     index: tuple[str, Tensor] | None = None
     with torch.no_grad():
         for name, tensor in named_tensors[1:]:
-            if name.endswith(INDEX_SUFFIX):
-                index = (name[: -len(INDEX_SUFFIX)], tensor)
+            positions = wire_positions(name, tensor)
+            if positions is not None:
+                index = positions
             elif name.endswith(VALUES_SUFFIX):
                 name = name[: -len(VALUES_SUFFIX)]
                 if index is None or index[0] != name:
@@ -307,7 +311,7 @@ def carried_names(named_tensors: Sequence[tuple[str, Tensor]]) -> list[str]:
     out = []
     for name, t in named_tensors:
         name, _ = _from_wire(name, t)
-        if name == PUSH or name.endswith((SHAPE_SUFFIX, INDEX_SUFFIX)):
+        if name == PUSH or name.endswith((SHAPE_SUFFIX, INDEX_SUFFIX, MASK_SUFFIX)):
             continue
         out.append(name[: -len(VALUES_SUFFIX)] if name.endswith(VALUES_SUFFIX) else name)
     return out

@@ -231,3 +231,66 @@ def test_the_split_launchs_wire_carries_deltas_and_the_engine_rank_rebuilds_full
     assert sum(sent) < 1.5 * full  # five pushes in the bytes of one and a half full ones
     with pytest.raises(ValueError, match="push 9 is a delta against version 7 but this rank holds version 5"):
         decoder.begin(9, 7)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "changed", "encoding"),
+    [
+        (torch.bfloat16, 0.01, "index"),  # k x 4 < n / 8 below 1/32 of the elements changed
+        (torch.bfloat16, 0.10, "mask"),
+        (torch.bfloat16, 0.60, "mask"),  # 0.125 + 0.6 x 2 < 2 bytes per element: still a delta
+        (torch.bfloat16, 0.95, "full"),
+        (torch.float8_e4m3fn, 0.30, "mask"),  # 0.125 + 0.3 < 1
+        (torch.float8_e4m3fn, 0.90, "full"),
+    ],
+)
+def test_each_tensor_goes_in_the_encoding_with_the_fewest_bytes_and_the_wire_gives_it_back(dtype, changed, encoding):
+    """DeltaEncoder sends a tensor's changes as indices, as a bitmap, or the tensor in full, whichever is smallest
+    (the bytes counted are the wire's); through the wire (as_plain_tensors, DeltaDecoder) the engine side rebuilds the
+    new tensor bit for bit. The tensor's size is not a multiple of 8 (the bitmap's last byte is partial)."""
+    from megatron_dapo.rollout.delta import DeltaDecoder
+    from megatron_dapo.rollout.delta import DeltaEncoder
+    from megatron_dapo.rollout.delta import as_plain_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    old = (torch.randn(37, 53, generator=gen) * 0.1).to(dtype)
+    moved = torch.rand(old.shape, generator=gen) < changed
+    new = torch.where(moved, (old.float() * 1.5 + 0.01).to(dtype), old)
+    encoder, decoder = DeltaEncoder(), DeltaDecoder()
+    for version, t in ((1, old), (2, new)):
+        encoder.start()
+        delta = encoder.encode("w", t, version)
+        decoder.begin(version, delta.base)
+        wire = list(as_plain_tensors([("w", delta)]))
+        (name, rebuilt), *_ = decoder.decode(wire)
+        decoder.end()
+        encoder.version = version
+        assert name == "w" and _bitwise_equal(rebuilt.view(t.shape), t)
+    got = "full" if delta.index is None else "mask" if delta.as_mask else "index"
+    assert got == encoding
+    ints = {1: torch.uint8, 2: torch.int16}[old.element_size()]
+    k, n, v = int((new.view(ints) != old.view(ints)).sum()), old.numel(), old.element_size()
+    sizes = {"index": k * (4 + v), "mask": (n + 7) // 8 + k * v, "full": n * v}
+    assert delta.nbytes == sizes[encoding] == min(sizes.values())
+    assert sum(t.nbytes for _, t in wire) == delta.nbytes  # what the wire carries is what was counted
+
+
+def test_a_bitmap_carries_forwarded_positions_in_any_order():
+    """A relay's forwarded delta (rollout.delta.forward_unit) lists positions piece by piece, not sorted: as a bitmap
+    its values go in position order, so a receiver writing them at the unpacked positions gets the new tensor."""
+    from megatron_dapo.rollout.delta import apply_delta
+    from megatron_dapo.rollout.delta import as_plain_tensors
+    from megatron_dapo.rollout.delta import wire_positions
+
+    old = torch.zeros(10, 10)
+    index = torch.tensor([55, 3, 97, 10, 11, 12, 64, 0, 99, 42, 41, 40, 39], dtype=torch.int32)
+    delta = WeightDelta(2, 1, index, index.float() + 0.5, (10, 10))
+    assert delta.as_mask  # 13 bytes of bitmap against 52 of indices
+    (mask_name, mask), (values_name, values) = as_plain_tensors([("w", delta)])
+    name, positions = wire_positions(mask_name, mask)
+    assert (name, values_name) == ("w", "w.__delta_values__")
+    rebuilt = old.clone()
+    apply_delta(rebuilt, WeightDelta(2, 1, positions, values, (10, 10)))
+    expected = old.clone()
+    apply_delta(expected, delta)
+    assert torch.equal(rebuilt, expected) and torch.equal(positions, torch.sort(index.long()).values)

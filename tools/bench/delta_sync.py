@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -79,6 +80,43 @@ def exported(model: torch.nn.Module, names: frozenset[str]) -> list[tuple[str, t
     return out
 
 
+ENCODINGS = ("indices", "bitmap", "blocks128", "chosen")
+"""A delta's positions as int32 indices (4 bytes each), as a bitmap of the tensor (n / 8 bytes), or as the changed
+128-element blocks (an int32 id and all 128 values each); each alternative or the full tensor, whichever is smaller
+per tensor. "chosen": what rollout/delta.py sends (the smaller of indices and bitmap, or the full tensor)."""
+
+
+def encoding_bytes(entry) -> dict[str, int]:
+    """The bytes one WeightDelta entry would take in each of ENCODINGS."""
+    n, v = entry.values.numel(), entry.values.element_size()
+    if entry.index is None:
+        return dict.fromkeys(ENCODINGS, n * v)
+    n = math.prod(entry.shape)
+    k, full = entry.index.numel(), n * v
+    blocks = torch.unique(entry.index.long() // 128).numel()
+    alternatives = {"indices": k * (4 + v), "bitmap": (n + 7) // 8 + k * v, "blocks128": blocks * (4 + 128 * v)}
+    return {**{e: min(b, full) for e, b in alternatives.items()}, "chosen": entry.nbytes}
+
+
+class _Measured:
+    """An engine whose updates are also counted in every encoding (the delta path's, before it applies them)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.sizes = engine, dict.fromkeys(ENCODINGS, 0)
+
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
+    def update_weights(self, bucket) -> None:
+        for _, entry in bucket:
+            for e, b in encoding_bytes(entry).items():
+                self.sizes[e] += b
+        self.engine.update_weights(bucket)
+
+    def end_weight_update(self, *, full: bool = True) -> None:
+        self.engine.end_weight_update(full=full)
+
+
 def _counting(items, encoder, per_kind: dict[str, list[int]]):
     """The (name, tensor) pairs passed through, each one's changed elements (the encoder's count across its
     encoding, which runs between two of these yields) added to its kind's [changed, total]."""
@@ -132,7 +170,8 @@ def run_model(label: str, hf_dir: Path, optim: dict, data: Path, steps: int, row
     names = full_engine.weights.parameter_names
     fp8 = weight_dtype == "fp8"
     full = WeightSync(full_engine, weight_dtype=weight_dtype)
-    delta = WeightSync(_EngineRank(delta_engine) if fp8 else delta_engine, weight_dtype=weight_dtype, delta=True)
+    measured = _Measured(_EngineRank(delta_engine) if fp8 else delta_engine)
+    delta = WeightSync(measured, weight_dtype=weight_dtype, delta=True)
     opt = torch.optim.AdamW(model.parameters(), lr=optim["lr"], betas=(optim["adam_beta1"], optim["adam_beta2"]),
                             weight_decay=optim["weight_decay"])  # fmt: skip
     warmup = optim["lr_warmup_steps"]
@@ -146,6 +185,7 @@ def run_model(label: str, hf_dir: Path, optim: dict, data: Path, steps: int, row
             opt.zero_grad()
         named = exported(model, names)
         per_kind = {k: [0, 0] for k in (*KINDS, "other")}
+        measured.sizes = dict.fromkeys(ENCODINGS, 0)
         t0 = time.perf_counter()
         m_full = full.sync(iter(named))
         t1 = time.perf_counter()
@@ -159,6 +199,9 @@ def run_model(label: str, hf_dir: Path, optim: dict, data: Path, steps: int, row
                "delta_bytes": m_delta["weight_sync/bytes"], "delta_s": round(t2 - t1, 4),
                "changed_fraction": m_delta["weight_sync/changed_fraction"], "engines_equal": same}  # fmt: skip
         row.update({f"changed_{k}": (c / n if n else "") for k, (c, n) in per_kind.items() if n})
+        row.update({f"bytes_{e}": b for e, b in measured.sizes.items()})
+        if row["bytes_chosen"] != row["delta_bytes"]:
+            raise SystemExit(f"{label} step {step}: the encodings' count differs from what the sync sent")
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -194,6 +237,15 @@ def summary(rows: list[dict], csv_path: Path, optim: dict) -> str:
             values = [r[f"changed_{k}"] for r in later if r.get(f"changed_{k}", "") != ""]
             cells.append(f"{sum(values) / len(values):.4f}" if values else "")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "Delta bytes in each encoding of the changed positions, as a share of the full syncs' bytes (steps "
+              "1..; per tensor the encoding or the full tensor, whichever is smaller; tools/bench/delta_sync.py "
+              "ENCODINGS):", "", "| model | " + " | ".join(ENCODINGS) + " |",
+              "|---|" + "---|" * len(ENCODINGS)]  # fmt: skip
+    for label in dict.fromkeys(r["model"] for r in rows):
+        later = [r for r in rows if r["model"] == label and r["step"] > 0]
+        full = sum(r["full_bytes"] for r in later)
+        lines.append(f"| {label} | " + " | ".join(f"{sum(r[f'bytes_{e}'] for r in later) / full:.4f}"
+                                                  for e in ENCODINGS) + " |")  # fmt: skip
     shown = csv_path.relative_to(REPO_ROOT) if csv_path.is_relative_to(REPO_ROOT) else csv_path
     lines += ["", "Seconds are this 2-core CPU's: the full sync is an in-process copy, the delta adds the host "
               "comparison against its copy of the last export, so here the delta is slower; across a link (an SGLang "
