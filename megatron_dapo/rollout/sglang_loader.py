@@ -241,9 +241,9 @@ def _state(model: Any) -> _State:
 def load_weights(model: Any, named_tensors: list[tuple[str, Tensor]]) -> None:
     """SGLang's custom-loader call on one TP rank (`--custom-weight-loader` LOADER): named_tensors = [(PUSH, int64
     [version, base, end])] + delta pairs (name + INDEX_SUFFIX: int32/int64 [k] or name + MASK_SUFFIX: its bitmap,
-    then name + VALUES_SUFFIX: [k]) and full
-    tensors, in any mix. ValueError (one line; SGLang answers the request with it) on a push against a version this
-    rank does not hold, a malformed call, or a name whose placement cannot be traced."""
+    then name + VALUES_SUFFIX: [k]) and full tensors, in any mix; float8 tensors as their bytes (FP8_BITS_SUFFIX).
+    ValueError (one line; SGLang answers the request with it) on a push against a version this rank does not hold,
+    a malformed call, or a name whose placement cannot be traced."""
     if not named_tensors or named_tensors[0][0] != PUSH:
         raise ValueError(f"sglang loader: the call does not start with {PUSH}")
     version, base, end, leader_only = (int(v) for v in named_tensors[0][1].tolist())
