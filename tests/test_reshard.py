@@ -360,15 +360,18 @@ def test_direct_pushes_check_versions_on_both_sides_and_a_refused_one_leaves_the
 
 def _stream_worker(hf_dir: str) -> dict:
     """Two actor ranks (TP 2, shards cut by the loader's `_shard`, 4 KiB buckets) and one engine rank consuming with
-    DirectChannel.stream (the relay into SGLang servers). Push 1 (full): the engine takes the first rebuilt tensor,
-    then stops reading for 1 s; push 2 (a delta): the engine closes the stream after the first tensor."""
+    DirectChannel.stream (the relay into SGLang servers), quantizing to block FP8 as a relay to FP8 servers does
+    (rollout.weight_dtype "fp8"). Push 1 (full): the engine takes the first rebuilt tensor, then stops reading for
+    1 s; push 2 (a delta): the engine closes the stream after the first tensor."""
 
     from megatron_dapo.placement import DirectChannel
     from megatron_dapo.rollout.delta import DeltaEncoder
+    from megatron_dapo.rollout.delta import same_bits
+    from megatron_dapo.rollout.fp8 import quantize_named_tensors
 
     rank, store, placement, config, full = _two_actors_one_engine(hf_dir)
     if placement.is_engine:
-        channel = DirectChannel(placement, store, 30.0, hf_config=config, actor_tp=2, delta=True)
+        channel = DirectChannel(placement, store, 30.0, hf_config=config, actor_tp=2, delta=True, fp8=True)
         out: dict = {}
         while channel.pending() != 1:
             time.sleep(0.01)
@@ -377,8 +380,10 @@ def _stream_worker(hf_dir: str) -> dict:
         time.sleep(1.0)
         out["pushed_while_held"] = store.check(["pushed/1"])  # the actor ranks finished while nothing was read
         rebuilt = dict([first, *tensors])
-        expected = {k: v for k, v in full.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
-        out["exact"] = rebuilt.keys() == expected.keys() and all(torch.equal(rebuilt[k], full[k]) for k in expected)
+        tied = config.tie_word_embeddings
+        expected = dict(quantize_named_tensors((k, v) for k, v in full.items() if not (tied and k == "lm_head.weight")))
+        out["exact"] = rebuilt.keys() == expected.keys() and all(same_bits(rebuilt[k], expected[k]) for k in expected)
+        out["fp8"] = sum(t.dtype == torch.float8_e4m3fn for t in rebuilt.values())
         out[1] = (version, channel.version)
         while channel.pending() != 2:
             time.sleep(0.01)
@@ -411,16 +416,16 @@ def _stream_worker(hf_dir: str) -> dict:
 def test_a_streamed_direct_push_holds_the_senders_to_the_consumers_pace_and_an_early_close_lets_them_finish():
     """DirectChannel.stream (what RelayReceiver streams into SGLang servers): the first tensor reaches the consumer
     while the senders are still sending, and a consumer that stops reading stops them (the receiving thread holds a
-    few buckets, not the push: no model on the engine rank); the rebuilt tensors are the checkpoint's, bit for bit.
-    A stream closed after one tensor (a failed relay) is drained, so the senders' push completes, and the engine rank
-    stays on its old version (its decoders were not advanced: the next delta would be refused, never loaded on a
-    mix)."""
+    few buckets, not the push: no model on the engine rank); the engine rank quantizes what it rebuilds, as a relay
+    to FP8 servers does, and gets the checkpoint's block-FP8 stream bit for bit. A stream closed after one tensor (a
+    failed relay) is drained, so the senders' push completes, and the engine rank stays on its old version (its
+    decoders were not advanced: the next delta would be refused, never loaded on a mix)."""
     from tests.actor._dist import run_distributed
 
     hf_dir = str(every_tiny_checkpoint()["llama"])
     actor0, actor1, engine = run_distributed(_stream_worker, 3, hf_dir, timeout_s=180)
     assert actor0[1] + actor1[1] > 20  # many buckets: far more than the receiving thread may hold
     assert engine["pushed_while_held"] is False
-    assert engine["exact"] is True
+    assert engine["exact"] is True and engine["fp8"] >= 7  # the projections went as float8 (and their scales)
     assert engine[1] == (1, 1)
     assert engine[2] == (2, 1)

@@ -93,6 +93,11 @@ def _bits(t: Tensor) -> Tensor:
     return t.reshape(-1).view(ints[t.element_size()])
 
 
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    """a and b have the same dtype, shape and bits (torch.equal does not take float8; -0 != +0, NaN == its bits)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a.contiguous()), _bits(b.contiguous()))
+
+
 class DeltaEncoder:
     """The sender's side: a copy of what the engine holds per tensor name, and the version it holds. full_every:
     every full_every-th sync sends every tensor in full (rollout.weight_sync_full_every; 0: only when needed)."""

@@ -12,6 +12,7 @@ from megatron_dapo.rollout import TransformersEngine
 from megatron_dapo.rollout import WeightSync
 from megatron_dapo.rollout import WeightUpdateError
 from megatron_dapo.rollout.delta import WeightDelta
+from megatron_dapo.rollout.delta import same_bits
 from tests.actor._tiny_models import make_tiny_qwen3_moe
 from tests.rollout.conftest import tiny_model
 
@@ -179,13 +180,6 @@ def test_delta_sync_to_sglang_servers_is_loaded_by_the_servers_on_every_route(ro
     assert server_stream(colocated, "unused", ["http://h:1"]).delta_loader
 
 
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bits (torch.equal does not take FP8)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    same = a.dtype == b.dtype and a.shape == b.shape
-    return same and torch.equal(a.reshape(-1).view(ints[a.element_size()]), b.reshape(-1).view(ints[b.element_size()]))
-
-
 @pytest.mark.parametrize("weight_dtype", ["bf16", "fp8"])
 def test_the_split_launchs_wire_carries_deltas_and_the_engine_rank_rebuilds_full_tensors(weight_dtype):
     """WeightChannel's path without the processes: the actor's encoder, the plain (name, tensor) pairs of the wire
@@ -221,7 +215,7 @@ def test_the_split_launchs_wire_carries_deltas_and_the_engine_rank_rebuilds_full
             sent.append(sum(t.numel() * t.element_size() for _, t in bucket))
         decoder.end()
         encoder.version = version
-        assert rebuilt.keys() == named.keys() and all(_bitwise_equal(rebuilt[n], named[n]) for n in named), version
+        assert rebuilt.keys() == named.keys() and all(same_bits(rebuilt[n], named[n]) for n in named), version
         WeightSync(by_delta).sync(iter(rebuilt.items()))
         WeightSync(by_full).sync(iter(named.items()))
         assert _same_weights(by_delta, by_full), version
@@ -265,7 +259,7 @@ def test_each_tensor_goes_in_the_encoding_with_the_fewest_bytes_and_the_wire_giv
         (name, rebuilt), *_ = decoder.decode(wire)
         decoder.end()
         encoder.version = version
-        assert name == "w" and _bitwise_equal(rebuilt.view(t.shape), t)
+        assert name == "w" and same_bits(rebuilt.view(t.shape), t)
     got = "full" if delta.index is None else "mask" if delta.as_mask else "index"
     assert got == encoding
     ints = {1: torch.uint8, 2: torch.int16}[old.element_size()]

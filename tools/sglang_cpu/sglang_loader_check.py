@@ -60,8 +60,8 @@ def main() -> None:
     from transformers import Qwen2ForCausalLM as HFQwen2
 
     from megatron_dapo.rollout.delta import DeltaEncoder
-    from megatron_dapo.rollout.delta import _bits
     from megatron_dapo.rollout.delta import as_plain_tensors
+    from megatron_dapo.rollout.delta import same_bits
     from megatron_dapo.rollout.fp8 import SGLANG_FP8_QUANTIZATION_CONFIG
     from megatron_dapo.rollout.fp8 import quantize_named_tensors
     from megatron_dapo.rollout.sglang_loader import LOADER
@@ -128,7 +128,7 @@ def main() -> None:
         oracle.load_weights(list(hf.items()))
         want = dict(oracle.named_parameters())
         for n, p in live.named_parameters():
-            equal &= torch.equal(_bits(p), _bits(want[n]))
+            equal &= same_bits(p, want[n])
     before = {n: p.clone() for n, p in live.named_parameters()}
     name = "model.layers.0.mlp.down_proj.weight"
     bad = [(name + SHAPE_SUFFIX, torch.tensor(list(hf[name].shape))),
@@ -138,7 +138,7 @@ def main() -> None:
         refused = ""
     except ValueError as err:
         refused = str(err)
-    unchanged = all(torch.equal(_bits(p), _bits(before[n])) for n, p in live.named_parameters())
+    unchanged = all(same_bits(p, before[n]) for n, p in live.named_parameters())
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in live.parameters()})
     report = {"rank": rank, "tp": world, "steps": args.steps, "dtypes": dtypes, "changed_fraction": fractions,
               "equal": equal, "refused": refused, "unchanged_after_refusal": unchanged,
