@@ -311,7 +311,10 @@ class DirectChannel(WeightChannel):
             self.wires = [_Wire(_gloo_group(store, f"direct/{placement.rank}/", 0, 1 + engines, timeout_s))]
         self.hf_config, self.actor_tp, self.fp8 = hf_config, actor_tp, fp8
         if forward and fp8:
-            raise ValueError("DirectChannel: forwarded deltas go to SGLang servers, which take no FP8 pushes")
+            raise ValueError(
+                "DirectChannel: forwarded deltas cannot be FP8 (the relay keeps no base to quantize a "
+                "change against; rollout.weight_dtype fp8 deltas go to SGLang servers from actor rank 0)"
+            )
         kind = DeltaReader if forward else DeltaDecoder
         self.decoders = [kind() for _ in self.wires] if delta and placement.is_engine else None
         self.combine = forward_unit if forward and delta else None  # what reshard.Assembler returns per parameter
