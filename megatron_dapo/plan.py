@@ -334,12 +334,13 @@ class Assumptions:
     offload_gbps: float = 25.0
     """Actor state to / from pinned host memory per GPU (PCIe Gen5 x16, ~40% of its 64 GB/s each way); also the
     delta sync's comparison of the export with the sender's host copy (rollout/delta.py)."""
-    delta_bytes_fraction: float = 0.069
+    delta_bytes_fraction: float = 0.065
     """rollout.weight_sync_delta: the bytes a delta sync sends as a share of a full one. Measured on CPU at the main
-    job's lr (5e-6, bf16 export, SmolLM2-135M; docs/benchmarks.md "Delta weight sync": 0.065-0.069)."""
+    job's lr (5e-6, bf16 export, SmolLM2-135M and its MoE upcycle; docs/benchmarks.md "Delta weight sync":
+    0.064-0.065)."""
     delta_bytes_fraction_fp8: float = 0.037
     """The same with rollout.weight_dtype "fp8" (a delta of the block-FP8 stream: e4m3 projections change about a
-    tenth as often as bf16 ones; the same run: 0.023-0.037, the bf16 embeddings most of it)."""
+    tenth as often as bf16 ones; the same run: 0.021-0.037, the bf16 embeddings most of it)."""
     http_gbps: float = 0.38
     """rollout.weight_sync_delta into SGLang servers on the rank-0 route: the changed elements' bytes per second
     through one /update_weights_from_tensor body (pickled, base64 in JSON: 4/3 of their bytes; TP rank 0's payload
