@@ -72,8 +72,11 @@ def pack_mask(index: Tensor, shape: tuple[int, ...]) -> Tensor:
     significant first) set where element 8 i + j is in `index`."""
     bits = torch.zeros(mask_bytes(shape) * 8, dtype=torch.uint8)
     bits[index.long()] = 1
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
-    return (bits.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+    bits = bits.view(-1, 8)  # uint8 throughout: n + n / 8 bytes of scratch, whatever the tensor's size
+    packed = bits[:, 0].clone()
+    for j in range(1, 8):
+        packed |= bits[:, j] << j
+    return packed
 
 
 def unpack_mask(mask: Tensor) -> Tensor:

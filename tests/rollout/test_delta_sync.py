@@ -288,3 +288,6 @@ def test_a_bitmap_carries_forwarded_positions_in_any_order():
     expected = old.clone()
     apply_delta(expected, delta)
     assert torch.equal(rebuilt, expected) and torch.equal(positions, torch.sort(index.long()).values)
+    from megatron_dapo.rollout.delta import pack_mask
+
+    assert pack_mask(torch.tensor([0, 9, 15]), (16,)).tolist() == [1, 2 + 128]  # element 8 i + j: bit j of byte i
