@@ -274,6 +274,7 @@ def test_a_bitmap_carries_forwarded_positions_in_any_order():
     its values go in position order, so a receiver writing them at the unpacked positions gets the new tensor."""
     from megatron_dapo.rollout.delta import apply_delta
     from megatron_dapo.rollout.delta import as_plain_tensors
+    from megatron_dapo.rollout.delta import pack_mask
     from megatron_dapo.rollout.delta import wire_positions
 
     old = torch.zeros(10, 10)
@@ -288,6 +289,4 @@ def test_a_bitmap_carries_forwarded_positions_in_any_order():
     expected = old.clone()
     apply_delta(expected, delta)
     assert torch.equal(rebuilt, expected) and torch.equal(positions, torch.sort(index.long()).values)
-    from megatron_dapo.rollout.delta import pack_mask
-
     assert pack_mask(torch.tensor([0, 9, 15]), (16,)).tolist() == [1, 2 + 128]  # element 8 i + j: bit j of byte i
